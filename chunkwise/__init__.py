@@ -1,0 +1,42 @@
+"""chunkwise: sharded, incremental Transformer inference in JAX.
+
+  import chunkwise as cw
+  model = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
+  prompt = model.prefill(cw.Chunk.tokenize(model.vocab, ["Cows have"],
+                                           is_first_chunk=True))
+  tokens, result = model.generate([prompt], sample_ids=[0, 1], steps=8,
+                                  sampling=cw.Sampling(temperature=0.7))
+  print(tokens.detokenize(model.vocab), result.per_token_scores)
+
+See DESIGN.md (the contract) for the semantics every name below keeps.
+"""
+
+from chunkwise import configs, models, partitioning
+from chunkwise.configs import HParams
+from chunkwise.inference import (
+  ByteVocabulary,
+  Chunk,
+  ChunkResult,
+  InferenceModel,
+  KVCache,
+  Sampling,
+  Vocabulary,
+  concat_results,
+)
+
+__all__ = [
+  "ByteVocabulary",
+  "Chunk",
+  "ChunkResult",
+  "HParams",
+  "InferenceModel",
+  "KVCache",
+  "Sampling",
+  "Vocabulary",
+  "concat_results",
+  "configs",
+  "models",
+  "partitioning",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,30 @@
+"""Chunks, results, KV caches, attention, sampling, vocabularies and the
+`InferenceModel` that prefills and generates."""
+
+from chunkwise.inference.attention import attend
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.forward import InferFn, transformer_infer
+from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.model import InferenceModel
+from chunkwise.inference.results import (
+  ChunkResult,
+  FullChunkResult,
+  concat_results,
+)
+from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.vocabularies import ByteVocabulary, Vocabulary
+
+__all__ = [
+  "ByteVocabulary",
+  "Chunk",
+  "ChunkResult",
+  "FullChunkResult",
+  "InferFn",
+  "InferenceModel",
+  "KVCache",
+  "Sampling",
+  "Vocabulary",
+  "attend",
+  "concat_results",
+  "transformer_infer",
+]

@@ -1,0 +1,69 @@
+"""The forward pass over one chunk with prefix caches: the `InferFn`.
+
+An `InferFn` maps (weights, prefix caches, chunk) to a `FullChunkResult`;
+prefill and the generate loop are written against this protocol only, so a
+hand-computable toy model can drive them in tests (see tests/toy_models.py).
+
+  infer = functools.partial(transformer_infer, hparams)
+  full = infer(weights, (prefix_cache,), chunk)   # FullChunkResult
+
+Each row's tokens sit at absolute positions `prefix length + t` (RoPE), where
+the prefix length sums that row's ancestors in every prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from chunkwise.configs import HParams
+from chunkwise.inference.attention import attend
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.kv_cache import KVCache, total_lengths
+from chunkwise.inference.results import FullChunkResult
+from chunkwise.models import forward
+
+# infer(weights, prefix caches, chunk) -> FullChunkResult
+InferFn = Callable[[Any, Sequence[KVCache], Chunk], FullChunkResult]
+
+
+def positions_of(prefix: Sequence[KVCache], chunk: Chunk) -> jax.Array:
+  """int32[batch, time]: absolute position of every token of `chunk`."""
+  start = total_lengths([c.lengths for c in prefix], chunk.batch)
+  return start[:, None] + jnp.arange(chunk.time, dtype=jnp.int32)[None, :]
+
+
+def transformer_infer(
+  hparams: HParams,
+  weights,
+  prefix: Sequence[KVCache],
+  chunk: Chunk,
+  *,
+  cache_dtype=jnp.float32,
+) -> FullChunkResult:
+  """Runs the Transformer over `chunk`, attending to `prefix` caches."""
+  prefix = tuple(prefix)
+  lengths = [c.lengths for c in prefix]
+
+  def attend_layer(q, k, v, per_layer):
+    layer_prefix = [
+      (pk, pv, n) for (pk, pv), n in zip(per_layer, lengths, strict=True)
+    ]
+    return attend(q, k, v, layer_prefix)
+
+  per_layer = tuple((c.k, c.v) for c in prefix)
+  logits, (k, v) = forward(
+    hparams,
+    weights,
+    chunk.tokens,
+    positions_of(prefix, chunk),
+    attend_layer,
+    per_layer,
+  )
+  cache = KVCache(
+    k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths
+  )
+  return FullChunkResult(logits=logits, kv_cache=cache)

@@ -1,0 +1,213 @@
+"""The generate loop: sample, then step, on device until every row stops.
+
+  state = init(infer, weights, caches, prev_logits, batch=B, steps=16, ...)
+  state = run(infer, weights, caches, state, inputs, stop_at=16)
+  tokens, result = finish(state)             # (Chunk, ChunkResult)
+
+Each iteration of the `lax.while_loop`:
+  1. key_b = fold_in(fold_in(key(seed), sample_ids[b]), position_b), where
+     position_b counts row b's tokens so far, prefixes included;
+  2. token = sample(next_logits, key, sampling); its score and top-n are
+     taken from the same raw logits;
+  3. a row whose token is a stop id is done: the stop token is written at
+     column `lengths[b]` but not counted, and its next-token logits freeze;
+  4. one forward step of the [B, 1] token chunk against the prefixes plus
+     the tokens generated so far (this buffer is just one more prefix),
+     writing K/V into slot `step`.
+The loop ends at `stop_at` or as soon as every row is done. Because `run`
+can be resumed from its state, `generate_stream` runs the very same program
+in segments: its output concatenates to exactly what one call returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.forward import InferFn
+from chunkwise.inference.kv_cache import KVCache, repeat_each, total_lengths
+from chunkwise.inference.results import ChunkResult, bos_logits, score_tokens
+from chunkwise.inference.sampling import Sampling, sample, token_keys
+
+
+@struct.dataclass(kw_only=True)
+class LoopInputs:
+  """What stays fixed during one generation."""
+
+  sample_ids: jax.Array  # int32[batch]
+  start: jax.Array  # int32[batch]: tokens before the first generated one
+  sampling: Sampling  # per-row arrays
+  stop_ids: jax.Array  # int32[n_stop]
+
+
+@struct.dataclass(kw_only=True)
+class LoopState:
+  """Everything the loop carries; buffers are `steps` columns wide."""
+
+  step: jax.Array  # int32[]: the next column to write
+  tokens: jax.Array  # int32[batch, steps]
+  scores: jax.Array  # f32[batch, steps]
+  top_ids: jax.Array  # int32[batch, steps, n]
+  top_logprobs: jax.Array  # f32[batch, steps, n]
+  cache: KVCache  # generated K/V; lengths = tokens kept per row
+  next_logits: jax.Array  # f32[batch, vocab]
+  done: jax.Array  # bool[batch]
+
+
+def init(
+  infer: InferFn,
+  weights,
+  caches: Sequence[KVCache],
+  prev_logits: jax.Array | None,
+  *,
+  batch: int,
+  steps: int,
+  top_n: int,
+  vocab: int,
+  bos_id: int,
+) -> LoopState:
+  """An empty state; the first token is sampled from `prev_logits` (the last
+  prefix's next-token logits, or the BOS distribution without prefix)."""
+  if prev_logits is None:
+    prev_logits = bos_logits(vocab, bos_id)[None]
+  next_logits = repeat_each(prev_logits.astype(jnp.float32), batch)
+  # The buffer takes whatever K/V shape and dtype `infer` produces.
+  step_chunk = Chunk(
+    tokens=jnp.zeros((batch, 1), jnp.int32),
+    lengths=jnp.ones((batch,), jnp.int32),
+  )
+  kv = jax.eval_shape(infer, weights, tuple(caches), step_chunk).kv_cache.k
+  shape = (kv.shape[0], batch, steps, *kv.shape[3:])
+  cache = KVCache(
+    k=jnp.zeros(shape, kv.dtype),
+    v=jnp.zeros(shape, kv.dtype),
+    lengths=jnp.zeros((batch,), jnp.int32),
+  )
+  return LoopState(
+    step=jnp.zeros((), jnp.int32),
+    tokens=jnp.zeros((batch, steps), jnp.int32),
+    scores=jnp.zeros((batch, steps), jnp.float32),
+    top_ids=jnp.zeros((batch, steps, top_n), jnp.int32),
+    top_logprobs=jnp.zeros((batch, steps, top_n), jnp.float32),
+    cache=cache,
+    next_logits=next_logits,
+    done=jnp.zeros((batch,), bool),
+  )
+
+
+def _write_column(
+  buffer: jax.Array, column: jax.Array, step: jax.Array
+) -> jax.Array:
+  """buffer[:, step] = column (buffer [batch, steps, ...])."""
+  return lax.dynamic_update_index_in_dim(buffer, column, step, axis=1)
+
+
+def _step(
+  infer: InferFn,
+  weights,
+  caches: tuple[KVCache, ...],
+  inputs: LoopInputs,
+  state: LoopState,
+) -> LoopState:
+  i = state.step
+  live = ~state.done
+  keys = token_keys(
+    inputs.sampling.seed, inputs.sample_ids, inputs.start + state.cache.lengths
+  )
+  token = sample(state.next_logits, keys, inputs.sampling)
+  score, top_ids, top_logprobs = score_tokens(
+    state.next_logits, token, state.top_ids.shape[-1]
+  )
+  stop = jnp.any(token[:, None] == inputs.stop_ids[None, :], axis=-1)
+  keep = live & ~stop
+
+  chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
+  full = infer(weights, (*caches, state.cache), chunk)
+  new = full.kv_cache
+  cache = KVCache(
+    k=lax.dynamic_update_slice_in_dim(state.cache.k, new.k, i, axis=2),
+    v=lax.dynamic_update_slice_in_dim(state.cache.v, new.v, i, axis=2),
+    lengths=state.cache.lengths + keep.astype(jnp.int32),
+  )
+
+  def column(new, old):
+    mask = live.reshape(live.shape + (1,) * (new.ndim - 1))
+    return _write_column(old, jnp.where(mask, new, 0).astype(old.dtype), i)
+
+  return LoopState(
+    step=i + 1,
+    tokens=column(token, state.tokens),
+    scores=column(score, state.scores),
+    top_ids=column(top_ids, state.top_ids),
+    top_logprobs=column(top_logprobs, state.top_logprobs),
+    cache=cache,
+    next_logits=jnp.where(keep[:, None], full.logits[:, 0], state.next_logits),
+    done=state.done | stop,
+  )
+
+
+def run(
+  infer: InferFn,
+  weights,
+  caches: Sequence[KVCache],
+  state: LoopState,
+  inputs: LoopInputs,
+  stop_at: jax.Array,
+) -> LoopState:
+  """Runs the loop from `state.step` until `stop_at` or all rows are done."""
+  caches = tuple(caches)
+  limit = jnp.minimum(stop_at, state.tokens.shape[1])
+
+  def cond(state):
+    return (state.step < limit) & ~jnp.all(state.done)
+
+  return lax.while_loop(
+    cond, lambda s: _step(infer, weights, caches, inputs, s), state
+  )
+
+
+def loop_inputs(
+  caches: Sequence[KVCache],
+  sample_ids: jax.Array,
+  sampling: Sampling,
+  stop_ids: jax.Array,
+) -> LoopInputs:
+  """The loop's constant inputs; `start` sums each row's prefix lengths."""
+  sample_ids = jnp.asarray(sample_ids, jnp.int32)
+  return LoopInputs(
+    sample_ids=sample_ids,
+    start=total_lengths([c.lengths for c in caches], sample_ids.shape[0]),
+    sampling=sampling,
+    stop_ids=jnp.asarray(stop_ids, jnp.int32),
+  )
+
+
+def segment(
+  state: LoopState, begin: int, end: int
+) -> tuple[Chunk, ChunkResult]:
+  """Columns [begin, end) of the state as a (Chunk, ChunkResult) pair."""
+  lengths = jnp.clip(state.cache.lengths - begin, 0, end - begin)
+  cache = KVCache(
+    k=state.cache.k[:, :, begin:end],
+    v=state.cache.v[:, :, begin:end],
+    lengths=lengths,
+  )
+  chunk = Chunk(tokens=state.tokens[:, begin:end], lengths=lengths)
+  result = ChunkResult(
+    per_token_scores=state.scores[:, begin:end],
+    top_ids=state.top_ids[:, begin:end],
+    top_logprobs=state.top_logprobs[:, begin:end],
+    next_token_logits=state.next_logits,
+    kv_cache=cache,
+  )
+  return chunk, result
+
+
+def finish(state: LoopState) -> tuple[Chunk, ChunkResult]:
+  """The whole buffer as a (Chunk, ChunkResult) pair."""
+  return segment(state, 0, state.tokens.shape[1])

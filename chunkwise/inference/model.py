@@ -1,0 +1,265 @@
+"""`InferenceModel`: weights, vocabulary and compiled prefill / generate.
+
+  model = InferenceModel.random(configs.get("tiny"), seed=0)
+  few_shot = model.prefill(Chunk.tokenize(model.vocab, ["Q: 2+2? A: 4."],
+                                          is_first_chunk=True))
+  tasks = model.prefill(Chunk.tokenize(model.vocab, [" Q: 3+3? A:"]),
+                        prefix=[few_shot], top_n=5)
+  tokens, result = model.generate([few_shot, tasks], sample_ids=jnp.arange(4),
+                                  steps=8, sampling=Sampling(temperature=0.7))
+  for chunk, piece in model.generate_stream([few_shot, tasks],
+                                            sample_ids=jnp.arange(4), steps=8,
+                                            sampling=Sampling(), every=2):
+    print(chunk.detokenize(model.vocab))
+
+The model owns its compiled programs: one per phase, cached by input shapes
+and static options (number of prefixes, top_n, steps) inside `jax.jit`.
+Inputs are validated on the host before anything runs on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkwise.configs import HParams
+from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.forward import InferFn, transformer_infer
+from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.vocabularies import (
+  ByteVocabulary,
+  Vocabulary,
+  bos_id_of,
+  eos_id_of,
+)
+from chunkwise.models import Weights, check_shapes, init_random
+
+
+class InferenceModel:
+  """A model ready to prefill and generate.
+
+  Args:
+    hparams: the model's shapes.
+    weights: a `Weights` pytree matching `hparams`.
+    vocab: a tokenizer with seqio.Vocabulary's surface (optional).
+    bos_id: BOS id; default: the vocabulary's, else 0.
+    eos_id: stop token of `generate`; default: the vocabulary's, else none.
+    cache_dtype: dtype of KV caches (f32 or bf16).
+    infer_fn: replaces the Transformer forward pass (tests drive the loop
+      machinery with hand-computable toy models through it).
+  """
+
+  def __init__(
+    self,
+    hparams: HParams,
+    weights,
+    vocab: Vocabulary | None = None,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    cache_dtype=jnp.float32,
+    infer_fn: InferFn | None = None,
+  ):
+    if not isinstance(hparams, HParams):
+      raise ValueError(f"hparams must be an HParams, got {hparams!r}")
+    if infer_fn is None:
+      check_shapes(hparams, weights)
+      infer_fn = functools.partial(
+        transformer_infer, hparams, cache_dtype=cache_dtype
+      )
+    self._hparams = hparams
+    self._weights = weights
+    self._vocab = vocab
+    self._bos_id = bos_id_of(vocab) if bos_id is None else int(bos_id)
+    self._eos_id = eos_id_of(vocab) if eos_id is None else int(eos_id)
+    for name, value in (("bos_id", self._bos_id), ("eos_id", self._eos_id)):
+      if value is not None and not 0 <= value < hparams.vocab:
+        raise ValueError(
+          f"{name}={value} is outside the model's vocabulary "
+          f"[0, {hparams.vocab})"
+        )
+    self._infer = infer_fn
+    self._prefill = jax.jit(
+      functools.partial(prefill.prefill, infer_fn),
+      static_argnames=("top_n", "bos_id"),
+    )
+    self._init = jax.jit(
+      functools.partial(generate.init, infer_fn),
+      static_argnames=("batch", "steps", "top_n", "vocab", "bos_id"),
+    )
+    # The loop state is donated: segments of generate_stream reuse buffers.
+    self._run = jax.jit(
+      functools.partial(generate.run, infer_fn), donate_argnames=("state",)
+    )
+
+  @classmethod
+  def random(
+    cls,
+    hparams: HParams,
+    seed: int = 0,
+    *,
+    vocab: Vocabulary | None = None,
+    dtype=jnp.float32,
+    **kwargs,
+  ) -> InferenceModel:
+    """Random weights (see `models.init_random`). Without `vocab`, models
+    whose vocabulary holds 259 ids get a `ByteVocabulary`."""
+    weights = init_random(hparams, jax.random.key(seed), dtype)
+    if vocab is None and hparams.vocab >= ByteVocabulary().vocab_size:
+      vocab = ByteVocabulary()
+    return cls(hparams, weights, vocab, **kwargs)
+
+  @property
+  def hparams(self) -> HParams:
+    return self._hparams
+
+  @property
+  def weights(self) -> Weights:
+    return self._weights
+
+  @property
+  def vocab(self) -> Vocabulary | None:
+    return self._vocab
+
+  @property
+  def bos_id(self) -> int:
+    return self._bos_id
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._eos_id
+
+  def _prefix_inputs(self, prefix: Sequence[ChunkResult]):
+    caches = tuple(p.kv_cache for p in prefix)
+    prev = prefix[-1].next_token_logits if prefix else None
+    return caches, prev
+
+  def prefill(
+    self, chunk: Chunk, prefix: Sequence[ChunkResult] = (), *, top_n: int = 0
+  ) -> ChunkResult:
+    """Runs `chunk` after `prefix` and scores each of its tokens.
+
+    Args:
+      chunk: the tokens; a first chunk starts with BOS.
+      prefix: earlier results of the same sequences, oldest first; batch
+        sizes must divide each other and the chunk's batch.
+      top_n: how many most likely alternatives to return per position.
+    Returns:
+      A ChunkResult usable as a prefix of later calls.
+    """
+    h = self._hparams
+    checks.check_chunk(chunk, h)
+    prefix = checks.check_prefix(prefix, chunk.batch, h)
+    top_n = checks.check_count("top_n", top_n, minimum=0, maximum=h.vocab)
+    checks.check_total_length(
+      prefix, chunk.batch, np.asarray(chunk.lengths), h, "the chunk"
+    )
+    caches, prev = self._prefix_inputs(prefix)
+    chunk = Chunk(
+      tokens=jnp.asarray(chunk.tokens, jnp.int32),
+      lengths=jnp.asarray(chunk.lengths, jnp.int32),
+    )
+    return self._prefill(
+      self._weights, caches, prev, chunk, top_n=top_n, bos_id=self._bos_id
+    )
+
+  def _start(self, prefix, sample_ids, steps, sampling, stop_ids, top_n):
+    """Validates a generate call; returns (caches, state, loop inputs)."""
+    h = self._hparams
+    sample_ids = checks.check_ids("sample_ids", sample_ids, h, vocab=False)
+    batch = sample_ids.shape[0]
+    if batch == 0:
+      raise ValueError("sample_ids is empty: generate needs at least one row")
+    steps = checks.check_count("steps", steps, minimum=1)
+    top_n = checks.check_count("top_n", top_n, minimum=0, maximum=h.vocab)
+    prefix = checks.check_prefix(prefix, batch, h)
+    if sampling is None:
+      sampling = Sampling()
+    if not isinstance(sampling, Sampling):
+      raise ValueError(
+        f"sampling must be a chunkwise Sampling, got {sampling!r}"
+      )
+    sampling = sampling.for_batch(batch)
+    stop = checks.check_ids("stop_ids", list(stop_ids), h, vocab=True)
+    if self._eos_id is not None:
+      stop = np.unique(np.append(stop, self._eos_id)).astype(np.int32)
+    checks.check_total_length(prefix, batch, steps, h, f"{steps} steps")
+    caches, prev = self._prefix_inputs(prefix)
+    state = self._init(
+      self._weights,
+      caches,
+      prev,
+      batch=batch,
+      steps=steps,
+      top_n=top_n,
+      vocab=h.vocab,
+      bos_id=self._bos_id,
+    )
+    inputs = generate.loop_inputs(caches, sample_ids, sampling, stop)
+    return caches, state, inputs
+
+  def generate(
+    self,
+    prefix: Sequence[ChunkResult] = (),
+    *,
+    sample_ids,
+    steps: int,
+    sampling: Sampling | None = None,
+    stop_ids: Sequence[int] = (),
+    top_n: int = 0,
+  ) -> tuple[Chunk, ChunkResult]:
+    """Samples up to `steps` tokens per row after `prefix`.
+
+    Args:
+      prefix: ChunkResults to continue, oldest first (empty: start at BOS).
+      sample_ids: int[batch], one id per row; with the seed and a token's
+        position it fixes the token's randomness (DESIGN.md §4.5).
+      steps: most tokens to generate per row.
+      sampling: temperature (0: greedy), top_k, top_p, min_p, seed;
+        default `Sampling()` (temperature 1, no filters, seed 0).
+      stop_ids: ids that end a row, besides the model's EOS.
+      top_n: alternatives to return per generated position.
+    Returns:
+      (Chunk of the generated tokens, its ChunkResult); a row stops at its
+      first stop id, which is written after the row's last token but not
+      counted in its length. The result is a valid prefix for later calls.
+    """
+    caches, state, inputs = self._start(
+      prefix, sample_ids, steps, sampling, stop_ids, top_n
+    )
+    state = self._run(self._weights, caches, state, inputs, jnp.int32(steps))
+    return generate.finish(state)
+
+  def generate_stream(
+    self,
+    prefix: Sequence[ChunkResult] = (),
+    *,
+    sample_ids,
+    steps: int,
+    sampling: Sampling | None = None,
+    stop_ids: Sequence[int] = (),
+    every: int = 8,
+    top_n: int = 0,
+  ) -> Iterator[tuple[Chunk, ChunkResult]]:
+    """Like `generate`, yielding (Chunk, ChunkResult) segments of at most
+    `every` steps as they are produced; their concatenation equals what
+    `generate` returns. Stops early once every row has stopped."""
+    every = checks.check_count("every", every, minimum=1)
+    caches, state, inputs = self._start(
+      prefix, sample_ids, steps, sampling, stop_ids, top_n
+    )
+    return self._stream(caches, state, inputs, steps, every)
+
+  def _stream(self, caches, state, inputs, steps, every):
+    for begin in range(0, steps, every):
+      end = min(begin + every, steps)
+      state = self._run(self._weights, caches, state, inputs, jnp.int32(end))
+      yield generate.segment(state, begin, end)
+      if bool(jnp.all(state.done)):
+        return

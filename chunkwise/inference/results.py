@@ -1,0 +1,238 @@
+"""What a forward pass returns: `FullChunkResult` (internal) and `ChunkResult`.
+
+`FullChunkResult` holds every position's logits; it is large ([batch, time,
+vocab] f32) and stays inside the compiled function. `to_chunk_result` turns
+it into the `ChunkResult` users get:
+
+  per_token_scores[b, t] = ln p(tokens[b, t] | everything before it)
+  top_ids[b, t], top_logprobs[b, t]: the n most likely tokens at position t
+      (for the same distribution), lower id first among ties
+  next_token_logits[b]   = raw logits after position lengths[b] - 1
+  kv_cache               = the chunk's keys and values
+
+Position t is scored with the logits produced at t - 1; position 0 with the
+previous chunk's `next_token_logits`, or, for a first chunk, a distribution
+with all mass on BOS (so BOS scores 0). Splitting text into chunks therefore
+never changes a score.
+
+  merged = concat_results([few_shot, task])   # one ChunkResult, compacted
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.kv_cache import KVCache, repeat_each
+from chunkwise.partitioning import axes as ax
+
+
+@struct.dataclass(kw_only=True)
+class ChunkResult:
+  """Scores, top-n alternatives, next-token logits and KV cache of a chunk."""
+
+  per_token_scores: jax.Array  # f32[batch, time], natural log
+  top_ids: jax.Array  # int32[batch, time, n]
+  top_logprobs: jax.Array  # f32[batch, time, n]
+  next_token_logits: jax.Array  # f32[batch, vocab]
+  kv_cache: KVCache
+
+  @classmethod
+  def axes(cls) -> ChunkResult:
+    return cls(
+      per_token_scores=P(ax.BATCH, ax.TIME),
+      top_ids=P(ax.BATCH, ax.TIME, ax.TOP_N),
+      top_logprobs=P(ax.BATCH, ax.TIME, ax.TOP_N),
+      next_token_logits=P(ax.BATCH, ax.LOGITS_VOCAB),
+      kv_cache=KVCache.axes(),
+    )
+
+  @property
+  def batch(self) -> int:
+    return self.per_token_scores.shape[0]
+
+  @property
+  def time(self) -> int:
+    return self.per_token_scores.shape[1]
+
+  @property
+  def lengths(self) -> jax.Array:
+    """int32[batch]: valid positions per row (those of the KV cache)."""
+    return self.kv_cache.lengths
+
+  @property
+  def top_n(self) -> int:
+    return self.top_ids.shape[2]
+
+
+@struct.dataclass(kw_only=True)
+class FullChunkResult:
+  """Every position's raw logits and the chunk's KV cache (internal)."""
+
+  logits: jax.Array  # f32[batch, time, vocab]: logits for the *next* token
+  kv_cache: KVCache
+
+  def to_chunk_result(
+    self,
+    prev_logits: jax.Array | None,
+    chunk: Chunk,
+    *,
+    top_n: int = 0,
+    bos_id: int = 0,
+  ) -> ChunkResult:
+    """Scores the chunk's tokens; see the module docstring.
+
+    Args:
+      prev_logits: f32[b, vocab] with b | batch, the previous chunk's
+        `next_token_logits`; None for a first chunk (BOS distribution).
+      chunk: the tokens that were run.
+      top_n: how many alternatives to return per position (static).
+      bos_id: the model's BOS id.
+    """
+    batch, _, vocab = self.logits.shape
+    if prev_logits is None:
+      prev_logits = bos_logits(vocab, bos_id)[None]
+    prev_logits = repeat_each(prev_logits.astype(jnp.float32), batch)
+    shifted = jnp.concatenate(
+      [prev_logits[:, None], self.logits[:, :-1]], axis=1
+    )
+    scores, top_ids, top_logprobs = score_tokens(shifted, chunk.tokens, top_n)
+    last = jnp.maximum(chunk.lengths - 1, 0)
+    next_logits = jnp.take_along_axis(self.logits, last[:, None, None], axis=1)[
+      :, 0
+    ]
+    next_logits = jnp.where(
+      (chunk.lengths > 0)[:, None], next_logits, prev_logits
+    )
+    return ChunkResult(
+      per_token_scores=scores,
+      top_ids=top_ids,
+      top_logprobs=top_logprobs,
+      next_token_logits=next_logits,
+      kv_cache=self.kv_cache,
+    )
+
+
+def bos_logits(vocab: int, bos_id: int) -> jax.Array:
+  """f32[vocab]: all mass on BOS (0 there, -inf elsewhere)."""
+  return jnp.where(jnp.arange(vocab) == bos_id, 0.0, -jnp.inf)
+
+
+def score_tokens(
+  logits: jax.Array, tokens: jax.Array, top_n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Log-probs of `tokens` under `logits`, and the top-n alternatives.
+
+  Args:
+    logits: f32[..., vocab], raw logits of the distribution of each token.
+    tokens: int32[...].
+    top_n: static number of alternatives.
+  Returns:
+    scores f32[...], top_ids int32[..., n], top_logprobs f32[..., n]; ties
+    are broken by the lower token id (`lax.top_k` guarantees it).
+  """
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)  # padding may be anything
+  scores = jnp.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]
+  if top_n:
+    top_logprobs, top_ids = lax.top_k(logprobs, top_n)
+  else:
+    top_logprobs = jnp.zeros((*tokens.shape, 0), jnp.float32)
+    top_ids = jnp.zeros((*tokens.shape, 0), jnp.int32)
+  return scores, top_ids.astype(jnp.int32), top_logprobs
+
+
+def _check_concat(results: Sequence[ChunkResult]) -> None:
+  if not results:
+    raise ValueError("concat_results needs at least one ChunkResult")
+  first = results[0]
+  batches = [r.batch for r in results]
+  for prev, nxt in itertools.pairwise(batches):
+    if nxt % prev:
+      raise ValueError(
+        f"prefix batch sizes {batches} must divide each other in order "
+        f"(b0 | b1 | ... ); {prev} does not divide {nxt}"
+      )
+  for i, r in enumerate(results[1:], 1):
+    if r.top_n != first.top_n:
+      raise ValueError(
+        f"results[{i}] has top_n={r.top_n} but results[0] has "
+        f"top_n={first.top_n}; concatenated results need one n"
+      )
+    want = (first.kv_cache.k.shape[0], *first.kv_cache.k.shape[3:])
+    got = (r.kv_cache.k.shape[0], *r.kv_cache.k.shape[3:])
+    if (
+      want != got
+      or r.next_token_logits.shape[1:] != first.next_token_logits.shape[1:]
+    ):
+      raise ValueError(
+        f"results[{i}] comes from another model: KV cache (layers, "
+        f"kv_heads, head_dim) {got} and vocab "
+        f"{r.next_token_logits.shape[1]} vs {want} and "
+        f"{first.next_token_logits.shape[1]}"
+      )
+
+
+@jax.jit
+def _concat(results: tuple[ChunkResult, ...]) -> ChunkResult:
+  batch = results[-1].batch
+
+  def rows(x, axis=0):
+    return repeat_each(x, batch, axis)
+
+  lengths = [rows(r.lengths) for r in results]
+  total_time = sum(r.time for r in results)
+  # For every output slot, the column of the concatenated inputs it comes
+  # from: piece i's valid slots are packed after pieces 0..i-1's.
+  slot = jnp.arange(total_time)[None, :]  # [1, total]
+  source = jnp.zeros((batch, total_time), jnp.int32)
+  start = jnp.zeros((batch, 1), jnp.int32)
+  column = 0
+  for r, n in zip(results, lengths, strict=True):
+    inside = (slot >= start) & (slot < start + n[:, None])
+    source = jnp.where(inside, column + slot - start, source)
+    start = start + n[:, None]
+    column += r.time
+
+  def gather(parts, axis):
+    """Packs `parts` (batch on axis - 1, time on `axis`) along time."""
+    cat = jnp.concatenate(parts, axis=axis)
+    others = (*range(axis - 1), *range(axis + 1, cat.ndim))
+    idx = jnp.broadcast_to(
+      jnp.expand_dims(source, others),
+      (*cat.shape[:axis], total_time, *cat.shape[axis + 1 :]),
+    )
+    return jnp.take_along_axis(cat, idx, axis=axis)
+
+  cache = KVCache(
+    k=gather([rows(r.kv_cache.k, 1) for r in results], 2),
+    v=gather([rows(r.kv_cache.v, 1) for r in results], 2),
+    lengths=start[:, 0],
+  )
+  return ChunkResult(
+    per_token_scores=gather([rows(r.per_token_scores) for r in results], 1),
+    top_ids=gather([rows(r.top_ids) for r in results], 1),
+    top_logprobs=gather([rows(r.top_logprobs) for r in results], 1),
+    next_token_logits=results[-1].next_token_logits,
+    kv_cache=cache,
+  )
+
+
+def concat_results(results: Sequence[ChunkResult]) -> ChunkResult:
+  """Merges a prefix list into one ChunkResult, as if run as one chunk.
+
+  Each row's valid positions are packed left (padding moves to the end),
+  earlier, smaller batches are repeated to the last one's batch, and the
+  next-token logits are the last result's. Prefilling with `[merged]` as the
+  prefix equals prefilling with the original list.
+  """
+  results = tuple(results)
+  _check_concat(results)
+  return _concat(results)

@@ -1,0 +1,28 @@
+"""Per-device Transformer math and the `Weights` pytree."""
+
+from chunkwise.models.transformer import (
+  AttendFn,
+  block,
+  embed,
+  forward,
+  mlp,
+  rms_norm,
+  rope,
+  unembed,
+)
+from chunkwise.models.weights import Layer, Weights, check_shapes, init_random
+
+__all__ = [
+  "AttendFn",
+  "Layer",
+  "Weights",
+  "block",
+  "check_shapes",
+  "embed",
+  "forward",
+  "init_random",
+  "mlp",
+  "rms_norm",
+  "rope",
+  "unembed",
+]

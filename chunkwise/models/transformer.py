@@ -1,0 +1,176 @@
+"""Per-device Transformer math: norms, RoPE, the gated MLP, both block kinds.
+
+Attention over KV caches is not here: `forward` takes an `attend` callback
+(the inference package supplies one that reads prefix caches), so this module
+knows nothing of caches, chunks or sampling. Everything is written for one
+device's view of the arrays; sharded layouts add collectives around it.
+
+  def attend(q, k, v, per_layer):  # q [B,T,H,D] k,v [B,T,KVH,D] -> [B,T,H,D]
+    ...
+  logits, (k, v) = forward(h, weights, tokens, positions, attend, per_layer)
+  # logits f32[B, T, vocab]; k, v [layers, B, T, kv_heads, head_dim]
+
+Numerics follow Hugging Face's Llama: RMSNorm in f32, scale applied after
+normalisation; RoPE angles `position * base**(-2i/head_dim)` in f32 with the
+rotate-half pairing (i, i + head_dim/2); logits in f32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from chunkwise.configs import Activation, Block, HParams
+from chunkwise.models.weights import Layer, Weights
+
+# attend(q, k, v, per_layer) -> attention output [batch, time, heads, head_dim]
+# q: [batch, time, heads, head_dim], RoPE applied, not yet scaled.
+# k, v: [batch, time, kv_heads, head_dim], this chunk's keys (RoPE applied).
+# per_layer: this layer's slice of the `per_layer` pytree given to `forward`.
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+  """x / rms(x) (in f32), times the learned scale when there is one."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if scale is not None:
+    normed = normed * scale.astype(jnp.float32)
+  return normed.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+  """Rotary position embedding, rotate-half layout.
+
+  Args:
+    x: [batch, time, heads, head_dim].
+    positions: int32[batch, time], absolute positions of the tokens.
+    base: wavelength base.
+  Returns:
+    x with each pair (i, i + head_dim/2) rotated by position * base^(-2i/d).
+  """
+  head_dim = x.shape[-1]
+  inv_freq = 1.0 / (
+    base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  )
+  # Highest precision: a bf16 angle would round position 257 to 256.
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _activation(kind: Activation, x: jax.Array) -> jax.Array:
+  if kind == Activation.SILU:
+    return jax.nn.silu(x)
+  return jax.nn.gelu(x, approximate=True)
+
+
+def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """einsum with the weight cast to the activation dtype."""
+  return jnp.einsum(spec, x, w.astype(x.dtype))
+
+
+def mlp(hparams: HParams, w: Layer, x: jax.Array) -> jax.Array:
+  """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed]."""
+  gate = _mm("bte,ef->btf", x, w.gate)
+  up = _mm("bte,ef->btf", x, w.up)
+  return _mm("btf,fe->bte", _activation(hparams.activation, gate) * up, w.down)
+
+
+def attention(
+  hparams: HParams,
+  w: Layer,
+  x: jax.Array,
+  positions: jax.Array,
+  attend: AttendFn,
+  per_layer: Any,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """Projections, RoPE, `attend`, output projection. x is already normed.
+
+  Returns the attention branch [B, T, embed] and this chunk's (k, v), each
+  [B, T, kv_heads, head_dim], for the caller to cache.
+  """
+  q = _mm("bte,ehd->bthd", x, w.q)
+  k = _mm("bte,ehd->bthd", x, w.k)
+  v = _mm("bte,ehd->bthd", x, w.v)
+  q = rope(q, positions, hparams.rope_base)
+  k = rope(k, positions, hparams.rope_base)
+  out = attend(q, k, v, per_layer)  # [B, T, heads, head_dim]
+  return _mm("bthd,hde->bte", out.astype(x.dtype), w.o), (k, v)
+
+
+def block(
+  hparams: HParams,
+  w: Layer,
+  x: jax.Array,
+  positions: jax.Array,
+  attend: AttendFn,
+  per_layer: Any,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """One Transformer layer (w is one layer's slice). Returns (x, (k, v))."""
+  eps = hparams.norm_eps
+  if hparams.block == Block.PARALLEL:
+    normed = rms_norm(x, w.attn_norm, eps)
+    attn, kv = attention(hparams, w, normed, positions, attend, per_layer)
+    return x + attn + mlp(hparams, w, normed), kv
+  attn, kv = attention(
+    hparams, w, rms_norm(x, w.attn_norm, eps), positions, attend, per_layer
+  )
+  x = x + attn
+  return x + mlp(hparams, w, rms_norm(x, w.mlp_norm, eps)), kv
+
+
+def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Token ids int32[B, T] -> residual stream [B, T, embed]."""
+  return jnp.take(weights.embedding, tokens, axis=0).astype(dtype)
+
+
+def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:
+  """Final norm, then f32 logits [B, T, vocab]."""
+  normed = rms_norm(x, weights.final_norm, hparams.norm_eps)
+  normed = normed.astype(jnp.float32)
+  if weights.unembedding is None:
+    table = weights.embedding.astype(jnp.float32)
+    return jnp.einsum("bte,ve->btv", normed, table)
+  return jnp.einsum(
+    "bte,ev->btv", normed, weights.unembedding.astype(jnp.float32)
+  )
+
+
+def forward(
+  hparams: HParams,
+  weights: Weights,
+  tokens: jax.Array,
+  positions: jax.Array,
+  attend: AttendFn,
+  per_layer: Any = None,
+  dtype=jnp.float32,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """The whole model over one chunk, layers under `lax.scan`.
+
+  Args:
+    tokens: int32[B, T].
+    positions: int32[B, T], absolute positions (for RoPE).
+    attend: see `AttendFn`.
+    per_layer: a pytree whose leaves have a leading `layers` axis (e.g. the
+      prefix KV caches); `attend` gets layer i's slice.
+    dtype: activation dtype of the residual stream.
+  Returns:
+    logits f32[B, T, vocab] and (k, v), each [layers, B, T, kv_heads,
+    head_dim], the chunk's keys and values.
+  """
+  x = embed(weights, tokens, dtype)
+
+  def step(x, layer_inputs):
+    w, extra = layer_inputs
+    return block(hparams, w, x, positions, attend, extra)
+
+  x, kv = lax.scan(step, x, (weights.layers, per_layer))
+  return unembed(hparams, weights, x), kv

@@ -1,0 +1,162 @@
+"""The `Weights` pytree: every parameter, layers stacked on a leading axis.
+
+Layers are stacked so the forward pass runs them with `lax.scan` (compile
+time independent of depth). Each type declares its logical axes once in
+`axes(hparams)`; layouts map those names to mesh axes.
+
+  h = configs.get("tiny")
+  w = init_random(h, jax.random.key(0))
+  w.layers.q.shape                  # (layers, d_model, heads, head_dim)
+  Weights.axes(h).layers.q          # P('layers', 'embed', 'heads', 'head_dim')
+
+Conventions (all matmuls contract the *first* non-layer axis):
+  q:  [layers, embed, heads, head_dim]      k, v: [layers, embed, kv_heads,
+  o:  [layers, heads, head_dim, embed]             head_dim]
+  gate, up: [layers, embed, mlp]            down: [layers, mlp, embed]
+  embedding: [vocab, embed]                 unembedding: [embed, vocab]
+Query heads are grouped by K/V head: query head i uses K/V head
+i // (heads // kv_heads), as in Hugging Face's `repeat_kv`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.configs import Block, HParams
+from chunkwise.partitioning import axes as ax
+
+
+@struct.dataclass(kw_only=True)
+class Layer:
+  """All layers' parameters, stacked on axis 0."""
+
+  q: jax.Array  # [layers, embed, heads, head_dim]
+  k: jax.Array  # [layers, embed, kv_heads, head_dim]
+  v: jax.Array  # [layers, embed, kv_heads, head_dim]
+  o: jax.Array  # [layers, heads, head_dim, embed]
+  gate: jax.Array  # [layers, embed, mlp]
+  up: jax.Array  # [layers, embed, mlp]
+  down: jax.Array  # [layers, mlp, embed]
+  # RMSNorm scales; None without learned scales. A parallel block has one
+  # norm in front of both branches (attn_norm), so mlp_norm is None there.
+  attn_norm: jax.Array | None = None  # [layers, embed]
+  mlp_norm: jax.Array | None = None  # [layers, embed]
+
+  @classmethod
+  def axes(cls, hparams: HParams) -> Layer:
+    norm = P(ax.LAYERS, ax.NORM) if hparams.norm_scale else None
+    sequential = hparams.block == Block.SEQUENTIAL
+    return cls(
+      q=P(ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+      k=P(ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      v=P(ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      o=P(ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+      gate=P(ax.LAYERS, ax.EMBED, ax.MLP),
+      up=P(ax.LAYERS, ax.EMBED, ax.MLP),
+      down=P(ax.LAYERS, ax.MLP, ax.EMBED),
+      attn_norm=norm,
+      mlp_norm=norm if sequential else None,
+    )
+
+
+@struct.dataclass(kw_only=True)
+class Weights:
+  """A whole decoder-only Transformer."""
+
+  embedding: jax.Array  # [vocab, embed]
+  layers: Layer
+  final_norm: jax.Array | None = None  # [embed]; None without learned scales
+  unembedding: jax.Array | None = None  # [embed, vocab]; None when tied
+
+  @classmethod
+  def axes(cls, hparams: HParams) -> Weights:
+    """Same tree as the weights of `hparams`; leaves are logical specs."""
+    return cls(
+      embedding=P(ax.VOCAB, ax.EMBED),
+      layers=Layer.axes(hparams),
+      final_norm=P(ax.NORM) if hparams.norm_scale else None,
+      unembedding=(None if hparams.tied_embeddings else P(ax.EMBED, ax.VOCAB)),
+    )
+
+  @classmethod
+  def shapes(cls, hparams: HParams, dtype=jnp.float32) -> Weights:
+    """`jax.ShapeDtypeStruct` leaves: what `init_random` would make."""
+    return jax.eval_shape(
+      lambda key: init_random(hparams, key, dtype), jax.random.key(0)
+    )
+
+
+def _shape(hparams: HParams, spec: P) -> tuple[int, ...]:
+  size = {
+    ax.LAYERS: hparams.layers,
+    ax.VOCAB: hparams.vocab,
+    ax.EMBED: hparams.d_model,
+    ax.NORM: hparams.d_model,
+    ax.HEADS: hparams.heads,
+    ax.KV_HEADS: hparams.kv_heads,
+    ax.HEAD_DIM: hparams.head_dim,
+    ax.MLP: hparams.d_ff,
+  }
+  return tuple(size[name] for name in spec)
+
+
+def check_shapes(hparams: HParams, weights: Weights) -> None:
+  """Raises ValueError naming the first leaf whose shape `hparams` rejects."""
+  specs = Weights.axes(hparams)
+  want = jax.tree.structure(specs)
+  got = jax.tree.structure(weights)
+  if want != got:
+    raise ValueError(
+      f"weights do not have the structure HParams asks for (norm_scale="
+      f"{hparams.norm_scale}, block={hparams.block.value}, tied_embeddings="
+      f"{hparams.tied_embeddings}): expected {want}, got {got}"
+    )
+  for (path, spec), leaf in zip(
+    jax.tree_util.tree_leaves_with_path(specs),
+    jax.tree.leaves(weights),
+    strict=True,
+  ):
+    expected = _shape(hparams, spec)
+    if tuple(leaf.shape) != expected:
+      name = jax.tree_util.keystr(path)
+      raise ValueError(
+        f"weight {name} has shape {tuple(leaf.shape)}, expected {expected} "
+        f"{tuple(spec)} for these HParams"
+      )
+
+
+def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
+  """Random weights with activations of unit scale at every layer.
+
+  Projections are N(0, 1/fan_in); the embedding is N(0, 1/d_model) so that
+  next-token logits have unit scale; learned norm scales are 1 + N(0, 0.1²)
+  so tests notice a scale that is dropped or applied twice.
+  """
+  specs = Weights.axes(hparams)
+  leaves, treedef = jax.tree.flatten(specs)
+  paths = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_leaves_with_path(specs)
+  ]
+  keys = jax.random.split(key, len(leaves))
+  fan_in = {
+    ax.EMBED: hparams.d_model,
+    ax.HEADS: hparams.heads * hparams.head_dim,
+    ax.MLP: hparams.d_ff,
+  }
+  out = []
+  for path, spec, k in zip(paths, leaves, keys, strict=True):
+    shape = _shape(hparams, spec)
+    noise = jax.random.normal(k, shape, jnp.float32)
+    if spec[-1] == ax.NORM:
+      value = 1.0 + 0.1 * noise
+    elif path.endswith(".embedding") or path.endswith(".unembedding"):
+      value = noise / jnp.sqrt(hparams.d_model)
+    else:
+      # The first non-layer axis is the contracted one.
+      value = noise / jnp.sqrt(fan_in[spec[1]])
+    out.append(value.astype(dtype))
+  return jax.tree.unflatten(treedef, out)

@@ -1,0 +1,49 @@
+"""Logical axis names: the vocabulary shared by pytree `axes()` and layouts.
+
+Every pytree type (weights, chunks, results, caches) declares once, in a
+classmethod `axes()`, which logical axis each dimension of each leaf has. A
+layout maps these names to the mesh axes `x`, `y`, `z`; nothing else names
+mesh axes. Weights and activations use distinct names because layouts shard
+them differently (2D weight-stationary keeps weights' `embed` on x but the
+residual stream's embed on x·y).
+
+  from jax.sharding import PartitionSpec as P
+  P(LAYERS, EMBED, HEADS, HEAD_DIM)     # a stacked query projection
+"""
+
+# Weights.
+LAYERS = "layers"  # the stacked-layer axis (scanned, never sharded)
+VOCAB = "vocab"  # rows of the embedding table
+EMBED = "embed"  # d_model of a weight
+HEADS = "heads"  # query heads of a weight
+KV_HEADS = "kv_heads"  # key/value heads of a weight
+HEAD_DIM = "head_dim"  # width of one head
+MLP = "mlp"  # d_ff of a weight
+NORM = "norm"  # d_model of a norm scale
+
+# Data crossing the jit boundary.
+BATCH = "batch"  # rows of a Chunk / ChunkResult
+TIME = "time"  # columns of a Chunk / ChunkResult
+TOP_N = "top_n"  # the n alternatives of top-n outputs
+LOGITS_VOCAB = "logits_vocab"  # vocabulary axis of next-token logits
+CACHE_BATCH = "cache_batch"  # rows of a KV cache
+CACHE_TIME = "cache_time"  # slots of a KV cache
+CACHE_HEADS = "cache_heads"  # key/value heads of a KV cache
+
+ALL = (
+  LAYERS,
+  VOCAB,
+  EMBED,
+  HEADS,
+  KV_HEADS,
+  HEAD_DIM,
+  MLP,
+  NORM,
+  BATCH,
+  TIME,
+  TOP_N,
+  LOGITS_VOCAB,
+  CACHE_BATCH,
+  CACHE_TIME,
+  CACHE_HEADS,
+)

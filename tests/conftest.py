@@ -1,0 +1,54 @@
+"""Test set-up: 8 host CPU devices (set before JAX starts) and shared models."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib
+
+import jax
+import pytest
+
+import chunkwise as cw
+
+_EMPTY_MODULES: list[str] = []
+
+
+def pytest_collectreport(report):
+  """Remembers test modules that define no tests (a silent no-op file)."""
+  if (
+    report.passed
+    and report.nodeid.endswith(".py")
+    and pathlib.Path(report.nodeid).name.startswith("test_")
+    and not report.result
+  ):
+    _EMPTY_MODULES.append(report.nodeid)
+
+
+def pytest_collection_finish(session):
+  if _EMPTY_MODULES:
+    raise pytest.UsageError(
+      f"test files that collected no tests: {sorted(_EMPTY_MODULES)}"
+    )
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+  devices = jax.devices("cpu")
+  assert len(devices) >= 8, "conftest failed to force 8 host CPU devices"
+  return devices
+
+
+@pytest.fixture(scope="session")
+def tiny():
+  """The Llama-style tiny preset (grouped KV heads), f32, random weights."""
+  return cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_parallel():
+  """The PaLM-style tiny preset (multiquery), f32, random weights."""
+  return cw.InferenceModel.random(cw.configs.get("tiny-parallel"), seed=1)
