@@ -57,6 +57,27 @@ def test_bad_input_token_ids_outside_vocab(no_device_work):
     model.prefill(chunk)
 
 
+def test_padding_may_hold_any_id(model):
+  """Out-of-vocabulary padding changes nothing, not even through a prefix."""
+  results = []
+  for pad in (0, 999, -5000):
+    chunk = cw.Chunk(
+      tokens=np.array([[1, 50, 60, pad]], np.int32),
+      lengths=np.array([3], np.int32),
+    )
+    first = model.prefill(chunk)
+    second = model.prefill(cw.Chunk.from_lists([[70, 71]]), prefix=[first])
+    results.append((first, second))
+  for first, second in results:
+    assert np.isfinite(second.per_token_scores).all()
+    np.testing.assert_array_equal(
+      first.per_token_scores[:, :3], results[0][0].per_token_scores[:, :3]
+    )
+    np.testing.assert_array_equal(
+      second.per_token_scores, results[0][1].per_token_scores
+    )
+
+
 def test_bad_input_prefix_batch_sizes_do_not_divide(no_device_work, prompt):
   model = no_device_work
   chunk3 = cw.Chunk.from_lists([[5], [6], [7]])

@@ -128,8 +128,13 @@ def block(
 
 
 def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """Token ids int32[B, T] -> residual stream [B, T, embed]."""
-  return jnp.take(weights.embedding, tokens, axis=0).astype(dtype)
+  """Token ids int32[B, T] -> residual stream [B, T, embed].
+
+  Ids outside the table (padding may hold anything) are clipped, not turned
+  into NaN: a NaN key or value in a masked slot would still poison the
+  attention sums (0 * NaN = NaN).
+  """
+  return jnp.take(weights.embedding, tokens, axis=0, mode="clip").astype(dtype)
 
 
 def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:
