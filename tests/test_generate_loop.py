@@ -139,13 +139,54 @@ def test_generate_stream_segments_by_hand():
       [prompt], sample_ids=[0, 1], steps=12, sampling=GREEDY, every=3
     )
   )
-  # Row 1 stops in the third segment (columns 6..8): the stream ends there.
-  assert [c.time for c, _ in segments] == [3, 3, 3]
+  # Row 1 stops in the third segment (columns 6..8); nothing runs after it
+  # and the last segment is empty.
+  assert [c.time for c, _ in segments] == [3, 3, 3, 3]
   np.testing.assert_array_equal(
-    [c.lengths for c, _ in segments], [[3, 3], [2, 3], [0, 1]]
+    [c.lengths for c, _ in segments], [[3, 3], [2, 3], [0, 1], [0, 0]]
   )
   np.testing.assert_array_equal(segments[1][0].tokens, [[7, 8, 9], [5, 6, 7]])
   np.testing.assert_array_equal(segments[2][0].tokens, [[0, 0, 0], [8, 9, 0]])
   assert len(calls) == 8
   merged = cw.concat_results([r for _, r in segments])
   np.testing.assert_array_equal(merged.kv_cache.lengths, [5, 7])
+  whole, _ = model.generate(
+    [prompt], sample_ids=[0, 1], steps=12, sampling=GREEDY
+  )
+  np.testing.assert_array_equal(
+    np.concatenate([c.tokens for c, _ in segments], axis=1), whole.tokens
+  )
+
+
+def test_stream_segments_stay_valid_prefixes():
+  """Every segment (not just the last) keeps its arrays and can be
+  continued; segment 0 ends after token 6 (row 0) and token 4 (row 1)."""
+  model = successor_model(eos_id=9)
+  prompt = model.prefill(_prompt())
+  segments = list(
+    model.generate_stream(
+      [prompt], sample_ids=[0, 1], steps=6, sampling=GREEDY, every=3
+    )
+  )
+  first = segments[0][1]
+  np.testing.assert_array_equal(
+    np.argmax(first.next_token_logits, axis=-1), [7, 5]
+  )
+  more, _ = model.generate(
+    [prompt, first], sample_ids=[0, 1], steps=2, sampling=GREEDY
+  )
+  np.testing.assert_array_equal(more.tokens, [[7, 8], [5, 6]])
+
+
+def test_bos_opens_an_unprompted_row_even_when_it_is_eos():
+  """GPT-2-style vocabularies use one id for BOS and EOS: the BOS sampled
+  at position 0 starts the row; the same id later stops it."""
+  model = successor_model(p_next=1.0, eos_id=0)  # bos_id is 0 too
+  tokens, result = model.generate(sample_ids=[0], steps=4, sampling=GREEDY)
+  np.testing.assert_array_equal(tokens.tokens, [[0, 1, 2, 3]])
+  np.testing.assert_array_equal(tokens.lengths, [4])
+  # Later, the id stops a row as usual: 31 -> 0 wraps around to EOS.
+  prompt = model.prefill(cw.Chunk.from_lists([[0, 30]]))
+  tokens, _ = model.generate([prompt], sample_ids=[0], steps=4, sampling=GREEDY)
+  np.testing.assert_array_equal(tokens.tokens, [[31, 0, 0, 0]])
+  np.testing.assert_array_equal(tokens.lengths, [1])

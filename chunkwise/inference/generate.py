@@ -10,7 +10,8 @@ Each iteration of the `lax.while_loop`:
   2. token = sample(next_logits, key, sampling); its score and top-n are
      taken from the same raw logits;
   3. a row whose token is a stop id is done: the stop token is written at
-     column `lengths[b]` but not counted, and its next-token logits freeze;
+     column `lengths[b]` but not counted, and its next-token logits freeze
+     (the BOS that opens an unprompted row at position 0 never stops it);
   4. one forward step of the [B, 1] token chunk against the prefixes plus
      the tokens generated so far (this buffer is just one more prefix),
      writing K/V into slot `step`.
@@ -116,14 +117,16 @@ def _step(
 ) -> LoopState:
   i = state.step
   live = ~state.done
-  keys = token_keys(
-    inputs.sampling.seed, inputs.sample_ids, inputs.start + state.cache.lengths
-  )
+  positions = inputs.start + state.cache.lengths
+  keys = token_keys(inputs.sampling.seed, inputs.sample_ids, positions)
   token = sample(state.next_logits, keys, inputs.sampling)
   score, top_ids, top_logprobs = score_tokens(
     state.next_logits, token, state.top_ids.shape[-1]
   )
+  # Position 0 always holds BOS (the only token the BOS distribution allows):
+  # it starts a sequence and never stops one, even where BOS is also EOS.
   stop = jnp.any(token[:, None] == inputs.stop_ids[None, :], axis=-1)
+  stop &= positions > 0
   keep = live & ~stop
 
   chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
@@ -202,7 +205,8 @@ def segment(
     per_token_scores=state.scores[:, begin:end],
     top_ids=state.top_ids[:, begin:end],
     top_logprobs=state.top_logprobs[:, begin:end],
-    next_token_logits=state.next_logits,
+    # A copy: the state is donated to the next segment's run.
+    next_token_logits=jnp.copy(state.next_logits),
     kv_cache=cache,
   )
   return chunk, result

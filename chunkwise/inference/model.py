@@ -247,9 +247,11 @@ class InferenceModel:
     every: int = 8,
     top_n: int = 0,
   ) -> Iterator[tuple[Chunk, ChunkResult]]:
-    """Like `generate`, yielding (Chunk, ChunkResult) segments of at most
-    `every` steps as they are produced; their concatenation equals what
-    `generate` returns. Stops early once every row has stopped."""
+    """Like `generate`, yielding (Chunk, ChunkResult) segments of `every`
+    steps (the last may be shorter) as they are produced; their
+    concatenation equals what `generate` returns, column for column. Once
+    every row has stopped, nothing more runs: the remaining segments are
+    empty (all lengths 0). Each segment is a valid prefix for later calls."""
     every = checks.check_count("every", every, minimum=1)
     caches, state, inputs = self._start(
       prefix, sample_ids, steps, sampling, stop_ids, top_n
@@ -257,9 +259,12 @@ class InferenceModel:
     return self._stream(caches, state, inputs, steps, every)
 
   def _stream(self, caches, state, inputs, steps, every):
+    done = False
     for begin in range(0, steps, every):
       end = min(begin + every, steps)
-      state = self._run(self._weights, caches, state, inputs, jnp.int32(end))
+      if not done:
+        state = self._run(self._weights, caches, state, inputs, jnp.int32(end))
+        done = bool(jnp.all(state.done))
+      # Once every row has stopped, the remaining (empty) segments are cut
+      # from the final state without running anything.
       yield generate.segment(state, begin, end)
-      if bool(jnp.all(state.done)):
-        return
