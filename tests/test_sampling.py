@@ -31,6 +31,9 @@ def _kept(probs=PROBS, **kwargs):
     (dict(min_p=0.25), [1, 2, 3]),
     # top-p acts on the top-k survivors, renormalised: 0.625, 0.375.
     (dict(top_k=2, top_p=0.6), [1]),
+    # min-p acts after top-p: top-p 0.6 keeps {0.5, 0.3}, then 0.3 passes
+    # min-p 0.35 (>= 0.175). The other order would keep only 0.5.
+    (dict(top_p=0.6, min_p=0.35), [1, 3]),
     # temperature first: at T=2 the probabilities flatten, so top-p keeps
     # more; at T=0.5 they sharpen.
     (dict(temperature=2.0, top_p=0.75), [1, 2, 3]),
@@ -39,6 +42,19 @@ def _kept(probs=PROBS, **kwargs):
 )
 def test_filters(kwargs, kept):
   assert _kept(**kwargs) == kept
+
+
+def test_unfiltered_rows_ignore_their_neighbours_filters():
+  """A peaked row whose cumulative mass reaches 1.0 in f32 keeps its whole
+  vocabulary even when another row in the batch uses top-k."""
+  logits = jnp.zeros((2, 320)).at[:, 7].set(25.0)
+  alone = filter_logits(logits[1:], cw.Sampling().for_batch(1))
+  mixed = filter_logits(
+    logits, cw.Sampling(top_k=np.array([3, 0])).for_batch(2)
+  )
+  np.testing.assert_array_equal(mixed[1], alone[0])
+  assert np.isfinite(np.asarray(mixed[1])).all()
+  assert np.isfinite(np.asarray(mixed[0])).sum() == 3
 
 
 def test_top_k_ties_keep_the_lower_id():

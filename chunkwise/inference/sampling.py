@@ -143,7 +143,10 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     keep = (top_k == 0) | (position < top_k)
     probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < sampling.top_p[:, None]
+    # Guards on "off" values keep unfiltered rows bit-identical whether or
+    # not another row of the batch switches the filters on.
+    top_p = sampling.top_p[:, None]
+    keep &= (top_p >= 1) | (mass_before < top_p)
     # p_i >= min_p * p_max  <=>  logit_i - logit_max >= ln(min_p).
     min_p = sampling.min_p[:, None]
     keep &= (min_p == 0) | (ranked - ranked[:, :1] >= jnp.log(min_p))
