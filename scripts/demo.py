@@ -17,8 +17,12 @@ from absl import app, flags
 
 import chunkwise as cw
 
+# Random weights of the PaLM presets would not fit in memory.
+_SMALL_PRESETS = [
+  name for name in cw.configs.names() if cw.configs.get(name).num_params() < 1e9
+]
 _PRESET = flags.DEFINE_enum(
-  "preset", "tiny", cw.configs.names(), "Model shape (random weights)."
+  "preset", "tiny", _SMALL_PRESETS, "Model shape (random weights)."
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
 _PREFIX = flags.DEFINE_string(
@@ -40,7 +44,10 @@ _STEPS = flags.DEFINE_integer(
 _TEMPERATURE = flags.DEFINE_float(
   "temperature", 0.7, "Sampling temperature (0: greedy).", lower_bound=0.0
 )
-_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass.")
+_TOP_P = flags.DEFINE_float(
+  "top_p", 0.95, "Nucleus sampling mass, in (0, 1].", upper_bound=1.0
+)
+flags.register_validator("top_p", lambda p: p > 0, "--top_p must be > 0")
 _SAMPLE_SEED = flags.DEFINE_integer("sample_seed", 0, "Sampling seed.")
 
 

@@ -144,6 +144,7 @@ def test_bad_input_sampling(no_device_work, prompt, sampling, message):
     (dict(sample_ids=[[0, 1]]), "sample_ids must be a 1-D sequence"),
     (dict(sample_ids=[]), "sample_ids is empty"),
     (dict(stop_ids=[400]), r"stop_ids contains 400, outside \[0, 320\)"),
+    (dict(stop_ids=5), r"stop_ids must be a 1-D sequence of ints, got 5"),
     (dict(top_n=-1), r"top_n must be in \[0, 320\], got -1"),
     (dict(sampling=dict(temperature=1)), "must be a chunkwise Sampling"),
   ],
@@ -186,6 +187,12 @@ def test_bad_input_chunk_shapes(no_device_work):
     )
   with pytest.raises(ValueError, match=r"top_n must be in \[0, 320\]"):
     model.prefill(cw.Chunk.from_lists([[1]]), top_n=321)
+
+
+def test_mesh_and_layout_other_than_none_are_rejected(model):
+  assert model.mesh is None and model.layout is None
+  with pytest.raises(ValueError, match="sharded execution is not available"):
+    cw.InferenceModel(model.hparams, model.weights, mesh="2x2x2")
 
 
 def test_bad_input_prefix_from_another_model(no_device_work):

@@ -182,7 +182,7 @@ def test_bos_opens_an_unprompted_row_even_when_it_is_eos():
   """GPT-2-style vocabularies use one id for BOS and EOS: the BOS sampled
   at position 0 starts the row; the same id later stops it."""
   model = successor_model(p_next=1.0, eos_id=0)  # bos_id is 0 too
-  tokens, result = model.generate(sample_ids=[0], steps=4, sampling=GREEDY)
+  tokens, _ = model.generate(sample_ids=[0], steps=4, sampling=GREEDY)
   np.testing.assert_array_equal(tokens.tokens, [[0, 1, 2, 3]])
   np.testing.assert_array_equal(tokens.lengths, [4])
   # Later, the id stops a row as usual: 31 -> 0 wraps around to EOS.

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
+from tests import numpy_reference
 
 TEXTS = ["Cows have four legs.", "Hi", "The sum of 2 and 3 is 5"]
 GREEDY = cw.Sampling(temperature=0.0)
@@ -56,34 +57,45 @@ def test_scores_bos_scores_zero(model):
   np.testing.assert_array_equal(result.per_token_scores[:, 0], 0.0)
 
 
-def test_scores_equal_log_softmax_of_preceding_logits(llama):
-  chunk = _first(llama)
-  whole = llama.prefill(chunk)
-  tokens = np.asarray(chunk.tokens)
-  for t in (1, 4, 9):
-    head, _ = chunk.split_at(t)
-    before = llama.prefill(head)  # its next-token logits are those at t - 1
-    want = _log_softmax(before.next_token_logits)[np.arange(3), tokens[:, t]]
-    valid = np.asarray(chunk.lengths) > t
+def test_scores_equal_log_softmax_of_preceding_logits(model):
+  """Against the NumPy twin's logits of each whole row: the chunk after a
+  prefix is scored by the logits one position earlier, the first of its
+  tokens by the prefix's next-token logits."""
+  chunk = _first(model)
+  head, tail = chunk.split_at(5)
+  prefix = model.prefill(head)
+  result = model.prefill(tail, prefix=[prefix])
+  for b, row in enumerate(chunk.to_lists()):
+    logprobs = _log_softmax(
+      numpy_reference.logits(model.hparams, model.weights, row)
+    )
+    n = len(row)  # "Hi" (3 tokens) lies wholly in the head
     np.testing.assert_allclose(
-      np.asarray(whole.per_token_scores)[valid, t],
-      want[valid],
-      rtol=1e-5,
-      atol=1e-5,
+      result.per_token_scores[b, : max(n - 5, 0)],
+      logprobs[np.arange(4, n - 1), row[5:]],
+      rtol=1e-4,
+      atol=1e-4,
+    )
+    np.testing.assert_allclose(
+      prefix.per_token_scores[b, 1 : min(n, 5)],
+      logprobs[np.arange(min(n, 5) - 1), row[1:5]],
+      rtol=1e-4,
+      atol=1e-4,
     )
 
 
 # 2. Chunk splitting is invisible --------------------------------------------
 
 
-@pytest.mark.parametrize("splits", [(1,), (3,), (7,), (2, 9), (23,)])
+# 23 leaves one column in which only the longest row has a token; 0 and 24
+# (the chunk's width) leave a piece of zero columns.
+@pytest.mark.parametrize("splits", [(1,), (3,), (7,), (2, 9), (23,), (0, 24)])
 def test_chunk_splitting_is_invisible(model, splits):
   chunk = _first(model)
   whole = model.prefill(chunk, top_n=4)
-  prefix, pieces, rest = [], [], chunk
+  prefix, rest = [], chunk
   for cut in (*np.diff((0, *splits)), None):
     head, rest = rest.split_at(int(cut)) if cut is not None else (rest, None)
-    pieces.append(head)
     prefix.append(model.prefill(head, prefix=prefix, top_n=4))
   scores = np.concatenate([r.per_token_scores for r in prefix], axis=1)
   top_ids = np.concatenate([r.top_ids for r in prefix], axis=1)
@@ -111,6 +123,15 @@ def test_chunk_splitting_is_invisible(model, splits):
     atol=1e-5,
   )
   np.testing.assert_array_equal(merged.kv_cache.lengths, chunk.lengths)
+  more = cw.Chunk.tokenize(model.vocab, [" and", " so", " on"])
+  after_list = model.prefill(more, prefix=prefix)
+  after_merged = model.prefill(more, prefix=[merged])
+  np.testing.assert_allclose(
+    _masked(after_merged.per_token_scores, more),
+    _masked(after_list.per_token_scores, more),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 # 3. Next-token logits -------------------------------------------------------
@@ -247,20 +268,26 @@ def test_rng_contract_independent_of_splitting_generation(model):
 
 def test_rng_contract_key_formula(llama):
   """key = fold_in(fold_in(key(seed), sample_id), position), drawn with
-  jax.random.categorical from the raw logits (no filters)."""
+  jax.random.categorical from the raw logits (no filters), at every step."""
   chunk = _first(llama, TEXTS[:2])
   prompt = llama.prefill(chunk)
   sampling = cw.Sampling(temperature=1.0, seed=11)
   tokens, _ = llama.generate(
-    [prompt], sample_ids=[5, 2], steps=1, sampling=sampling
+    [prompt], sample_ids=[5, 2], steps=4, sampling=sampling
   )
   for row, sample_id in enumerate([5, 2]):
-    position = int(chunk.lengths[row])
-    key = jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(11), sample_id), position
-    )
-    want = jax.random.categorical(key, prompt.next_token_logits[row])
-    assert int(tokens.tokens[row, 0]) == int(want)
+    prompt_row = chunk.to_lists()[row]
+    generated = tokens.to_lists()[row]
+    for step, token in enumerate(generated):
+      before = llama.prefill(
+        cw.Chunk.from_lists([prompt_row + generated[:step]])
+      )
+      key = jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(11), sample_id),
+        len(prompt_row) + step,
+      )
+      want = jax.random.categorical(key, before.next_token_logits[0])
+      assert token == int(want), (row, step)
 
 
 # 6-7. Generation; greedy generation is consistent with scoring --------------

@@ -2,6 +2,7 @@
 multiquery / grouped / multihead attention, tied and untied embeddings."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -71,3 +72,30 @@ def test_layers_run_under_scan():
 
   assert count(2) == count(30)
   assert count(2)[1] == 1
+
+
+def test_bf16_weights_cache_and_activations_stay_close_to_f32():
+  h = cw.configs.get("tiny")
+  f32 = cw.InferenceModel.random(h, seed=4)
+  bf16 = cw.InferenceModel(
+    h,
+    jax.tree.map(lambda x: x.astype(jnp.bfloat16), f32.weights),
+    f32.vocab,
+    cache_dtype=jnp.bfloat16,
+    compute_dtype=jnp.bfloat16,
+  )
+  chunk = cw.Chunk.tokenize(f32.vocab, ["abc def", "xy"], is_first_chunk=True)
+  want, got = f32.prefill(chunk), bf16.prefill(chunk)
+  assert got.kv_cache.k.dtype == jnp.bfloat16
+  mask = np.asarray(chunk.token_mask)
+  np.testing.assert_allclose(
+    np.asarray(got.per_token_scores)[mask],
+    np.asarray(want.per_token_scores)[mask],
+    atol=0.1,
+  )
+  tokens, result = bf16.generate(
+    [got], sample_ids=[0, 1], steps=4, sampling=cw.Sampling(temperature=0.0)
+  )
+  assert result.kv_cache.k.dtype == jnp.bfloat16
+  assert np.isfinite(np.asarray(result.per_token_scores)).all()
+  assert tokens.lengths.shape == (2,)

@@ -72,6 +72,8 @@ def attend(
 
   pieces = []
   for pk, pv, lengths in prefix:
+    if pk.shape[1] == 0:  # a zero-width prefix holds nothing to attend to
+      continue
     b = pk.shape[0]
     # [b, S] -> [b, 1, 1, 1, 1, S]
     mask = jnp.arange(pk.shape[1])[None, :] < lengths[:, None]

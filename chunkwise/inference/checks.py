@@ -7,8 +7,10 @@ expected. They read only small arrays (token ids, lengths) back to the host.
 from __future__ import annotations
 
 import itertools
+import reprlib
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.configs import HParams
@@ -20,8 +22,12 @@ def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
-def check_chunk(chunk: Chunk, hparams: HParams) -> None:
-  """Shapes, lengths in [0, time], valid token ids in [0, vocab)."""
+def check_chunk(chunk: Chunk, hparams: HParams) -> Chunk:
+  """Shapes, lengths in [0, time], valid token ids in [0, vocab).
+
+  Returns the chunk with int32 device arrays (its fields may be lists or
+  numpy arrays on the way in).
+  """
   if not isinstance(chunk, Chunk):
     raise ValueError(f"expected a Chunk, got {type(chunk).__name__}")
   tokens, lengths = _host(chunk.tokens), _host(chunk.lengths)
@@ -37,10 +43,10 @@ def check_chunk(chunk: Chunk, hparams: HParams) -> None:
       f"Chunk.lengths must be int[{tokens.shape[0]}] (one per row), got "
       f"{lengths.dtype}{list(lengths.shape)}"
     )
-  if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+  if tokens.shape[0] == 0:
     raise ValueError(
-      f"Chunk is empty: tokens shape {tokens.shape}; a chunk needs at "
-      "least one row and one column"
+      f"Chunk has no rows: tokens shape {tokens.shape}; a chunk needs at "
+      "least one row"
     )
   bad = (lengths < 0) | (lengths > tokens.shape[1])
   if bad.any():
@@ -57,6 +63,10 @@ def check_chunk(chunk: Chunk, hparams: HParams) -> None:
       f"token id {tokens[row, col]} at row {row}, position {col} is "
       f"outside the model's vocabulary [0, {hparams.vocab})"
     )
+  return Chunk(
+    tokens=jnp.asarray(tokens, jnp.int32),
+    lengths=jnp.asarray(lengths, jnp.int32),
+  )
 
 
 def check_prefix(
@@ -66,6 +76,8 @@ def check_prefix(
 
   Returns the prefix as a tuple.
   """
+  if prefix is None:
+    return ()
   if isinstance(prefix, ChunkResult):
     raise ValueError(
       "prefix must be a list of ChunkResults, got a single ChunkResult; "
@@ -142,7 +154,8 @@ def check_ids(name: str, ids, hparams: HParams, *, vocab: bool) -> np.ndarray:
     np.issubdtype(arr.dtype, np.integer) or arr.size == 0
   ):
     raise ValueError(
-      f"{name} must be a 1-D sequence of ints, got {arr.dtype}{list(arr.shape)}"
+      f"{name} must be a 1-D sequence of ints, got "
+      f"{reprlib.repr(ids)} ({arr.dtype}{list(arr.shape)})"
     )
   limit = hparams.vocab if vocab else 2**31
   bad = (arr < 0) | (arr >= limit)

@@ -43,6 +43,7 @@ def transformer_infer(
   chunk: Chunk,
   *,
   cache_dtype=jnp.float32,
+  compute_dtype=jnp.float32,
 ) -> FullChunkResult:
   """Runs the Transformer over `chunk`, attending to `prefix` caches."""
   prefix = tuple(prefix)
@@ -62,6 +63,7 @@ def transformer_infer(
     positions_of(prefix, chunk),
     attend_layer,
     per_layer,
+    dtype=compute_dtype,
   )
   cache = KVCache(
     k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths

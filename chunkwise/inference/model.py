@@ -30,7 +30,8 @@ from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.forward import InferFn, transformer_infer
-from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.kv_cache import KVCache, repeat_each
+from chunkwise.inference.results import ChunkResult, bos_logits
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.vocabularies import (
   ByteVocabulary,
@@ -50,9 +51,17 @@ class InferenceModel:
     vocab: a tokenizer with seqio.Vocabulary's surface (optional).
     bos_id: BOS id; default: the vocabulary's, else 0.
     eos_id: stop token of `generate`; default: the vocabulary's, else none.
+    mesh, layout: where and how to shard; None (the only value this version
+      accepts) runs the reference layout on JAX's default device.
     cache_dtype: dtype of KV caches (f32 or bf16).
+    compute_dtype: dtype of the residual stream (f32 or bf16); attention
+      softmax, norms and logits are always computed in f32.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
+
+  A first chunk starts with `bos_id`: when it differs from the vocabulary's
+  (or the vocabulary has none and it is not 0), pass it to
+  `Chunk.tokenize(..., bos_id=model.bos_id)`.
   """
 
   def __init__(
@@ -63,16 +72,29 @@ class InferenceModel:
     *,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    mesh=None,
+    layout=None,
     cache_dtype=jnp.float32,
+    compute_dtype=jnp.float32,
     infer_fn: InferFn | None = None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
+    if mesh is not None or layout is not None:
+      raise ValueError(
+        f"mesh={mesh!r}, layout={layout!r}: sharded execution is not "
+        "available in this version; pass mesh=None and layout=None (one "
+        "device, reference layout)"
+      )
     if infer_fn is None:
       check_shapes(hparams, weights)
       infer_fn = functools.partial(
-        transformer_infer, hparams, cache_dtype=cache_dtype
+        transformer_infer,
+        hparams,
+        cache_dtype=cache_dtype,
+        compute_dtype=compute_dtype,
       )
+    self._cache_dtype = jnp.dtype(cache_dtype)
     self._hparams = hparams
     self._weights = weights
     self._vocab = vocab
@@ -103,17 +125,20 @@ class InferenceModel:
     cls,
     hparams: HParams,
     seed: int = 0,
+    mesh=None,
+    layout=None,
     *,
     vocab: Vocabulary | None = None,
     dtype=jnp.float32,
     **kwargs,
   ) -> InferenceModel:
-    """Random weights (see `models.init_random`). Without `vocab`, models
-    whose vocabulary holds 259 ids get a `ByteVocabulary`."""
+    """Random weights of `dtype` (see `models.init_random`). Without `vocab`,
+    models whose vocabulary holds 259 ids get a `ByteVocabulary`; other
+    keyword arguments go to the constructor."""
     weights = init_random(hparams, jax.random.key(seed), dtype)
     if vocab is None and hparams.vocab >= ByteVocabulary().vocab_size:
       vocab = ByteVocabulary()
-    return cls(hparams, weights, vocab, **kwargs)
+    return cls(hparams, weights, vocab, mesh=mesh, layout=layout, **kwargs)
 
   @property
   def hparams(self) -> HParams:
@@ -126,6 +151,16 @@ class InferenceModel:
   @property
   def vocab(self) -> Vocabulary | None:
     return self._vocab
+
+  @property
+  def mesh(self):
+    """The device mesh (None: JAX's default device)."""
+    return None
+
+  @property
+  def layout(self):
+    """The sharding layout (None: the reference layout, unsharded)."""
+    return None
 
   @property
   def bos_id(self) -> int:
@@ -141,7 +176,7 @@ class InferenceModel:
     return caches, prev
 
   def prefill(
-    self, chunk: Chunk, prefix: Sequence[ChunkResult] = (), *, top_n: int = 0
+    self, chunk: Chunk, prefix: Sequence[ChunkResult] = (), top_n: int = 0
   ) -> ChunkResult:
     """Runs `chunk` after `prefix` and scores each of its tokens.
 
@@ -151,22 +186,39 @@ class InferenceModel:
         sizes must divide each other and the chunk's batch.
       top_n: how many most likely alternatives to return per position.
     Returns:
-      A ChunkResult usable as a prefix of later calls.
+      A ChunkResult usable as a prefix of later calls. A chunk of zero
+      columns (e.g. one half of `split_at(0)`) runs nothing: its result only
+      carries the next-token logits over.
     """
     h = self._hparams
-    checks.check_chunk(chunk, h)
+    chunk = checks.check_chunk(chunk, h)
     prefix = checks.check_prefix(prefix, chunk.batch, h)
     top_n = checks.check_count("top_n", top_n, minimum=0, maximum=h.vocab)
     checks.check_total_length(
       prefix, chunk.batch, np.asarray(chunk.lengths), h, "the chunk"
     )
     caches, prev = self._prefix_inputs(prefix)
-    chunk = Chunk(
-      tokens=jnp.asarray(chunk.tokens, jnp.int32),
-      lengths=jnp.asarray(chunk.lengths, jnp.int32),
-    )
+    if chunk.time == 0:
+      return self._empty_result(prev, chunk.batch, top_n)
     return self._prefill(
       self._weights, caches, prev, chunk, top_n=top_n, bos_id=self._bos_id
+    )
+
+  def _empty_result(self, prev_logits, batch: int, top_n: int) -> ChunkResult:
+    h = self._hparams
+    if prev_logits is None:
+      prev_logits = bos_logits(h.vocab, self._bos_id)[None]
+    kv_shape = (h.layers, batch, 0, h.kv_heads, h.head_dim)
+    return ChunkResult(
+      per_token_scores=jnp.zeros((batch, 0), jnp.float32),
+      top_ids=jnp.zeros((batch, 0, top_n), jnp.int32),
+      top_logprobs=jnp.zeros((batch, 0, top_n), jnp.float32),
+      next_token_logits=repeat_each(prev_logits.astype(jnp.float32), batch),
+      kv_cache=KVCache(
+        k=jnp.zeros(kv_shape, self._cache_dtype),
+        v=jnp.zeros(kv_shape, self._cache_dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+      ),
     )
 
   def _start(self, prefix, sample_ids, steps, sampling, stop_ids, top_n):
@@ -186,7 +238,7 @@ class InferenceModel:
         f"sampling must be a chunkwise Sampling, got {sampling!r}"
       )
     sampling = sampling.for_batch(batch)
-    stop = checks.check_ids("stop_ids", list(stop_ids), h, vocab=True)
+    stop = checks.check_ids("stop_ids", stop_ids, h, vocab=True)
     if self._eos_id is not None:
       stop = np.unique(np.append(stop, self._eos_id)).astype(np.int32)
     checks.check_total_length(prefix, batch, steps, h, f"{steps} steps")
