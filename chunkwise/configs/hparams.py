@@ -6,7 +6,6 @@ elsewhere. Every field is static: changing one means a different program.
 
   h = HParams(layers=2, d_model=64, heads=8, kv_heads=2, head_dim=8,
               d_ff=128, vocab=320, max_len=512, block=Block.SEQUENTIAL)
-  h.q_per_kv          # 4 query heads share each K/V head
   h.replace(layers=30)
 """
 
@@ -111,11 +110,6 @@ class HParams:
           raise ValueError(
             f"HParams.{name}={value!r} is not one of {known}"
           ) from None
-
-  @property
-  def q_per_kv(self) -> int:
-    """Query heads that share one K/V head (1 for multihead attention)."""
-    return self.heads // self.kv_heads
 
   def replace(self, **changes) -> HParams:
     return dataclasses.replace(self, **changes)

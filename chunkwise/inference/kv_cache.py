@@ -44,11 +44,6 @@ class KVCache:
   def time(self) -> int:
     return self.k.shape[2]
 
-  @property
-  def mask(self) -> jax.Array:
-    """bool[batch, time]: which slots hold real keys."""
-    return jnp.arange(self.time)[None, :] < self.lengths[:, None]
-
   @classmethod
   def zeros(
     cls,

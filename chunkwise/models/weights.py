@@ -81,13 +81,6 @@ class Weights:
       unembedding=(None if hparams.tied_embeddings else P(ax.EMBED, ax.VOCAB)),
     )
 
-  @classmethod
-  def shapes(cls, hparams: HParams, dtype=jnp.float32) -> Weights:
-    """`jax.ShapeDtypeStruct` leaves: what `init_random` would make."""
-    return jax.eval_shape(
-      lambda key: init_random(hparams, key, dtype), jax.random.key(0)
-    )
-
 
 def _shape(hparams: HParams, spec: P) -> tuple[int, ...]:
   size = {
