@@ -31,8 +31,12 @@ from jax import lax
 
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.forward import InferFn
-from chunkwise.inference.kv_cache import KVCache, repeat_each, total_lengths
-from chunkwise.inference.results import ChunkResult, bos_logits, score_tokens
+from chunkwise.inference.kv_cache import KVCache, total_lengths
+from chunkwise.inference.results import (
+  ChunkResult,
+  carried_logits,
+  score_tokens,
+)
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 
 
@@ -74,9 +78,7 @@ def init(
 ) -> LoopState:
   """An empty state; the first token is sampled from `prev_logits` (the last
   prefix's next-token logits, or the BOS distribution without prefix)."""
-  if prev_logits is None:
-    prev_logits = bos_logits(vocab, bos_id)[None]
-  next_logits = repeat_each(prev_logits.astype(jnp.float32), batch)
+  next_logits = carried_logits(prev_logits, batch, vocab=vocab, bos_id=bos_id)
   # The buffer takes whatever K/V shape and dtype `infer` produces.
   step_chunk = Chunk(
     tokens=jnp.zeros((batch, 1), jnp.int32),

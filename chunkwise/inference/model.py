@@ -30,8 +30,8 @@ from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.forward import InferFn, transformer_infer
-from chunkwise.inference.kv_cache import KVCache, repeat_each
-from chunkwise.inference.results import ChunkResult, bos_logits
+from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.results import ChunkResult, carried_logits
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.vocabularies import (
   ByteVocabulary,
@@ -206,14 +206,14 @@ class InferenceModel:
 
   def _empty_result(self, prev_logits, batch: int, top_n: int) -> ChunkResult:
     h = self._hparams
-    if prev_logits is None:
-      prev_logits = bos_logits(h.vocab, self._bos_id)[None]
     kv_shape = (h.layers, batch, 0, h.kv_heads, h.head_dim)
     return ChunkResult(
       per_token_scores=jnp.zeros((batch, 0), jnp.float32),
       top_ids=jnp.zeros((batch, 0, top_n), jnp.int32),
       top_logprobs=jnp.zeros((batch, 0, top_n), jnp.float32),
-      next_token_logits=repeat_each(prev_logits.astype(jnp.float32), batch),
+      next_token_logits=carried_logits(
+        prev_logits, batch, vocab=h.vocab, bos_id=self._bos_id
+      ),
       kv_cache=KVCache(
         k=jnp.zeros(kv_shape, self._cache_dtype),
         v=jnp.zeros(kv_shape, self._cache_dtype),

@@ -97,9 +97,7 @@ class FullChunkResult:
       bos_id: the model's BOS id.
     """
     batch, _, vocab = self.logits.shape
-    if prev_logits is None:
-      prev_logits = bos_logits(vocab, bos_id)[None]
-    prev_logits = repeat_each(prev_logits.astype(jnp.float32), batch)
+    prev_logits = carried_logits(prev_logits, batch, vocab=vocab, bos_id=bos_id)
     shifted = jnp.concatenate(
       [prev_logits[:, None], self.logits[:, :-1]], axis=1
     )
@@ -120,9 +118,18 @@ class FullChunkResult:
     )
 
 
-def bos_logits(vocab: int, bos_id: int) -> jax.Array:
-  """f32[vocab]: all mass on BOS (0 there, -inf elsewhere)."""
-  return jnp.where(jnp.arange(vocab) == bos_id, 0.0, -jnp.inf)
+def carried_logits(
+  prev_logits: jax.Array | None, batch: int, *, vocab: int, bos_id: int
+) -> jax.Array:
+  """f32[batch, vocab]: the logits that precede a chunk's first token.
+
+  The previous chunk's next-token logits repeated to `batch` rows, or, with
+  no previous chunk, a distribution with all mass on BOS (0 there, -inf
+  elsewhere), so that a first chunk's BOS scores 0.
+  """
+  if prev_logits is None:
+    prev_logits = jnp.where(jnp.arange(vocab) == bos_id, 0.0, -jnp.inf)[None]
+  return repeat_each(prev_logits.astype(jnp.float32), batch)
 
 
 def score_tokens(
