@@ -1,7 +1,7 @@
 """chunkwise: sharded, incremental Transformer inference in JAX.
 
   import chunkwise as cw
-  model = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
+  model = cw.load("smollm2-135m")   # or cw.InferenceModel.random(...)
   prompt = model.prefill(cw.Chunk.tokenize(model.vocab, ["Cows have"],
                                            is_first_chunk=True))
   tokens, result = model.generate([prompt], sample_ids=[0, 1], steps=8,
@@ -11,7 +11,8 @@
 See DESIGN.md (the contract) for the semantics every name below keeps.
 """
 
-from chunkwise import configs, models, partitioning
+from chunkwise import checkpoints, configs, models, partitioning
+from chunkwise.checkpoints import TokenizerVocabulary, load
 from chunkwise.configs import HParams
 from chunkwise.inference import (
   ByteVocabulary,
@@ -32,9 +33,12 @@ __all__ = [
   "InferenceModel",
   "KVCache",
   "Sampling",
+  "TokenizerVocabulary",
   "Vocabulary",
+  "checkpoints",
   "concat_results",
   "configs",
+  "load",
   "models",
   "partitioning",
 ]

@@ -27,10 +27,16 @@ def _act(kind, x):
   return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
+def _project(xn, lw, name):
+  out = np.einsum("te,ehd->thd", xn, lw[name])
+  bias = lw.get(f"{name}_bias")
+  return out if bias is None else out + bias
+
+
 def _attention(h, lw, xn, causal):
-  q = _rope(np.einsum("te,ehd->thd", xn, lw["q"]), h.rope_base)
-  k = _rope(np.einsum("te,ehd->thd", xn, lw["k"]), h.rope_base)
-  v = np.einsum("te,ehd->thd", xn, lw["v"])
+  q = _rope(_project(xn, lw, "q"), h.rope_base)
+  k = _rope(_project(xn, lw, "k"), h.rope_base)
+  v = _project(xn, lw, "v")
   group = h.heads // h.kv_heads
   out = np.zeros_like(q)
   for head in range(h.heads):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import pytest
 
 import chunkwise as cw
@@ -91,3 +92,13 @@ def test_hparams_are_frozen_and_accept_strings():
 def test_bad_hparams_raise(change, message):
   with pytest.raises(ValueError, match=message):
     cw.configs.get("tiny").replace(**change)
+
+
+@pytest.mark.parametrize(
+  "changes",
+  [{}, {"qkv_bias": True}, {"block": "parallel", "tied_embeddings": True}],
+)
+def test_num_params_counts_every_weight(changes):
+  h = cw.configs.get("tiny").replace(**changes)
+  weights = cw.models.init_random(h, jax.random.key(0))
+  assert h.num_params() == sum(x.size for x in jax.tree.leaves(weights))

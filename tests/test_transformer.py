@@ -17,21 +17,22 @@ def _log_softmax(x):
 
 
 VARIANTS = [
-  # (block, kv_heads, tied, norm_scale, activation)
-  (Block.SEQUENTIAL, 2, False, True, Activation.SILU),
-  (Block.SEQUENTIAL, 8, True, True, Activation.SILU),
-  (Block.SEQUENTIAL, 1, False, False, Activation.GELU),
-  (Block.PARALLEL, 1, True, True, Activation.SILU),
-  (Block.PARALLEL, 2, False, True, Activation.GELU),
-  (Block.PARALLEL, 8, True, False, Activation.SILU),
+  # (block, kv_heads, tied, norm_scale, activation, qkv_bias)
+  (Block.SEQUENTIAL, 2, False, True, Activation.SILU, False),
+  (Block.SEQUENTIAL, 8, True, True, Activation.SILU, False),
+  (Block.SEQUENTIAL, 1, False, False, Activation.GELU, False),
+  (Block.SEQUENTIAL, 2, True, True, Activation.SILU, True),
+  (Block.PARALLEL, 1, True, True, Activation.SILU, False),
+  (Block.PARALLEL, 2, False, True, Activation.GELU, True),
+  (Block.PARALLEL, 8, True, False, Activation.SILU, False),
 ]
 
 
 @pytest.mark.parametrize(
-  "block, kv_heads, tied, norm_scale, activation", VARIANTS
+  "block, kv_heads, tied, norm_scale, activation, qkv_bias", VARIANTS
 )
 def test_prefill_matches_numpy_twin(
-  block, kv_heads, tied, norm_scale, activation
+  block, kv_heads, tied, norm_scale, activation, qkv_bias
 ):
   h = cw.configs.get("tiny").replace(
     block=block,
@@ -40,6 +41,7 @@ def test_prefill_matches_numpy_twin(
     norm_scale=norm_scale,
     activation=activation,
     rope_base=500.0,
+    qkv_bias=qkv_bias,
   )
   model = cw.InferenceModel.random(h, seed=3)
   rows = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 300]]

@@ -57,6 +57,8 @@ class HParams:
     rope_base: RoPE wavelength base (1e4 in PaLM, 1e5 in SmolLM2).
     tied_embeddings: unembed with the transposed embedding table.
     activation: gate nonlinearity of the MLP (`Activation` or its string).
+    qkv_bias: whether the query, key and value projections add a learned
+      bias (Qwen2) before RoPE.
   """
 
   layers: int
@@ -73,6 +75,7 @@ class HParams:
   rope_base: float = 10_000.0
   tied_embeddings: bool = True
   activation: Activation = Activation.SILU
+  qkv_bias: bool = False
 
   def __post_init__(self) -> None:
     for name in (
@@ -118,6 +121,7 @@ class HParams:
     """Parameter count, the embedding (and unembedding) included."""
     d, h = self.d_model, self.head_dim
     attn = d * h * (2 * self.heads + 2 * self.kv_heads)
+    attn += self.qkv_bias * h * (self.heads + 2 * self.kv_heads)
     mlp = 3 * d * self.d_ff
     norms = (2 if self.block == Block.SEQUENTIAL else 1) * d * self.norm_scale
     embed = self.vocab * d * (1 if self.tied_embeddings else 2)

@@ -22,6 +22,16 @@ def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
+def check_placement(mesh, layout) -> None:
+  """This version runs one device with the reference layout only."""
+  if mesh is not None or layout is not None:
+    raise ValueError(
+      f"mesh={mesh!r}, layout={layout!r}: sharded execution is not "
+      "available in this version; pass mesh=None and layout=None (one "
+      "device, reference layout)"
+    )
+
+
 def check_chunk(chunk: Chunk, hparams: HParams) -> Chunk:
   """Shapes, lengths in [0, time], valid token ids in [0, vocab).
 

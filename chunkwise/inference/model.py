@@ -80,12 +80,7 @@ class InferenceModel:
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
-    if mesh is not None or layout is not None:
-      raise ValueError(
-        f"mesh={mesh!r}, layout={layout!r}: sharded execution is not "
-        "available in this version; pass mesh=None and layout=None (one "
-        "device, reference layout)"
-      )
+    checks.check_placement(mesh, layout)
     if infer_fn is None:
       check_shapes(hparams, weights)
       infer_fn = functools.partial(

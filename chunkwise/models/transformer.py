@@ -77,6 +77,11 @@ def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x, w.astype(x.dtype))
 
 
+def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """x [B, T, heads, head_dim] plus a per-head bias, when there is one."""
+  return x if bias is None else x + bias.astype(x.dtype)
+
+
 def mlp(hparams: HParams, w: Layer, x: jax.Array) -> jax.Array:
   """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed]."""
   gate = _mm("bte,ef->btf", x, w.gate)
@@ -97,9 +102,9 @@ def attention(
   Returns the attention branch [B, T, embed] and this chunk's (k, v), each
   [B, T, kv_heads, head_dim], for the caller to cache.
   """
-  q = _mm("bte,ehd->bthd", x, w.q)
-  k = _mm("bte,ehd->bthd", x, w.k)
-  v = _mm("bte,ehd->bthd", x, w.v)
+  q = _bias(_mm("bte,ehd->bthd", x, w.q), w.q_bias)
+  k = _bias(_mm("bte,ehd->bthd", x, w.k), w.k_bias)
+  v = _bias(_mm("bte,ehd->bthd", x, w.v), w.v_bias)
   q = rope(q, positions, hparams.rope_base)
   k = rope(k, positions, hparams.rope_base)
   out = attend(q, k, v, per_layer)  # [B, T, heads, head_dim]

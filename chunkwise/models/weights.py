@@ -44,11 +44,16 @@ class Layer:
   # norm in front of both branches (attn_norm), so mlp_norm is None there.
   attn_norm: jax.Array | None = None  # [layers, embed]
   mlp_norm: jax.Array | None = None  # [layers, embed]
+  # Projection biases (HParams.qkv_bias, as in Qwen2); None without them.
+  q_bias: jax.Array | None = None  # [layers, heads, head_dim]
+  k_bias: jax.Array | None = None  # [layers, kv_heads, head_dim]
+  v_bias: jax.Array | None = None  # [layers, kv_heads, head_dim]
 
   @classmethod
   def axes(cls, hparams: HParams) -> Layer:
     norm = P(ax.LAYERS, ax.NORM) if hparams.norm_scale else None
     sequential = hparams.block == Block.SEQUENTIAL
+    kv_bias = P(ax.LAYERS, ax.KV_HEADS, ax.HEAD_DIM)
     return cls(
       q=P(ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM),
       k=P(ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
@@ -59,6 +64,9 @@ class Layer:
       down=P(ax.LAYERS, ax.MLP, ax.EMBED),
       attn_norm=norm,
       mlp_norm=norm if sequential else None,
+      q_bias=P(ax.LAYERS, ax.HEADS, ax.HEAD_DIM) if hparams.qkv_bias else None,
+      k_bias=kv_bias if hparams.qkv_bias else None,
+      v_bias=kv_bias if hparams.qkv_bias else None,
     )
 
 
@@ -105,7 +113,8 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
     raise ValueError(
       f"weights do not have the structure HParams asks for (norm_scale="
       f"{hparams.norm_scale}, block={hparams.block.value}, tied_embeddings="
-      f"{hparams.tied_embeddings}): expected {want}, got {got}"
+      f"{hparams.tied_embeddings}, qkv_bias={hparams.qkv_bias}): expected "
+      f"{want}, got {got}"
     )
   for (path, spec), leaf in zip(
     jax.tree_util.tree_leaves_with_path(specs),
@@ -126,7 +135,8 @@ def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
 
   Projections are N(0, 1/fan_in); the embedding is N(0, 1/d_model) so that
   next-token logits have unit scale; learned norm scales are 1 + N(0, 0.1²)
-  so tests notice a scale that is dropped or applied twice.
+  so tests notice a scale that is dropped or applied twice; biases are
+  N(0, 0.1²).
   """
   specs = Weights.axes(hparams)
   leaves, treedef = jax.tree.flatten(specs)
@@ -146,6 +156,8 @@ def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
     noise = jax.random.normal(k, shape, jnp.float32)
     if spec[-1] == ax.NORM:
       value = 1.0 + 0.1 * noise
+    elif path.endswith("_bias"):
+      value = 0.1 * noise
     elif path.endswith(".embedding") or path.endswith(".unembedding"):
       value = noise / jnp.sqrt(hparams.d_model)
     else:

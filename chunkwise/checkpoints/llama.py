@@ -1,0 +1,172 @@
+"""Llama-family tensors (Hugging Face names and orientation) -> `Weights`.
+
+Both importers hand over tensors named as in Hugging Face's
+`LlamaForCausalLM` without the `model.` prefix, in PyTorch's [out, in]
+orientation; the GGUF importer renames llama.cpp's tensors and undoes their
+Q/K row permutation first. This module checks every shape against `HParams`,
+transposes to chunkwise's contraction-first layout and stacks the layers:
+
+  q_proj [heads*head_dim, d_model]   -> Layer.q [layers, d_model, heads,
+                                                 head_dim]
+  o_proj [d_model, heads*head_dim]   -> Layer.o [layers, heads, head_dim,
+                                                 d_model]
+  gate_proj / up_proj [d_ff, d_model] -> [layers, d_model, d_ff]
+  down_proj [d_model, d_ff]          -> [layers, d_ff, d_model]
+  lm_head [vocab, d_model]           -> Weights.unembedding [d_model, vocab]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from chunkwise.configs import HParams
+from chunkwise.models import Layer, Weights, check_shapes
+
+# Tensors some checkpoints carry that the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+  """What an importer returns: shapes, weights and the tokenizer."""
+
+  hparams: HParams
+  weights: Weights
+  vocab: Any  # a Vocabulary, or None when the checkpoint has no tokenizer
+
+
+def _layer_names(hparams: HParams, i: int) -> dict[str, tuple[int, ...]]:
+  d, dh = hparams.d_model, hparams.head_dim
+  q, kv = hparams.heads * dh, hparams.kv_heads * dh
+  p = f"layers.{i}."
+  names = {
+    p + "self_attn.q_proj.weight": (q, d),
+    p + "self_attn.k_proj.weight": (kv, d),
+    p + "self_attn.v_proj.weight": (kv, d),
+    p + "self_attn.o_proj.weight": (d, q),
+    p + "mlp.gate_proj.weight": (hparams.d_ff, d),
+    p + "mlp.up_proj.weight": (hparams.d_ff, d),
+    p + "mlp.down_proj.weight": (d, hparams.d_ff),
+    p + "input_layernorm.weight": (d,),
+    p + "post_attention_layernorm.weight": (d,),
+  }
+  if hparams.qkv_bias:
+    names[p + "self_attn.q_proj.bias"] = (q,)
+    names[p + "self_attn.k_proj.bias"] = (kv,)
+    names[p + "self_attn.v_proj.bias"] = (kv,)
+  return names
+
+
+def expected_shapes(hparams: HParams) -> dict[str, tuple[int, ...]]:
+  """Every tensor name a checkpoint for `hparams` holds, with its shape."""
+  names = {
+    "embed_tokens.weight": (hparams.vocab, hparams.d_model),
+    "norm.weight": (hparams.d_model,),
+  }
+  if not hparams.tied_embeddings:
+    names["lm_head.weight"] = (hparams.vocab, hparams.d_model)
+  for i in range(hparams.layers):
+    names.update(_layer_names(hparams, i))
+  return names
+
+
+def check_names(
+  hparams: HParams, available: Collection[str], source: str
+) -> None:
+  """Raises ValueError for missing tensors and for ones the model would
+  silently drop (a bias or a norm this architecture has no place for)."""
+  want = expected_shapes(hparams)
+  missing = sorted(set(want) - set(available))
+  if missing:
+    raise ValueError(
+      f"{source}: {len(missing)} tensor(s) missing, e.g. "
+      f"{', '.join(missing[:5])} (for {hparams})"
+    )
+  extra = sorted(
+    name
+    for name in set(available) - set(want)
+    if not name.endswith(IGNORED_SUFFIXES)
+    and not (hparams.tied_embeddings and name == "lm_head.weight")
+  )
+  if extra:
+    raise ValueError(
+      f"{source}: tensor(s) this Llama-family model has no place for: "
+      f"{', '.join(extra[:5])}"
+    )
+
+
+def to_weights(
+  hparams: HParams,
+  get: Callable[[str], np.ndarray],
+  available: Collection[str],
+  *,
+  dtype=jnp.float32,
+  source: str = "checkpoint",
+) -> Weights:
+  """Builds `Weights` of `dtype` from Hugging Face-named tensors.
+
+  Args:
+    hparams: the model's shapes (already read from the checkpoint).
+    get: returns a tensor by name (may dequantize on the fly).
+    available: every tensor name the checkpoint holds.
+    dtype: the weights' dtype.
+    source: names the checkpoint in error messages.
+  """
+  check_names(hparams, available, source)
+  shapes = expected_shapes(hparams)
+  target = np.dtype(jnp.dtype(dtype))
+
+  def fetch(name: str) -> np.ndarray:
+    value = np.asarray(get(name))
+    if value.shape != shapes[name]:
+      raise ValueError(
+        f"{source}: tensor {name} has shape {value.shape}, expected "
+        f"{shapes[name]} for {hparams}"
+      )
+    return value
+
+  def put(value: np.ndarray) -> jnp.ndarray:
+    return jnp.asarray(value.astype(target, copy=False))
+
+  def stacked(suffix: str, reshape: Callable[[np.ndarray], np.ndarray]):
+    return put(
+      np.stack(
+        [reshape(fetch(f"layers.{i}.{suffix}")) for i in range(hparams.layers)]
+      )
+    )
+
+  h, kvh, dh = hparams.heads, hparams.kv_heads, hparams.head_dim
+  d = hparams.d_model
+  attn = "self_attn."
+  layers = Layer(
+    q=stacked(attn + "q_proj.weight", lambda w: w.T.reshape(d, h, dh)),
+    k=stacked(attn + "k_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
+    v=stacked(attn + "v_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
+    o=stacked(attn + "o_proj.weight", lambda w: w.T.reshape(h, dh, d)),
+    gate=stacked("mlp.gate_proj.weight", np.transpose),
+    up=stacked("mlp.up_proj.weight", np.transpose),
+    down=stacked("mlp.down_proj.weight", np.transpose),
+    attn_norm=stacked("input_layernorm.weight", np.asarray),
+    mlp_norm=stacked("post_attention_layernorm.weight", np.asarray),
+  )
+  if hparams.qkv_bias:
+    layers = layers.replace(
+      q_bias=stacked(attn + "q_proj.bias", lambda b: b.reshape(h, dh)),
+      k_bias=stacked(attn + "k_proj.bias", lambda b: b.reshape(kvh, dh)),
+      v_bias=stacked(attn + "v_proj.bias", lambda b: b.reshape(kvh, dh)),
+    )
+  weights = Weights(
+    embedding=put(fetch("embed_tokens.weight")),
+    layers=layers,
+    final_norm=put(fetch("norm.weight")),
+    unembedding=(
+      None if hparams.tied_embeddings else put(fetch("lm_head.weight").T)
+    ),
+  )
+  check_shapes(hparams, weights)
+  return weights

