@@ -113,7 +113,9 @@ def read_vocab(directory: str, config: Mapping[str, Any]):
   """The directory's tokenizer, or None (with a warning) if it has none."""
   path = os.path.join(directory, "tokenizer.json")
   if not os.path.isfile(path):
-    logging.warning("%s has no tokenizer.json: the model has no vocab", path)
+    logging.warning(
+      "%s has no tokenizer.json: the model has no vocab", directory
+    )
     return None
   tok_config_path = os.path.join(directory, "tokenizer_config.json")
   tok_config = (
