@@ -103,10 +103,21 @@ def gguf_tensors(model):
   return out
 
 
-def write_gguf(model, path, qtype=QType.F32, vocab_tokens=None):
+def write_gguf(
+  model,
+  path,
+  qtype=QType.F32,
+  vocab_tokens=None,
+  *,
+  edit_metadata=None,
+  drop=(),
+  rows=None,
+):
   """Writes `model` as a llama-architecture GGUF; matrices in `qtype`,
   norms in F32. `vocab_tokens`: optional byte-level token list (tokenizer
-  model "gpt2", no merges)."""
+  model "gpt2", no merges). To write broken files: `edit_metadata(writer)`
+  adds fields or tensors, `drop` leaves tensors out, `rows` ({name: n})
+  keeps only a tensor's first n rows."""
   c = model.config
   writer = gguf.GGUFWriter(str(path), "llama")
   writer.add_block_count(c.num_hidden_layers)
@@ -127,7 +138,13 @@ def write_gguf(model, path, qtype=QType.F32, vocab_tokens=None):
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+  if edit_metadata is not None:
+    edit_metadata(writer)
   for name, value in gguf_tensors(model).items():
+    if name in drop:
+      continue
+    if rows and name in rows:
+      value = value[: rows[name]]
     if value.ndim == 2 and qtype != QType.F32:
       writer.add_tensor(name, quants.quantize(value, qtype), raw_dtype=qtype)
     else:

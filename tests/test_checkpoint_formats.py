@@ -138,30 +138,14 @@ def test_safetensors_reader_errors(tmp_path):
 
 def _gguf_with(tmp_path, edit_metadata=None, drop=(), reshape=None):
   """A tiny GGUF whose metadata / tensors were changed by the caller."""
-  model = hf_models.tiny("llama", seed=0)
-  tensors = hf_models.gguf_tensors(model)
   path = tmp_path / "m.gguf"
-  writer = gguf.GGUFWriter(str(path), "llama")
-  c = model.config
-  writer.add_block_count(c.num_hidden_layers)
-  writer.add_context_length(128)
-  writer.add_embedding_length(c.hidden_size)
-  writer.add_feed_forward_length(c.intermediate_size)
-  writer.add_head_count(c.num_attention_heads)
-  writer.add_head_count_kv(c.num_key_value_heads)
-  writer.add_layer_norm_rms_eps(1e-5)
-  if edit_metadata:
-    edit_metadata(writer)
-  for name, value in tensors.items():
-    if name in drop:
-      continue
-    if reshape and name in reshape:
-      value = value[: reshape[name]]
-    writer.add_tensor(name, np.ascontiguousarray(value))
-  writer.write_header_to_file()
-  writer.write_kv_data_to_file()
-  writer.write_tensors_to_file()
-  writer.close()
+  hf_models.write_gguf(
+    hf_models.tiny("llama", seed=0),
+    path,
+    edit_metadata=edit_metadata,
+    drop=drop,
+    rows=reshape,
+  )
   return path
 
 
@@ -169,6 +153,7 @@ def test_gguf_metadata_and_tensor_errors(tmp_path):
   path = _gguf_with(tmp_path)
   model = cw.load(path)
   assert model.hparams.max_len == 128 and model.vocab is None
+  assert model.hparams.rope_base == 500.0
   with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
     cw.load(
       _gguf_with(
