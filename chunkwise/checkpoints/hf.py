@@ -34,7 +34,10 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
   return os.path.isfile(os.path.join(path, "config.json"))
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def _read_json(path: str, *, optional: bool = False) -> dict[str, Any]:
+  """The JSON object in `path`; {} for a missing `optional` file."""
+  if optional and not os.path.isfile(path):
+    return {}
   try:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
@@ -117,18 +120,16 @@ def read_vocab(directory: str, config: Mapping[str, Any]):
       "%s has no tokenizer.json: the model has no vocab", directory
     )
     return None
-  tok_config_path = os.path.join(directory, "tokenizer_config.json")
-  tok_config = (
-    _read_json(tok_config_path) if os.path.isfile(tok_config_path) else {}
+  tok_config = _read_json(
+    os.path.join(directory, "tokenizer_config.json"), optional=True
   )
   template = tok_config.get("chat_template")
   template_path = os.path.join(directory, "chat_template.jinja")
   if template is None and os.path.isfile(template_path):
     with open(template_path, encoding="utf-8") as f:
       template = f.read()
-  generation_path = os.path.join(directory, "generation_config.json")
-  generation = (
-    _read_json(generation_path) if os.path.isfile(generation_path) else {}
+  generation = _read_json(
+    os.path.join(directory, "generation_config.json"), optional=True
   )
   eos = _first_id(generation.get("eos_token_id", config.get("eos_token_id")))
   return TokenizerVocabulary.from_file(

@@ -77,9 +77,10 @@ def expected_shapes(hparams: HParams) -> dict[str, tuple[int, ...]]:
 
 def check_names(
   hparams: HParams, available: Collection[str], source: str
-) -> None:
+) -> dict[str, tuple[int, ...]]:
   """Raises ValueError for missing tensors and for ones the model would
-  silently drop (a bias or a norm this architecture has no place for)."""
+  silently drop (a bias or a norm this architecture has no place for).
+  Returns `expected_shapes(hparams)`."""
   want = expected_shapes(hparams)
   missing = sorted(set(want) - set(available))
   if missing:
@@ -98,6 +99,7 @@ def check_names(
       f"{source}: tensor(s) this Llama-family model has no place for: "
       f"{', '.join(extra[:5])}"
     )
+  return want
 
 
 def to_weights(
@@ -117,8 +119,7 @@ def to_weights(
     dtype: the weights' dtype.
     source: names the checkpoint in error messages.
   """
-  check_names(hparams, available, source)
-  shapes = expected_shapes(hparams)
+  shapes = check_names(hparams, available, source)
   target = np.dtype(jnp.dtype(dtype))
 
   def fetch(name: str) -> np.ndarray:

@@ -212,14 +212,14 @@ class TokenizerVocabulary:
     )
 
 
-def _add_special_tokens(tokenizer, tokens, token_types, vocab) -> None:
+def _add_special_tokens(tokenizer, tokens, token_types) -> None:
   """Control tokens become special added tokens and user-defined ones plain
   added tokens, so both are matched whole in text (as llama.cpp does)."""
   import tokenizers
 
   added = []
   for token, kind in zip(tokens, token_types, strict=True):
-    if kind in (CONTROL, USER_DEFINED) and vocab.get(token) is not None:
+    if kind in (CONTROL, USER_DEFINED):
       added.append(
         tokenizers.AddedToken(token, special=kind == CONTROL, normalized=False)
       )
@@ -268,7 +268,7 @@ def byte_level_bpe(
     ]
   )
   tokenizer.decoder = decoders.ByteLevel()
-  _add_special_tokens(tokenizer, tokens, token_types, vocab)
+  _add_special_tokens(tokenizer, tokens, token_types)
   return tokenizer
 
 
@@ -328,5 +328,5 @@ def sentencepiece_bpe(
     decode.append(decoders.Strip(" ", 1, 0))
   tokenizer.normalizer = normalizers.Sequence(space)
   tokenizer.decoder = decoders.Sequence(decode)
-  _add_special_tokens(tokenizer, tokens, token_types, vocab)
+  _add_special_tokens(tokenizer, tokens, token_types)
   return tokenizer
