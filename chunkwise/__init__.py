@@ -24,14 +24,19 @@ from chunkwise.inference import (
   Vocabulary,
   concat_results,
 )
+from chunkwise.partitioning import AttnBatch, Collectives, Layout, LayoutKind
 
 __all__ = [
+  "AttnBatch",
   "ByteVocabulary",
   "Chunk",
   "ChunkResult",
+  "Collectives",
   "HParams",
   "InferenceModel",
   "KVCache",
+  "Layout",
+  "LayoutKind",
   "Sampling",
   "TokenizerVocabulary",
   "Vocabulary",

@@ -27,8 +27,9 @@ def no_device_work(model, monkeypatch):
   def forbidden(*args, **kwargs):
     raise AssertionError("device work started before validation")
 
-  for name in ("_prefill", "_init", "_run"):
-    monkeypatch.setattr(model, name, forbidden)
+  for engine in (model._prefill_engine, model._generate_engine):
+    for name in ("prefill", "init", "run"):
+      monkeypatch.setattr(engine, name, forbidden)
   return model
 
 
@@ -189,10 +190,14 @@ def test_bad_input_chunk_shapes(no_device_work):
     model.prefill(cw.Chunk.from_lists([[1]]), top_n=321)
 
 
-def test_mesh_and_layout_other_than_none_are_rejected(model):
-  assert model.mesh is None and model.layout is None
-  with pytest.raises(ValueError, match="sharded execution is not available"):
+def test_bad_mesh_and_layout_are_rejected(model):
+  assert model.mesh is None and model.layout == cw.Layout.parse("reference")
+  with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh"):
     cw.InferenceModel(model.hparams, model.weights, mesh="2x2x2")
+  with pytest.raises(ValueError, match=r"layout ws_2d/none/xla .* needs a mesh"):
+    cw.InferenceModel(model.hparams, model.weights, layout="ws_2d")
+  with pytest.raises(ValueError, match=r"unknown kind 'ws_3d'"):
+    cw.InferenceModel(model.hparams, model.weights, layout="ws_3d")
 
 
 def test_bad_input_prefix_from_another_model(no_device_work):

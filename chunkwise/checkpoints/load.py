@@ -114,7 +114,12 @@ def load(
       f"dtype={dtype!r} is not a weight dtype chunkwise loads; expected one "
       f"of {', '.join(WEIGHT_DTYPES)}"
     )
-  check_placement(mesh, layout)
+  check_placement(
+    mesh,
+    layout,
+    model_kwargs.get("prefill_layout"),
+    model_kwargs.get("generate_layout"),
+  )
   path = resolve(name_or_path)
   start = time.perf_counter()
   if os.path.isdir(path):

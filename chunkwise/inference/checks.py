@@ -12,24 +12,60 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.results import ChunkResult
+from chunkwise.partitioning import Collectives, Layout, LayoutKind
+from chunkwise.partitioning import plan as plan_lib
 
 
 def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
-def check_placement(mesh, layout) -> None:
-  """This version runs one device with the reference layout only."""
-  if mesh is not None or layout is not None:
+def check_placement(
+  mesh,
+  layout=None,
+  prefill_layout=None,
+  generate_layout=None,
+  hparams: HParams | None = None,
+):
+  """Validates a mesh and layouts; returns (prefill layout, generate layout).
+
+  `layout` sets both phases; `prefill_layout` / `generate_layout` override
+  it per phase. Layouts may be `Layout`s or strings ("ws_2d/yz"). Without a
+  mesh only the reference layout runs. With `hparams`, the mesh must divide
+  every dimension each layout shards.
+  """
+  base = Layout() if layout is None else Layout.parse(layout)
+  phases = tuple(
+    base if given is None else Layout.parse(given)
+    for given in (prefill_layout, generate_layout)
+  )
+  if mesh is not None and not isinstance(mesh, Mesh):
     raise ValueError(
-      f"mesh={mesh!r}, layout={layout!r}: sharded execution is not "
-      "available in this version; pass mesh=None and layout=None (one "
-      "device, reference layout)"
+      f"mesh must be a jax.sharding.Mesh (see chunkwise.partitioning."
+      f"make_mesh), got {mesh!r}"
     )
+  for phase, lay in zip(("prefill", "generate"), phases, strict=True):
+    if lay.collectives is not Collectives.XLA:
+      raise ValueError(
+        f"{phase} layout {lay}: collective matmuls "
+        f"({lay.collectives.value}) are not available in this version; "
+        "use the xla collectives"
+      )
+    if lay.kind is LayoutKind.REFERENCE:
+      continue
+    if mesh is None:
+      raise ValueError(
+        f"{phase} layout {lay} shards the model and needs a mesh; pass "
+        "mesh=chunkwise.partitioning.make_mesh(...)"
+      )
+    if hparams is not None:
+      plan_lib.check(lay, mesh, hparams)
+  return phases
 
 
 def check_chunk(chunk: Chunk, hparams: HParams) -> Chunk:

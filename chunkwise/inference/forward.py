@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from chunkwise.configs import HParams
-from chunkwise.inference.attention import attend
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, total_lengths
 from chunkwise.inference.results import FullChunkResult
 from chunkwise.models import forward
+from chunkwise.models.attention import attend
 
 # infer(weights, prefix caches, chunk) -> FullChunkResult
 InferFn = Callable[[Any, Sequence[KVCache], Chunk], FullChunkResult]

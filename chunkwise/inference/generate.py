@@ -28,16 +28,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.forward import InferFn
 from chunkwise.inference.kv_cache import KVCache, total_lengths
-from chunkwise.inference.results import (
-  ChunkResult,
-  carried_logits,
-  score_tokens,
-)
-from chunkwise.inference.sampling import Sampling, sample, token_keys
+from chunkwise.inference.logits import LogitsShards
+from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.sampling import Sampling
+from chunkwise.partitioning import axes as ax
 
 
 @struct.dataclass(kw_only=True)
@@ -48,6 +47,18 @@ class LoopInputs:
   start: jax.Array  # int32[batch]: tokens before the first generated one
   sampling: Sampling  # per-row arrays
   stop_ids: jax.Array  # int32[n_stop]
+
+  @classmethod
+  def axes(cls) -> LoopInputs:
+    rows = P(ax.BATCH)
+    return cls(
+      sample_ids=rows,
+      start=rows,
+      sampling=Sampling(
+        temperature=rows, top_k=rows, top_p=rows, min_p=rows, seed=P()
+      ),
+      stop_ids=P(None),
+    )
 
 
 @struct.dataclass(kw_only=True)
@@ -63,6 +74,23 @@ class LoopState:
   next_logits: jax.Array  # f32[batch, vocab]
   done: jax.Array  # bool[batch]
 
+  @classmethod
+  def axes(cls) -> LoopState:
+    """Small per-row buffers are replicated; the KV buffer and the logits
+    are split like any KV cache and next-token logits."""
+    rows = P(ax.BATCH, ax.TIME)
+    top = P(ax.BATCH, ax.TIME, ax.TOP_N)
+    return cls(
+      step=P(),
+      tokens=rows,
+      scores=rows,
+      top_ids=top,
+      top_logprobs=top,
+      cache=KVCache.axes(),
+      next_logits=P(ax.LOGITS_BATCH, ax.LOGITS_VOCAB),
+      done=P(ax.BATCH),
+    )
+
 
 def init(
   infer: InferFn,
@@ -75,17 +103,25 @@ def init(
   top_n: int,
   vocab: int,
   bos_id: int,
+  shards: LogitsShards | None = None,
+  prev_split: bool = True,
 ) -> LoopState:
   """An empty state; the first token is sampled from `prev_logits` (the last
-  prefix's next-token logits, or the BOS distribution without prefix)."""
-  next_logits = carried_logits(prev_logits, batch, vocab=vocab, bos_id=bos_id)
+  prefix's next-token logits, or the BOS distribution without prefix).
+
+  Under `shard_map`, `shards` says how this device holds logits (see
+  `logits.LogitsShards`) and `prev_split` whether `prev_logits` is cut like
+  them; the KV buffer takes this device's shape of the cache `infer` makes.
+  """
+  shards = shards or LogitsShards(vocab=vocab)
+  next_logits = shards.carried(prev_logits, batch, bos_id, prev_split)
   # The buffer takes whatever K/V shape and dtype `infer` produces.
   step_chunk = Chunk(
     tokens=jnp.zeros((batch, 1), jnp.int32),
     lengths=jnp.ones((batch,), jnp.int32),
   )
   kv = jax.eval_shape(infer, weights, tuple(caches), step_chunk).kv_cache.k
-  shape = (kv.shape[0], batch, steps, *kv.shape[3:])
+  shape = (kv.shape[0], kv.shape[1], steps, *kv.shape[3:])
   cache = KVCache(
     k=jnp.zeros(shape, kv.dtype),
     v=jnp.zeros(shape, kv.dtype),
@@ -112,6 +148,7 @@ def _write_column(
 
 def _step(
   infer: InferFn,
+  shards: LogitsShards,
   weights,
   caches: tuple[KVCache, ...],
   inputs: LoopInputs,
@@ -120,10 +157,12 @@ def _step(
   i = state.step
   live = ~state.done
   positions = inputs.start + state.cache.lengths
-  keys = token_keys(inputs.sampling.seed, inputs.sample_ids, positions)
-  token = sample(state.next_logits, keys, inputs.sampling)
-  score, top_ids, top_logprobs = score_tokens(
-    state.next_logits, token, state.top_ids.shape[-1]
+  token, score, top_ids, top_logprobs = shards.sample(
+    state.next_logits,
+    inputs.sampling,
+    inputs.sample_ids,
+    positions,
+    state.top_ids.shape[-1],
   )
   # Position 0 always holds BOS (the only token the BOS distribution allows):
   # it starts a sequence and never stops one, even where BOS is also EOS.
@@ -151,7 +190,9 @@ def _step(
     top_ids=column(top_ids, state.top_ids),
     top_logprobs=column(top_logprobs, state.top_logprobs),
     cache=cache,
-    next_logits=jnp.where(keep[:, None], full.logits[:, 0], state.next_logits),
+    next_logits=jnp.where(
+      shards.rows(keep)[:, None], full.logits[:, 0], state.next_logits
+    ),
     done=state.done | stop,
   )
 
@@ -163,16 +204,18 @@ def run(
   state: LoopState,
   inputs: LoopInputs,
   stop_at: jax.Array,
+  shards: LogitsShards | None = None,
 ) -> LoopState:
   """Runs the loop from `state.step` until `stop_at` or all rows are done."""
   caches = tuple(caches)
+  shards = shards or LogitsShards(vocab=state.next_logits.shape[-1])
   limit = jnp.minimum(stop_at, state.tokens.shape[1])
 
   def cond(state):
     return (state.step < limit) & ~jnp.all(state.done)
 
   return lax.while_loop(
-    cond, lambda s: _step(infer, weights, caches, inputs, s), state
+    cond, lambda s: _step(infer, shards, weights, caches, inputs, s), state
   )
 
 

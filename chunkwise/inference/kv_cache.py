@@ -34,7 +34,8 @@ class KVCache:
     spec = P(
       ax.LAYERS, ax.CACHE_BATCH, ax.CACHE_TIME, ax.CACHE_HEADS, ax.HEAD_DIM
     )
-    return cls(k=spec, v=spec, lengths=P(ax.CACHE_BATCH))
+    # Lengths are per-row counts, replicated like every small per-row array.
+    return cls(k=spec, v=spec, lengths=P(ax.BATCH))
 
   @property
   def batch(self) -> int:

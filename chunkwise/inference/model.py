@@ -33,6 +33,7 @@ from chunkwise.inference.forward import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.results import ChunkResult, carried_logits
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.sharded import ShardedEngine
 from chunkwise.inference.vocabularies import (
   ByteVocabulary,
   Vocabulary,
@@ -40,6 +41,37 @@ from chunkwise.inference.vocabularies import (
   eos_id_of,
 )
 from chunkwise.models import Weights, check_shapes, init_random
+from chunkwise.partitioning import Layout, LayoutKind
+
+
+class _ReferenceEngine:
+  """The reference layout: plain jitted prefill / generate, no mesh."""
+
+  def __init__(self, infer_fn: InferFn, weights):
+    self.weights = weights
+    self._prefill = jax.jit(
+      functools.partial(prefill.prefill, infer_fn),
+      static_argnames=("top_n", "bos_id"),
+    )
+    self._init = jax.jit(
+      functools.partial(generate.init, infer_fn),
+      static_argnames=("batch", "steps", "top_n", "vocab", "bos_id"),
+    )
+    # The loop state is donated: segments of generate_stream reuse buffers.
+    self._run = jax.jit(
+      functools.partial(generate.run, infer_fn), donate_argnames=("state",)
+    )
+
+  def prefill(self, caches, prev, chunk, *, top_n, bos_id):
+    return self._prefill(
+      self.weights, caches, prev, chunk, top_n=top_n, bos_id=bos_id
+    )
+
+  def init(self, caches, prev, **static):
+    return self._init(self.weights, caches, prev, **static)
+
+  def run(self, caches, state, inputs, stop_at):
+    return self._run(self.weights, caches, state, inputs, stop_at)
 
 
 class InferenceModel:
@@ -51,8 +83,12 @@ class InferenceModel:
     vocab: a tokenizer with seqio.Vocabulary's surface (optional).
     bos_id: BOS id; default: the vocabulary's, else 0.
     eos_id: stop token of `generate`; default: the vocabulary's, else none.
-    mesh, layout: where and how to shard; None (the only value this version
-      accepts) runs the reference layout on JAX's default device.
+    mesh: a mesh with axes ("x", "y", "z") (`partitioning.make_mesh`), or
+      None: JAX's default device.
+    layout: a `Layout` or its string ("ws_2d/yz"); None is the reference
+      layout (replicated). `prefill_layout` / `generate_layout` override it
+      per phase (e.g. a weight-gathered prefill feeding a ws_2d generate);
+      results made in one layout are resharded for the other.
     cache_dtype: dtype of KV caches (f32 or bf16).
     compute_dtype: dtype of the residual stream (f32 or bf16); attention
       softmax, norms and logits are always computed in f32.
@@ -74,13 +110,23 @@ class InferenceModel:
     eos_id: int | None = None,
     mesh=None,
     layout=None,
+    prefill_layout=None,
+    generate_layout=None,
     cache_dtype=jnp.float32,
     compute_dtype=jnp.float32,
     infer_fn: InferFn | None = None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
-    checks.check_placement(mesh, layout)
+    phases = checks.check_placement(
+      mesh, layout, prefill_layout, generate_layout, hparams
+    )
+    sharded_phases = [p for p in phases if p.kind is not LayoutKind.REFERENCE]
+    if infer_fn is not None and sharded_phases:
+      raise ValueError(
+        f"infer_fn replaces the reference forward pass only; layouts "
+        f"{[str(p) for p in sharded_phases]} need the Transformer's"
+      )
     if infer_fn is None:
       check_shapes(hparams, weights)
       infer_fn = functools.partial(
@@ -101,19 +147,26 @@ class InferenceModel:
           f"{name}={value} is outside the model's vocabulary "
           f"[0, {hparams.vocab})"
         )
-    self._infer = infer_fn
-    self._prefill = jax.jit(
-      functools.partial(prefill.prefill, infer_fn),
-      static_argnames=("top_n", "bos_id"),
-    )
-    self._init = jax.jit(
-      functools.partial(generate.init, infer_fn),
-      static_argnames=("batch", "steps", "top_n", "vocab", "bos_id"),
-    )
-    # The loop state is donated: segments of generate_stream reuse buffers.
-    self._run = jax.jit(
-      functools.partial(generate.run, infer_fn), donate_argnames=("state",)
-    )
+    self._mesh = mesh
+    self._layouts = phases
+    engines: dict = {}
+    for lay in phases:
+      if lay in engines:
+        continue
+      if lay.kind is LayoutKind.REFERENCE:
+        engines[lay] = _ReferenceEngine(infer_fn, weights)
+      else:  # weights already placed alike by another layout stay shared
+        placed = [e.weights for e in engines.values()]
+        engines[lay] = ShardedEngine(
+          hparams,
+          placed[0] if placed else weights,
+          mesh,
+          lay,
+          cache_dtype=cache_dtype,
+          compute_dtype=compute_dtype,
+        )
+    self._prefill_engine = engines[phases[0]]
+    self._generate_engine = engines[phases[1]]
 
   @classmethod
   def random(
@@ -141,7 +194,8 @@ class InferenceModel:
 
   @property
   def weights(self) -> Weights:
-    return self._weights
+    """The weights (as placed for prefill)."""
+    return self._prefill_engine.weights
 
   @property
   def vocab(self) -> Vocabulary | None:
@@ -150,12 +204,20 @@ class InferenceModel:
   @property
   def mesh(self):
     """The device mesh (None: JAX's default device)."""
-    return None
+    return self._mesh
 
   @property
-  def layout(self):
-    """The sharding layout (None: the reference layout, unsharded)."""
-    return None
+  def layout(self) -> Layout:
+    """The layout of both phases (the generate layout when they differ)."""
+    return self._layouts[1]
+
+  @property
+  def prefill_layout(self) -> Layout:
+    return self._layouts[0]
+
+  @property
+  def generate_layout(self) -> Layout:
+    return self._layouts[1]
 
   @property
   def bos_id(self) -> int:
@@ -195,8 +257,8 @@ class InferenceModel:
     caches, prev = self._prefix_inputs(prefix)
     if chunk.time == 0:
       return self._empty_result(prev, chunk.batch, top_n)
-    return self._prefill(
-      self._weights, caches, prev, chunk, top_n=top_n, bos_id=self._bos_id
+    return self._prefill_engine.prefill(
+      caches, prev, chunk, top_n=top_n, bos_id=self._bos_id
     )
 
   def _empty_result(self, prev_logits, batch: int, top_n: int) -> ChunkResult:
@@ -238,8 +300,7 @@ class InferenceModel:
       stop = np.unique(np.append(stop, self._eos_id)).astype(np.int32)
     checks.check_total_length(prefix, batch, steps, h, f"{steps} steps")
     caches, prev = self._prefix_inputs(prefix)
-    state = self._init(
-      self._weights,
+    state = self._generate_engine.init(
       caches,
       prev,
       batch=batch,
@@ -280,7 +341,7 @@ class InferenceModel:
     caches, state, inputs = self._start(
       prefix, sample_ids, steps, sampling, stop_ids, top_n
     )
-    state = self._run(self._weights, caches, state, inputs, jnp.int32(steps))
+    state = self._generate_engine.run(caches, state, inputs, jnp.int32(steps))
     return generate.finish(state)
 
   def generate_stream(
@@ -310,7 +371,7 @@ class InferenceModel:
     for begin in range(0, steps, every):
       end = min(begin + every, steps)
       if not done:
-        state = self._run(self._weights, caches, state, inputs, jnp.int32(end))
+        state = self._generate_engine.run(caches, state, inputs, jnp.int32(end))
         done = bool(jnp.all(state.done))
       # Once every row has stopped, the remaining (empty) segments are cut
       # from the final state without running anything.

@@ -50,7 +50,7 @@ class ChunkResult:
       per_token_scores=P(ax.BATCH, ax.TIME),
       top_ids=P(ax.BATCH, ax.TIME, ax.TOP_N),
       top_logprobs=P(ax.BATCH, ax.TIME, ax.TOP_N),
-      next_token_logits=P(ax.BATCH, ax.LOGITS_VOCAB),
+      next_token_logits=P(ax.LOGITS_BATCH, ax.LOGITS_VOCAB),
       kv_cache=KVCache.axes(),
     )
 
@@ -86,6 +86,8 @@ class FullChunkResult:
     *,
     top_n: int = 0,
     bos_id: int = 0,
+    shards=None,
+    prev_split: bool = True,
   ) -> ChunkResult:
     """Scores the chunk's tokens; see the module docstring.
 
@@ -95,20 +97,34 @@ class FullChunkResult:
       chunk: the tokens that were run.
       top_n: how many alternatives to return per position (static).
       bos_id: the model's BOS id.
+      shards: under `shard_map`, a `logits.LogitsShards` saying how this
+        device's logits are cut (the chunk is replicated, `prev_logits` cut
+        like the logits when `prev_split`, else replicated rows); the
+        returned scores and top-n are then gathered to every device.
     """
-    batch, _, vocab = self.logits.shape
-    prev_logits = carried_logits(prev_logits, batch, vocab=vocab, bos_id=bos_id)
+    if shards is None:
+      batch, _, vocab = self.logits.shape
+      prev_logits = carried_logits(
+        prev_logits, batch, vocab=vocab, bos_id=bos_id
+      )
+      tokens, lengths, score = chunk.tokens, chunk.lengths, score_tokens
+    else:
+      prev_logits = shards.carried(prev_logits, chunk.batch, bos_id, prev_split)
+      tokens, lengths = shards.rows(chunk.tokens), shards.rows(chunk.lengths)
+      score = shards.score
     shifted = jnp.concatenate(
       [prev_logits[:, None], self.logits[:, :-1]], axis=1
     )
-    scores, top_ids, top_logprobs = score_tokens(shifted, chunk.tokens, top_n)
-    last = jnp.maximum(chunk.lengths - 1, 0)
+    scores, top_ids, top_logprobs = score(shifted, tokens, top_n)
+    last = jnp.maximum(lengths - 1, 0)
     next_logits = jnp.take_along_axis(self.logits, last[:, None, None], axis=1)[
       :, 0
     ]
-    next_logits = jnp.where(
-      (chunk.lengths > 0)[:, None], next_logits, prev_logits
-    )
+    next_logits = jnp.where((lengths > 0)[:, None], next_logits, prev_logits)
+    if shards is not None:
+      scores, top_ids, top_logprobs = (
+        shards.gather_rows(x) for x in (scores, top_ids, top_logprobs)
+      )
     return ChunkResult(
       per_token_scores=scores,
       top_ids=top_ids,

@@ -21,10 +21,12 @@ HEAD_DIM = "head_dim"  # width of one head
 MLP = "mlp"  # d_ff of a weight
 NORM = "norm"  # d_model of a norm scale
 
-# Data crossing the jit boundary.
-BATCH = "batch"  # rows of a Chunk / ChunkResult
+# Data crossing the jit boundary. Small per-row data (tokens, lengths,
+# scores, top-n) is replicated; KV caches and logits are sharded.
+BATCH = "batch"  # rows of a Chunk / ChunkResult / cache lengths
 TIME = "time"  # columns of a Chunk / ChunkResult
 TOP_N = "top_n"  # the n alternatives of top-n outputs
+LOGITS_BATCH = "logits_batch"  # rows of next-token logits
 LOGITS_VOCAB = "logits_vocab"  # vocabulary axis of next-token logits
 CACHE_BATCH = "cache_batch"  # rows of a KV cache
 CACHE_TIME = "cache_time"  # slots of a KV cache
@@ -42,6 +44,7 @@ ALL = (
   BATCH,
   TIME,
   TOP_N,
+  LOGITS_BATCH,
   LOGITS_VOCAB,
   CACHE_BATCH,
   CACHE_TIME,

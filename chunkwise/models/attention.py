@@ -1,0 +1,107 @@
+"""Attention over a list of prefix KV caches plus the current chunk.
+
+Each piece of context (every prefix cache, then the chunk itself) is attended
+to separately, producing unnormalised outputs with their softmax statistics
+(running max m, sum s); the pieces are merged exactly:
+
+  M = max_i m_i,   out = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M) s_i
+
+Within the chunk attention is causal; in a cache, slots >= lengths are
+masked. A cache with batch b < B serves B/b consecutive query rows ("repeat
+each"): queries are reshaped to [b, B/b, ...] so the cache is read in place.
+Grouped-query attention: query head h reads K/V head h // (heads/kv_heads).
+
+  out = attend(q, k, v, [(cache_k, cache_v, cache_lengths), ...])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+# A masked logit: finite so that an all-masked piece gives m = _MASKED
+# (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
+_MASKED = -1e30
+
+# (k, v, lengths): one layer of a prefix cache.
+#   k, v: [b, S, kv_heads, head_dim]; lengths: int32[b].
+PrefixLayer = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _attend_piece(
+  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> tuple[jax.Array, ...]:
+  """Unnormalised attention of q to one piece of context.
+
+  Args:
+    q: f32[b, r, T, kv_heads, group, D], pre-scaled.
+    k, v: [b, S, kv_heads, D].
+    mask: bool, broadcastable to [b, r, T, kv_heads, group, S].
+  Returns:
+    (m, s, o): max logit [b, r, T, kv_heads, group], sum of exp(logit - m)
+    (same shape) and the exp-weighted sum of values [..., D].
+  """
+  logits = jnp.einsum("brtkgd,bskd->brtkgs", q, k.astype(jnp.float32))
+  logits = jnp.where(mask, logits, _MASKED)
+  m = jnp.max(logits, axis=-1)
+  e = jnp.where(mask, jnp.exp(logits - m[..., None]), 0.0)
+  s = jnp.sum(e, axis=-1)
+  o = jnp.einsum("brtkgs,bskd->brtkgd", e, v.astype(jnp.float32))
+  return m, s, o
+
+
+def attend(
+  q: jax.Array, k: jax.Array, v: jax.Array, prefix: Sequence[PrefixLayer] = ()
+) -> jax.Array:
+  """Causal attention of a chunk to its prefixes and itself.
+
+  Args:
+    q: [B, T, heads, D] queries (RoPE applied, not scaled).
+    k, v: [B, T, kv_heads, D] the chunk's keys and values.
+    prefix: one (k, v, lengths) per prefix cache, batches dividing B.
+  Returns:
+    f32[B, T, heads, D].
+  """
+  batch, time, heads, dim = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  q = q.astype(jnp.float32) * (dim**-0.5)
+  q = q.reshape(batch, time, kv_heads, group, dim)
+
+  pieces = []
+  for pk, pv, lengths in prefix:
+    if pk.shape[1] == 0:  # a zero-width prefix holds nothing to attend to
+      continue
+    b = pk.shape[0]
+    # [b, S] -> [b, 1, 1, 1, 1, S]
+    mask = jnp.arange(pk.shape[1])[None, :] < lengths[:, None]
+    mask = mask[:, None, None, None, None, :]
+    m, s, o = _attend_piece(
+      q.reshape(b, batch // b, *q.shape[1:]), pk, pv, mask
+    )
+    pieces.append(
+      (
+        m.reshape(batch, time, kv_heads, group),
+        s.reshape(batch, time, kv_heads, group),
+        o.reshape(batch, time, kv_heads, group, dim),
+      )
+    )
+  causal = jnp.arange(time)[:, None] >= jnp.arange(time)[None, :]  # [T, S]
+  m, s, o = _attend_piece(
+    q[:, None], k, v, causal[None, None, :, None, None, :]
+  )
+  pieces.append((m[:, 0], s[:, 0], o[:, 0]))
+
+  big_m = pieces[0][0]
+  for m, _, _ in pieces[1:]:
+    big_m = jnp.maximum(big_m, m)
+  total_s = 0.0
+  total_o = 0.0
+  for m, s, o in pieces:
+    w = jnp.exp(m - big_m)
+    total_s = total_s + w * s
+    total_o = total_o + w[..., None] * o
+  out = total_o / total_s[..., None]
+  return out.reshape(batch, time, heads, dim)

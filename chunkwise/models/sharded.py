@@ -1,0 +1,55 @@
+"""The whole model on one device's shards: embed, scanned layers, unembed.
+
+  logits, (k, v) = forward(plan, hparams, weights, tokens, positions,
+                           prefix, dtype)
+
+`plan.kind` picks the per-device layer code (`weight_stationary` for ws_1d
+and ws_2d, `weight_gathered` for wg). Inputs: the weights' local shards,
+token ids and absolute positions [B, T] of every row (replicated), and per
+prefix cache (k, v, lengths) cut to this device's attention rows, k/v with
+the stacked layer axis first. Outputs: logits split as `plan.logits_batch`
+/ `plan.logits_vocab` say, and the chunk's (k, v) [layers, rows, T, heads,
+D] split like the KV cache.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from chunkwise.configs import HParams
+from chunkwise.models import weight_gathered, weight_stationary
+from chunkwise.models.weights import Weights
+from chunkwise.partitioning.layout import LayoutKind
+from chunkwise.partitioning.plan import Plan
+
+
+def layers_module(plan: Plan):
+  if plan.kind is LayoutKind.WG:
+    return weight_gathered
+  if plan.kind in (LayoutKind.WS_1D, LayoutKind.WS_2D):
+    return weight_stationary
+  raise ValueError(f"no per-device layers for layout kind {plan.kind}")
+
+
+def forward(
+  plan: Plan,
+  hparams: HParams,
+  weights: Weights,
+  tokens: jax.Array,
+  positions: jax.Array,
+  prefix,
+  dtype,
+):
+  mod = layers_module(plan)
+  x = mod.embed(plan, hparams, weights, tokens, dtype)
+  lengths = [n for _, _, n in prefix]
+
+  def step(x, layer_inputs):
+    w, kv = layer_inputs
+    layer_prefix = [(k, v, n) for (k, v), n in zip(kv, lengths, strict=True)]
+    return mod.layer(plan, hparams, w, x, positions, layer_prefix)
+
+  per_layer = tuple((k, v) for k, v, _ in prefix)
+  x, kv = lax.scan(step, x, (weights.layers, per_layer))
+  return mod.unembed(plan, hparams, weights, x), kv

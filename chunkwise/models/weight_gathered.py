@@ -1,0 +1,88 @@
+"""Per-device layers of the weight-gathered layout.
+
+Weights are stored as in ws_2d ([E.X, H.YZ], ...) and all-gathered whole,
+layer by layer, just before use; activations never move. The batch is split
+over the plan's row axes (x·y·z when the batch allows), so each device runs
+the plain per-device math of `models.transformer` on its own rows:
+
+  residual [B.XYZ, T, E]; logits [B.XYZ, T, V]; KV cache [B.XYZ, S, KVH]
+
+`positions` are given for every row (replicated) and cut here; `prefix`
+caches arrive already cut to this device's rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.configs import HParams
+from chunkwise.models import shard_ops as ops
+from chunkwise.models import transformer
+from chunkwise.models.attention import attend
+from chunkwise.models.weights import Layer, Weights
+from chunkwise.partitioning.plan import Plan
+
+
+def _rows(plan: Plan, x: jax.Array) -> jax.Array:
+  return ops.local_rows(
+    x, plan.size(plan.resid_batch), ops.index(plan.resid_batch)
+  )
+
+
+def _whole(plan: Plan, tree, specs):
+  return ops.gather_weights(tree, specs, plan.rules())
+
+
+def _table(plan: Plan, hparams: HParams, weights: Weights) -> Weights:
+  """The embedding, final norm and unembedding, gathered whole."""
+  specs = Weights.axes(hparams)
+  return Weights(
+    embedding=_whole(plan, weights.embedding, specs.embedding),
+    layers=weights.layers,
+    final_norm=weights.final_norm,
+    unembedding=(
+      None
+      if weights.unembedding is None
+      else _whole(plan, weights.unembedding, specs.unembedding)
+    ),
+  )
+
+
+def embed(
+  plan: Plan, hparams: HParams, weights: Weights, tokens: jax.Array, dtype
+) -> jax.Array:
+  """Token ids [B, T] (replicated) -> residual [B.rows, T, E]."""
+  whole = _table(plan, hparams, weights)
+  return transformer.embed(whole, _rows(plan, tokens), dtype)
+
+
+def unembed(
+  plan: Plan, hparams: HParams, weights: Weights, x: jax.Array
+) -> jax.Array:
+  return transformer.unembed(hparams, _table(plan, hparams, weights), x)
+
+
+def layer(
+  plan: Plan,
+  hparams: HParams,
+  w: Layer,
+  x: jax.Array,
+  positions: jax.Array,
+  prefix,
+):
+  """One layer on this device's rows; returns (x, (k, v))."""
+  specs = jax.tree.map(
+    lambda s: P(*s[1:]),
+    Layer.axes(hparams),
+    is_leaf=lambda s: isinstance(s, P),
+  )
+  whole = _whole(plan, w, specs)
+
+  def attend_rows(q, k, v, layer_prefix):
+    return attend(q, k, v, layer_prefix).astype(jnp.float32)
+
+  return transformer.block(
+    hparams, whole, x, _rows(plan, positions), attend_rows, prefix
+  )

@@ -1,0 +1,239 @@
+"""Per-device layers of the weight-stationary layouts (1D and 2D).
+
+One implementation serves both: the `Plan` names the mesh axes, and every
+collective over an empty axis tuple is the identity. Weights never move;
+activations are gathered before a matmul and reduce-scattered after it.
+
+  ws_2d (axes: weights embed X, heads/d_ff/vocab YZ; residual [B.Z, T, E.XY])
+    norm      [B.Z, T, E.XY] -all_gather y-> [B.Z, T, E.X], mean of
+              squares psum'd over x -all_gather z-> xn [B, T, E.X]
+    q         xn @ q [E.X, H.YZ] = [B, T, H.YZ]{x unreduced}
+              -psum_scatter x on heads-> [B, T, H.YZX]
+    k, v      xn @ k [E.X, KVH(.YZ)] -psum x-> [B, T, KVH(.YZ)]
+    attention by head, or by batch: all_to_all q heads -> rows
+    o         all_gather x on heads, @ o [H.YZ, E.X] = [B, T, E.X]{yz}
+    mlp       psum over x of xn @ gate/up [E.X, F.YZ]; @ down [F.YZ, E.X]
+              = [B, T, E.X]{yz unreduced}
+    reduce    -psum_scatter y on embed, z on batch-> [B.Z, T, E.XY]
+  ws_1d (weights embed whole, heads/d_ff/vocab XYZ; residual [B, T, E.XYZ])
+    the same steps with x·y·z in place of y·z and nothing on x: norm
+    all-gathers the residual, reduce psum-scatters it back.
+  Embedding: each device looks up the ids of its vocabulary rows (zeros
+  elsewhere) and the result is reduced like a layer's output. Unembedding:
+  xn @ table [V.YZ, E.X] -psum_scatter x on vocab-> logits [B, T, V.YZX].
+
+`prefix` holds, per prefix cache, this layer's (k, v, lengths) already cut
+to this device's attention rows (see `inference.sharded`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from chunkwise.configs import Block, HParams
+from chunkwise.models import shard_ops as ops
+from chunkwise.models.attention import attend
+from chunkwise.models.transformer import _activation, _bias, _mm, rope
+from chunkwise.models.weights import Layer, Weights
+from chunkwise.partitioning.plan import Plan
+
+
+def _minus(axes, drop):
+  return tuple(a for a in axes if a not in drop)
+
+
+def _sizes(plan: Plan) -> dict:
+  return dict(plan.sizes)
+
+
+def norm(
+  plan: Plan, hparams: HParams, x: jax.Array, scale: jax.Array | None
+) -> jax.Array:
+  """RMSNorm of the residual [B.rb, T, E.re] -> xn [B, T, E.embed]."""
+  x = ops.all_gather(x, _minus(plan.resid_embed, plan.embed_axes), axis=2)
+  x32 = x.astype(jnp.float32)
+  squares = ops.psum(
+    jnp.sum(x32 * x32, axis=-1, keepdims=True), plan.embed_axes
+  )
+  normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
+  if scale is not None:
+    n = plan.size(plan.embed_axes)
+    local = ops.block(scale, n, ops.index(plan.embed_axes), axis=0)
+    normed = normed * local.astype(jnp.float32)
+  normed = normed.astype(x.dtype)
+  return ops.all_gather(normed, plan.resid_batch, axis=0)
+
+
+def reduce(plan: Plan, partial: jax.Array) -> jax.Array:
+  """[B, T, E.embed]{head axes unreduced} -> residual [B.rb, T, E.re]."""
+  scatter = _minus(plan.resid_embed, plan.embed_axes)
+  out = ops.psum_scatter(partial, scatter, axis=2)
+  out = ops.psum_scatter(out, plan.resid_batch, axis=0)
+  rest = _minus(plan.head_axes, (*scatter, *plan.resid_batch))
+  return ops.psum(out, rest)
+
+
+def embed(
+  plan: Plan, hparams: HParams, weights: Weights, tokens: jax.Array, dtype
+) -> jax.Array:
+  """Token ids [B, T] (replicated) -> residual [B.rb, T, E.re]."""
+  table = weights.embedding  # [V.vocab, E.embed]
+  rows = table.shape[0]
+  ids = jnp.clip(tokens, 0, hparams.vocab - 1)
+  ids = ids - ops.index(plan.vocab_axes) * rows
+  inside = (ids >= 0) & (ids < rows)
+  found = jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0)
+  partial = jnp.where(inside[..., None], found, 0).astype(dtype)
+  return reduce(plan, partial)
+
+
+def unembed(
+  plan: Plan, hparams: HParams, weights: Weights, x: jax.Array
+) -> jax.Array:
+  """Final norm, then f32 logits [B, T, V.(vocab axes + embed axes)]."""
+  xn = norm(plan, hparams, x, weights.final_norm).astype(jnp.float32)
+  if weights.unembedding is None:
+    table = weights.embedding.astype(jnp.float32)
+    partial = jnp.einsum("bte,ve->btv", xn, table)
+  else:
+    table = weights.unembedding.astype(jnp.float32)
+    partial = jnp.einsum("bte,ev->btv", xn, table)
+  return ops.psum_scatter(partial, plan.embed_axes, axis=2)
+
+
+def heads_attention(
+  plan: Plan,
+  hparams: HParams,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  prefix,
+) -> jax.Array:
+  """Attention of this device's query heads.
+
+  Args:
+    q: [B, T, hq, D], heads split over `plan.q_axes`, RoPE applied.
+    k, v: the chunk's keys and values for this device's attention rows:
+      [B, T, kvh, D] with K/V heads split over `plan.cache_heads` (by head),
+      or [B/na, T, kv_heads, D] (by batch over `plan.attn_batch`).
+    prefix: per prefix cache (k, v, lengths), rows and heads like k, v.
+  Returns:
+    f32[B, T, hq, D].
+  """
+  sizes = _sizes(plan)
+  hq = q.shape[2]
+  group = hparams.heads // hparams.kv_heads
+  if plan.attn_batch:
+    # [B, T, hq] -> [B/na, T, na*hq]: na blocks of hq heads, block j from
+    # the device whose attention-batch coordinates are j's.
+    q = ops.all_to_all(q, plan.attn_batch, split=0, concat=2)
+    starts = [
+      ops.index_with(plan.q_axes, sizes, c) * hq
+      for c in ops.coordinates(plan.attn_batch, sizes)
+    ]
+    kv_start = 0
+  else:
+    starts = [ops.index(plan.q_axes) * hq]
+    kv_start = ops.index(plan.cache_heads) * k.shape[2]
+  width = hq
+  if hparams.kv_heads == 1:  # one K/V head serves every query head
+    starts, width = starts[:1], q.shape[2]
+  count = width // group if width % group == 0 else 1
+  outs = []
+  for j, start in enumerate(starts):
+    first = start // group - kv_start
+
+    def select(a, first=first):
+      if a.shape[2] == count:
+        return a
+      return lax.dynamic_slice_in_dim(a, first, count, axis=2)
+
+    layer_prefix = [(select(pk), select(pv), n) for pk, pv, n in prefix]
+    outs.append(
+      attend(
+        q[:, :, j * width : (j + 1) * width],
+        select(k),
+        select(v),
+        layer_prefix,
+      )
+    )
+  out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+  return ops.all_to_all(out, plan.attn_batch, split=2, concat=0)
+
+
+def attention(
+  plan: Plan,
+  hparams: HParams,
+  w: Layer,
+  xn: jax.Array,
+  positions: jax.Array,
+  prefix,
+):
+  """xn [B, T, E.embed] -> ([B, T, E.embed]{head axes unreduced}, (k, v))."""
+  embed_axes = plan.embed_axes
+  q = ops.psum_scatter(_mm("bte,ehd->bthd", xn, w.q), embed_axes, axis=2)
+  if w.q_bias is not None:
+    n = plan.size(embed_axes)
+    q = _bias(q, ops.block(w.q_bias, n, ops.index(embed_axes), axis=0))
+  wk, wv, bk, bv = w.k, w.v, w.k_bias, w.v_bias
+  rows, row_positions = xn, positions
+  # Attention split by batch: this device's rows with every K/V head. The
+  # embed contraction is split over embed_axes, so rows are first cut over
+  # the other attention axes (equal along embed_axes), then over the
+  # embed axes among them (the minor ones) once the psum is done.
+  inner = tuple(a for a in plan.attn_batch if a in embed_axes)
+  outer = plan.attn_batch[: len(plan.attn_batch) - len(inner)]
+  if inner != plan.attn_batch[len(outer) :]:
+    raise ValueError(
+      f"attention batch axes {plan.attn_batch} must list {inner} last"
+    )
+  if plan.attn_batch:
+    rows = ops.local_rows(xn, plan.size(outer), ops.index(outer))
+    row_positions = ops.local_rows(
+      positions, plan.size(plan.attn_batch), ops.index(plan.attn_batch)
+    )
+    wk, wv = (ops.all_gather(a, plan.kv_axes, axis=1) for a in (wk, wv))
+    if bk is not None:
+      bk, bv = (ops.all_gather(a, plan.kv_axes, axis=0) for a in (bk, bv))
+
+  def project(w, bias):
+    out = ops.psum(_mm("bte,ehd->bthd", rows, w), embed_axes)
+    out = ops.block(out, plan.size(inner), ops.index(inner), axis=0)
+    return _bias(out, bias)
+
+  k, v = project(wk, bk), project(wv, bv)
+  q = rope(q, positions, hparams.rope_base)
+  k = rope(k, row_positions, hparams.rope_base)
+  out = heads_attention(plan, hparams, q, k, v, prefix).astype(xn.dtype)
+  out = ops.all_gather(out, embed_axes, axis=2)  # [B, T, H.heads]
+  return _mm("bthd,hde->bte", out, w.o), (k, v)
+
+
+def mlp(plan: Plan, hparams: HParams, w: Layer, xn: jax.Array) -> jax.Array:
+  """xn [B, T, E.embed] -> [B, T, E.embed]{head axes unreduced}."""
+  gate = ops.psum(_mm("bte,ef->btf", xn, w.gate), plan.embed_axes)
+  up = ops.psum(_mm("bte,ef->btf", xn, w.up), plan.embed_axes)
+  hidden = _activation(hparams.activation, gate) * up
+  return _mm("btf,fe->bte", hidden, w.down)
+
+
+def layer(
+  plan: Plan,
+  hparams: HParams,
+  w: Layer,
+  x: jax.Array,
+  positions: jax.Array,
+  prefix,
+):
+  """One layer on the residual [B.rb, T, E.re]; returns (x, (k, v))."""
+  if hparams.block == Block.PARALLEL:
+    xn = norm(plan, hparams, x, w.attn_norm)
+    attn, kv = attention(plan, hparams, w, xn, positions, prefix)
+    return x + reduce(plan, attn + mlp(plan, hparams, w, xn)), kv
+  xn = norm(plan, hparams, x, w.attn_norm)
+  attn, kv = attention(plan, hparams, w, xn, positions, prefix)
+  x = x + reduce(plan, attn)
+  xn = norm(plan, hparams, x, w.mlp_norm)
+  return x + reduce(plan, mlp(plan, hparams, w, xn)), kv
