@@ -208,7 +208,7 @@ def test_load_resolves_names_and_paths(tmp_path, monkeypatch):
   # The dtype is checked before anything is read.
   with pytest.raises(ValueError, match=r"dtype='int8'.*float32, bfloat16"):
     cw.load("no-such-model", dtype="int8")
-  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+  with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh"):
     cw.load("no-such-model", mesh="2x2x2")
   with pytest.raises(ValueError, match=r"unknown attention batch 'q'"):
     cw.load("no-such-model", layout="ws_2d/q")

@@ -4,6 +4,7 @@ core contract on it: a few-shot prefix shared by 3 tasks x 2 samples."""
 
 import os
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -130,6 +131,36 @@ def test_greedy_generation_matches_transformers(smol, reference):
     assert ours == theirs
   lengths = sorted(len(t) for t in tokens.to_lists())
   assert lengths[0] < 32 == lengths[-1]  # one answer ended at EOS
+
+
+@pytest.mark.parametrize(
+  "layout, shape", [("ws_2d", (1, 1, 3)), ("ws_1d", (3, 1, 1))]
+)
+def test_three_device_mesh_gives_single_device_greedy_tokens(
+  smol, layout, shape
+):
+  """9 query heads and 3 K/V heads over 3 devices: one K/V head each."""
+  mesh = cw.partitioning.make_mesh(shape, jax.devices()[:3])
+  sharded = cw.InferenceModel(
+    smol.hparams,
+    smol.weights,
+    smol.vocab,
+    mesh=mesh,
+    layout=layout,
+    bos_id=smol.bos_id,
+    eos_id=smol.eos_id,
+  )
+  chunk = cw.Chunk.tokenize(smol.vocab, PROMPTS, is_first_chunk=True)
+  outs = []
+  for model in (smol, sharded):
+    tokens, _ = model.generate(
+      [model.prefill(chunk)],
+      sample_ids=np.arange(len(PROMPTS)),
+      steps=16,
+      sampling=cw.Sampling(temperature=0.0),
+    )
+    outs.append(tokens.to_lists())
+  assert outs[0] == outs[1]
 
 
 # The core contract on the real model ----------------------------------------

@@ -25,7 +25,6 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -130,9 +129,6 @@ class ShardedEngine:
     return jax.tree.map(
       lambda x, s: _put(x, NamedSharding(self.mesh, s)), tree, mesh_specs
     )
-
-  def mesh_specs(self, specs, rules):
-    return resolve_tree(specs, rules)
 
   def _shards(self, plan: Plan) -> LogitsShards:
     return LogitsShards(
@@ -288,8 +284,3 @@ class ShardedEngine:
 
   def _replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, P())
-
-
-def host(x) -> np.ndarray:
-  """A replicated (possibly multi-process) array on the host."""
-  return np.asarray(jnp.asarray(x) if not isinstance(x, jax.Array) else x)

@@ -14,7 +14,6 @@ caches arrive already cut to this device's rows.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import HParams
@@ -79,10 +78,6 @@ def layer(
     is_leaf=lambda s: isinstance(s, P),
   )
   whole = _whole(plan, w, specs)
-
-  def attend_rows(q, k, v, layer_prefix):
-    return attend(q, k, v, layer_prefix).astype(jnp.float32)
-
   return transformer.block(
-    hparams, whole, x, _rows(plan, positions), attend_rows, prefix
+    hparams, whole, x, _rows(plan, positions), attend, prefix
   )
