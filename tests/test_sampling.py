@@ -120,4 +120,4 @@ def test_new_values_do_not_recompile():
     cw.Sampling(temperature=np.array([0.3]), top_p=0.5, min_p=0.1, seed=12),
   ):
     model.generate([prompt], sample_ids=[0], steps=3, sampling=sampling)
-  assert model._run._cache_size() == 1
+  assert model._generate_engine._run._cache_size() == 1
