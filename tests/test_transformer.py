@@ -69,7 +69,10 @@ def test_layers_run_under_scan():
     h = cw.configs.get("tiny").replace(layers=layers)
     model = cw.InferenceModel.random(h)
     chunk = cw.Chunk.from_lists([[1, 2, 3]])
-    jaxpr = jax.make_jaxpr(model._infer)(model.weights, (), chunk)
+    infer = cw.inference.transformer_infer
+    jaxpr = jax.make_jaxpr(lambda w, c: infer(h, w, (), c))(
+      model.weights, chunk
+    )
     return str(jaxpr).count("dot_general"), str(jaxpr).count("scan[")
 
   assert count(2) == count(30)
