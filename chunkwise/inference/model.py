@@ -137,7 +137,6 @@ class InferenceModel:
       )
     self._cache_dtype = jnp.dtype(cache_dtype)
     self._hparams = hparams
-    self._weights = weights
     self._vocab = vocab
     self._bos_id = bos_id_of(vocab) if bos_id is None else int(bos_id)
     self._eos_id = eos_id_of(vocab) if eos_id is None else int(eos_id)

@@ -39,6 +39,7 @@ from chunkwise.inference.results import ChunkResult, FullChunkResult
 from chunkwise.models import Weights, sharded
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
+from chunkwise.partitioning import axes as ax
 
 
 def sharded_infer(
@@ -109,9 +110,10 @@ class ShardedEngine:
     self.mesh = mesh
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
-    self._specs = Weights.axes(hparams)
-    plan = self.plan(1)
-    self.weights = self.place(weights, self._specs, plan.rules())
+    # Where weights live depends on the layout only, never on a call.
+    self.weights, self._weight_specs = self._place(
+      weights, Weights.axes(hparams), self.plan(1).rules()
+    )
     self._programs: dict = {}
 
   def plan(self, batch: int, prefix_batches: Sequence[int] = ()) -> Plan:
@@ -123,12 +125,14 @@ class ShardedEngine:
       prefix_batches=tuple(prefix_batches),
     )
 
-  def place(self, tree, specs, rules):
-    """`tree` placed with the shardings its logical `specs` resolve to."""
-    mesh_specs = resolve_tree(specs, rules)
-    return jax.tree.map(
-      lambda x, s: _put(x, NamedSharding(self.mesh, s)), tree, mesh_specs
+  def _place(self, tree, logical, rules):
+    """`tree` placed with the shardings its `logical` specs resolve to;
+    returns (placed tree, mesh specs)."""
+    specs = resolve_tree(logical, rules)
+    placed = jax.tree.map(
+      lambda x, s: _put(x, NamedSharding(self.mesh, s)), tree, specs
     )
+    return placed, specs
 
   def _shards(self, plan: Plan) -> LogitsShards:
     return LogitsShards(
@@ -142,145 +146,109 @@ class ShardedEngine:
     return functools.partial(sharded_infer, plan, self.hparams, **self._dtypes)
 
   def _prefix_args(self, plan: Plan, caches, prev):
-    """Places prefix caches and the carried logits; returns (args, specs)."""
-    cache_specs, placed = [], []
-    for cache in caches:
-      rules = plan.prefix_rules(cache.batch)
-      spec = resolve_tree(KVCache.axes(), rules)
-      placed.append(self.place(cache, KVCache.axes(), rules))
-      cache_specs.append(spec)
-    prev_spec = P()
-    if prev is not None:
-      rules = plan.prefix_rules(prev.shape[0])
-      logical = ChunkResult.axes().next_token_logits
-      prev_spec = resolve_tree(logical, rules)
-      prev = self.place(prev, logical, rules)
-    return (tuple(placed), prev), (tuple(cache_specs), prev_spec)
+    """Places prefix caches and the carried logits (each split like the
+    call's rows when its batch divides them, see `Plan.prefix_rules`).
 
-  def _weight_spec(self, plan: Plan):
-    return resolve_tree(self._specs, plan.rules())
+    Returns ((caches, prev), (cache specs, prev spec), prev_split), where
+    prev_split says whether `prev` is split over rows like the logits.
+    """
+    placed = [
+      self._place(c, KVCache.axes(), plan.prefix_rules(c.batch)) for c in caches
+    ]
+    caches = tuple(c for c, _ in placed)
+    cache_specs = tuple(spec for _, spec in placed)
+    if prev is None:
+      return (caches, None), (cache_specs, P()), False
+    rules = plan.prefix_rules(prev.shape[0])
+    logical = ChunkResult.axes().next_token_logits
+    prev, prev_spec = self._place(prev, logical, rules)
+    prev_split = rules[ax.LOGITS_BATCH] == plan.logits_batch
+    return (caches, prev), (cache_specs, prev_spec), prev_split
 
-  def _compile(self, key, build):
+  def _program(self, key, per_device, in_specs, out_specs, **jit_options):
+    """The jitted `shard_map` of `per_device`, built once per `key`."""
     if key not in self._programs:
-      self._programs[key] = build()
-    return self._programs[key]
-
-  def _prev_split(self, plan: Plan, has_prev: bool) -> bool:
-    if not has_prev:
-      return False
-    n = plan.size(plan.logits_batch)
-    return plan.prefix_batches[-1] % n == 0
-
-  def prefill(self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int):
-    plan = self.plan(chunk.batch, [c.batch for c in caches])
-    (caches, prev), (cache_specs, prev_spec) = self._prefix_args(
-      plan, caches, prev
-    )
-    rules = plan.rules()
-    chunk = self.place(chunk, Chunk.axes(), rules)
-    has_prev = prev is not None
-
-    def build():
-      infer = self._infer(plan)
-      shards = self._shards(plan)
-      prev_split = self._prev_split(plan, has_prev)
-
-      def per_device(weights, caches, prev, chunk):
-        full = infer(weights, caches, chunk)
-        return full.to_chunk_result(
-          prev,
-          chunk,
-          top_n=top_n,
-          bos_id=bos_id,
-          shards=shards,
-          prev_split=prev_split,
-        )
-
-      return jax.jit(
+      self._programs[key] = jax.jit(
         jax.shard_map(
           per_device,
           mesh=self.mesh,
-          in_specs=(
-            self._weight_spec(plan),
-            cache_specs,
-            prev_spec,
-            resolve_tree(Chunk.axes(), rules),
-          ),
-          out_specs=resolve_tree(ChunkResult.axes(), rules),
+          in_specs=in_specs,
+          out_specs=out_specs,
           # Outputs declared replicated are made so by explicit gathers.
           check_vma=False,
-        )
+        ),
+        **jit_options,
+      )
+    return self._programs[key]
+
+  def prefill(self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int):
+    plan = self.plan(chunk.batch, [c.batch for c in caches])
+    (caches, prev), (cache_specs, prev_spec), prev_split = self._prefix_args(
+      plan, caches, prev
+    )
+    rules = plan.rules()
+    chunk, chunk_spec = self._place(chunk, Chunk.axes(), rules)
+    infer = self._infer(plan)
+    shards = self._shards(plan)
+
+    def per_device(weights, caches, prev, chunk):
+      full = infer(weights, caches, chunk)
+      return full.to_chunk_result(
+        prev,
+        chunk,
+        top_n=top_n,
+        bos_id=bos_id,
+        shards=shards,
+        prev_split=prev_split,
       )
 
-    program = self._compile(("prefill", plan, top_n, bos_id, has_prev), build)
+    program = self._program(
+      ("prefill", plan, top_n, bos_id, prev is not None),
+      per_device,
+      (self._weight_specs, cache_specs, prev_spec, chunk_spec),
+      resolve_tree(ChunkResult.axes(), rules),
+    )
     return program(self.weights, caches, prev, chunk)
 
   def init(self, caches, prev, *, batch, steps, top_n, vocab, bos_id):
     plan = self.plan(batch, [c.batch for c in caches])
-    (caches, prev), (cache_specs, prev_spec) = self._prefix_args(
+    (caches, prev), (cache_specs, prev_spec), prev_split = self._prefix_args(
       plan, caches, prev
     )
-    has_prev = prev is not None
-
-    def build():
-      init = functools.partial(
-        generate.init,
-        self._infer(plan),
-        batch=batch,
-        steps=steps,
-        top_n=top_n,
-        vocab=vocab,
-        bos_id=bos_id,
-        shards=self._shards(plan),
-        prev_split=self._prev_split(plan, has_prev),
-      )
-      return jax.jit(
-        jax.shard_map(
-          init,
-          mesh=self.mesh,
-          in_specs=(self._weight_spec(plan), cache_specs, prev_spec),
-          out_specs=resolve_tree(generate.LoopState.axes(), plan.rules()),
-          check_vma=False,
-        )
-      )
-
-    key = ("init", plan, steps, top_n, bos_id, has_prev)
-    return self._compile(key, build)(self.weights, caches, prev)
+    per_device = functools.partial(
+      generate.init,
+      self._infer(plan),
+      batch=batch,
+      steps=steps,
+      top_n=top_n,
+      vocab=vocab,
+      bos_id=bos_id,
+      shards=self._shards(plan),
+      prev_split=prev_split,
+    )
+    program = self._program(
+      ("init", plan, steps, top_n, bos_id, prev is not None),
+      per_device,
+      (self._weight_specs, cache_specs, prev_spec),
+      resolve_tree(generate.LoopState.axes(), plan.rules()),
+    )
+    return program(self.weights, caches, prev)
 
   def run(self, caches, state, inputs, stop_at):
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
-    (caches, _), (cache_specs, _) = self._prefix_args(plan, caches, None)
+    (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
     rules = plan.rules()
-    inputs = self.place(inputs, generate.LoopInputs.axes(), rules)
-
-    def build():
-      run = functools.partial(generate.run, self._infer(plan))
-
-      def per_device(weights, caches, state, inputs, stop_at):
-        return run(weights, caches, state, inputs, stop_at, self._shards(plan))
-
-      state_spec = resolve_tree(generate.LoopState.axes(), rules)
-      return jax.jit(
-        jax.shard_map(
-          per_device,
-          mesh=self.mesh,
-          in_specs=(
-            self._weight_spec(plan),
-            cache_specs,
-            state_spec,
-            resolve_tree(generate.LoopInputs.axes(), rules),
-            P(),
-          ),
-          out_specs=state_spec,
-          check_vma=False,
-        ),
-        donate_argnums=(2,),
-      )
-
-    program = self._compile(("run", plan), build)
-    return program(
-      self.weights, caches, state, inputs, _put(stop_at, self._replicated())
+    inputs, inputs_spec = self._place(inputs, generate.LoopInputs.axes(), rules)
+    stop_at, stop_spec = self._place(stop_at, P(), rules)
+    per_device = functools.partial(
+      generate.run, self._infer(plan), shards=self._shards(plan)
     )
-
-  def _replicated(self) -> NamedSharding:
-    return NamedSharding(self.mesh, P())
+    state_spec = resolve_tree(generate.LoopState.axes(), rules)
+    program = self._program(
+      ("run", plan),
+      per_device,
+      (self._weight_specs, cache_specs, state_spec, inputs_spec, stop_spec),
+      state_spec,
+      donate_argnums=(2,),
+    )
+    return program(self.weights, caches, state, inputs, stop_at)

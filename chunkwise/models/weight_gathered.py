@@ -34,33 +34,29 @@ def _whole(plan: Plan, tree, specs):
   return ops.gather_weights(tree, specs, plan.rules())
 
 
-def _table(plan: Plan, hparams: HParams, weights: Weights) -> Weights:
-  """The embedding, final norm and unembedding, gathered whole."""
-  specs = Weights.axes(hparams)
-  return Weights(
-    embedding=_whole(plan, weights.embedding, specs.embedding),
-    layers=weights.layers,
-    final_norm=weights.final_norm,
-    unembedding=(
-      None
-      if weights.unembedding is None
-      else _whole(plan, weights.unembedding, specs.unembedding)
-    ),
-  )
+def _gathered(plan: Plan, hparams: HParams, weights: Weights, name: str):
+  """`weights` with the table `name` gathered whole (only the table the
+  caller reads: the others stay sharded)."""
+  spec = getattr(Weights.axes(hparams), name)
+  return weights.replace(**{name: _whole(plan, getattr(weights, name), spec)})
 
 
 def embed(
   plan: Plan, hparams: HParams, weights: Weights, tokens: jax.Array, dtype
 ) -> jax.Array:
   """Token ids [B, T] (replicated) -> residual [B.rows, T, E]."""
-  whole = _table(plan, hparams, weights)
+  whole = _gathered(plan, hparams, weights, "embedding")
   return transformer.embed(whole, _rows(plan, tokens), dtype)
 
 
 def unembed(
   plan: Plan, hparams: HParams, weights: Weights, x: jax.Array
 ) -> jax.Array:
-  return transformer.unembed(hparams, _table(plan, hparams, weights), x)
+  """Final norm, then f32 logits [B.rows, T, V]."""
+  tied = weights.unembedding is None
+  name = "embedding" if tied else "unembedding"
+  whole = _gathered(plan, hparams, weights, name)
+  return transformer.unembed(hparams, whole, x)
 
 
 def layer(

@@ -115,24 +115,20 @@ class Plan:
       **base,
     )
     fits = _greedy(dict(sizes), batch, prefix_batches)
-    if layout.kind is LayoutKind.WS_1D:
-      attn = _attn_candidates(plan, layout)
-      return dataclasses.replace(
+    if layout.kind in _RESIDUAL:
+      embed, rows = _RESIDUAL[layout.kind]
+      # Query heads and logits leave their matmuls partial over the embed
+      # axes and are reduce-scattered over them: split over the weights'
+      # head (vocab) axes, then the embed axes.
+      plan = dataclasses.replace(
         plan,
-        q_axes=XYZ,
-        resid_embed=XYZ,
-        attn_batch=fits(attn),
-        logits_vocab=XYZ,
+        q_axes=plan.head_axes + plan.embed_axes,
+        resid_batch=_greedy(dict(sizes), batch, ())(rows),
+        resid_embed=embed,
+        logits_vocab=plan.vocab_axes + plan.embed_axes,
       )
-    if layout.kind is LayoutKind.WS_2D:
-      attn = _attn_candidates(plan, layout)
       return dataclasses.replace(
-        plan,
-        q_axes=YZX,
-        resid_batch=_greedy(dict(sizes), batch, ())(("z",)),
-        resid_embed=("x", "y"),
-        attn_batch=fits(attn),
-        logits_vocab=YZX,
+        plan, attn_batch=fits(_attn_candidates(plan, layout))
       )
     if layout.kind is LayoutKind.WG:
       rows = fits(XYZ)
@@ -140,6 +136,13 @@ class Plan:
         plan, resid_batch=rows, attn_batch=rows, logits_batch=rows
       )
     return plan
+
+
+# Weight-stationary residual stream: (embed axes, preferred batch axes).
+_RESIDUAL = {
+  LayoutKind.WS_1D: (XYZ, ()),
+  LayoutKind.WS_2D: (("x", "y"), ("z",)),
+}
 
 
 def _weights(kind: LayoutKind, hparams: HParams, sizes) -> dict:
@@ -160,7 +163,7 @@ def _attn_candidates(plan: Plan, layout: Layout) -> tuple[str, ...]:
   if layout.attn_batch is not AttnBatch.NONE:
     return layout.attn_batch.axes
   if not plan.kv_axes and plan.size(plan.head_axes) > 1:
-    return plan.q_axes or (XYZ if plan.kind is LayoutKind.WS_1D else YZX)
+    return plan.q_axes
   return ()
 
 
@@ -226,8 +229,9 @@ def check(layout: Layout, mesh: Mesh, hparams: HParams) -> None:
         f"layout {layout} on mesh {shape}: {dim} = {size} is not divisible "
         f"by mesh axes {'·'.join(axes)} (size {n})"
       )
-  if layout.kind in (LayoutKind.WS_1D, LayoutKind.WS_2D):
-    axes = XYZ if layout.kind is LayoutKind.WS_1D else YZX
+  if layout.kind in _RESIDUAL:
+    table = rules_lib.weight_rules(layout.kind, kv_sharded=True)
+    axes = table[ax.HEADS] + table[ax.EMBED]  # a device's query heads
     local = hparams.heads // math.prod(sizes[a] for a in axes)
     group = hparams.heads // hparams.kv_heads
     if local % group and group % local:
