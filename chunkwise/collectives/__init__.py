@@ -1,0 +1,176 @@
+"""Collective matmuls: matmuls fused with their all-gather or reduce-scatter,
+scheduled around a ring of devices so communication overlaps compute
+(Pope et al., 2023, §3.3 and appendix A), with the weight pre-shuffles the
+bidirectional forms need.
+
+Per-device functions for code under `jax.shard_map`; they take mesh axis
+names and import nothing else of chunkwise. Each fused form has a naive
+twin (`*_naive`: XLA's collective plus einsum) that tests compare it with.
+Variants, as in `Layout.collectives`:
+
+  "xla"         the naive twin
+  "one_way"     one ring direction; plain weights
+  "latency"     half the sequential hops, double-size matmuls; shuffled
+  "throughput"  both ring directions, half the bytes per link; shuffled
+
+  y = matmul_reducescatter("latency", "bte,ehd->bthd", x, wq_shuffled,
+                           axes=("x",), scatter="h")
+  wq_shuffled = shuffle_for_reducescatter("latency", wq, axes=("x",), dim=1)
+"""
+
+from __future__ import annotations
+
+import jax
+
+from chunkwise.collectives.all_gather import (
+  allgather_matmul_latency,
+  allgather_matmul_naive,
+  allgather_matmul_one_way,
+  allgather_matmul_throughput,
+  shuffle_for_allgather_latency,
+  shuffle_for_allgather_throughput,
+)
+from chunkwise.collectives.reduce_scatter import (
+  matmul_reducescatter_latency,
+  matmul_reducescatter_naive,
+  matmul_reducescatter_one_way,
+  matmul_reducescatter_throughput,
+  shuffle_for_reducescatter_latency,
+  shuffle_for_reducescatter_throughput,
+)
+from chunkwise.collectives.ring import Axes
+from chunkwise.collectives.streaming import (
+  stream_matmul_latency,
+  stream_matmul_naive,
+  stream_matmul_one_way,
+  stream_matmul_throughput,
+)
+
+VARIANTS = ("xla", "one_way", "latency", "throughput")
+SHUFFLED = ("latency", "throughput")  # variants whose weights are reordered
+
+
+def _check(variant: str) -> None:
+  if variant not in VARIANTS:
+    raise ValueError(
+      f"unknown collective variant {variant!r}; one of {VARIANTS}"
+    )
+
+
+def matmul_reducescatter(
+  variant: str,
+  eq: str,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  axes: Axes,
+  scatter: str,
+  subsplit: str | None = None,
+) -> jax.Array:
+  """einsum then reduce-scatter over `axes` along output letter `scatter`,
+  in the given variant (rhs shuffled for the variants in SHUFFLED)."""
+  _check(variant)
+  kw = dict(axes=tuple(axes), scatter=scatter)
+  if variant == "xla":
+    return matmul_reducescatter_naive(eq, lhs, rhs, **kw)
+  if variant == "one_way":
+    return matmul_reducescatter_one_way(eq, lhs, rhs, **kw)
+  if variant == "latency":
+    return matmul_reducescatter_latency(eq, lhs, rhs, **kw)
+  return matmul_reducescatter_throughput(eq, lhs, rhs, subsplit=subsplit, **kw)
+
+
+def allgather_matmul(
+  variant: str,
+  eq: str,
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  axes: Axes,
+  gather: str,
+  subsplit: str | None = None,
+) -> jax.Array:
+  """All-gather of lhs over `axes` along contracted letter `gather`, then
+  einsum, in the given variant."""
+  _check(variant)
+  kw = dict(axes=tuple(axes), gather=gather)
+  if variant == "xla":
+    return allgather_matmul_naive(eq, lhs, rhs, **kw)
+  if variant == "one_way":
+    return allgather_matmul_one_way(eq, lhs, rhs, **kw)
+  if variant == "latency":
+    return allgather_matmul_latency(eq, lhs, rhs, **kw)
+  return allgather_matmul_throughput(eq, lhs, rhs, subsplit=subsplit, **kw)
+
+
+def stream_matmul(
+  variant: str, eq: str, lhs: jax.Array, rhs: jax.Array, *, rhs_axes
+) -> jax.Array:
+  """einsum with a weight split over `rhs_axes`, streamed (or gathered for
+  "xla")."""
+  _check(variant)
+  if variant == "xla":
+    return stream_matmul_naive(eq, lhs, rhs, rhs_axes=rhs_axes)
+  if variant == "one_way":
+    return stream_matmul_one_way(eq, lhs, rhs, rhs_axes=rhs_axes)
+  if variant == "latency":
+    return stream_matmul_latency(eq, lhs, rhs, rhs_axes=rhs_axes)
+  return stream_matmul_throughput(eq, lhs, rhs, rhs_axes=rhs_axes)
+
+
+def shuffle_for_reducescatter(
+  variant: str, rhs: jax.Array, *, axes: Axes, dim: int, subdim=None
+) -> jax.Array:
+  """The rhs of `matmul_reducescatter(variant, ...)` with the scattered
+  letter at `dim` (and the subsplit letter at `subdim`); unchanged for
+  variants that read plain weights."""
+  _check(variant)
+  if variant == "latency":
+    return shuffle_for_reducescatter_latency(rhs, axes=tuple(axes), dim=dim)
+  if variant == "throughput":
+    return shuffle_for_reducescatter_throughput(
+      rhs, axes=tuple(axes), dim=dim, subdim=subdim
+    )
+  return rhs
+
+
+def shuffle_for_allgather(
+  variant: str, rhs: jax.Array, *, axes: Axes, dim: int, subdim=None
+) -> jax.Array:
+  """The rhs of `allgather_matmul(variant, ...)` with the gathered letter at
+  `dim` (and the subsplit letter at `subdim`)."""
+  _check(variant)
+  if variant == "latency":
+    return shuffle_for_allgather_latency(rhs, axes=tuple(axes), dim=dim)
+  if variant == "throughput":
+    return shuffle_for_allgather_throughput(
+      rhs, axes=tuple(axes), dim=dim, subdim=subdim
+    )
+  return rhs
+
+
+__all__ = [
+  "SHUFFLED",
+  "VARIANTS",
+  "allgather_matmul",
+  "allgather_matmul_latency",
+  "allgather_matmul_naive",
+  "allgather_matmul_one_way",
+  "allgather_matmul_throughput",
+  "matmul_reducescatter",
+  "matmul_reducescatter_latency",
+  "matmul_reducescatter_naive",
+  "matmul_reducescatter_one_way",
+  "matmul_reducescatter_throughput",
+  "shuffle_for_allgather",
+  "shuffle_for_allgather_latency",
+  "shuffle_for_allgather_throughput",
+  "shuffle_for_reducescatter",
+  "shuffle_for_reducescatter_latency",
+  "shuffle_for_reducescatter_throughput",
+  "stream_matmul",
+  "stream_matmul_latency",
+  "stream_matmul_naive",
+  "stream_matmul_one_way",
+  "stream_matmul_throughput",
+]
