@@ -1,6 +1,6 @@
-"""Every layout on every mesh gives the reference's results (DESIGN.md
-§4.9): prefill scores, top-n and next-token logits within f32 tolerance,
-and the very same sampled tokens."""
+"""Every layout and collective-matmul variant on every mesh gives the
+reference's results (DESIGN.md §4.9): prefill scores, top-n and next-token
+logits within f32 tolerance, and the very same sampled tokens."""
 
 import functools
 
@@ -16,6 +16,7 @@ LAYOUTS = ["ws_1d", "ws_2d", "ws_2d/z", "ws_2d/yz", "ws_2d/yzx", "wg"]
 # tiny: Llama-style, grouped K/V heads (8 heads, 2 K/V heads);
 # tiny-parallel: PaLM-style parallel block, one K/V head.
 PRESETS = ["tiny", "tiny-parallel"]
+VARIANTS = ["one_way", "latency", "throughput"]
 ATOL = 2e-4
 
 
@@ -110,3 +111,43 @@ def test_weight_gathered_prefill_feeds_2d_generate(preset):
   )
   streamed = np.concatenate([np.asarray(c.tokens) for c, _ in pieces], axis=1)
   np.testing.assert_array_equal(streamed, got[2].tokens)
+
+
+def _with(layout, variant):
+  lay = cw.Layout.parse(layout)
+  return f"{lay.kind.value}/{lay.attn_batch.value}/{variant}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_collectives_match_reference(shape, layout, variant):
+  """Every (layout, collectives) pair on every mesh, tiny preset (grouped
+  K/V heads, sequential block)."""
+  h = cw.configs.get("tiny")
+  weights = cw.InferenceModel.random(h, seed=0).weights
+  layout = _with(layout, variant)
+  model = cw.InferenceModel(
+    h, weights, cw.ByteVocabulary(), mesh=make_mesh(shape), layout=layout
+  )
+  shuffled = isinstance(model.weights, cw.models.fused.ShuffledWeights)
+  assert shuffled == (variant != "one_way" and not layout.startswith("wg"))
+  _assert_same(_scenario(model), _reference("tiny"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout", ["ws_1d", "ws_2d/yz", "wg"])
+def test_collectives_parallel_block(layout, variant):
+  """The parallel block with one K/V head, on (2, 2, 2)."""
+  h = cw.configs.get("tiny-parallel")
+  weights = cw.InferenceModel.random(h, seed=0).weights
+  model = cw.InferenceModel(
+    h,
+    weights,
+    cw.ByteVocabulary(),
+    mesh=make_mesh((2, 2, 2)),
+    layout=_with(layout, variant),
+  )
+  _assert_same(_scenario(model), _reference("tiny-parallel"))

@@ -93,10 +93,10 @@ def test_mesh_that_does_not_divide_names_dimension_size_layout_and_axes():
       mesh=make_mesh((2, 2, 2)),
       layout="ws_1d",
     )
-  with pytest.raises(ValueError, match=r"collective matmuls \(latency\)"):
+  with pytest.raises(ValueError, match=r"d_ff = 20 is not divisible by"):
     cw.InferenceModel(
-      model.hparams,
-      model.weights,
+      dataclasses.replace(model.hparams, d_ff=20),
+      None,
       mesh=make_mesh((2, 2, 2)),
       layout="ws_2d/none/latency",
     )

@@ -134,7 +134,13 @@ def test_greedy_generation_matches_transformers(smol, reference):
 
 
 @pytest.mark.parametrize(
-  "layout, shape", [("ws_2d", (1, 1, 3)), ("ws_1d", (3, 1, 1))]
+  "layout, shape",
+  [
+    ("ws_2d", (1, 1, 3)),
+    ("ws_1d", (3, 1, 1)),
+    # collective matmuls around an odd ring of 3 (embed blocks of 192)
+    ("ws_1d/none/throughput", (3, 1, 1)),
+  ],
 )
 def test_three_device_mesh_gives_single_device_greedy_tokens(
   smol, layout, shape

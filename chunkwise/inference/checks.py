@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.results import ChunkResult
-from chunkwise.partitioning import Collectives, Layout, LayoutKind
+from chunkwise.partitioning import Layout, LayoutKind
 from chunkwise.partitioning import plan as plan_lib
 
 
@@ -50,12 +50,6 @@ def check_placement(
       f"make_mesh), got {mesh!r}"
     )
   for phase, lay in zip(("prefill", "generate"), phases, strict=True):
-    if lay.collectives is not Collectives.XLA:
-      raise ValueError(
-        f"{phase} layout {lay}: collective matmuls "
-        f"({lay.collectives.value}) are not available in this version; "
-        "use the xla collectives"
-      )
     if lay.kind is LayoutKind.REFERENCE:
       continue
     if mesh is None:

@@ -40,7 +40,7 @@ from chunkwise.inference.vocabularies import (
   bos_id_of,
   eos_id_of,
 )
-from chunkwise.models import Weights, check_shapes, init_random
+from chunkwise.models import Weights, check_shapes, fused, init_random
 from chunkwise.partitioning import Layout, LayoutKind
 
 
@@ -127,8 +127,14 @@ class InferenceModel:
         f"infer_fn replaces the reference forward pass only; layouts "
         f"{[str(p) for p in sharded_phases]} need the Transformer's"
       )
+    shuffled = isinstance(weights, fused.ShuffledWeights)
+    if shuffled and len(sharded_phases) < len(phases):
+      raise ValueError(
+        f"weights shuffled for {weights.tag} cannot run the reference "
+        "layout, which needs plain weights"
+      )
     if infer_fn is None:
-      check_shapes(hparams, weights)
+      check_shapes(hparams, weights.weights if shuffled else weights)
       infer_fn = functools.partial(
         transformer_infer,
         hparams,
@@ -154,8 +160,13 @@ class InferenceModel:
         continue
       if lay.kind is LayoutKind.REFERENCE:
         engines[lay] = _ReferenceEngine(infer_fn, weights)
-      else:  # weights already placed alike by another layout stay shared
-        placed = [e.weights for e in engines.values()]
+      else:  # weights already placed by another layout are reused
+        placed = [
+          e.weights
+          for e in engines.values()
+          if not isinstance(e.weights, fused.ShuffledWeights)
+          or e.weights.tag == _shuffle_tag(lay, mesh)
+        ]
         engines[lay] = ShardedEngine(
           hparams,
           placed[0] if placed else weights,
@@ -193,7 +204,8 @@ class InferenceModel:
 
   @property
   def weights(self) -> Weights:
-    """The weights (as placed for prefill)."""
+    """The weights (as placed for prefill: `ShuffledWeights` when its
+    layout's collective matmuls read reordered blocks)."""
     return self._prefill_engine.weights
 
   @property
@@ -375,3 +387,9 @@ class InferenceModel:
       # Once every row has stopped, the remaining (empty) segments are cut
       # from the final state without running anything.
       yield generate.segment(state, begin, end)
+
+
+def _shuffle_tag(layout: Layout, mesh) -> str:
+  """The `ShuffledWeights.tag` that `layout` on `mesh` reads."""
+  sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
+  return fused.tag(layout.kind, layout.collectives, sizes)

@@ -36,7 +36,7 @@ from chunkwise.inference.forward import positions_of
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
-from chunkwise.models import Weights, sharded
+from chunkwise.models import Weights, fused, sharded
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
@@ -110,11 +110,32 @@ class ShardedEngine:
     self.mesh = mesh
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
-    # Where weights live depends on the layout only, never on a call.
-    self.weights, self._weight_specs = self._place(
-      weights, Weights.axes(hparams), self.plan(1).rules()
-    )
     self._programs: dict = {}
+    # Where weights live depends on the layout only, never on a call.
+    plan = self.plan(1)
+    logical = Weights.axes(hparams)
+    want = (
+      fused.tag(plan.kind, plan.collectives, plan.sizes)
+      if fused.needs_shuffle(plan.kind, plan.collectives)
+      else None
+    )
+    if isinstance(weights, fused.ShuffledWeights):
+      fused.unwrap(plan, weights)  # raises unless shuffled for this layout
+      logical = fused.ShuffledWeights(weights=logical, tag=weights.tag)
+    self.weights, self._weight_specs = self._place(
+      weights, logical, plan.rules()
+    )
+    if want is not None and not isinstance(weights, fused.ShuffledWeights):
+      # Reordered once here; every program then reads them in place.
+      shuffled_specs = fused.ShuffledWeights(self._weight_specs, tag=want)
+      shuffle = self._program(
+        ("shuffle",),
+        functools.partial(fused.shuffle, plan),
+        (self._weight_specs,),
+        shuffled_specs,
+      )
+      self.weights = shuffle(self.weights)
+      self._weight_specs = shuffled_specs
 
   def plan(self, batch: int, prefix_batches: Sequence[int] = ()) -> Plan:
     return Plan.make(

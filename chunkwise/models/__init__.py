@@ -1,5 +1,6 @@
 """Per-device Transformer math and the `Weights` pytree."""
 
+from chunkwise.models.fused import ShuffledWeights
 from chunkwise.models.transformer import (
   AttendFn,
   block,
@@ -15,6 +16,7 @@ from chunkwise.models.weights import Layer, Weights, check_shapes, init_random
 __all__ = [
   "AttendFn",
   "Layer",
+  "ShuffledWeights",
   "Weights",
   "block",
   "check_shapes",

@@ -4,7 +4,8 @@
                            prefix, dtype)
 
 `plan.kind` picks the per-device layer code (`weight_stationary` for ws_1d
-and ws_2d, `weight_gathered` for wg). Inputs: the weights' local shards,
+and ws_2d, `weight_gathered` for wg). Inputs: the weights' local shards
+(`fused.ShuffledWeights` where the plan's collectives need them),
 token ids and absolute positions [B, T] of every row (replicated), and per
 prefix cache (k, v, lengths) cut to this device's attention rows, k/v with
 the stacked layer axis first. Outputs: logits split as `plan.logits_batch`
@@ -18,7 +19,7 @@ import jax
 from jax import lax
 
 from chunkwise.configs import HParams
-from chunkwise.models import weight_gathered, weight_stationary
+from chunkwise.models import fused, weight_gathered, weight_stationary
 from chunkwise.models.weights import Weights
 from chunkwise.partitioning.layout import LayoutKind
 from chunkwise.partitioning.plan import Plan
@@ -42,6 +43,7 @@ def forward(
   dtype,
 ):
   mod = layers_module(plan)
+  weights = fused.unwrap(plan, weights)
   x = mod.embed(plan, hparams, weights, tokens, dtype)
   lengths = [n for _, _, n in prefix]
 

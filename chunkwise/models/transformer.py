@@ -82,11 +82,11 @@ def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
   return x if bias is None else x + bias.astype(x.dtype)
 
 
-def mlp(hparams: HParams, w: Layer, x: jax.Array) -> jax.Array:
+def mlp(hparams: HParams, w: Layer, x: jax.Array, mm=_mm) -> jax.Array:
   """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed]."""
-  gate = _mm("bte,ef->btf", x, w.gate)
-  up = _mm("bte,ef->btf", x, w.up)
-  return _mm("btf,fe->bte", _activation(hparams.activation, gate) * up, w.down)
+  gate = mm("bte,ef->btf", x, w.gate)
+  up = mm("bte,ef->btf", x, w.up)
+  return mm("btf,fe->bte", _activation(hparams.activation, gate) * up, w.down)
 
 
 def attention(
@@ -96,19 +96,20 @@ def attention(
   positions: jax.Array,
   attend: AttendFn,
   per_layer: Any,
+  mm=_mm,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """Projections, RoPE, `attend`, output projection. x is already normed.
 
   Returns the attention branch [B, T, embed] and this chunk's (k, v), each
   [B, T, kv_heads, head_dim], for the caller to cache.
   """
-  q = _bias(_mm("bte,ehd->bthd", x, w.q), w.q_bias)
-  k = _bias(_mm("bte,ehd->bthd", x, w.k), w.k_bias)
-  v = _bias(_mm("bte,ehd->bthd", x, w.v), w.v_bias)
+  q = _bias(mm("bte,ehd->bthd", x, w.q), w.q_bias)
+  k = _bias(mm("bte,ehd->bthd", x, w.k), w.k_bias)
+  v = _bias(mm("bte,ehd->bthd", x, w.v), w.v_bias)
   q = rope(q, positions, hparams.rope_base)
   k = rope(k, positions, hparams.rope_base)
   out = attend(q, k, v, per_layer)  # [B, T, heads, head_dim]
-  return _mm("bthd,hde->bte", out.astype(x.dtype), w.o), (k, v)
+  return mm("bthd,hde->bte", out.astype(x.dtype), w.o), (k, v)
 
 
 def block(
@@ -118,18 +119,22 @@ def block(
   positions: jax.Array,
   attend: AttendFn,
   per_layer: Any,
+  mm=_mm,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """One Transformer layer (w is one layer's slice). Returns (x, (k, v))."""
+  """One Transformer layer (w is one layer's slice). Returns (x, (k, v)).
+
+  `mm(eq, x, weight)` computes every projection (the weight-gathered
+  layout passes one that streams sharded weights)."""
   eps = hparams.norm_eps
   if hparams.block == Block.PARALLEL:
     normed = rms_norm(x, w.attn_norm, eps)
-    attn, kv = attention(hparams, w, normed, positions, attend, per_layer)
-    return x + attn + mlp(hparams, w, normed), kv
+    attn, kv = attention(hparams, w, normed, positions, attend, per_layer, mm)
+    return x + attn + mlp(hparams, w, normed, mm), kv
   attn, kv = attention(
-    hparams, w, rms_norm(x, w.attn_norm, eps), positions, attend, per_layer
+    hparams, w, rms_norm(x, w.attn_norm, eps), positions, attend, per_layer, mm
   )
   x = x + attn
-  return x + mlp(hparams, w, rms_norm(x, w.mlp_norm, eps)), kv
+  return x + mlp(hparams, w, rms_norm(x, w.mlp_norm, eps), mm), kv
 
 
 def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:

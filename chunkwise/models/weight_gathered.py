@@ -1,9 +1,14 @@
 """Per-device layers of the weight-gathered layout.
 
-Weights are stored as in ws_2d ([E.X, H.YZ], ...) and all-gathered whole,
-layer by layer, just before use; activations never move. The batch is split
-over the plan's row axes (x·y·z when the batch allows), so each device runs
-the plain per-device math of `models.transformer` on its own rows:
+Weights are stored as in ws_2d ([E.X, H.YZ], ...); activations never move.
+With the "xla" collectives each layer's weights are all-gathered whole just
+before use; with the collective-matmul variants every projection streams
+its weight shards around the ring instead (`collectives.stream_matmul`:
+q/k/v/wi contract embed shards and place head or d_ff shards, o/wo contract
+head or d_ff shards and place embed shards), and only the small norm scales
+and biases are gathered. The batch is split over the plan's row axes
+(x·y·z when the batch allows), so each device runs the plain per-device
+math of `models.transformer` on its own rows:
 
   residual [B.XYZ, T, E]; logits [B.XYZ, T, V]; KV cache [B.XYZ, S, KVH]
 
@@ -13,14 +18,18 @@ caches arrive already cut to this device's rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jax.sharding import PartitionSpec as P
 
+from chunkwise import collectives
 from chunkwise.configs import HParams
 from chunkwise.models import shard_ops as ops
 from chunkwise.models import transformer
 from chunkwise.models.attention import attend
 from chunkwise.models.weights import Layer, Weights
+from chunkwise.partitioning.layout import Collectives
 from chunkwise.partitioning.plan import Plan
 
 
@@ -73,7 +82,36 @@ def layer(
     Layer.axes(hparams),
     is_leaf=lambda s: isinstance(s, P),
   )
-  whole = _whole(plan, w, specs)
-  return transformer.block(
-    hparams, whole, x, _rows(plan, positions), attend, prefix
-  )
+  rows = _rows(plan, positions)
+  if plan.collectives is Collectives.XLA:
+    whole = _whole(plan, w, specs)
+    return transformer.block(hparams, whole, x, rows, attend, prefix)
+  rules = plan.rules()
+  streamed = {}
+  for name in _MATRICES:
+    spec = getattr(specs, name)
+    axes = tuple(() if n is None else tuple(rules[n]) for n in spec)
+    streamed[name] = _Streamed(getattr(w, name), axes)
+  small = w.replace(**{name: None for name in _MATRICES})
+  small_specs = specs.replace(**{name: None for name in _MATRICES})
+  local = _whole(plan, small, small_specs).replace(**streamed)
+  variant = plan.collectives.value
+
+  def mm(eq, x, w: _Streamed):
+    weight = w.array.astype(x.dtype)
+    return collectives.stream_matmul(
+      variant, eq, x, weight, rhs_axes=w.rhs_axes
+    )
+
+  return transformer.block(hparams, local, x, rows, attend, prefix, mm)
+
+
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Streamed:
+  """A weight's local shard and the mesh axes splitting each dimension."""
+
+  array: jax.Array
+  rhs_axes: tuple[tuple[str, ...], ...]

@@ -12,12 +12,15 @@ activations are gathered before a matmul and reduce-scattered after it.
     k, v      xn @ k [E.X, KVH(.YZ)] -psum x-> [B, T, KVH(.YZ)]
     attention by head, or by batch: all_to_all q heads -> rows
     o         all_gather x on heads, @ o [H.YZ, E.X] = [B, T, E.X]{yz}
-    mlp       psum over x of xn @ gate/up [E.X, F.YZ]; @ down [F.YZ, E.X]
+    mlp       xn @ gate/up [E.X, F.YZ] -psum_scatter x on d_ff->
+              [B, T, F.YZX]; all_gather x, @ down [F.YZ, E.X]
               = [B, T, E.X]{yz unreduced}
     reduce    -psum_scatter y on embed, z on batch-> [B.Z, T, E.XY]
   ws_1d (weights embed whole, heads/d_ff/vocab XYZ; residual [B, T, E.XYZ])
     the same steps with x·y·z in place of y·z and nothing on x: norm
-    all-gathers the residual, reduce psum-scatters it back.
+    all-gathers the residual; o and down psum-scatter xyz on embed.
+  The reduce-scatters and all-gathers next to a matmul run as collective
+  matmuls in the plan's variant (`fused`: XLA's own for "xla").
   Embedding: each device looks up the ids of its vocabulary rows (zeros
   elsewhere) and the result is reduced like a layer's output. Unembedding:
   xn @ table [V.YZ, E.X] -psum_scatter x on vocab-> logits [B, T, V.YZX].
@@ -33,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Block, HParams
+from chunkwise.models import fused
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import attend
 from chunkwise.models.transformer import _activation, _bias, _mm, rope
@@ -66,10 +70,17 @@ def norm(
   return ops.all_gather(normed, plan.resid_batch, axis=0)
 
 
-def reduce(plan: Plan, partial: jax.Array) -> jax.Array:
-  """[B, T, E.embed]{head axes unreduced} -> residual [B.rb, T, E.re]."""
+def reduce(
+  plan: Plan, partial: jax.Array, embed_scattered: bool = False
+) -> jax.Array:
+  """[B, T, E.embed]{head axes unreduced} -> residual [B.rb, T, E.re].
+
+  With `embed_scattered` the embed scatter is already done (the output
+  matmul fused it, see `fused.scatters_embed`)."""
   scatter = _minus(plan.resid_embed, plan.embed_axes)
-  out = ops.psum_scatter(partial, scatter, axis=2)
+  out = partial
+  if not embed_scattered:
+    out = ops.psum_scatter(out, scatter, axis=2)
   out = ops.psum_scatter(out, plan.resid_batch, axis=0)
   rest = _minus(plan.head_axes, (*scatter, *plan.resid_batch))
   return ops.psum(out, rest)
@@ -173,7 +184,7 @@ def attention(
 ):
   """xn [B, T, E.embed] -> ([B, T, E.embed]{head axes unreduced}, (k, v))."""
   embed_axes = plan.embed_axes
-  q = ops.psum_scatter(_mm("bte,ehd->bthd", xn, w.q), embed_axes, axis=2)
+  q = _matmul(plan, "q", "bte,ehd->bthd", xn, w.q)  # [B, T, H.q_axes]
   if w.q_bias is not None:
     n = plan.size(embed_axes)
     q = _bias(q, ops.block(w.q_bias, n, ops.index(embed_axes), axis=0))
@@ -207,16 +218,26 @@ def attention(
   q = rope(q, positions, hparams.rope_base)
   k = rope(k, row_positions, hparams.rope_base)
   out = heads_attention(plan, hparams, q, k, v, prefix).astype(xn.dtype)
-  out = ops.all_gather(out, embed_axes, axis=2)  # [B, T, H.heads]
-  return _mm("bthd,hde->bte", out, w.o), (k, v)
+  # all-gather embed_axes on heads, then @ o (ws_2d); @ o, then
+  # reduce-scatter on embed (ws_1d)
+  return _matmul(plan, "o", "bthd,hde->bte", out, w.o), (k, v)
 
 
 def mlp(plan: Plan, hparams: HParams, w: Layer, xn: jax.Array) -> jax.Array:
-  """xn [B, T, E.embed] -> [B, T, E.embed]{head axes unreduced}."""
-  gate = ops.psum(_mm("bte,ef->btf", xn, w.gate), plan.embed_axes)
-  up = ops.psum(_mm("bte,ef->btf", xn, w.up), plan.embed_axes)
+  """xn [B, T, E.embed] -> [B, T, E.embed]{head axes unreduced} (ws_2d)
+  or [B, T, E.XYZ] (ws_1d, embed scattered by the fused matmul)."""
+  gate = _matmul(plan, "gate", "bte,ef->btf", xn, w.gate)
+  up = _matmul(plan, "up", "bte,ef->btf", xn, w.up)
   hidden = _activation(hparams.activation, gate) * up
-  return _mm("btf,fe->bte", hidden, w.down)
+  return _matmul(plan, "down", "btf,fe->bte", hidden, w.down)
+
+
+def _matmul(plan: Plan, name: str, eq: str, x: jax.Array, w: jax.Array):
+  """The layer's matmul `name`: fused with its collective where the
+  layout fuses it (`fused.FUSED`), else plain."""
+  if name in fused.FUSED[plan.kind]:
+    return fused.matmul(plan, name, x, w)
+  return _mm(eq, x, w)
 
 
 def layer(
@@ -228,12 +249,14 @@ def layer(
   prefix,
 ):
   """One layer on the residual [B.rb, T, E.re]; returns (x, (k, v))."""
+  scattered = fused.scatters_embed(plan)
   if hparams.block == Block.PARALLEL:
     xn = norm(plan, hparams, x, w.attn_norm)
     attn, kv = attention(plan, hparams, w, xn, positions, prefix)
-    return x + reduce(plan, attn + mlp(plan, hparams, w, xn)), kv
+    out = attn + mlp(plan, hparams, w, xn)
+    return x + reduce(plan, out, scattered), kv
   xn = norm(plan, hparams, x, w.attn_norm)
   attn, kv = attention(plan, hparams, w, xn, positions, prefix)
-  x = x + reduce(plan, attn)
+  x = x + reduce(plan, attn, scattered)
   xn = norm(plan, hparams, x, w.mlp_norm)
-  return x + reduce(plan, mlp(plan, hparams, w, xn)), kv
+  return x + reduce(plan, mlp(plan, hparams, w, xn), scattered), kv

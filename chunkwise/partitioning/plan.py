@@ -30,7 +30,12 @@ from jax.sharding import Mesh
 from chunkwise.configs import HParams
 from chunkwise.partitioning import axes as ax
 from chunkwise.partitioning import rules as rules_lib
-from chunkwise.partitioning.layout import AttnBatch, Layout, LayoutKind
+from chunkwise.partitioning.layout import (
+  AttnBatch,
+  Collectives,
+  Layout,
+  LayoutKind,
+)
 
 XYZ = ("x", "y", "z")
 YZX = ("y", "z", "x")
@@ -42,6 +47,7 @@ class Plan:
 
   kind: LayoutKind
   sizes: tuple[tuple[str, int], ...]  # (("x", nx), ("y", ny), ("z", nz))
+  collectives: Collectives = Collectives.XLA  # how sharded matmuls talk
   batch: int = 1  # rows of the call
   prefix_batches: tuple[int, ...] = ()  # rows of each prefix, in order
   # Weights.
@@ -110,6 +116,7 @@ class Plan:
     plan = cls(
       kind=layout.kind,
       sizes=sizes,
+      collectives=layout.collectives,
       batch=int(batch),
       prefix_batches=prefix_batches,
       **base,
@@ -198,7 +205,7 @@ def _requirements(kind: LayoutKind, h: HParams):
   if kind is LayoutKind.WS_2D:
     return [
       ("heads", h.heads, YZX),
-      ("d_ff", h.d_ff, ("y", "z")),
+      ("d_ff", h.d_ff, YZX),
       ("vocab", h.vocab, YZX),
       ("d_model", h.d_model, ("x", "y")),
     ]
@@ -229,6 +236,7 @@ def check(layout: Layout, mesh: Mesh, hparams: HParams) -> None:
         f"layout {layout} on mesh {shape}: {dim} = {size} is not divisible "
         f"by mesh axes {'·'.join(axes)} (size {n})"
       )
+  _check_collectives(layout, sizes, shape, hparams)
   if layout.kind in _RESIDUAL:
     table = rules_lib.weight_rules(layout.kind, kv_sharded=True)
     axes = table[ax.HEADS] + table[ax.EMBED]  # a device's query heads
@@ -241,3 +249,35 @@ def check(layout: Layout, mesh: Mesh, hparams: HParams) -> None:
         f"{hparams.heads}, kv_heads = {hparams.kv_heads}); one must divide "
         "the other"
       )
+
+
+def _check_collectives(layout: Layout, sizes, shape: str, h: HParams) -> None:
+  """The ring sizes and block halves the collective matmuls need (see
+  `models.fused` for which matmuls each layout fuses)."""
+  if layout.kind not in _RESIDUAL or layout.collectives in (
+    Collectives.XLA,
+    Collectives.ONE_WAY,
+  ):
+    return
+  if layout.kind is LayoutKind.WS_2D:
+    ring, blocks = ("x",), [("d_ff", h.d_ff, YZX)]
+  else:
+    ring, blocks = XYZ, [("d_model", h.d_model, XYZ)]
+  n = math.prod(sizes[a] for a in ring)
+  if n == 1:
+    return
+  if layout.collectives is Collectives.LATENCY and n % 2:
+    raise ValueError(
+      f"layout {layout} on mesh {shape}: the latency collectives pair the "
+      f"blocks of the ring over {'·'.join(ring)}, which has odd size {n}; "
+      "use one_way or throughput"
+    )
+  if layout.collectives is Collectives.THROUGHPUT:
+    for dim, size, axes in blocks:
+      m = size // math.prod(sizes[a] for a in axes)
+      if m % 2:
+        raise ValueError(
+          f"layout {layout} on mesh {shape}: the throughput collectives "
+          f"halve each device's block of {dim} ({size} / "
+          f"{'·'.join(axes)} = {m}, odd); use one_way or latency"
+        )
