@@ -62,6 +62,14 @@ class _ReferenceEngine:
       functools.partial(generate.run, infer_fn), donate_argnames=("state",)
     )
 
+  def plain_weights(self):
+    return self.weights
+
+  def result_shardings(self, batch: int):
+    """Where results live: JAX's default device."""
+    del batch
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
   def prefill(self, caches, prev, chunk, *, top_n, bos_id):
     return self._prefill(
       self.weights, caches, prev, chunk, top_n=top_n, bos_id=bos_id
@@ -207,6 +215,21 @@ class InferenceModel:
     """The weights (as placed for prefill: `ShuffledWeights` when its
     layout's collective matmuls read reordered blocks)."""
     return self._prefill_engine.weights
+
+  def plain_weights(self) -> Weights:
+    """The weights in plain block order, as placed for prefill (shuffled
+    weights are reordered back on the mesh, e.g. to save them)."""
+    return self._prefill_engine.plain_weights()
+
+  def result_shardings(self, batch: int):
+    """The sharding (one, or a ChunkResult tree of them) that `prefill` of
+    `batch` rows gives its result: where a saved prefix is restored."""
+    return self._prefill_engine.result_shardings(batch)
+
+  @property
+  def cache_dtype(self):
+    """The KV caches' dtype."""
+    return self._cache_dtype
 
   @property
   def vocab(self) -> Vocabulary | None:

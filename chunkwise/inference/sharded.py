@@ -36,7 +36,7 @@ from chunkwise.inference.forward import positions_of
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
-from chunkwise.models import Weights, fused, sharded
+from chunkwise.models import Weights, fused, quantized, sharded
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
@@ -93,6 +93,19 @@ def _put(x, sharding: NamedSharding):
   )
 
 
+def weight_shardings(hparams: HParams, mesh: Mesh, layout: Layout, like):
+  """The `NamedSharding`s `layout` gives weights shaped like `like` (a
+  Weights tree of arrays or `ShapeDtypeStruct`s, int8 `QArray`s allowed),
+  in plain block order: what a checkpoint is restored into."""
+  plan = Plan.make(layout, mesh, hparams, batch=1)
+  logical = quantized.specs_like(Weights.axes(hparams), like)
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, s),
+    resolve_tree(logical, plan.rules()),
+    is_leaf=lambda s: isinstance(s, P),
+  )
+
+
 class ShardedEngine:
   """Weights placed on a mesh with one layout, and its compiled programs."""
 
@@ -113,7 +126,12 @@ class ShardedEngine:
     self._programs: dict = {}
     # Where weights live depends on the layout only, never on a call.
     plan = self.plan(1)
-    logical = Weights.axes(hparams)
+    logical = quantized.specs_like(
+      Weights.axes(hparams),
+      weights.weights
+      if isinstance(weights, fused.ShuffledWeights)
+      else weights,
+    )
     want = (
       fused.tag(plan.kind, plan.collectives, plan.sizes)
       if fused.needs_shuffle(plan.kind, plan.collectives)
@@ -136,6 +154,28 @@ class ShardedEngine:
       )
       self.weights = shuffle(self.weights)
       self._weight_specs = shuffled_specs
+
+  def plain_weights(self) -> Weights:
+    """The weights in plain block order, placed as they are (shuffled
+    weights are reordered back on every device)."""
+    if not isinstance(self.weights, fused.ShuffledWeights):
+      return self.weights
+    unshuffle = self._program(
+      ("unshuffle",),
+      functools.partial(fused.unshuffle, self.plan(1)),
+      (self._weight_specs,),
+      self._weight_specs.weights,
+    )
+    return unshuffle(self.weights)
+
+  def result_shardings(self, batch: int) -> ChunkResult:
+    """Where `prefill` of a batch of `batch` rows puts its ChunkResult."""
+    specs = resolve_tree(ChunkResult.axes(), self.plan(batch).rules())
+    return jax.tree.map(
+      lambda s: NamedSharding(self.mesh, s),
+      specs,
+      is_leaf=lambda s: isinstance(s, P),
+    )
 
   def plan(self, batch: int, prefix_batches: Sequence[int] = ()) -> Plan:
     return Plan.make(

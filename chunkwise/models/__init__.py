@@ -1,6 +1,7 @@
 """Per-device Transformer math and the `Weights` pytree."""
 
 from chunkwise.models.fused import ShuffledWeights
+from chunkwise.models.quantized import QArray, quantize_weights
 from chunkwise.models.transformer import (
   AttendFn,
   block,
@@ -16,6 +17,7 @@ from chunkwise.models.weights import Layer, Weights, check_shapes, init_random
 __all__ = [
   "AttendFn",
   "Layer",
+  "QArray",
   "ShuffledWeights",
   "Weights",
   "block",
@@ -24,6 +26,7 @@ __all__ = [
   "forward",
   "init_random",
   "mlp",
+  "quantize_weights",
   "rms_norm",
   "rope",
   "unembed",

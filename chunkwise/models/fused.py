@@ -29,11 +29,15 @@ are needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from chunkwise import collectives
+from chunkwise.models.quantized import QArray
 from chunkwise.models.weights import Weights
 from chunkwise.partitioning.layout import Collectives, LayoutKind
 from chunkwise.partitioning.plan import Plan
@@ -115,30 +119,82 @@ class ShuffledWeights:
   tag: str = struct.field(pytree_node=False)
 
 
-def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
-  """Per device: the weights' local blocks in the order the plan's
-  collective matmuls read them (layers stay stacked on axis 0)."""
+@dataclasses.dataclass(frozen=True)
+class _Reorder:
+  """The block shuffle of one fused weight, stacked [layers, ...]."""
+
+  fn: Callable[[jax.Array], jax.Array]
+  dim: int  # the scattered or gathered dim
+  subdim: int | None  # the dim halved by the throughput form
+
+  def inverse(self, w: jax.Array) -> jax.Array:
+    """The shuffle undone: its transpose, since it is a permutation.
+    Integer arrays (int8 values) go through f32, which holds them exactly."""
+    w32 = w.astype(jnp.float32)
+    (out,) = jax.linear_transpose(self.fn, w32)(w32)
+    return out.astype(w.dtype)
+
+  def apply(self, w, *, inverse: bool = False):
+    """The shuffle (or its inverse) of a weight, or of a `QArray`'s values
+    and, where they follow the reordered output axis, its scales (scales
+    of a contracted axis have size 1 there and stay)."""
+    fn = self.inverse if inverse else self.fn
+    if not isinstance(w, QArray):
+      return fn(w)
+    scale = w.scale
+    if scale.shape[self.dim] > 1:
+      scale = fn(scale)
+    elif self.subdim is not None and scale.shape[self.subdim] > 1:
+      raise ValueError(
+        f"cannot reorder per-channel scales of shape {scale.shape} along "
+        f"contracted dim {self.dim} and output dim {self.subdim} together"
+      )
+    return QArray(values=fn(w.values), scale=scale)
+
+
+def _reorders(plan: Plan) -> dict[str, _Reorder]:
+  """The shuffle of each fused weight of the plan's layout, by name."""
   variant = plan.collectives.value
-  updates = {}
+  out = {}
   for name, f in FUSED[plan.kind].items():
     rletters = f.eq.split(",")[1].split("->")[0]
-    fn = (
+    shuffle_fn = (
       collectives.shuffle_for_reducescatter
       if f.op == _RS
       else collectives.shuffle_for_allgather
     )
-    updates[name] = fn(
-      variant,
-      getattr(weights.layers, name),
-      axes=ring(plan),
-      dim=1 + rletters.index(f.letter),
-      subdim=None if f.subsplit is None else 1 + rletters.index(f.subsplit),
+    dim = 1 + rletters.index(f.letter)
+    subdim = None if f.subsplit is None else 1 + rletters.index(f.subsplit)
+    fn = functools.partial(
+      shuffle_fn, variant, axes=ring(plan), dim=dim, subdim=subdim
     )
+    out[name] = _Reorder(fn, dim, subdim)
+  return out
+
+
+def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
+  """Per device: the weights' local blocks in the order the plan's
+  collective matmuls read them (layers stay stacked on axis 0)."""
+  updates = {
+    name: r.apply(getattr(weights.layers, name))
+    for name, r in _reorders(plan).items()
+  }
   layers = weights.layers.replace(**updates)
   return ShuffledWeights(
     weights=weights.replace(layers=layers),
     tag=tag(plan.kind, plan.collectives, plan.sizes),
   )
+
+
+def unshuffle(plan: Plan, weights: ShuffledWeights) -> Weights:
+  """Per device: `shuffle` undone, the weights in plain order again (to
+  save them, or to place them for another layout)."""
+  plain = unwrap(plan, weights)
+  updates = {
+    name: r.apply(getattr(plain.layers, name), inverse=True)
+    for name, r in _reorders(plan).items()
+  }
+  return plain.replace(layers=plain.layers.replace(**updates))
 
 
 def unwrap(plan: Plan, weights) -> Weights:

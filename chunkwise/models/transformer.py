@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Activation, Block, HParams
+from chunkwise.models.quantized import take_rows
 from chunkwise.models.weights import Layer, Weights
 
 # attend(q, k, v, per_layer) -> attention output [batch, time, heads, head_dim]
@@ -73,7 +74,8 @@ def _activation(kind: Activation, x: jax.Array) -> jax.Array:
 
 
 def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """einsum with the weight cast to the activation dtype."""
+  """einsum with the weight cast to the activation dtype (a `QArray`
+  dequantizes to it)."""
   return jnp.einsum(spec, x, w.astype(x.dtype))
 
 
@@ -144,7 +146,8 @@ def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
   into NaN: a NaN key or value in a masked slot would still poison the
   attention sums (0 * NaN = NaN).
   """
-  return jnp.take(weights.embedding, tokens, axis=0, mode="clip").astype(dtype)
+  ids = jnp.clip(tokens, 0, weights.embedding.shape[0] - 1)
+  return take_rows(weights.embedding, ids).astype(dtype)
 
 
 def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ from chunkwise.configs import HParams
 from chunkwise.models import shard_ops as ops
 from chunkwise.models import transformer
 from chunkwise.models.attention import attend
+from chunkwise.models.quantized import specs_like
 from chunkwise.models.weights import Layer, Weights
 from chunkwise.partitioning.layout import Collectives
 from chunkwise.partitioning.plan import Plan
@@ -46,7 +47,7 @@ def _whole(plan: Plan, tree, specs):
 def _gathered(plan: Plan, hparams: HParams, weights: Weights, name: str):
   """`weights` with the table `name` gathered whole (only the table the
   caller reads: the others stay sharded)."""
-  spec = getattr(Weights.axes(hparams), name)
+  spec = getattr(specs_like(Weights.axes(hparams), weights), name)
   return weights.replace(**{name: _whole(plan, getattr(weights, name), spec)})
 
 
@@ -77,11 +78,8 @@ def layer(
   prefix,
 ):
   """One layer on this device's rows; returns (x, (k, v))."""
-  specs = jax.tree.map(
-    lambda s: P(*s[1:]),
-    Layer.axes(hparams),
-    is_leaf=lambda s: isinstance(s, P),
-  )
+  logical = Layer.axes(hparams)
+  specs = _per_layer(specs_like(logical, w))
   rows = _rows(plan, positions)
   if plan.collectives is Collectives.XLA:
     whole = _whole(plan, w, specs)
@@ -89,7 +87,7 @@ def layer(
   rules = plan.rules()
   streamed = {}
   for name in _MATRICES:
-    spec = getattr(specs, name)
+    spec = getattr(_per_layer(logical), name)
     axes = tuple(() if n is None else tuple(rules[n]) for n in spec)
     streamed[name] = _Streamed(getattr(w, name), axes)
   small = w.replace(**{name: None for name in _MATRICES})
@@ -106,12 +104,20 @@ def layer(
   return transformer.block(hparams, local, x, rows, attend, prefix, mm)
 
 
+def _per_layer(specs):
+  """Stacked-layer specs without their leading layers axis."""
+  return jax.tree.map(
+    lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P)
+  )
+
+
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Streamed:
-  """A weight's local shard and the mesh axes splitting each dimension."""
+  """A weight's local shard (array or `QArray`) and the mesh axes
+  splitting each dimension."""
 
   array: jax.Array
   rhs_axes: tuple[tuple[str, ...], ...]

@@ -39,6 +39,7 @@ from chunkwise.configs import Block, HParams
 from chunkwise.models import fused
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import attend
+from chunkwise.models.quantized import take_rows
 from chunkwise.models.transformer import _activation, _bias, _mm, rope
 from chunkwise.models.weights import Layer, Weights
 from chunkwise.partitioning.plan import Plan
@@ -95,7 +96,7 @@ def embed(
   ids = jnp.clip(tokens, 0, hparams.vocab - 1)
   ids = ids - ops.index(plan.vocab_axes) * rows
   inside = (ids >= 0) & (ids < rows)
-  found = jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0)
+  found = take_rows(table, jnp.clip(ids, 0, rows - 1))
   partial = jnp.where(inside[..., None], found, 0).astype(dtype)
   return reduce(plan, partial)
 
@@ -205,7 +206,10 @@ def attention(
     row_positions = ops.local_rows(
       positions, plan.size(plan.attn_batch), ops.index(plan.attn_batch)
     )
-    wk, wv = (ops.all_gather(a, plan.kv_axes, axis=1) for a in (wk, wv))
+    wk, wv = (
+      jax.tree.map(lambda a: ops.all_gather(a, plan.kv_axes, axis=1), w)
+      for w in (wk, wv)
+    )
     if bk is not None:
       bk, bv = (ops.all_gather(a, plan.kv_axes, axis=0) for a in (bk, bv))
 

@@ -26,6 +26,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import Block, HParams
+from chunkwise.models import quantized
+from chunkwise.models.quantized import QArray
 from chunkwise.partitioning import axes as ax
 
 
@@ -90,7 +92,8 @@ class Weights:
     )
 
 
-def _shape(hparams: HParams, spec: P) -> tuple[int, ...]:
+def shape_of(hparams: HParams, spec: P) -> tuple[int, ...]:
+  """The shape `hparams` gives a weight of logical axes `spec`."""
   size = {
     ax.LAYERS: hparams.layers,
     ax.VOCAB: hparams.vocab,
@@ -105,10 +108,12 @@ def _shape(hparams: HParams, spec: P) -> tuple[int, ...]:
 
 
 def check_shapes(hparams: HParams, weights: Weights) -> None:
-  """Raises ValueError naming the first leaf whose shape `hparams` rejects."""
+  """Raises ValueError naming the first leaf whose shape `hparams` rejects
+  (int8 `QArray` leaves: int8 values of the weight's shape and scales of
+  that shape with 1 on the contracted axes)."""
   specs = Weights.axes(hparams)
   want = jax.tree.structure(specs)
-  got = jax.tree.structure(weights)
+  got = jax.tree.structure(weights, is_leaf=_is_q)
   if want != got:
     raise ValueError(
       f"weights do not have the structure HParams asks for (norm_scale="
@@ -118,16 +123,28 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
     )
   for (path, spec), leaf in zip(
     jax.tree_util.tree_leaves_with_path(specs),
-    jax.tree.leaves(weights),
+    jax.tree.leaves(weights, is_leaf=_is_q),
     strict=True,
   ):
-    expected = _shape(hparams, spec)
+    expected = shape_of(hparams, spec)
+    name = jax.tree_util.keystr(path)
     if tuple(leaf.shape) != expected:
-      name = jax.tree_util.keystr(path)
       raise ValueError(
         f"weight {name} has shape {tuple(leaf.shape)}, expected {expected} "
         f"{tuple(spec)} for these HParams"
       )
+    if isinstance(leaf, QArray):
+      scale = quantized.shape_like(expected, spec, name.rsplit(".", 1)[-1])
+      if leaf.values.dtype != jnp.int8 or tuple(leaf.scale.shape) != scale:
+        raise ValueError(
+          f"int8 weight {name} has values of dtype {leaf.values.dtype} and "
+          f"scales of shape {tuple(leaf.scale.shape)}; expected int8 values "
+          f"and scales of shape {scale}"
+        )
+
+
+def _is_q(x) -> bool:
+  return isinstance(x, QArray)
 
 
 def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
@@ -152,7 +169,7 @@ def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
   }
   out = []
   for path, spec, k in zip(paths, leaves, keys, strict=True):
-    shape = _shape(hparams, spec)
+    shape = shape_of(hparams, spec)
     noise = jax.random.normal(k, shape, jnp.float32)
     if spec[-1] == ax.NORM:
       value = 1.0 + 0.1 * noise

@@ -1,0 +1,121 @@
+"""int8 weights: the quantizer, shape checks, shuffles, and every layout and
+collective variant against the single-device int8 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise.models import QArray, Weights, check_shapes, quantized
+from chunkwise.partitioning import make_mesh
+
+
+def test_quantize_is_symmetric_per_output_channel():
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(2, 8, 3, 4)).astype(np.float32)  # [L, E, H, D]
+  w[1, :, 2, 1] = 0.0  # an all-zero channel
+  q = quantized.quantize(w, (1,))
+  assert q.values.dtype == jnp.int8 and q.scale.shape == (2, 1, 3, 4)
+  amax = np.abs(w).max(axis=1, keepdims=True)
+  np.testing.assert_allclose(
+    q.scale, np.where(amax > 0, amax / 127, 1), rtol=1e-6
+  )
+  assert np.abs(np.asarray(q.values)).max() == 127
+  back = np.asarray(q.astype(jnp.float32))
+  assert np.all(np.abs(back - w) <= np.asarray(q.scale) / 2 + 1e-7)
+  np.testing.assert_array_equal(back[1, :, 2, 1], 0)
+
+
+def test_quantize_weights_covers_every_matmul_weight():
+  h = cw.configs.get("tiny")
+  w = cw.models.init_random(h, jax.random.key(0))
+  q = quantized.quantize_weights(w, Weights.axes(h))
+  for name in ("q", "k", "v", "o", "gate", "up", "down"):
+    assert isinstance(getattr(q.layers, name), QArray), name
+  assert isinstance(q.embedding, QArray) and isinstance(q.unembedding, QArray)
+  assert not isinstance(q.layers.attn_norm, QArray)
+  assert q.layers.o.scale.shape == (h.layers, 1, 1, h.d_model)
+  assert q.unembedding.scale.shape == (1, h.vocab)
+  check_shapes(h, q)
+  ratio = quantized.nbytes(q) / quantized.nbytes(w)
+  assert 0.25 < ratio < 0.3
+  keep = quantized.quantize_weights(w, Weights.axes(h), embedding=False)
+  assert not isinstance(keep.embedding, QArray)
+  bad = q.replace(
+    layers=q.layers.replace(
+      q=QArray(values=q.layers.q.values, scale=q.layers.q.scale[:, :, :1])
+    )
+  )
+  with pytest.raises(ValueError, match=r"int8 weight \.layers\.q .* scales"):
+    check_shapes(h, bad)
+
+
+def test_shuffle_and_unshuffle_move_values_and_scales_together():
+  h = cw.configs.get("tiny")
+  w = cw.models.init_random(h, jax.random.key(1))
+  q = quantized.quantize_weights(w, Weights.axes(h))
+  mesh = make_mesh((2, 2, 2))
+  for layout in ("ws_2d/none/throughput", "ws_1d/none/latency"):
+    model = cw.InferenceModel(h, q, mesh=mesh, layout=layout)
+    assert isinstance(model.weights, cw.models.ShuffledWeights)
+    moved = model.weights.weights.layers.q.values
+    if layout.startswith("ws_2d"):
+      assert not np.array_equal(
+        np.asarray(moved), np.asarray(q.layers.q.values)
+      )
+    for a, b in zip(
+      jax.tree.leaves(model.plain_weights()), jax.tree.leaves(q), strict=True
+    ):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.fixture(scope="module")
+def int8_reference():
+  h = cw.configs.get("tiny")
+  w = cw.models.init_random(h, jax.random.key(2))
+  q = quantized.quantize_weights(w, Weights.axes(h))
+  model = cw.InferenceModel(h, q, cw.ByteVocabulary())
+  return model, _run(model)
+
+
+def _run(model):
+  chunk = cw.Chunk.tokenize(
+    model.vocab,
+    ["Cows have 4 legs.", "Hello", "xyz", "12"],
+    is_first_chunk=True,
+  )
+  first = model.prefill(chunk, top_n=3)
+  tokens, result = model.generate(
+    [first],
+    sample_ids=np.arange(4),
+    steps=5,
+    sampling=cw.Sampling(temperature=0.9, seed=4),
+  )
+  return first, tokens, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["xla", "one_way", "latency", "throughput"])
+@pytest.mark.parametrize("kind", ["ws_1d", "ws_2d", "ws_2d/yz", "wg"])
+def test_int8_every_layout_and_variant(int8_reference, kind, variant):
+  reference, (first, tokens, result) = int8_reference
+  attn = kind.split("/")[1] if "/" in kind else "none"
+  layout = f"{kind.split('/')[0]}/{attn}/{variant}"
+  model = cw.InferenceModel(
+    reference.hparams,
+    reference.weights,
+    reference.vocab,
+    mesh=make_mesh((2, 2, 2)),
+    layout=layout,
+  )
+  got_first, got_tokens, got_result = _run(model)
+  np.testing.assert_allclose(
+    got_first.per_token_scores, first.per_token_scores, atol=2e-5
+  )
+  np.testing.assert_array_equal(got_first.top_ids, first.top_ids)
+  np.testing.assert_array_equal(got_tokens.tokens, tokens.tokens)
+  np.testing.assert_array_equal(got_tokens.lengths, tokens.lengths)
+  np.testing.assert_allclose(
+    got_result.per_token_scores, result.per_token_scores, atol=2e-5
+  )
