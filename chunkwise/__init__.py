@@ -12,7 +12,12 @@ See DESIGN.md (the contract) for the semantics every name below keeps.
 """
 
 from chunkwise import checkpoints, configs, models, partitioning
-from chunkwise.checkpoints import TokenizerVocabulary, load
+from chunkwise.checkpoints import (
+  TokenizerVocabulary,
+  load,
+  load_result,
+  save,
+)
 from chunkwise.configs import HParams
 from chunkwise.inference import (
   ByteVocabulary,
@@ -44,8 +49,10 @@ __all__ = [
   "concat_results",
   "configs",
   "load",
+  "load_result",
   "models",
   "partitioning",
+  "save",
 ]
 
 __version__ = "0.1.0"

