@@ -5,6 +5,7 @@ weights, corrupt or mismatched checkpoints, all-or-nothing saves."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -208,8 +209,6 @@ def test_saved_prefix_continues_on_another_mesh(tiny, tmp_path, cache_dtype):
 
 
 def _copy(saved, tmp_path):
-  import shutil
-
   dst = tmp_path / "copy"
   shutil.copytree(saved, dst)
   return dst
@@ -265,8 +264,6 @@ def test_arrays_of_another_model_are_refused(saved, tmp_path):
   )
   path = _copy(saved, tmp_path)
   other_path = cw.save(other, tmp_path / "other")
-  import shutil
-
   shutil.rmtree(path / store.ARRAYS)
   shutil.copytree(pathlib.Path(other_path) / store.ARRAYS, path / store.ARRAYS)
   _edit_meta(path, lambda m: m.update(files=store._file_sizes(str(path))))

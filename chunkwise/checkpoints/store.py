@@ -73,14 +73,12 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 # -- names ----------------------------------------------------------------
 
 
-def _key(k) -> str:
-  return str(getattr(k, "name", getattr(k, "key", k)))
-
-
 def _flatten(tree) -> dict[str, Any]:
   """{"layers.q": leaf, ...}: every leaf by its pytree path."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
-  return {".".join(_key(k) for k in path): leaf for path, leaf in leaves}
+  return {
+    ".".join(quantized.key_name(k) for k in path): leaf for path, leaf in leaves
+  }
 
 
 def _unflatten(like, flat: dict[str, Any]):
@@ -105,11 +103,11 @@ def _nest(flat: dict[str, Any]) -> dict:
 
 
 def _hparams_json(h: HParams) -> dict:
-  return {
-    f.name: (v.value if isinstance(v, enum.Enum) else v)
-    for f in dataclasses.fields(h)
-    for v in [getattr(h, f.name)]
-  }
+  out = {}
+  for f in dataclasses.fields(h):
+    value = getattr(h, f.name)
+    out[f.name] = value.value if isinstance(value, enum.Enum) else value
+  return out
 
 
 def _vocab_json(vocab) -> tuple[dict, dict[str, str]]:
@@ -391,9 +389,9 @@ def _template(h: HParams, quantized_names: set[str], dtype) -> Weights:
 
   def one(path, spec):
     shape = shape_of(h, spec)
-    name = ".".join(_key(k) for k in path)
+    name = ".".join(quantized.key_name(k) for k in path)
     if name in quantized_names:
-      leaf = _key(path[-1])
+      leaf = quantized.key_name(path[-1])
       return quantized.QArray(
         values=jax.ShapeDtypeStruct(shape, jnp.int8),
         scale=jax.ShapeDtypeStruct(
@@ -411,16 +409,21 @@ def _template(h: HParams, quantized_names: set[str], dtype) -> Weights:
 
 def _with_shardings(template, shardings):
   """`template`'s ShapeDtypeStructs with `shardings` (one, or a tree)."""
-  if not isinstance(shardings, jax.sharding.Sharding):
-    return jax.tree.map(
-      lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s),
-      template,
-      shardings,
-    )
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, template)
   return jax.tree.map(
-    lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shardings),
+    lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s),
     template,
+    shardings,
   )
+
+
+def _weight_shardings(h: HParams, mesh, layout, like):
+  """Where `layout` keeps weights shaped like `like`: JAX's default device
+  for the reference layout, else the layout's shardings on `mesh`."""
+  if layout.kind is LayoutKind.REFERENCE:
+    return SingleDeviceSharding(jax.devices()[0])
+  return weight_shardings(h, mesh, layout, like)
 
 
 def _read_vocab(directory: str, desc: dict):
@@ -499,10 +502,7 @@ def load_model(
     {n: t.shape for n, t in _flatten(template).items()},
     f"its {_brief(h)}",
   )
-  if phases[0].kind is LayoutKind.REFERENCE:
-    shardings = SingleDeviceSharding(jax.devices()[0])
-  else:
-    shardings = weight_shardings(h, mesh, phases[0], template)
+  shardings = _weight_shardings(h, mesh, phases[0], template)
   weights = _restore(directory, _with_shardings(template, shardings))
   if quantize == "int8":
     weights = _quantize_placed(h, mesh, phases[0], weights)
@@ -518,10 +518,7 @@ def _quantize_placed(h: HParams, mesh, layout, weights):
   """int8 weights from placed float ones, computed where they live."""
   specs = Weights.axes(h)
   fn = lambda w: quantized.quantize_weights(w, specs)
-  shape = jax.eval_shape(fn, weights)
-  if layout.kind is LayoutKind.REFERENCE:
-    return jax.jit(fn)(weights)
-  out = weight_shardings(h, mesh, layout, shape)
+  out = _weight_shardings(h, mesh, layout, jax.eval_shape(fn, weights))
   return jax.jit(fn, out_shardings=out)(weights)
 
 

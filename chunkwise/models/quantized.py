@@ -81,8 +81,13 @@ def quantize(w, axes: tuple[int, ...]) -> QArray:
   return QArray(values=values, scale=scale)
 
 
+def key_name(key) -> str:
+  """A pytree path entry as a plain string (attribute or dict key)."""
+  return str(getattr(key, "name", getattr(key, "key", key)))
+
+
 def _name(path) -> str:
-  return str(getattr(path[-1], "name", getattr(path[-1], "key", path[-1])))
+  return key_name(path[-1])
 
 
 def contracted_dims(name: str, spec: P) -> tuple[int, ...]:

@@ -78,8 +78,8 @@ def layer(
   prefix,
 ):
   """One layer on this device's rows; returns (x, (k, v))."""
-  logical = Layer.axes(hparams)
-  specs = _per_layer(specs_like(logical, w))
+  logical = _per_layer(Layer.axes(hparams))
+  specs = specs_like(logical, w)
   rows = _rows(plan, positions)
   if plan.collectives is Collectives.XLA:
     whole = _whole(plan, w, specs)
@@ -87,7 +87,7 @@ def layer(
   rules = plan.rules()
   streamed = {}
   for name in _MATRICES:
-    spec = getattr(_per_layer(logical), name)
+    spec = getattr(logical, name)  # a QArray's values and the array alike
     axes = tuple(() if n is None else tuple(rules[n]) for n in spec)
     streamed[name] = _Streamed(getattr(w, name), axes)
   small = w.replace(**{name: None for name in _MATRICES})
