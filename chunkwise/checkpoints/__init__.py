@@ -4,14 +4,22 @@ chunkwise's own Orbax checkpoints of models and results (`save`,
 
 from chunkwise.checkpoints import gguf, hf, llama, safetensors, store
 from chunkwise.checkpoints.llama import Imported
-from chunkwise.checkpoints.load import EMBEDDED, embedded_path, load
+from chunkwise.checkpoints.load import (
+  EMBEDDED,
+  Description,
+  describe,
+  embedded_path,
+  load,
+)
 from chunkwise.checkpoints.store import load_result, save
 from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 
 __all__ = [
   "EMBEDDED",
+  "Description",
   "Imported",
   "TokenizerVocabulary",
+  "describe",
   "embedded_path",
   "gguf",
   "hf",

@@ -199,15 +199,9 @@ def dequantize(tensor) -> np.ndarray:
     ) from None
 
 
-def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
-  """Reads a `llama`-architecture GGUF file.
-
-  Raises:
-    FileNotFoundError: no such file.
-    ImportError: the `gguf` package is missing (pip install gguf).
-    ValueError: not a GGUF file, an unsupported architecture, quantization
-      or tokenizer, or tensors that are missing or misshapen.
-  """
+def _open(path: str | os.PathLike):
+  """(metadata, tensors by HF name, HParams) of a GGUF file; reads no
+  tensor data."""
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no GGUF file at {path}")
@@ -233,6 +227,26 @@ def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
     tied="lm_head.weight" not in tensors,
     source=path,
   )
+  return meta, tensors, hparams
+
+
+def describe(path: str | os.PathLike) -> tuple[HParams, Any]:
+  """(HParams, vocabulary) of a GGUF file, without reading its weights."""
+  meta, _, hparams = _open(path)
+  return hparams, vocab_from_metadata(meta, os.fspath(path))
+
+
+def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
+  """Reads a `llama`-architecture GGUF file.
+
+  Raises:
+    FileNotFoundError: no such file.
+    ImportError: the `gguf` package is missing (pip install gguf).
+    ValueError: not a GGUF file, an unsupported architecture, quantization
+      or tokenizer, or tensors that are missing or misshapen.
+  """
+  path = os.fspath(path)
+  meta, tensors, hparams = _open(path)
 
   def get(name: str) -> np.ndarray:
     value = dequantize(tensors[name])

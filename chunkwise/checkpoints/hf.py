@@ -141,6 +141,24 @@ def read_vocab(directory: str, config: Mapping[str, Any]):
   )
 
 
+def _config(directory: str) -> tuple[dict[str, Any], HParams]:
+  config_path = os.path.join(directory, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(
+      f"{directory} is not a Hugging Face checkpoint: no config.json"
+    )
+  config = _read_json(config_path)
+  return config, hparams_from_config(config, config_path)
+
+
+def describe(directory: str | os.PathLike) -> tuple[HParams, Any]:
+  """(HParams, vocabulary) of a Hugging Face directory, without reading its
+  weights."""
+  directory = os.fspath(directory)
+  config, hparams = _config(directory)
+  return hparams, read_vocab(directory, config)
+
+
 def read(directory: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
   """Reads a Hugging Face Llama-family directory.
 
@@ -150,13 +168,7 @@ def read(directory: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
       misshapen or unexpected (the message names them).
   """
   directory = os.fspath(directory)
-  config_path = os.path.join(directory, "config.json")
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(
-      f"{directory} is not a Hugging Face checkpoint: no config.json"
-    )
-  config = _read_json(config_path)
-  hparams = hparams_from_config(config, config_path)
+  config, hparams = _config(directory)
   files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
   if not files:
     raise FileNotFoundError(

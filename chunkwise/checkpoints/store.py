@@ -451,6 +451,24 @@ def _read_vocab(directory: str, desc: dict):
   return None
 
 
+def _model_meta(directory: str) -> tuple[dict, HParams]:
+  meta = read_meta(directory, "model")
+  try:
+    h = HParams(**meta["hparams"])
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"checkpoint {directory}: bad HParams: {e}") from None
+  return meta, h
+
+
+def describe(directory: str | os.PathLike) -> tuple[HParams, Any, dict]:
+  """(HParams, vocabulary, {"bos_id", "eos_id"}) of a saved model, without
+  reading its arrays (their files are checked for presence and size)."""
+  directory = os.path.abspath(os.fspath(directory))
+  meta, h = _model_meta(directory)
+  ids = {k: meta[k] for k in ("bos_id", "eos_id")}
+  return h, _read_vocab(directory, meta["vocabulary"]), ids
+
+
 def load_model(
   directory: str | os.PathLike,
   *,
@@ -473,11 +491,7 @@ def load_model(
     vocab: replaces the saved vocabulary.
   """
   directory = os.path.abspath(os.fspath(directory))
-  meta = read_meta(directory, "model")
-  try:
-    h = HParams(**meta["hparams"])
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"checkpoint {directory}: bad HParams: {e}") from None
+  meta, h = _model_meta(directory)
   phases = check_placement(
     mesh,
     layout,

@@ -1,0 +1,485 @@
+"""What scripts/score.py and scripts/generate.py share: their common absl
+flags, multi-host start-up, the model, and the batch loop.
+
+A job runs in this order, so that bad flags, a bad input line or an
+output file of another job stop it before any device work:
+
+  1. flags checked; the model described (`checkpoints.describe`: shapes,
+     tokenizer, BOS/EOS, no weights);
+  2. the input read, tokenized and checked (`examples`);
+  3. `jax.distributed` started (multi-host), the output opened and its
+     done ids skipped (`output`); every process plans the same batches
+     (`batching`), checked equal across processes;
+  4. the model loaded onto the mesh, the shared prefix prefilled once,
+     the batches run and written as they finish, with a progress bar on
+     process 0;
+  5. the output finished (shards merged, input order) and a summary.
+
+Multi-host: one model spans the mesh of every process's devices, and every
+process runs the same batches (JAX's multi-controller SPMD). Each batch's
+rows are split between processes in contiguous blocks; process p writes
+its rows to `<output>.process-p-of-n`, and process 0 merges the shards
+into `<output>` at the end. The output must be on a filesystem every
+process sees (checked). See `output` for resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from absl import app, flags, logging
+
+from chunkwise import checkpoints, configs, partitioning
+from chunkwise.inference import ByteVocabulary, InferenceModel
+from chunkwise.jobs import batching, examples, output
+from chunkwise.partitioning import Layout
+
+_MODEL = flags.DEFINE_string(
+  "model",
+  "smollm2-135m",
+  "A model name, a .gguf file, a Hugging Face or chunkwise checkpoint "
+  "directory, or random:<preset> (random weights, for tests).",
+)
+_INPUT = flags.DEFINE_string(
+  "input", None, "Input file: JSON lines (.jsonl) or text, one per line."
+)
+_INPUT_FORMAT = flags.DEFINE_enum(
+  "input_format",
+  "auto",
+  ["auto", "jsonl", "text"],
+  "auto: .jsonl/.ndjson/.json files are JSON lines, others plain text.",
+)
+_OUTPUT = flags.DEFINE_string(
+  "output", None, "Output JSON-lines file; a re-run skips the ids it holds."
+)
+_BATCH_SIZE = flags.DEFINE_integer(
+  "batch_size", 8, "Rows per device call (over all processes).", lower_bound=1
+)
+_MAX_LEN = flags.DEFINE_integer(
+  "max_len",
+  None,
+  "Longest sequence in tokens, shared prefix included (default: the "
+  "model's max_len).",
+  lower_bound=1,
+)
+_SHARED_PREFIX = flags.DEFINE_string(
+  "shared_prefix",
+  "",
+  "Text (or @file) prefilled once as the start of every example.",
+)
+_LAYOUT = flags.DEFINE_string(
+  "layout", "reference", "Layout, e.g. ws_2d/yz/latency (see README)."
+)
+_MESH = flags.DEFINE_string(
+  "mesh",
+  None,
+  "Mesh shape XxYxZ, e.g. 2x2x2 (default: 1x1x<all devices> for a "
+  "sharded layout).",
+)
+_DTYPE = flags.DEFINE_enum(
+  "dtype", None, ["float32", "bfloat16"], "Float weights' dtype."
+)
+_QUANTIZE = flags.DEFINE_enum(
+  "quantize", "none", ["none", "int8"], "Weight quantization."
+)
+_SKIP_BAD_LINES = flags.DEFINE_bool(
+  "skip_bad_lines",
+  False,
+  "Log, count and skip bad input lines instead of stopping.",
+)
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "Multi-host: host:port of process 0."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  "num_processes", None, "Multi-host: how many processes.", lower_bound=1
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  "process_id", None, "Multi-host: this process's index.", lower_bound=0
+)
+_MULTIHOST = flags.DEFINE_bool(
+  "multihost",
+  False,
+  "Start jax.distributed with the platform's automatic detection (TPU "
+  "pods, SLURM, ...) when --coordinator_address is not given.",
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+  "cpu_devices",
+  None,
+  "Host CPU devices per process (tests run 2 processes x 4).",
+  lower_bound=1,
+)
+_BATCH_DELAY = flags.DEFINE_float(
+  "batch_delay_s",
+  0.0,
+  "Sleep after each batch (throttling; the resume test uses it).",
+  lower_bound=0.0,
+)
+
+
+def fail(message: str) -> None:
+  """Exits with a one-line reason."""
+  print(f"{sys.argv[0].rsplit('/', 1)[-1]}: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def require(*names: str) -> None:
+  for name in names:
+    if not flags.FLAGS[name].value:
+      raise app.UsageError(f"--{name} is required")
+
+
+def describe_model(name: str) -> checkpoints.Description:
+  """What the model will be, read without loading weights."""
+  if name.startswith("random:"):
+    preset = name.removeprefix("random:")
+    if preset not in configs.names():
+      raise ValueError(
+        f"--model={name}: unknown preset {preset!r}; known: "
+        f"{', '.join(configs.names())}"
+      )
+    h = configs.get(preset)
+    if h.num_params() > 1e9:
+      raise ValueError(f"--model={name}: too large for random weights")
+    vocab = ByteVocabulary() if h.vocab >= ByteVocabulary().vocab_size else None
+    bos = vocab.bos_id if vocab else 0
+    return checkpoints.Description(h, vocab, bos, vocab and vocab.eos_id)
+  described = checkpoints.describe(name)
+  if described.vocab is None:
+    raise ValueError(f"--model={name} has no tokenizer to encode text with")
+  return described
+
+
+def shared_prefix_text() -> str:
+  value = _SHARED_PREFIX.value
+  if value.startswith("@"):
+    path = value[1:]
+    try:
+      with open(path, encoding="utf-8") as f:
+        return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise ValueError(f"--shared_prefix={value}: {e}") from None
+  return value
+
+
+# (described model, shared prefix row, example) -> (row, scored_from)
+Encode = Callable[
+  [checkpoints.Description, list[int], examples.Example],
+  tuple[list[int], int],
+]
+
+
+@dataclasses.dataclass
+class Setup:
+  """The checked job before any device work."""
+
+  described: checkpoints.Description
+  found: examples.Examples
+  prepared: list[examples.Prepared]
+  prefix_tokens: list[int]  # the shared prefix's row (BOS first) or []
+  layout: Layout
+  mesh_shape: tuple[int, int, int] | None
+  max_len: int
+
+
+def setup(
+  kind: str,
+  encode: Callable[
+    [checkpoints.Description, list[int], examples.Example],
+    tuple[list[int], int],
+  ],
+  *,
+  reserved: int = 0,
+  reserved_for: str = "",
+) -> Setup:
+  """Steps 1 and 2 (module docstring). `encode(described, prefix_tokens,
+  example)` gives an example's row and where its scored tokens start;
+  `reserved` tokens (generated steps) must fit after it."""
+  require("input", "output")
+  try:
+    layout = Layout.parse(_LAYOUT.value)
+    shape = partitioning.parse_mesh(_MESH.value) if _MESH.value else None
+    described = describe_model(_MODEL.value)
+    prefix_text = shared_prefix_text()
+  except (ValueError, FileNotFoundError) as e:
+    raise app.UsageError(str(e)) from None
+  h = described.hparams
+  max_len = _MAX_LEN.value or h.max_len
+  if max_len > h.max_len:
+    raise app.UsageError(
+      f"--max_len={max_len} exceeds the model's max_len {h.max_len}"
+    )
+  vocab = described.vocab
+  prefix_tokens = (
+    [described.bos_id, *vocab.encode(prefix_text)] if prefix_text else []
+  )
+  if len(prefix_tokens) >= max_len:
+    raise app.UsageError(
+      f"--shared_prefix has {len(prefix_tokens)} tokens, leaving none of "
+      f"--max_len={max_len}"
+    )
+  what = ["the shared prefix"] * bool(prefix_tokens) + [reserved_for] * bool(
+    reserved
+  )
+  try:
+    found = examples.read(
+      _INPUT.value,
+      kind=kind,
+      fmt=_INPUT_FORMAT.value,
+      skip_bad=_SKIP_BAD_LINES.value,
+    )
+    prepared = examples.prepare(
+      found,
+      lambda e: encode(described, prefix_tokens, e),
+      limit=max_len,
+      reserved=len(prefix_tokens) + reserved,
+      reserved_for=" and ".join(what),
+      skip_bad=_SKIP_BAD_LINES.value,
+    )
+  except (examples.InputError, FileNotFoundError) as e:
+    fail(str(e))
+  for message in found.messages:
+    logging.warning("skipped %s", message)
+  return Setup(
+    described, found, prepared, prefix_tokens, layout, shape, max_len
+  )
+
+
+def start_processes() -> tuple[int, int]:
+  """Starts `jax.distributed` when asked; (process index, count)."""
+  given = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if any(v is not None for v in given) or _MULTIHOST.value:
+    try:
+      partitioning.initialize_multihost(
+        *given, local_device_count=_CPU_DEVICES.value
+      )
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+  elif _CPU_DEVICES.value:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+  import jax
+
+  return jax.process_index(), jax.process_count()
+
+
+def open_output(process: int, processes: int, batch_size: int, **kw):
+  if batch_size % processes:
+    raise app.UsageError(
+      f"--batch_size={batch_size} is not divisible by the {processes} "
+      "processes, which split each batch's rows"
+    )
+  return output.Output(
+    _OUTPUT.value, process=process, processes=processes, **kw
+  )
+
+
+def check_same_plan(plan: Sequence, processes: int) -> None:
+  """Every process must plan the same batches (same input, same output
+  files seen)."""
+  if processes == 1:
+    return
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  digest = hashlib.sha256(repr(plan).encode()).digest()
+  mine = np.frombuffer(digest, np.uint8)
+  everyone = np.asarray(multihost_utils.process_allgather(mine))
+  if not (everyone == mine).all():
+    raise output.OutputError(
+      "the processes planned different batches: put --output (and its "
+      "shards) on a filesystem every process sees, and give every process "
+      "the same input and flags"
+    )
+
+
+def load_model(setup: Setup) -> InferenceModel:
+  """Step 4's model on the mesh the flags name."""
+  import jax
+
+  shape = setup.mesh_shape
+  if shape is None and setup.layout.kind.value != "reference":
+    shape = (1, 1, jax.device_count())
+  mesh = None if shape is None else partitioning.make_mesh(shape)
+  name = _MODEL.value
+  quantize = None if _QUANTIZE.value == "none" else _QUANTIZE.value
+  if name.startswith("random:"):
+    d = setup.described
+    return InferenceModel.random(
+      d.hparams, seed=0, mesh=mesh, layout=setup.layout, vocab=d.vocab
+    )
+  return checkpoints.load(
+    name,
+    dtype=_DTYPE.value,
+    quantize=quantize,
+    mesh=mesh,
+    layout=setup.layout,
+  )
+
+
+def is_main_process() -> bool:
+  import jax
+
+  return jax.process_index() == 0
+
+
+def progress(total: int, process: int, unit: str):
+  """A tqdm bar on process 0 (a silent one elsewhere)."""
+  from tqdm import tqdm
+
+  return tqdm(
+    total=total,
+    unit=unit,
+    disable=process != 0 or not _PROGRESS.value,
+    file=sys.stderr,
+    dynamic_ncols=True,
+  )
+
+
+def pause() -> None:
+  if _BATCH_DELAY.value:
+    time.sleep(_BATCH_DELAY.value)
+
+
+def barrier(name: str, processes: int) -> None:
+  if processes > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def plan(setup: Setup, todo: list[int], limit: int) -> list[batching.Batch]:
+  """Batches of the examples `todo` (indices into `setup.prepared`),
+  padded to at most `limit` columns."""
+  lengths = [len(setup.prepared[i].tokens) for i in todo]
+  planned = batching.batches(lengths, batch_size=_BATCH_SIZE.value, limit=limit)
+  return [
+    batching.Batch(
+      tuple(None if i is None else todo[i] for i in b.indices), b.time
+    )
+    for b in planned
+  ]
+
+
+RunBatch = Callable[
+  [InferenceModel, list, list, batching.Batch], list[list[dict] | None]
+]
+
+
+@dataclasses.dataclass
+class Run:
+  """What `run` did: the finished output and this run's counts."""
+
+  output: output.Output
+  todo: list[int]  # indices into `Setup.prepared` run now
+  resumed: int  # examples found done in the output
+  seconds: float  # of batches, compiles included
+  process: int
+
+
+def run(
+  setup: Setup,
+  *,
+  keys: Callable[[examples.Prepared], list[str]],
+  run_batch: RunBatch,
+  reserved: int = 0,
+  record_key: Callable[[dict], str] = output.record_id,
+) -> Run:
+  """Steps 3 to 5 (module docstring). `keys(p)` are the output keys of
+  example p's records; `run_batch(model, prefix, rows, batch)` gives
+  each row's records (None for padding rows)."""
+  size = _BATCH_SIZE.value
+  try:
+    process, processes = start_processes()
+    out = open_output(process, processes, size, key=record_key)
+    done = out.done
+    finished = [all(k in done for k in keys(p)) for p in setup.prepared]
+    # The whole job's plan, less its finished batches: a resumed job runs
+    # each batch with the rows it had at first, so its values are
+    # bit-identical to an uninterrupted run's.
+    limit = setup.max_len - len(setup.prefix_tokens) - reserved
+    batches = [
+      b
+      for b in plan(setup, list(range(len(finished))), limit)
+      if not all(finished[i] for i in b.rows)
+    ]
+    todo = [i for b in batches for i in b.rows if not finished[i]]
+    check_same_plan(batches, processes)
+  except (examples.InputError, output.OutputError) as e:
+    fail(str(e))
+  logging.info(
+    "%d examples: %d to run in %d batches of %d, %d already in %s",
+    len(setup.prepared),
+    len(todo),
+    len(batches),
+    size,
+    len(setup.prepared) - len(todo),
+    out.path,
+  )
+  start = time.perf_counter()
+  try:
+    model = load_model(setup) if batches else None
+    prefix = []
+    if batches and setup.prefix_tokens:
+      from chunkwise.inference import Chunk
+
+      prefix = [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+    with progress(len(todo), process, "example") as bar:
+      for batch in batches:
+        rows = [None if i is None else setup.prepared[i] for i in batch.indices]
+        records = run_batch(model, prefix, rows, batch)
+        mine = batching.owned(batch, process, processes)
+        out.append([r for b in mine for r in records[b]])
+        bar.update(sum(not finished[i] for i in batch.rows))
+        pause()
+  except ValueError as e:  # e.g. a batch size the mesh cannot split
+    fail(str(e))
+  seconds = time.perf_counter() - start
+  barrier("chunkwise-job-written", processes)
+  order = [k for p in setup.prepared for k in keys(p)]
+  out.finish(order)
+  barrier("chunkwise-job-finished", processes)
+  return Run(out, todo, len(setup.prepared) - len(todo), seconds, process)
+
+
+def summary(setup: Setup, run: Run, *, new_tokens: int, **totals) -> dict:
+  """The summary line: `totals` over the whole output, then this run's
+  counts and speed (`new_tokens` in `run.seconds`)."""
+  return {
+    **totals,
+    "run_now": len(run.todo),
+    "resumed": run.resumed,
+    "skipped_bad_lines": len(setup.found.bad),
+    "tokens_per_s": round(new_tokens / run.seconds, 1) if run.seconds else None,
+    "seconds": round(run.seconds, 2),
+    "output": run.output.path,
+  }
+
+
+def main(job: Callable[[], None]) -> Callable[[Sequence[str]], None]:
+  """An absl main running `job`; bad flags exit 1 with one line."""
+
+  def run_main(argv: Sequence[str]) -> None:
+    try:
+      if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      job()
+    except app.UsageError as e:
+      fail(str(e))
+
+  return run_main
+
+
+def report(summary: dict, process: int) -> None:
+  """Prints the summary (process 0) as `summary {json}` and logs it."""
+  if process != 0:
+    return
+
+  logging.info("summary: %s", summary)
+  print("summary " + json.dumps(summary), flush=True)

@@ -1,0 +1,232 @@
+"""Input files of batch jobs: one example per line, read and checked whole
+before any device work.
+
+  examples = read("data.jsonl", kind=SCORE)         # or kind=GENERATE
+  prepared = prepare(examples, encode, limit=2048)  # token rows, checked
+
+Formats (by file suffix: .jsonl / .ndjson / .json are JSON lines; anything
+else is plain text):
+- JSON lines, scoring: {"id", "text"} (every token after BOS is scored) or
+  {"id", "context", "continuation"} (only the continuation is scored,
+  conditioned on the context).
+- JSON lines, generation: {"id", "prompt"} ("text" is accepted too).
+- Plain text: one example per line, its id the line number (from 1).
+
+Ids are strings or integers, unique in the file. A bad line (invalid JSON
+or UTF-8, a missing or mistyped field, an empty text, a duplicate id, too
+many tokens) is reported as `file:line: reason`: `InputError` for the
+first one, or with `skip_bad=True` a list of such messages while the rest
+goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+SCORE = "score"
+GENERATE = "generate"
+JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+class InputError(ValueError):
+  """A bad input file or line; the message starts with `file:line:`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One input line.
+
+  id: from the file, or the line number for plain text.
+  line: the line number (from 1), for messages.
+  text: scored text, continuation or prompt.
+  context: conditioning text that is not scored ("" if none).
+  """
+
+  id: int | str
+  line: int
+  text: str
+  context: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """An example's tokens: `tokens[scored_from:]` are scored (scoring) or
+  the whole row is the prompt (generation)."""
+
+  example: Example
+  tokens: list[int]
+  scored_from: int
+
+
+@dataclasses.dataclass
+class Examples:
+  """What `read` found: good examples in file order, and bad lines as
+  `file:line: reason` messages."""
+
+  path: str
+  items: list[Example]
+  bad: list[tuple[int, str]]  # (line, "file:line: reason")
+
+  @property
+  def messages(self) -> list[str]:
+    return [message for _, message in sorted(self.bad)]
+
+
+def id_key(value: Any) -> str:
+  """An id as a set key: 3 and "3" are different ids."""
+  return json.dumps(value)
+
+
+def _is_json(path: str, fmt: str) -> bool:
+  if fmt == "auto":
+    return path.lower().endswith(JSON_SUFFIXES)
+  if fmt not in ("jsonl", "text"):
+    raise ValueError(f"input format {fmt!r}: expected auto, jsonl or text")
+  return fmt == "jsonl"
+
+
+def _field(record: dict, name: str, *, required: bool = True) -> str:
+  if name not in record:
+    if required:
+      raise ValueError(f"missing field {name!r}")
+    return ""
+  value = record[name]
+  if not isinstance(value, str):
+    raise ValueError(
+      f"field {name!r} is {type(value).__name__} {value!r}, expected a string"
+    )
+  if required and not value.strip():
+    raise ValueError(f"field {name!r} is empty")
+  return value
+
+
+def _from_json(text: str, line: int, kind: str) -> Example:
+  try:
+    record = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"invalid JSON: {e}") from None
+  if not isinstance(record, dict):
+    raise ValueError(
+      f"expected a JSON object, got {type(record).__name__} {text[:40]!r}"
+    )
+  if "id" not in record:
+    raise ValueError("missing field 'id'")
+  ident = record["id"]
+  if isinstance(ident, bool) or not isinstance(ident, int | str):
+    raise ValueError(f"id {ident!r} is not a string or an integer")
+  if kind == GENERATE:
+    name = "prompt" if "prompt" in record or "text" not in record else "text"
+    return Example(ident, line, _field(record, name))
+  if "continuation" in record or "context" in record:
+    return Example(
+      ident,
+      line,
+      _field(record, "continuation"),
+      _field(record, "context", required=False),
+    )
+  return Example(ident, line, _field(record, "text"))
+
+
+def read(
+  path: str | os.PathLike,
+  *,
+  kind: str,
+  fmt: str = "auto",
+  skip_bad: bool = False,
+) -> Examples:
+  """Reads every example of `path` (see the module docstring).
+
+  Raises:
+    FileNotFoundError: no such file.
+    InputError: a bad line (unless `skip_bad`) or a file with no examples.
+  """
+  path = os.fspath(path)
+  if kind not in (SCORE, GENERATE):
+    raise ValueError(f"kind {kind!r}: expected {SCORE!r} or {GENERATE!r}")
+  json_lines = _is_json(path, fmt)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no input file {path}")
+  with open(path, "rb") as f:
+    raw = f.read()
+  found = Examples(path, [], [])
+  first_line: dict[str, int] = {}
+  for number, data in enumerate(raw.splitlines(), start=1):
+    try:
+      try:
+        text = data.decode("utf-8").rstrip("\r")
+      except UnicodeDecodeError as e:
+        raise ValueError(
+          f"not valid UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
+      if not text.strip():
+        raise ValueError("empty line" if json_lines else "empty text")
+      if json_lines:
+        example = _from_json(text, number, kind)
+      else:
+        example = Example(number, number, text)
+      key = id_key(example.id)
+      if key in first_line:
+        raise ValueError(
+          f"duplicate id {example.id!r} (first on line {first_line[key]})"
+        )
+      first_line[key] = number
+      found.items.append(example)
+    except ValueError as e:
+      found.bad.append((number, f"{path}:{number}: {e}"))
+  _check_bad(found, skip_bad)
+  if not found.items:
+    raise InputError(f"{path}: no examples to run")
+  return found
+
+
+def _check_bad(found: Examples, skip_bad: bool) -> None:
+  if found.bad and not skip_bad:
+    more = len(found.bad) - 1
+    raise InputError(
+      found.messages[0]
+      + (f" (and {more} more bad line{'s' * (more > 1)})" if more else "")
+      + "; fix the input or pass --skip_bad_lines"
+    )
+
+
+def prepare(
+  found: Examples,
+  encode: Callable[[Example], tuple[list[int], int]],
+  *,
+  limit: int,
+  reserved: int = 0,
+  reserved_for: str = "",
+  what: str = "--max_len",
+  skip_bad: bool = False,
+) -> list[Prepared]:
+  """Tokenizes every example with `encode` (returns the row and where its
+  scored tokens start) and checks its length: `reserved` (a shared
+  prefix, generated steps) plus the row must fit in `limit`. Over-long
+  lines join `found.bad`; they raise `InputError` unless `skip_bad`."""
+  kept = []
+  for example in found.items:
+    tokens, scored_from = encode(example)
+    if reserved + len(tokens) > limit:
+      found.bad.append(
+        (
+          example.line,
+          f"{found.path}:{example.line}: {len(tokens)} tokens"
+          + (f" + {reserved} for {reserved_for}" if reserved else "")
+          + f" exceed {what}={limit}",
+        )
+      )
+      continue
+    kept.append(Prepared(example, list(tokens), scored_from))
+  _check_bad(found, skip_bad)
+  if not kept:
+    raise InputError(f"{found.path}: no examples left to run")
+  return kept
+
+
+def order(examples: Sequence[Prepared]) -> list[str]:
+  """The examples' id keys in file order."""
+  return [id_key(p.example.id) for p in examples]
