@@ -23,7 +23,6 @@ Resuming and multi-host work as in scripts/score.py.
 from __future__ import annotations
 
 import collections
-import sys
 
 from absl import app, flags
 
@@ -79,6 +78,9 @@ def keys(p: examples.Prepared) -> list[str]:
 
 
 def record_key(record: dict) -> str:
+  """(id, sample); KeyError for a record that is not a sample."""
+  if "finish_reason" not in record:
+    raise KeyError("finish_reason")
   return examples.id_key([record["id"], record["sample"]])
 
 
@@ -86,7 +88,14 @@ def stop_strings() -> list[str]:
   """--stop values, with backslash escapes (\\n, \\t) decoded."""
   out = []
   for value in _STOP.value:
-    text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:
+      text = value.encode("latin-1", "backslashreplace").decode(
+        "unicode_escape"
+      )
+    except UnicodeDecodeError as e:
+      raise app.UsageError(
+        f"--stop={value!r}: bad escape ({e.reason})"
+      ) from None
     if not text:
       raise app.UsageError(f"--stop={value!r} is empty")
     out.append(text)
@@ -147,17 +156,15 @@ def generate() -> None:
     seed=_SEED.value,
   )
   first = setup.prepared[0].example.id
-  streamed = []
 
   def emit(text: str) -> None:
-    print(text, end="", flush=True)
-    streamed.append(text)
+    if cli.is_main_process():
+      print(text, end="", flush=True)
 
   def run_batch(model, prefix, rows, batch):
     lead = [i for i, r in enumerate(rows) if r and r.example.id == first]
-    stream = None
-    if _STREAM.value and lead and cli.is_main_process():
-      stream = (lead[0], emit)
+    # Every process runs the same (streamed) program; process 0 prints.
+    stream = (lead[0], emit) if _STREAM.value and lead else None
     out = generation.generate_batch(
       model,
       rows,
@@ -171,7 +178,7 @@ def generate() -> None:
       stream=stream,
     )
     if stream:
-      print(file=sys.stdout, flush=True)
+      emit("\n")
     return out
 
   run = cli.run(
@@ -180,6 +187,18 @@ def generate() -> None:
     run_batch=run_batch,
     reserved=steps,
     record_key=record_key,
+    settings={
+      "script": "generate",
+      "num_samples": _NUM_SAMPLES.value,
+      "steps": steps,
+      "temperature": _TEMPERATURE.value,
+      "top_k": _TOP_K.value,
+      "top_p": _TOP_P.value,
+      "min_p": _MIN_P.value,
+      "seed": _SEED.value,
+      "stop": stops,
+      "stop_ids": ids,
+    },
   )
   cli.report(summarize(setup, run), run.process)
 
@@ -187,4 +206,4 @@ def generate() -> None:
 main = cli.main(generate)
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -90,6 +90,7 @@ def score() -> None:
     setup,
     keys=lambda p: [examples.id_key(p.example.id)],
     run_batch=run_batch,
+    settings={"script": "score", "top_n": top_n, "tokens": _TOKENS.value},
   )
   if run.process == 0:
     cli.report(summarize(setup, run), run.process)
@@ -98,4 +99,4 @@ def score() -> None:
 main = cli.main(score)
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

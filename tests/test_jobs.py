@@ -118,13 +118,17 @@ def test_batches_are_bucketed_longest_first_and_padded():
 # -- output ------------------------------------------------------------------
 
 
+def _ids(record):
+  return examples.id_key(record["id"])
+
+
 def test_output_repairs_a_partial_line_and_skips_written_ids(tmp_path):
   path = tmp_path / "out.jsonl"
-  out = output.Output(str(path))
+  out = output.Output(str(path), key=_ids)
   out.append([{"id": 1, "v": 1}, {"id": "1", "v": 2}])
   with open(path, "ab") as f:
     f.write(b'{"id": 2, "v"')  # a write cut by a kill
-  out = output.Output(str(path))
+  out = output.Output(str(path), key=_ids)
   assert out.done == {"1", '"1"'}
   assert path.read_bytes().endswith(b"}\n")
   out.append([{"id": 1, "v": 9}, {"id": 2, "v": 3}])  # 1 is not rewritten
@@ -135,9 +139,9 @@ def test_output_repairs_a_partial_line_and_skips_written_ids(tmp_path):
 
 def test_output_shards_merge_and_foreign_files_refused(tmp_path):
   path = str(tmp_path / "out.jsonl")
-  one = output.Output(path, process=1, processes=2)
+  one = output.Output(path, process=1, processes=2, key=_ids)
   one.append([{"id": 5}])
-  zero = output.Output(path, process=0, processes=2)
+  zero = output.Output(path, process=0, processes=2, key=_ids)
   assert zero.done == {"5"}
   zero.append([{"id": 4}])
   zero.finish(["4", "5"])
@@ -146,6 +150,25 @@ def test_output_shards_merge_and_foreign_files_refused(tmp_path):
   bad = _write(tmp_path / "other.jsonl", ["not json"])
   with pytest.raises(output.OutputError, match=r"other.jsonl:1: not a record"):
     output.Output(bad)
+  samples = _write(tmp_path / "s.jsonl", ['{"id": 1, "sample": 0}'])
+  with pytest.raises(output.OutputError, match=r"s.jsonl:1: not a record"):
+    output.Output(samples)  # scoring keys need num_tokens and logprob
+  lost = output.Output(str(tmp_path / "lost.jsonl"), process=0, processes=2)
+  with pytest.raises(output.OutputError, match=r"cannot see .*process-1-of-2"):
+    lost.check_shards()
+  lost.append([{"id": 1, "num_tokens": 1, "logprob": 0.0}])
+  with pytest.raises(output.OutputError, match="1 records are missing"):
+    lost.finish(["1", "2"])
+
+
+def test_output_refuses_other_settings(tmp_path):
+  path = str(tmp_path / "out.jsonl")
+  output.Output(path, settings={"top_n": 2, "model": "m"})
+  output.Output(path, settings={"model": "m", "top_n": 2})
+  with pytest.raises(
+    output.OutputError, match=r"other settings \(top_n: 2 then, 3 now\)"
+  ):
+    output.Output(path, settings={"top_n": 3, "model": "m"})
 
 
 def test_describe_reads_a_checkpoint_without_its_weights(tmp_path):
@@ -202,6 +225,7 @@ def _main(name, args, capsys=None):
   finally:
     flags.FLAGS.unparse_flags()
   out, err = capsys.readouterr() if capsys else ("", "")
+  _main.stdout = out
   summary = [line for line in out.splitlines() if line.startswith("summary ")]
   return code, json.loads(summary[-1][8:]) if summary else None, err
 
@@ -304,7 +328,10 @@ def test_bad_flags_exit_with_one_line(tmp_path, capsys):
     ],
     "generate": [
       ([*base, "--stop_ids=7,x"], "--stop_ids: 'x' is not an integer"),
-      ([*base, "--steps=600"], "1: 6 tokens + 600 for --steps=600"),
+      ([*base, "--steps=508"], "1: 6 tokens + 508 for --steps=508 exceed"),
+      ([*base, "--steps=600"], "--max_len=512 leaves no room for an example"),
+      ([*base, "--stop=\\x"], "--stop='\\\\x': bad escape"),
+      ([f"--input={path}", f"--output={path}"], "--output is the --input"),
     ],
   }
   for name, runs in cases.items():
@@ -323,7 +350,7 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
     f"--output={out}",
     "--batch_size=2",
     "--num_samples=2",
-    "--steps=6",
+    "--steps=20",
     "--temperature=0.8",
     "--stream",
   ]
@@ -334,6 +361,7 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
     (i, s) for i in (1, 2, 3) for s in (0, 1)
   ]
   assert summary["samples"] == 6
+  assert _main.stdout.startswith(records[0]["text"] + "\n")  # --stream
   model = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
   vocab = model.vocab
   # Sample ids make each record independent of its batch: regenerate the
@@ -345,7 +373,7 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
   tokens, result = model.generate(
     [prompt],
     sample_ids=np.asarray(ids),
-    steps=6,
+    steps=20,
     sampling=cw.Sampling(temperature=0.8),
   )
   for s, row in enumerate(tokens.to_lists()):
@@ -357,7 +385,7 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
       atol=2e-5,
     )
     assert records[2 + s]["finish_reason"] == (
-      "length" if len(row) == 6 else "stop"
+      "length" if len(row) == 20 else "stop"
     )
   # Drop the last example's lines: a re-run writes only those, the same.
   before = out.read_bytes()
@@ -365,9 +393,54 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
   code, summary, _ = _main("generate", args, capsys)
   assert summary["run_now"] == 1 and summary["resumed"] == 2
   assert out.read_bytes() == before
+  # Other sampling flags cannot resume this output.
+  code, _, err = _main("generate", [*args, "--seed=1"], capsys)
+  assert code == 1 and "seed: 0 then, 1 now" in err
+  # A stop string: each sample is cut where the text first holds it.
+  row = next(r for r in records if any(c.isalnum() for c in r["text"][1:]))
+  stop = next(c for c in row["text"][1:] if c.isalnum())
+  stopped = tmp_path / "stopped.jsonl"
+  args = [a for a in args if not a.startswith("--output")]
+  code, _, _ = _main(
+    "generate", [*args, f"--output={stopped}", f"--stop={stop}"], capsys
+  )
+  for full, cut in zip(records, _records(stopped), strict=True):
+    if stop in full["text"]:
+      assert cut["text"] == full["text"][: full["text"].index(stop)]
+      assert cut["finish_reason"] == "stop"
+      assert stop in vocab.decode(cut["tokens"])
+      assert stop not in vocab.decode(cut["tokens"][:-1])
+      n = len(cut["tokens"])
+      assert cut["tokens"] == full["tokens"][:n]
+      assert cut["token_logprobs"] == full["token_logprobs"][:n]
+    else:
+      assert cut == full
 
 
 # -- subprocesses: a killed job, several processes --------------------------
+
+
+def test_bad_flag_values_exit_with_one_line(tmp_path):
+  path = _write(tmp_path / "in.txt", ["hello"])
+  job = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "scripts" / "score.py"),
+      f"--input={path}",
+      f"--output={tmp_path / 'o.jsonl'}",
+      "--batch_size=0",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert job.returncode == 1
+  assert (
+    job.stderr.strip().splitlines()
+    == ["score.py: bad flag: flag --batch_size=0: 0 is not a positive integer"]
+    or "--batch_size=0" in job.stderr.strip()
+  ), job.stderr
+  assert len(job.stderr.strip().splitlines()) == 1, job.stderr
 
 
 def _job(name, args, env=None, **kwargs):
@@ -458,11 +531,12 @@ def test_two_processes_match_one(tmp_path, name):
     "--mesh=2x2x2",
     "--batch_size=8",
     "--progress=false",
+    "--shared_prefix=Q: ",
   ]
   args += (
     ["--top_n=3"]
     if name == "score"
-    else ["--num_samples=2", "--steps=5", "--temperature=0.9"]
+    else ["--num_samples=2", "--steps=12", "--temperature=0.9", "--stream"]
   )
   one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
   env = _worker_env()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -128,6 +129,15 @@ def fail(message: str) -> None:
   sys.exit(1)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with one line for a bad flag (`app.run`'s
+  `flags_parser`)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(f"bad flag: {e}")
+
+
 def require(*names: str) -> None:
   for name in names:
     if not flags.FLAGS[name].value:
@@ -218,11 +228,19 @@ def setup(
   prefix_tokens = (
     [described.bos_id, *vocab.encode(prefix_text)] if prefix_text else []
   )
-  if len(prefix_tokens) >= max_len:
+  if len(prefix_tokens) + reserved >= max_len:
     raise app.UsageError(
-      f"--shared_prefix has {len(prefix_tokens)} tokens, leaving none of "
-      f"--max_len={max_len}"
+      f"--max_len={max_len} leaves no room for an example after "
+      + " and ".join(
+        [f"--shared_prefix ({len(prefix_tokens)} tokens)"] * bool(prefix_tokens)
+        + [reserved_for] * bool(reserved)
+      )
     )
+  paths = (_INPUT.value, _OUTPUT.value)
+  if all(map(os.path.exists, paths)) and os.path.samefile(*paths):
+    raise app.UsageError("--output is the --input file")
+  if _MODEL.value.startswith("random:") and _QUANTIZE.value != "none":
+    raise app.UsageError("--quantize applies to checkpoints, not random:")
   what = ["the shared prefix"] * bool(prefix_tokens) + [reserved_for] * bool(
     reserved
   )
@@ -241,10 +259,10 @@ def setup(
       reserved_for=" and ".join(what),
       skip_bad=_SKIP_BAD_LINES.value,
     )
+    for message in found.messages:
+      logging.warning("skipped %s", message)
   except (examples.InputError, FileNotFoundError) as e:
     fail(str(e))
-  for message in found.messages:
-    logging.warning("skipped %s", message)
   return Setup(
     described, found, prepared, prefix_tokens, layout, shape, max_len
   )
@@ -269,33 +287,52 @@ def start_processes() -> tuple[int, int]:
   return jax.process_index(), jax.process_count()
 
 
-def open_output(process: int, processes: int, batch_size: int, **kw):
-  if batch_size % processes:
+def open_output(processes: int, process: int, **kw) -> output.Output:
+  if _BATCH_SIZE.value % processes:
     raise app.UsageError(
-      f"--batch_size={batch_size} is not divisible by the {processes} "
-      "processes, which split each batch's rows"
+      f"--batch_size={_BATCH_SIZE.value} is not divisible by the "
+      f"{processes} processes, which split each batch's rows"
     )
   return output.Output(
     _OUTPUT.value, process=process, processes=processes, **kw
   )
 
 
-def check_same_plan(plan: Sequence, processes: int) -> None:
-  """Every process must plan the same batches (same input, same output
-  files seen)."""
+def agree(error: str | None, processes: int) -> None:
+  """Exits on every process (with the first failing process's message)
+  if any process failed, so that none waits forever in a collective."""
+  if processes > 1:
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros(1024, np.uint8)
+    data = (error or "").encode()[:1024]
+    mine[: len(data)] = np.frombuffer(data, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    failed = [row for row in everyone if row.any()]
+    if failed and error is None:
+      error = bytes(failed[0]).rstrip(b"\0").decode(errors="replace")
+  if error is not None:
+    fail(error)
+
+
+def check_same_plan(plan: Sequence, setup: Setup, processes: int) -> None:
+  """Every process must plan the same batches of the same tokens."""
   if processes == 1:
     return
   import numpy as np
   from jax.experimental import multihost_utils
 
-  digest = hashlib.sha256(repr(plan).encode()).digest()
-  mine = np.frombuffer(digest, np.uint8)
+  digest = hashlib.sha256(repr(plan).encode())
+  for p in setup.prepared:
+    digest.update(repr((p.example.id, p.tokens, p.scored_from)).encode())
+  mine = np.frombuffer(digest.digest(), np.uint8)
   everyone = np.asarray(multihost_utils.process_allgather(mine))
   if not (everyone == mine).all():
     raise output.OutputError(
-      "the processes planned different batches: put --output (and its "
-      "shards) on a filesystem every process sees, and give every process "
-      "the same input and flags"
+      "the processes planned different batches: give every process the "
+      "same input and flags, and put --output on a filesystem every "
+      "process sees"
     )
 
 
@@ -312,7 +349,12 @@ def load_model(setup: Setup) -> InferenceModel:
   if name.startswith("random:"):
     d = setup.described
     return InferenceModel.random(
-      d.hparams, seed=0, mesh=mesh, layout=setup.layout, vocab=d.vocab
+      d.hparams,
+      seed=0,
+      mesh=mesh,
+      layout=setup.layout,
+      vocab=d.vocab,
+      dtype=_DTYPE.value or "float32",
     )
   return checkpoints.load(
     name,
@@ -390,29 +432,50 @@ def run(
   run_batch: RunBatch,
   reserved: int = 0,
   record_key: Callable[[dict], str] = output.record_id,
+  settings: dict | None = None,
 ) -> Run:
   """Steps 3 to 5 (module docstring). `keys(p)` are the output keys of
   example p's records; `run_batch(model, prefix, rows, batch)` gives
-  each row's records (None for padding rows)."""
+  each row's records (None for padding rows); `settings` (the flags that
+  change results) must match those of the run that began the output."""
+  settings = {
+    "model": _MODEL.value,
+    "shared_prefix": hashlib.sha256(
+      repr(setup.prefix_tokens).encode()
+    ).hexdigest()[:16],
+    "dtype": _DTYPE.value,
+    "quantize": _QUANTIZE.value,
+    **(settings or {}),
+  }
   size = _BATCH_SIZE.value
+  process, processes = start_processes()
+  error = out = None
+  try:  # opens (creates) this process's output shard
+    out = open_output(processes, process, key=record_key, settings=settings)
+  except output.OutputError as e:
+    error = str(e)
+  agree(error, processes)
   try:
-    process, processes = start_processes()
-    out = open_output(process, processes, size, key=record_key)
-    done = out.done
-    finished = [all(k in done for k in keys(p)) for p in setup.prepared]
-    # The whole job's plan, less its finished batches: a resumed job runs
-    # each batch with the rows it had at first, so its values are
-    # bit-identical to an uninterrupted run's.
-    limit = setup.max_len - len(setup.prefix_tokens) - reserved
-    batches = [
-      b
-      for b in plan(setup, list(range(len(finished))), limit)
-      if not all(finished[i] for i in b.rows)
-    ]
-    todo = [i for b in batches for i in b.rows if not finished[i]]
-    check_same_plan(batches, processes)
-  except (examples.InputError, output.OutputError) as e:
-    fail(str(e))
+    out.check_shards()
+  except output.OutputError as e:
+    error = str(e)
+  agree(error, processes)
+  done = out.done
+  finished = [all(k in done for k in keys(p)) for p in setup.prepared]
+  # The whole job's plan, less its finished batches: a resumed job runs
+  # each batch with the rows it had at first, so its values are
+  # bit-identical to an uninterrupted run's.
+  limit = setup.max_len - len(setup.prefix_tokens) - reserved
+  batches = [
+    b
+    for b in plan(setup, list(range(len(finished))), limit)
+    if not all(finished[i] for i in b.rows)
+  ]
+  todo = [i for b in batches for i in b.rows if not finished[i]]
+  try:
+    check_same_plan(batches, setup, processes)
+  except output.OutputError as e:
+    fail(str(e))  # every process found the mismatch
   logging.info(
     "%d examples: %d to run in %d batches of %d, %d already in %s",
     len(setup.prepared),
@@ -422,7 +485,6 @@ def run(
     len(setup.prepared) - len(todo),
     out.path,
   )
-  start = time.perf_counter()
   try:
     model = load_model(setup) if batches else None
     prefix = []
@@ -430,6 +492,7 @@ def run(
       from chunkwise.inference import Chunk
 
       prefix = [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+    start = time.perf_counter()  # compiles count, loading does not
     with progress(len(todo), process, "example") as bar:
       for batch in batches:
         rows = [None if i is None else setup.prepared[i] for i in batch.indices]
@@ -439,12 +502,16 @@ def run(
         bar.update(sum(not finished[i] for i in batch.rows))
         pause()
   except ValueError as e:  # e.g. a batch size the mesh cannot split
+    logging.exception("the job stopped")
     fail(str(e))
-  seconds = time.perf_counter() - start
+  seconds = time.perf_counter() - start if batches else 0.0
   barrier("chunkwise-job-written", processes)
   order = [k for p in setup.prepared for k in keys(p)]
-  out.finish(order)
-  barrier("chunkwise-job-finished", processes)
+  try:
+    out.finish(order)
+  except (output.OutputError, OSError) as e:
+    error = str(e)
+  agree(error, processes)
   return Run(out, todo, len(setup.prepared) - len(todo), seconds, process)
 
 

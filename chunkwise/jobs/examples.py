@@ -108,7 +108,7 @@ def _from_json(text: str, line: int, kind: str) -> Example:
   try:
     record = json.loads(text)
   except json.JSONDecodeError as e:
-    raise ValueError(f"invalid JSON: {e}") from None
+    raise ValueError(f"invalid JSON: {e.msg} at column {e.colno}") from None
   if not isinstance(record, dict):
     raise ValueError(
       f"expected a JSON object, got {type(record).__name__} {text[:40]!r}"
@@ -179,8 +179,17 @@ def read(
       found.bad.append((number, f"{path}:{number}: {e}"))
   _check_bad(found, skip_bad)
   if not found.items:
-    raise InputError(f"{path}: no examples to run")
+    raise InputError(_nothing_left(found, "no examples"))
   return found
+
+
+def _nothing_left(found: Examples, what: str) -> str:
+  if not found.bad:
+    return f"{found.path}: {what} to run (the file is empty)"
+  return (
+    f"{found.path}: {what} to run: all {len(found.bad)} are bad lines; "
+    f"the first: {found.messages[0]}"
+  )
 
 
 def _check_bad(found: Examples, skip_bad: bool) -> None:
@@ -223,7 +232,7 @@ def prepare(
     kept.append(Prepared(example, list(tokens), scored_from))
   _check_bad(found, skip_bad)
   if not kept:
-    raise InputError(f"{found.path}: no examples left to run")
+    raise InputError(_nothing_left(found, "no examples left"))
   return kept
 
 

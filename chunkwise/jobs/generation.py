@@ -32,8 +32,8 @@ from chunkwise.jobs.scoring import chunk_of, floats
 
 def sample_id(example_id, sample: int) -> int:
   """The RNG sample id of sample `sample` of example `example_id`."""
-  key = f"{id_key(example_id)}/{sample}".encode()
-  return zlib.crc32(key) & 0x7FFFFFFF
+  base = zlib.crc32(id_key(example_id).encode()) & 0x7FFFFFFF
+  return base ^ sample  # the samples of one example never collide
 
 
 def cut_at_stop(vocab, tokens: list[int], stops: Sequence[str]):
@@ -64,13 +64,20 @@ def _run(model, prefix, sample_ids, steps, sampling, stop_ids, stream):
   row, emit = stream
   rows = [[] for _ in sample_ids]
   scores = [[] for _ in sample_ids]
+  printed = ""
   for piece, result in model.generate_stream(prefix, every=8, **kwargs):
-    before = model.vocab.decode(rows[row])
     piece_scores = np.asarray(result.per_token_scores)
     for b, tokens in enumerate(piece.to_lists()):
       rows[b] += tokens
       scores[b] += list(piece_scores[b, : len(tokens)])
-    emit(model.vocab.decode(rows[row])[len(before) :])
+    # A character split between segments decodes to U+FFFD until whole.
+    text = model.vocab.decode(rows[row]).rstrip("\ufffd")
+    if text.startswith(printed) and len(text) > len(printed):
+      emit(text[len(printed) :])
+      printed = text
+  text = model.vocab.decode(rows[row])  # and bytes that never completed
+  if text.startswith(printed) and len(text) > len(printed):
+    emit(text[len(printed) :])
   return rows, [np.asarray(s, np.float32) for s in scores]
 
 

@@ -16,7 +16,10 @@ its own shard `<output>.process-<p>-of-<n>`; `finish` (every process
 calls it; process 0 writes) merges the shards into `<output>`. At the end
 `<output>` is rewritten once, atomically (a temporary file renamed over
 it), with the records in input order: complete runs give the same file
-however they were split, interrupted or resumed.
+however they were split, interrupted or resumed. `<output>.job.json`
+records the settings that change results (model, shared prefix, sampling
+flags, ...); resuming with other settings is refused. Resuming assumes the
+same input file: plain-text ids are line numbers.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def shard_path(path: str, index: int, count: int) -> str:
 
 
 def record_id(record: dict) -> str:
-  """A scoring record's key: its id (`examples.id_key`)."""
+  """A scoring record's key: its id (`examples.id_key`); KeyError for a
+  record that is not a score."""
+  if "logprob" not in record or "num_tokens" not in record:
+    raise KeyError("logprob")
   return id_key(record["id"])
 
 
@@ -68,8 +74,8 @@ def _read(path: str, key, *, repair: bool) -> list[tuple[str, bytes]]:
       lines.append((key(json.loads(line)), line + b"\n"))
     except (ValueError, KeyError, TypeError):
       raise OutputError(
-        f"{path}:{number}: not a record of this kind of job (expected a "
-        "JSON object with an 'id'); choose another --output"
+        f"{path}:{number}: not a record of this kind of job; choose "
+        "another --output"
       ) from None
   return lines
 
@@ -84,10 +90,14 @@ class Output:
     process: int = 0,
     processes: int = 1,
     key: Callable[[dict], str] = record_id,
+    settings: dict | None = None,
   ):
-    """`key` names a record (its id; generation adds the sample index)."""
+    """`key` names a record (its id; generation adds the sample index).
+    `settings` are recorded in `<output>.job.json` by the run that begins
+    the output; a later run with other settings is refused."""
     self.path = os.path.abspath(path)
     self.key = key
+    self.order: list[str] | None = None
     self.process, self.processes = process, processes
     if os.path.isdir(self.path):
       raise OutputError(f"--output={path} is a directory, expected a file")
@@ -95,8 +105,9 @@ class Output:
     self.mine = (
       self.path if processes == 1 else shard_path(self.path, process, processes)
     )
+    self._check_settings(settings)
     self.lines: dict[str, bytes] = {}
-    for name in [self.path, *sorted(glob.glob(f"{self.path}.process-*"))]:
+    for name in [self.path, *self._shards()]:
       for k, line in _read(name, key, repair=name == self.mine):
         self.lines.setdefault(k, line)
     try:  # fails now, not after the first batch, if it cannot be written
@@ -134,13 +145,27 @@ class Output:
     Returns the number of records."""
     if self.process != 0:
       return len(self.lines)
-    shards = sorted(glob.glob(f"{self.path}.process-*"))
+    shards = self._shards()
     for name in shards:  # other processes' rows
       for k, line in _read(name, self.key, repair=False):
         self.lines.setdefault(k, line)
-    first = [k for k in order if k in self.lines]
-    ordered = set(first)
+    missing = [k for k in order if k not in self.lines]
+    if missing:
+      raise OutputError(
+        f"{len(missing)} records are missing from {self.path} and its "
+        f"shards (first: {missing[0]}); is --output on a filesystem every "
+        "process sees? Re-run to compute them"
+      )
+    ordered = set(order)
+    first = list(order)
     rest = [k for k in self.lines if k not in ordered]
+    if rest:
+      logging.warning(
+        "%s keeps %d records of ids not in this input (at its end)",
+        self.path,
+        len(rest),
+      )
+    self.order = first
     tmp = f"{self.path}.tmp"
     with open(tmp, "wb") as f:
       f.writelines(self.lines[k] for k in first + rest)
@@ -152,5 +177,48 @@ class Output:
     return len(self.lines)
 
   def records(self) -> list[dict]:
-    """Every record held, as written."""
-    return [json.loads(line) for line in self.lines.values()]
+    """The records of this input (after `finish`; before: all held)."""
+    keys = self.lines if self.order is None else self.order
+    return [json.loads(self.lines[k]) for k in keys]
+
+  def _shards(self) -> list[str]:
+    return sorted(glob.glob(f"{glob.escape(self.path)}.process-*"))
+
+  def check_shards(self) -> None:
+    """Every process's shard must be visible here (once all created
+    theirs): the output is on a filesystem all processes share."""
+    for i in range(self.processes):
+      name = shard_path(self.path, i, self.processes)
+      if self.processes > 1 and not os.path.exists(name):
+        raise OutputError(
+          f"process {self.process} cannot see {name}, which process {i} "
+          "created: put --output on a filesystem every process sees"
+        )
+
+  def _check_settings(self, settings: dict | None) -> None:
+    """Compares `settings` with `<output>.job.json`, or writes it."""
+    if settings is None:
+      return
+    path = f"{self.path}.job.json"
+    settings = json.loads(json.dumps(settings))
+    if os.path.exists(path):
+      with open(path) as f:
+        before = json.load(f)
+      changed = sorted(
+        k
+        for k in before.keys() | settings.keys()
+        if before.get(k) != settings.get(k)
+      )
+      if changed:
+        diffs = ", ".join(
+          f"{k}: {before.get(k)!r} then, {settings.get(k)!r} now"
+          for k in changed
+        )
+        raise OutputError(
+          f"{self.path} was begun with other settings ({diffs}); resume "
+          "with the same flags, or choose another --output"
+        )
+    elif self.process == 0:
+      with open(f"{path}.tmp", "w") as f:
+        json.dump(settings, f, indent=1, sort_keys=True)
+      os.replace(f"{path}.tmp", path)
