@@ -200,7 +200,8 @@ def generate() -> None:
       "stop_ids": ids,
     },
   )
-  cli.report(summarize(setup, run), run.process)
+  if run.process == 0:
+    cli.report(summarize(setup, run))
 
 
 main = cli.main(generate)

@@ -93,7 +93,7 @@ def score() -> None:
     settings={"script": "score", "top_n": top_n, "tokens": _TOKENS.value},
   )
   if run.process == 0:
-    cli.report(summarize(setup, run), run.process)
+    cli.report(summarize(setup, run))
 
 
 main = cli.main(score)

@@ -199,10 +199,7 @@ class Setup:
 
 def setup(
   kind: str,
-  encode: Callable[
-    [checkpoints.Description, list[int], examples.Example],
-    tuple[list[int], int],
-  ],
+  encode: Encode,
   *,
   reserved: int = 0,
   reserved_for: str = "",
@@ -396,19 +393,6 @@ def barrier(name: str, processes: int) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def plan(setup: Setup, todo: list[int], limit: int) -> list[batching.Batch]:
-  """Batches of the examples `todo` (indices into `setup.prepared`),
-  padded to at most `limit` columns."""
-  lengths = [len(setup.prepared[i].tokens) for i in todo]
-  planned = batching.batches(lengths, batch_size=_BATCH_SIZE.value, limit=limit)
-  return [
-    batching.Batch(
-      tuple(None if i is None else todo[i] for i in b.indices), b.time
-    )
-    for b in planned
-  ]
-
-
 RunBatch = Callable[
   [InferenceModel, list, list, batching.Batch], list[list[dict] | None]
 ]
@@ -468,7 +452,11 @@ def run(
   limit = setup.max_len - len(setup.prefix_tokens) - reserved
   batches = [
     b
-    for b in plan(setup, list(range(len(finished))), limit)
+    for b in batching.batches(
+      [len(p.tokens) for p in setup.prepared],
+      batch_size=size,
+      limit=limit,
+    )
     if not all(finished[i] for i in b.rows)
   ]
   todo = [i for b in batches for i in b.rows if not finished[i]]
@@ -543,10 +531,8 @@ def main(job: Callable[[], None]) -> Callable[[Sequence[str]], None]:
   return run_main
 
 
-def report(summary: dict, process: int) -> None:
-  """Prints the summary (process 0) as `summary {json}` and logs it."""
-  if process != 0:
-    return
-
+def report(summary: dict) -> None:
+  """Prints the summary as `summary {json}` and logs it (process 0 calls
+  it)."""
   logging.info("summary: %s", summary)
   print("summary " + json.dumps(summary), flush=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 SCORE = "score"
@@ -234,8 +234,3 @@ def prepare(
   if not kept:
     raise InputError(_nothing_left(found, "no examples left"))
   return kept
-
-
-def order(examples: Sequence[Prepared]) -> list[str]:
-  """The examples' id keys in file order."""
-  return [id_key(p.example.id) for p in examples]

@@ -138,13 +138,12 @@ class Output:
       os.fsync(f.fileno())
     self.lines.update(new)
 
-  def finish(self, order: Sequence[str]) -> int:
+  def finish(self, order: Sequence[str]) -> None:
     """Rewrites `<output>` with every record, those of `order` (keys)
     first in that order, then any others it held; removes the shards.
-    Process 0 writes; callers synchronise processes before and after.
-    Returns the number of records."""
+    Process 0 writes; callers synchronise processes before and after."""
     if self.process != 0:
-      return len(self.lines)
+      return
     shards = self._shards()
     for name in shards:  # other processes' rows
       for k, line in _read(name, self.key, repair=False):
@@ -174,7 +173,6 @@ class Output:
     os.replace(tmp, self.path)
     for name in shards:
       os.remove(name)
-    return len(self.lines)
 
   def records(self) -> list[dict]:
     """The records of this input (after `finish`; before: all held)."""
