@@ -1,0 +1,144 @@
+"""The benchmark's outputs: a JSON file, a text table and a PNG plot of
+latency per token against throughput (one curve per configuration over the
+decode batch sizes, as in the Pareto figures of Pope et al., 2023).
+
+  result = {"machine": {...}, "model": {...}, "configs": [
+      {"name": "chunkwise float32", "prefill": [row, ...],
+       "decode": [row, ...]}, ...], "ratios": [...]}
+  write_json(path, result); print(table(result)); plot(path, result)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+
+def ratios(configs: list[dict]) -> list[dict]:
+  """tokens/s of each chunkwise configuration over each transformers one,
+  for every (phase, batch, length) both measured."""
+  ours = [c for c in configs if c["kind"] == "chunkwise"]
+  refs = [c for c in configs if c["kind"] == "transformers"]
+  out = []
+  for a in ours:
+    for b in refs:
+      for phase in ("prefill", "decode"):
+        theirs = {(r["batch"], r["length"]): r for r in b[phase]}
+        for row in a[phase]:
+          ref = theirs.get((row["batch"], row["length"]))
+          if ref is None:
+            continue
+          out.append(
+            {
+              "ours": a["name"],
+              "reference": b["name"],
+              "phase": phase,
+              "batch": row["batch"],
+              "length": row["length"],
+              "ratio": row["tokens_per_s"] / ref["tokens_per_s"],
+            }
+          )
+  return out
+
+
+def write_json(path: str, result: dict) -> None:
+  """Writes `result` atomically (a temporary file, then a rename)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  with tempfile.NamedTemporaryFile(
+    "w", dir=directory, suffix=".tmp", delete=False
+  ) as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+  os.replace(f.name, path)
+
+
+def _fmt(value, digits=1) -> str:
+  return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(result: dict) -> str:
+  """Plain-text tables of every measured point and every ratio."""
+  m = result["machine"]
+  lines = [
+    f"machine: {m['cpu_count']} CPUs, {m['backend']}, read bandwidth "
+    f"{m['bandwidth_gb_s']:.1f} GB/s, peak f32 matmul "
+    f"{m['peak_matmul_gflop_s']:.0f} GFLOP/s",
+    "",
+    "prefill        config  batch x len   compile_s   seconds     tok/s   MFU",
+  ]
+  for c in result["configs"]:
+    for r in c["prefill"]:
+      lines.append(
+        f"{c['name']:>28} {r['batch']:>4} x {r['length']:<5} "
+        f"{r['compile_s']:>8.2f} {r['seconds']:>9.3f} "
+        f"{r['tokens_per_s']:>9.1f} {_fmt(100 * r.get('mfu', 0), 0):>4}%"
+      )
+  lines += [
+    "",
+    "decode         config  batch  steps  compile_s  ms/step     tok/s   MBU",
+  ]
+  for c in result["configs"]:
+    for r in c["decode"]:
+      lines.append(
+        f"{c['name']:>28} {r['batch']:>5} {r['steps']:>6} "
+        f"{r['compile_s']:>9.2f} {r['ms_per_step']:>8.2f} "
+        f"{r['tokens_per_s']:>9.1f} {_fmt(100 * r.get('mbu', 0), 0):>4}%"
+      )
+  for c in result["configs"]:
+    for batch, ops in c.get("profiles", {}).items():
+      lines += ["", f"profile: {c['name']} decode, batch {batch}"]
+      lines += [
+        f"  {op['share']:6.1%} {op['ms']:9.1f} ms {op['calls']:7d}x  "
+        f"{op['name']}"
+        for op in ops
+      ]
+  if result["ratios"]:
+    lines += ["", "ratio (tokens/s, ours / reference)"]
+    for r in result["ratios"]:
+      lines.append(
+        f"  {r['phase']:<7} {r['batch']:>3} x {r['length']:<5} "
+        f"{r['ours']} / {r['reference']}: {r['ratio']:.2f}x"
+      )
+  return "\n".join(lines)
+
+
+def plot(path: str, result: dict) -> None:
+  """Latency per decode step against throughput, one curve per config."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 5))
+  for c in result["configs"]:
+    rows = sorted(c["decode"], key=lambda r: r["batch"])
+    if not rows:
+      continue
+    xs = [r["tokens_per_s"] for r in rows]
+    ys = [r["ms_per_step"] for r in rows]
+    style = "-o" if c["kind"] == "chunkwise" else "--s"
+    ax.plot(xs, ys, style, label=c["name"])
+    for r, x, y in zip(rows, xs, ys, strict=True):
+      ax.annotate(
+        str(r["batch"]),
+        (x, y),
+        fontsize=7,
+        xytext=(3, 3),
+        textcoords="offset points",
+      )
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("throughput (generated tokens/s, all rows)")
+  ax.set_ylabel("latency per token (ms per decode step)")
+  model = result["model"]
+  ax.set_title(
+    f"{model['name']}: decode, prompt {model['prompt_length']} tokens, "
+    f"{model['steps']} steps (labels: batch)",
+    fontsize=9,
+  )
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

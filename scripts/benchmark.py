@@ -1,0 +1,344 @@
+"""Benchmarks prefill and decode, against the machine's limits and, with
+--compare_hf, against Hugging Face transformers in the same run.
+
+  python scripts/benchmark.py                            # SmolLM2, f32
+  python scripts/benchmark.py --weights=float32,int8 --compare_hf \
+      --hf_dtypes=float32,bfloat16 --output=bench.json --plot=bench.png
+  python scripts/benchmark.py --model=random:tiny --decode_batches=1,4
+
+For each weights configuration (--weights: float32, bfloat16 or int8) it
+times, after a warm-up call, the median of --runs calls of
+  - prefill of every --prefill_batches x --prefill_lengths grid point
+    (random token ids after BOS): seconds, tokens/s, MFU;
+  - greedy decode of --steps tokens after the --prompt, for every
+    --decode_batches size: ms per step, tokens/s, MBU;
+  - the first prefill + generate of a fresh program (compilation).
+The machine's read bandwidth (a jitted sum over --bandwidth_mib) and peak
+matmul FLOP/s (an f32 --matmul_size cube) are measured in the same run and
+give MBU (decode: weight + K/V bytes per step / time / bandwidth) and MFU
+(prefill: matmul FLOPs / time / peak). --compare_hf copies the same
+weights into transformers' Llama (one model per --hf_dtypes), times its
+forward pass and `generate` on the same ids and batch sizes, and reports
+tokens/s ratios. Writes --output (JSON) and --plot (PNG: latency per token
+against throughput, one curve per configuration) and prints a table.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from chunkwise import checkpoints, configs, partitioning
+from chunkwise.bench import (
+  machine,
+  profile,
+  reference,
+  report,
+  roofline,
+  timing,
+)
+from chunkwise.inference import ByteVocabulary, Chunk, InferenceModel
+from chunkwise.inference.vocabularies import bos_id_of
+from chunkwise.models import Weights, init_random
+from chunkwise.models.quantized import nbytes, quantize_weights
+
+WEIGHTS = ("float32", "bfloat16", "int8")
+
+_MODEL = flags.DEFINE_string(
+  "model",
+  "smollm2-135m",
+  "A model name, a .gguf file, a Hugging Face or chunkwise checkpoint "
+  "directory, or random:<preset> (random weights).",
+)
+_WEIGHTS = flags.DEFINE_list(
+  "weights", ["float32"], f"Weight configurations, any of {WEIGHTS}."
+)
+_LAYOUT = flags.DEFINE_string(
+  "layout", "reference", "Layout, e.g. reference, ws_2d/yz, wg/x."
+)
+_MESH = flags.DEFINE_string(
+  "mesh", None, "Mesh shape XxYxZ (default 1x1xdevices for a sharded layout)."
+)
+_PROMPT = flags.DEFINE_string(
+  "prompt", "The capital of France is", "Decode prompt (after BOS)."
+)
+_STEPS = flags.DEFINE_integer(
+  "steps", 128, "Greedy tokens per decode.", lower_bound=1
+)
+_DECODE_BATCHES = flags.DEFINE_list(
+  "decode_batches", ["1", "2", "4", "8", "16", "32", "64"], "Decode batches."
+)
+_PREFILL_BATCHES = flags.DEFINE_list(
+  "prefill_batches", ["1", "8"], "Prefill batch sizes."
+)
+_PREFILL_LENGTHS = flags.DEFINE_list(
+  "prefill_lengths", ["6", "512"], "Prefill lengths (tokens per row)."
+)
+_RUNS = flags.DEFINE_integer(
+  "runs", 3, "Timed calls per point (median).", lower_bound=1
+)
+_COMPARE_HF = flags.DEFINE_bool(
+  "compare_hf", False, "Also time transformers on the same weights."
+)
+_HF_DTYPES = flags.DEFINE_list(
+  "hf_dtypes",
+  ["float32"],
+  f"transformers dtypes, any of {reference.TORCH_DTYPES}.",
+)
+_OUTPUT = flags.DEFINE_string("output", "benchmark.json", "JSON results.")
+_PLOT = flags.DEFINE_string("plot", "benchmark.png", "PNG plot ('' : none).")
+_BANDWIDTH_MIB = flags.DEFINE_integer(
+  "bandwidth_mib", 512, "Array summed to measure bandwidth.", lower_bound=1
+)
+_MATMUL_SIZE = flags.DEFINE_integer(
+  "matmul_size",
+  2048,
+  "n of the n^3 matmul measuring peak FLOP/s.",
+  lower_bound=1,
+)
+_PROFILE_BATCHES = flags.DEFINE_list(
+  "profile_batches",
+  [],
+  "Decode batches to profile once per chunkwise configuration: the "
+  "costliest XLA ops go to the JSON and the table.",
+)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of prefill ids and weights.")
+
+
+def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
+  out = []
+  for v in values:
+    try:
+      n = int(v)
+    except ValueError:
+      n = 0
+    if n < 1:
+      raise app.UsageError(
+        f"--{name}: {v!r} is not a positive integer (got {list(values)})"
+      )
+    out.append(n)
+  if not out:
+    raise app.UsageError(f"--{name} is empty: expected positive integers")
+  return out
+
+
+def _one_of(name: str, values: Sequence[str], allowed) -> list[str]:
+  bad = [v for v in values if v not in allowed]
+  if bad or not values:
+    raise app.UsageError(
+      f"--{name}={','.join(values)}: expected a list of {allowed}"
+    )
+  return list(dict.fromkeys(values))
+
+
+def _describe(name: str):
+  """(HParams, vocabulary, bos_id), without reading weights."""
+  if name.startswith("random:"):
+    preset = name.removeprefix("random:")
+    if preset not in configs.names():
+      raise app.UsageError(
+        f"--model={name}: unknown preset {preset!r}; known: "
+        f"{', '.join(configs.names())}"
+      )
+    h = configs.get(preset)
+    vocab = _random_vocab(h)
+    return h, vocab, bos_id_of(vocab)
+  try:
+    d = checkpoints.describe(name)
+  except (ValueError, FileNotFoundError) as e:
+    raise app.UsageError(f"--model={name}: {e}") from None
+  return d.hparams, d.vocab, 0 if d.bos_id is None else d.bos_id
+
+
+def _load(name: str, weights: str, mesh, layout) -> InferenceModel:
+  dtype = "bfloat16" if weights == "bfloat16" else "float32"
+  quantize = "int8" if weights == "int8" else None
+  if not name.startswith("random:"):
+    return checkpoints.load(
+      name, dtype=dtype, quantize=quantize, mesh=mesh, layout=layout
+    )
+  h = configs.get(name.removeprefix("random:"))
+  params = init_random(h, jax.random.key(_SEED.value), dtype)
+  if quantize:
+    params = quantize_weights(params, Weights.axes(h))
+  return InferenceModel(h, params, _random_vocab(h), mesh=mesh, layout=layout)
+
+
+def _random_vocab(h):
+  """What `InferenceModel.random` gives: bytes when the vocabulary fits."""
+  return ByteVocabulary() if h.vocab >= ByteVocabulary().vocab_size else None
+
+
+def main(argv: Sequence[str]) -> None:
+  try:
+    run(argv)
+  except app.UsageError as e:  # one line, not the whole usage text
+    print(f"benchmark.py: error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
+def run(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  # Every flag is checked before any weights load or anything is timed.
+  kinds = _one_of("weights", _WEIGHTS.value, WEIGHTS)
+  hf_dtypes = _one_of("hf_dtypes", _HF_DTYPES.value, reference.TORCH_DTYPES)
+  decode_batches = _positive_ints("decode_batches", _DECODE_BATCHES.value)
+  profile_batches = (
+    _positive_ints("profile_batches", _PROFILE_BATCHES.value)
+    if _PROFILE_BATCHES.value
+    else []
+  )
+  prefill_batches = _positive_ints("prefill_batches", _PREFILL_BATCHES.value)
+  prefill_lengths = _positive_ints("prefill_lengths", _PREFILL_LENGTHS.value)
+  for path in (_OUTPUT.value, _PLOT.value):
+    folder = os.path.dirname(os.path.abspath(path)) if path else "."
+    if not os.path.isdir(folder):
+      raise app.UsageError(f"{path!r}: folder {folder!r} does not exist")
+  try:
+    layout = partitioning.Layout.parse(_LAYOUT.value)
+    shape = partitioning.parse_mesh(_MESH.value) if _MESH.value else None
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  h, vocab, bos_id = _describe(_MODEL.value)
+  if vocab is None:
+    raise app.UsageError(f"--model={_MODEL.value} has no tokenizer")
+  prompt = np.asarray(
+    Chunk.tokenize(
+      vocab, [_PROMPT.value], is_first_chunk=True, bos_id=bos_id
+    ).tokens[0]
+  ).tolist()
+  longest = max([*prefill_lengths, len(prompt) + _STEPS.value])
+  if longest > h.max_len:
+    raise app.UsageError(
+      f"{longest} tokens (longest prefill, or prompt + --steps) exceed the "
+      f"model's max_len={h.max_len}"
+    )
+  if _COMPARE_HF.value:
+    try:
+      reference.check_supported(h)
+      reference.threads()
+    except ValueError as e:
+      raise app.UsageError(f"--compare_hf: {e}") from None
+  if shape is None and layout.kind.value != "reference":
+    shape = (1, 1, jax.device_count())
+  mesh = None if shape is None else partitioning.make_mesh(shape)
+
+  limits = machine.measure(
+    bandwidth_bytes=_BANDWIDTH_MIB.value << 20,
+    matmul_size=_MATMUL_SIZE.value,
+    runs=max(_RUNS.value, 3),
+  )
+  logging.info("machine: %s", limits.describe())
+  grid = [
+    timing.token_ids(
+      batch=b, length=n, vocab=h.vocab, bos_id=bos_id, seed=_SEED.value
+    )
+    for b in prefill_batches
+    for n in prefill_lengths
+  ]
+  results = []
+  for i, kind in enumerate(kinds):
+    model = _load(_MODEL.value, kind, mesh, layout)
+    size = nbytes(model.plain_weights())
+    itemsize = model.cache_dtype.itemsize
+    config = {
+      "name": f"chunkwise {kind}",
+      "kind": "chunkwise",
+      "weights": kind,
+      "layout": str(model.layout),
+      "weight_bytes": size,
+    }
+    decode = []
+    for b in decode_batches:
+      point = timing.decode(
+        model, prompt, batch=b, steps=_STEPS.value, runs=_RUNS.value
+      )
+      decode.append(roofline.decode_row(point, h, size, itemsize, limits))
+      logging.info("%s decode: %s", config["name"], decode[-1])
+    prefill = []
+    for ids in grid:
+      point = timing.prefill(model, ids, _RUNS.value)
+      prefill.append(roofline.prefill_row(point, h, limits))
+      logging.info("%s prefill: %s", config["name"], prefill[-1])
+    profiles = {}
+    for b in profile_batches:
+      profiles[str(b)] = [
+        op.describe()
+        for op in profile.top_ops(
+          timing.greedy(
+            model, timing.prompt_prefix(model, prompt, b), _STEPS.value
+          )
+        )
+      ]
+    results.append(
+      config | {"prefill": prefill, "decode": decode, "profiles": profiles}
+    )
+    if i == 0 and _COMPARE_HF.value:
+      plain = jax.device_get(model.plain_weights())
+      del model
+      gc.collect()
+      for dtype in hf_dtypes:
+        results.append(
+          _reference(h, plain, dtype, prompt, grid, decode_batches, limits)
+        )
+      del plain
+    else:
+      del model
+    gc.collect()
+
+  result = {
+    "machine": limits.describe(),
+    "model": {
+      "name": _MODEL.value,
+      "params": h.num_params(),
+      "prompt": _PROMPT.value,
+      "prompt_length": len(prompt),
+      "steps": _STEPS.value,
+      "runs": _RUNS.value,
+    },
+    "configs": results,
+    "ratios": report.ratios(results),
+  }
+  report.write_json(_OUTPUT.value, result)
+  if _PLOT.value:
+    report.plot(_PLOT.value, result)
+  print(report.table(result))
+
+
+def _reference(h, plain, dtype, prompt, grid, batches, limits) -> dict:
+  hf = reference.to_transformers(h, plain, dtype)
+  size = sum(p.numel() * p.element_size() for p in hf.parameters())
+  itemsize = 2 if dtype == "bfloat16" else 4
+  name = f"transformers {dtype}"
+  decode = []
+  for b in batches:
+    point = reference.decode(
+      hf, prompt, batch=b, steps=_STEPS.value, runs=_RUNS.value
+    )
+    decode.append(roofline.decode_row(point, h, size, itemsize, limits))
+    logging.info("%s decode: %s", name, decode[-1])
+  prefill = []
+  for ids in grid:
+    point = reference.prefill(hf, ids, _RUNS.value)
+    prefill.append(roofline.prefill_row(point, h, limits))
+    logging.info("%s prefill: %s", name, prefill[-1])
+  return {
+    "name": name,
+    "kind": "transformers",
+    "weights": dtype,
+    "threads": reference.threads(),
+    "weight_bytes": size,
+    "prefill": prefill,
+    "decode": decode,
+  }
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,184 @@
+"""scripts/benchmark.py and chunkwise.bench: the transformers copy computes
+our model, the roofline arithmetic, and a smoke run on the tiny preset
+(no timing asserts: speed is measured by the benchmark, not by tests)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import chunkwise as cw
+from chunkwise.bench import reference, roofline, timing
+from chunkwise.bench.machine import Limits
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def _run(tmp_path, *flags):
+  return subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *flags],
+    capture_output=True,
+    text=True,
+    check=False,
+    cwd=tmp_path,
+  )
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_transformers_copy_computes_the_same_model(quantize):
+  h = cw.configs.get("tiny")
+  model = cw.InferenceModel.random(h, seed=3)
+  if quantize:
+    weights = cw.models.quantized.quantize_weights(
+      model.weights, cw.models.Weights.axes(h)
+    )
+    model = cw.InferenceModel(h, weights, model.vocab)
+  ids = timing.token_ids(batch=2, length=9, vocab=h.vocab, bos_id=1, seed=4)
+  chunk = cw.Chunk(tokens=jnp.asarray(ids), lengths=jnp.full((2,), 9))
+  ours = model.prefill(chunk)
+  hf = reference.to_transformers(h, model.plain_weights(), "float32")
+  with torch.inference_mode():
+    logits = hf(input_ids=torch.from_numpy(ids.astype(np.int64))).logits
+  logp = torch.log_softmax(logits, -1).numpy()
+  # Scores of tokens 1..8 are the log-probs of the previous position.
+  theirs = np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(
+    np.asarray(ours.per_token_scores)[:, 1:], theirs, atol=2e-4
+  )
+  np.testing.assert_allclose(
+    np.asarray(ours.next_token_logits), logits[:, -1].numpy(), atol=2e-4
+  )
+
+
+def test_transformers_copy_refuses_other_architectures():
+  h = cw.configs.get("tiny-parallel")
+  with pytest.raises(ValueError, match="block=parallel"):
+    reference.check_supported(h)
+  with pytest.raises(ValueError, match="dtype='float16'"):
+    reference.to_transformers(cw.configs.get("tiny"), None, "float16")
+
+
+def test_roofline_arithmetic():
+  h = cw.configs.get("tiny")
+  e, d, f = h.d_model, h.head_dim, h.d_ff
+  per_layer = e * d * (2 * h.heads + 2 * h.kv_heads) + 3 * e * f
+  assert roofline.matmul_params(h) == h.layers * per_layer + h.vocab * e
+  # 2 x 3 tokens: dense 2 FLOPs per weight per token, attention over the
+  # 6 causal pairs of each row, 2 products of heads x head_dim each.
+  want = 2 * 6 * roofline.matmul_params(h) + 2 * 6 * 2 * 2 * h.heads * d * (
+    h.layers
+  )
+  assert roofline.prefill_flops(h, 2, 3) == want
+  # K/V: 2 tensors x layers x rows x tokens x kv_heads x head_dim x bytes.
+  kv = roofline.kv_bytes_per_step(h, 4, 10, 2)
+  assert kv == 2 * h.layers * 4 * 10 * h.kv_heads * d * 2
+  point = timing.Point(
+    phase="decode",
+    batch=4,
+    length=5,
+    steps=11,
+    tokens=44,
+    first_s=3.0,
+    times=(0.5, 0.1, 0.2),
+  )
+  limits = Limits(
+    bandwidth=1e9, peak_flops=1e12, bandwidth_bytes=1, matmul_size=1
+  )
+  row = roofline.decode_row(point, h, 1000, 2, limits)
+  assert row["seconds"] == 0.2 and row["compile_s"] == pytest.approx(2.8)
+  assert row["tokens_per_s"] == pytest.approx(220)
+  step_bytes = 1000 + roofline.kv_bytes_per_step(h, 4, 10, 2)  # 5 + 10 / 2
+  assert row["bytes_per_step"] == pytest.approx(step_bytes)
+  assert row["mbu"] == pytest.approx(step_bytes / (0.2 / 11) / 1e9)
+  assert row["roofline_tokens_per_s"] == pytest.approx(4e9 / step_bytes)
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
+  out, png = tmp_path / "b.json", tmp_path / "b.png"
+  result = _run(
+    tmp_path,
+    "--model=random:tiny",
+    "--weights=float32,int8",
+    "--decode_batches=1,3",
+    "--steps=5",
+    "--prefill_batches=2",
+    "--prefill_lengths=4,16",
+    "--runs=2",
+    "--compare_hf",
+    "--hf_dtypes=float32,bfloat16",
+    "--bandwidth_mib=8",
+    "--matmul_size=128",
+    "--profile_batches=3",
+    f"--output={out}",
+    f"--plot={png}",
+  )
+  assert result.returncode == 0, result.stderr
+  data = json.loads(out.read_text())
+  assert data["machine"]["bandwidth_gb_s"] > 0
+  assert data["machine"]["peak_matmul_gflop_s"] > 0
+  names = [c["name"] for c in data["configs"]]
+  assert names == [
+    "chunkwise float32",
+    "transformers float32",
+    "transformers bfloat16",
+    "chunkwise int8",
+  ]
+  for c in data["configs"]:
+    assert [(r["batch"], r["length"]) for r in c["prefill"]] == [
+      (2, 4),
+      (2, 16),
+    ]
+    assert [r["batch"] for r in c["decode"]] == [1, 3]
+    for r in c["prefill"] + c["decode"]:
+      assert len(r["times"]) == 2
+      assert r["seconds"] == np.median(r["times"]) > 0
+      assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+    for r in c["prefill"]:
+      assert r["tokens"] == 2 * r["length"] and r["mfu"] > 0
+    for r in c["decode"]:
+      assert 1 <= r["steps"] <= 5 and r["mbu"] > 0
+      assert r["length"] == data["model"]["prompt_length"]
+  int8 = data["configs"][3]["weight_bytes"]
+  assert int8 < 0.4 * data["configs"][0]["weight_bytes"]
+  # Every chunkwise point over every transformers point of the same shape.
+  assert len(data["ratios"]) == 2 * 2 * (2 + 2)
+  by_name = {c["name"]: c for c in data["configs"]}
+  for r in data["ratios"]:
+    rows = [
+      {(x["batch"], x["length"]): x for x in by_name[n][r["phase"]]}
+      for n in (r["ours"], r["reference"])
+    ]
+    key = (r["batch"], r["length"])
+    want = rows[0][key]["tokens_per_s"] / rows[1][key]["tokens_per_s"]
+    assert r["ratio"] == pytest.approx(want)
+  for c in data["configs"][::3]:  # the chunkwise ones were profiled
+    ops = c["profiles"]["3"]
+    assert 0 < len(ops) <= 15 and all(op["calls"] >= 1 for op in ops)
+    assert 0 < sum(op["share"] for op in ops) <= 1 + 1e-9
+  assert "profile: chunkwise int8 decode, batch 3" in result.stdout
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "ratio (tokens/s, ours / reference)" in result.stdout
+
+
+@pytest.mark.parametrize(
+  "flag, message",
+  [
+    ("--decode_batches=1,0", "--decode_batches: '0' is not a positive"),
+    ("--weights=float16", "--weights=float16: expected a list of"),
+    ("--prefill_lengths=9999", "9999 tokens"),
+    ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
+    ("--model=random:nope", "unknown preset 'nope'"),
+  ],
+)
+def test_bad_flags_fail_before_measuring(tmp_path, flag, message):
+  result = _run(tmp_path, "--model=random:tiny", flag)
+  assert result.returncode == 1
+  assert message in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert not (tmp_path / "benchmark.json").exists()
