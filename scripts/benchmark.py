@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, configs, partitioning
+from chunkwise import checkpoints, partitioning
 from chunkwise.bench import (
   machine,
   profile,
@@ -43,8 +43,7 @@ from chunkwise.bench import (
   roofline,
   timing,
 )
-from chunkwise.inference import ByteVocabulary, Chunk, InferenceModel
-from chunkwise.inference.vocabularies import bos_id_of
+from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
 
@@ -137,42 +136,29 @@ def _one_of(name: str, values: Sequence[str], allowed) -> list[str]:
   return list(dict.fromkeys(values))
 
 
-def _describe(name: str):
-  """(HParams, vocabulary, bos_id), without reading weights."""
-  if name.startswith("random:"):
-    preset = name.removeprefix("random:")
-    if preset not in configs.names():
-      raise app.UsageError(
-        f"--model={name}: unknown preset {preset!r}; known: "
-        f"{', '.join(configs.names())}"
-      )
-    h = configs.get(preset)
-    vocab = _random_vocab(h)
-    return h, vocab, bos_id_of(vocab)
+def _describe(name: str) -> checkpoints.Description:
+  """What the model will be, read without loading weights."""
   try:
-    d = checkpoints.describe(name)
+    if name.startswith(checkpoints.RANDOM):
+      return checkpoints.describe_random(name)
+    described = checkpoints.describe(name)
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(f"--model={name}: {e}") from None
-  return d.hparams, d.vocab, 0 if d.bos_id is None else d.bos_id
+  return described
 
 
-def _load(name: str, weights: str, mesh, layout) -> InferenceModel:
+def _load(name: str, described, weights: str, mesh, layout) -> InferenceModel:
   dtype = "bfloat16" if weights == "bfloat16" else "float32"
   quantize = "int8" if weights == "int8" else None
-  if not name.startswith("random:"):
+  if not name.startswith(checkpoints.RANDOM):
     return checkpoints.load(
       name, dtype=dtype, quantize=quantize, mesh=mesh, layout=layout
     )
-  h = configs.get(name.removeprefix("random:"))
+  h = described.hparams
   params = init_random(h, jax.random.key(_SEED.value), dtype)
   if quantize:
     params = quantize_weights(params, Weights.axes(h))
-  return InferenceModel(h, params, _random_vocab(h), mesh=mesh, layout=layout)
-
-
-def _random_vocab(h):
-  """What `InferenceModel.random` gives: bytes when the vocabulary fits."""
-  return ByteVocabulary() if h.vocab >= ByteVocabulary().vocab_size else None
+  return InferenceModel(h, params, described.vocab, mesh=mesh, layout=layout)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -206,7 +192,8 @@ def run(argv: Sequence[str]) -> None:
     shape = partitioning.parse_mesh(_MESH.value) if _MESH.value else None
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  h, vocab, bos_id = _describe(_MODEL.value)
+  described = _describe(_MODEL.value)
+  h, vocab, bos_id = described.hparams, described.vocab, described.bos_id
   if vocab is None:
     raise app.UsageError(f"--model={_MODEL.value} has no tokenizer")
   prompt = np.asarray(
@@ -245,8 +232,8 @@ def run(argv: Sequence[str]) -> None:
   ]
   results = []
   for i, kind in enumerate(kinds):
-    model = _load(_MODEL.value, kind, mesh, layout)
-    size = nbytes(model.plain_weights())
+    model = _load(_MODEL.value, described, kind, mesh, layout)
+    size = nbytes(model.weights)  # a reordering keeps every byte
     itemsize = model.cache_dtype.itemsize
     config = {
       "name": f"chunkwise {kind}",

@@ -73,18 +73,10 @@ _CHAT_STEPS = flags.DEFINE_integer(
 
 
 def _load(name: str) -> cw.InferenceModel:
-  if name.startswith("random:"):
-    preset = name.removeprefix("random:")
-    if preset not in cw.configs.names():
-      raise app.UsageError(
-        f"--model={name}: unknown preset {preset!r}; known: "
-        f"{', '.join(cw.configs.names())}"
-      )
-    hparams = cw.configs.get(preset)
-    if hparams.num_params() > 1e9:
-      raise app.UsageError(f"--model={name}: too large for random weights")
-    return cw.InferenceModel.random(hparams, seed=_SEED.value)
   try:
+    if name.startswith(cw.checkpoints.RANDOM):
+      hparams = cw.checkpoints.describe_random(name).hparams
+      return cw.InferenceModel.random(hparams, seed=_SEED.value)
     return cw.load(name)
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(f"--model={name}: {e}") from None

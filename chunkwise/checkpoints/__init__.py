@@ -6,8 +6,10 @@ from chunkwise.checkpoints import gguf, hf, llama, safetensors, store
 from chunkwise.checkpoints.llama import Imported
 from chunkwise.checkpoints.load import (
   EMBEDDED,
+  RANDOM,
   Description,
   describe,
+  describe_random,
   embedded_path,
   load,
 )
@@ -16,10 +18,12 @@ from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 
 __all__ = [
   "EMBEDDED",
+  "RANDOM",
   "Description",
   "Imported",
   "TokenizerVocabulary",
   "describe",
+  "describe_random",
   "embedded_path",
   "gguf",
   "hf",

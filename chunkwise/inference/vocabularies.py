@@ -104,3 +104,10 @@ class ByteVocabulary:
 
   def __hash__(self) -> int:
     return hash(ByteVocabulary)
+
+
+def random_model_vocab(vocab_size: int) -> ByteVocabulary | None:
+  """The vocabulary a random-weight model gets: bytes when its table holds
+  all of `ByteVocabulary`'s ids, else none."""
+  byte = ByteVocabulary()
+  return byte if vocab_size >= byte.vocab_size else None

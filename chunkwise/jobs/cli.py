@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, configs, partitioning
-from chunkwise.inference import ByteVocabulary, InferenceModel
+from chunkwise import checkpoints, partitioning
+from chunkwise.inference import InferenceModel
 from chunkwise.jobs import batching, examples, output
 from chunkwise.partitioning import Layout
 
@@ -146,19 +146,11 @@ def require(*names: str) -> None:
 
 def describe_model(name: str) -> checkpoints.Description:
   """What the model will be, read without loading weights."""
-  if name.startswith("random:"):
-    preset = name.removeprefix("random:")
-    if preset not in configs.names():
-      raise ValueError(
-        f"--model={name}: unknown preset {preset!r}; known: "
-        f"{', '.join(configs.names())}"
-      )
-    h = configs.get(preset)
-    if h.num_params() > 1e9:
-      raise ValueError(f"--model={name}: too large for random weights")
-    vocab = ByteVocabulary() if h.vocab >= ByteVocabulary().vocab_size else None
-    bos = vocab.bos_id if vocab else 0
-    return checkpoints.Description(h, vocab, bos, vocab and vocab.eos_id)
+  if name.startswith(checkpoints.RANDOM):
+    try:
+      return checkpoints.describe_random(name)
+    except ValueError as e:
+      raise ValueError(f"--model={name}: {e}") from None
   described = checkpoints.describe(name)
   if described.vocab is None:
     raise ValueError(f"--model={name} has no tokenizer to encode text with")
