@@ -11,7 +11,14 @@
 See DESIGN.md (the contract) for the semantics every name below keeps.
 """
 
-from chunkwise import checkpoints, configs, models, partitioning
+from chunkwise import (
+  checkpoints,
+  configs,
+  constraints,
+  models,
+  partitioning,
+  processors,
+)
 from chunkwise.checkpoints import (
   TokenizerVocabulary,
   load,
@@ -48,10 +55,12 @@ __all__ = [
   "checkpoints",
   "concat_results",
   "configs",
+  "constraints",
   "load",
   "load_result",
   "models",
   "partitioning",
+  "processors",
   "save",
 ]
 

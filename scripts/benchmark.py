@@ -19,8 +19,11 @@ give MBU (decode: weight + K/V bytes per step / time / bandwidth) and MFU
 (prefill: matmul FLOPs / time / peak). --compare_hf copies the same
 weights into transformers' Llama (one model per --hf_dtypes), times its
 forward pass and `generate` on the same ids and batch sizes, and reports
-tokens/s ratios. Writes --output (JSON) and --plot (PNG: latency per token
-against throughput, one curve per configuration) and prints a table.
+tokens/s ratios. --constraints times decode again under each named
+constraint (structured generation) and reports its table build time and
+size, and the per-step cost against free decode. Writes --output (JSON)
+and --plot (PNG: latency per token against throughput, one curve per
+configuration) and prints a table.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, partitioning
+from chunkwise import checkpoints, constraints, partitioning
 from chunkwise.bench import (
   machine,
   profile,
@@ -43,6 +46,7 @@ from chunkwise.bench import (
   roofline,
   timing,
 )
+from chunkwise.constraints import tables as constraint_tables
 from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
@@ -108,6 +112,34 @@ _PROFILE_BATCHES = flags.DEFINE_list(
   "costliest XLA ops go to the JSON and the table.",
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of prefill ids and weights.")
+_CONSTRAINTS = flags.DEFINE_list(
+  "constraints",
+  [],
+  "Also time greedy decode under these constraints (names from "
+  "CONSTRAINTS: choice, integer, date, json, text) at every decode batch, "
+  "and report each one's table build time and size.",
+)
+
+# Named constraints: the issue's acceptance set, plus free text (any
+# character but NUL), which never forces an early stop.
+CONSTRAINTS = {
+  "choice": constraints.Choice(["yes", "no", "maybe"]),
+  "integer": constraints.Regex(r"-?(0|[1-9][0-9]*)"),
+  "date": constraints.Regex(
+    r"(19|20)[0-9][0-9]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+  ),
+  "json": constraints.JsonSchema(
+    {
+      "type": "object",
+      "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer"},
+      },
+      "required": ["name", "age"],
+    }
+  ),
+  "text": constraints.Regex(r"[^\x00]*"),
+}
 
 
 def _positive_ints(name: str, values: Sequence[str]) -> list[int]:
@@ -213,6 +245,8 @@ def run(argv: Sequence[str]) -> None:
       reference.threads()
     except ValueError as e:
       raise app.UsageError(f"--compare_hf: {e}") from None
+  named = _one_of("constraints", _CONSTRAINTS.value, tuple(CONSTRAINTS))
+  table_rows = [_build(name, described) for name in named]
   if shape is None and layout.kind.value != "reference":
     shape = (1, 1, jax.device_count())
   mesh = None if shape is None else partitioning.make_mesh(shape)
@@ -249,6 +283,20 @@ def run(argv: Sequence[str]) -> None:
       )
       decode.append(roofline.decode_row(point, h, size, itemsize, limits))
       logging.info("%s decode: %s", config["name"], decode[-1])
+    constrained = []
+    for name in named:
+      for b in decode_batches:
+        point = timing.decode(
+          model,
+          prompt,
+          batch=b,
+          steps=_STEPS.value,
+          runs=_RUNS.value,
+          constraint=CONSTRAINTS[name],
+        )
+        row = roofline.decode_row(point, h, size, itemsize, limits)
+        constrained.append({"constraint": name} | row)
+        logging.info("%s decode +%s: %s", config["name"], name, row)
     prefill = []
     for ids in grid:
       point = timing.prefill(model, ids, _RUNS.value)
@@ -265,7 +313,13 @@ def run(argv: Sequence[str]) -> None:
         )
       ]
     results.append(
-      config | {"prefill": prefill, "decode": decode, "profiles": profiles}
+      config
+      | {
+        "prefill": prefill,
+        "decode": decode,
+        "constrained_decode": constrained,
+        "profiles": profiles,
+      }
     )
     if i == 0 and _COMPARE_HF.value:
       plain = jax.device_get(model.plain_weights())
@@ -292,11 +346,35 @@ def run(argv: Sequence[str]) -> None:
     },
     "configs": results,
     "ratios": report.ratios(results),
+    "constraint_tables": table_rows,
   }
   report.write_json(_OUTPUT.value, result)
   if _PLOT.value:
     report.plot(_PLOT.value, result)
   print(report.table(result))
+  if named:
+    print(report.constraint_table(result))
+
+
+def _build(name: str, described) -> dict:
+  """Compiles a named constraint from scratch: its table size and time."""
+  c = CONSTRAINTS[name]
+  stops = [] if described.eos_id is None else [described.eos_id]
+  constraint_tables.clear_cache()
+  try:
+    t = c.compile(
+      described.vocab, stop_ids=stops, width=described.hparams.vocab
+    )
+  except ValueError as e:
+    raise app.UsageError(f"--constraints={name}: {e}") from None
+  return {
+    "constraint": name,
+    "regex": t.regex,
+    "states": t.states,
+    "classes": t.classes,
+    "table_bytes": t.nbytes,
+    "build_s": t.build_s,
+  }
 
 
 def _reference(h, plain, dtype, prompt, grid, batches, limits) -> dict:

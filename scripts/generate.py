@@ -5,6 +5,12 @@ many.
       --num_samples=4 --temperature=0.7 --top_p=0.95 --steps=128
   python scripts/generate.py --input=questions.txt --output=a.jsonl \\
       --shared_prefix=@fewshot.txt --stop='\\n' --temperature=0 --stream
+  python scripts/generate.py --input=texts.txt --output=people.jsonl \\
+      --json_schema=@person.json --budget_forcing --steps=64
+
+Constraints (one of --regex, --json_schema, --choices) are compiled once,
+before any device work, and mask every sample's tokens on device (see
+chunkwise/constraints); --budget_forcing closes each sample within --steps.
 
 Input (see chunkwise/jobs/examples.py): JSON lines {"id", "prompt"}
 ("text" works too), or plain text, one prompt per line, its id the line
@@ -26,6 +32,7 @@ import collections
 
 from absl import app, flags
 
+from chunkwise import constraints
 from chunkwise.inference import Sampling
 from chunkwise.jobs import cli, examples, generation
 
@@ -62,6 +69,22 @@ _STOP_IDS = flags.DEFINE_list(
 )
 _STREAM = flags.DEFINE_bool(
   "stream", False, "Print the first prompt's first sample as it grows."
+)
+_REGEX = flags.DEFINE_string(
+  "regex", None, "Constrain every sample to match this regex (Rust syntax)."
+)
+_JSON_SCHEMA = flags.DEFINE_string(
+  "json_schema",
+  None,
+  "Constrain every sample to JSON valid under this schema (text or @file).",
+)
+_CHOICES = flags.DEFINE_list(
+  "choices", None, "Constrain every sample to one of these strings."
+)
+_BUDGET_FORCING = flags.DEFINE_bool(
+  "budget_forcing",
+  False,
+  "With a constraint: steer each sample to close (and stop) within --steps.",
 )
 flags.register_validator("top_p", lambda p: p > 0, "--top_p must be > 0")
 flags.register_validator("seed", lambda s: s < 2**32, "--seed must be < 2**32")
@@ -116,6 +139,48 @@ def stop_ids(vocab_size: int) -> list[int]:
   return ids
 
 
+def constraint(described, stops: list[int]):
+  """The --regex / --json_schema / --choices constraint (or None), compiled
+  now so that a bad one is a usage error before any device work."""
+  given = [
+    (name, value)
+    for name, value in (
+      ("regex", _REGEX.value),
+      ("json_schema", _JSON_SCHEMA.value),
+      ("choices", _CHOICES.value),
+    )
+    if value is not None
+  ]
+  if not given:
+    if _BUDGET_FORCING.value:
+      raise app.UsageError(
+        "--budget_forcing needs --regex, --json_schema or --choices"
+      )
+    return None
+  if len(given) > 1:
+    raise app.UsageError(
+      f"give one of --regex, --json_schema, --choices, got "
+      f"{', '.join('--' + n for n, _ in given)}"
+    )
+  name, value = given[0]
+  try:
+    if name == "regex":
+      c = constraints.Regex(value)
+    elif name == "json_schema":
+      c = constraints.JsonSchema(cli.text_or_file(name, value))
+    else:
+      c = constraints.Choice(value)
+    eos = [] if described.eos_id is None else [described.eos_id]
+    c.compile(
+      described.vocab,
+      stop_ids=sorted(set(stops + eos)),
+      width=described.hparams.vocab,
+    )
+  except ValueError as e:
+    raise app.UsageError(f"--{name}: {e}") from None
+  return c
+
+
 def summarize(setup: cli.Setup, run: cli.Run) -> dict:
   records = run.output.records()
   reasons = collections.Counter(r["finish_reason"] for r in records)
@@ -148,6 +213,7 @@ def generate() -> None:
       f"--top_k={_TOP_K.value} exceeds the vocabulary ({vocab_size})"
     )
   stops, ids = stop_strings(), stop_ids(vocab_size)
+  constrain = constraint(setup.described, ids)
   sampling = Sampling(
     temperature=_TEMPERATURE.value,
     top_k=_TOP_K.value,
@@ -176,6 +242,8 @@ def generate() -> None:
       stop_ids=ids,
       stop_strings=stops,
       stream=stream,
+      constraint=constrain,
+      budget_forcing=_BUDGET_FORCING.value,
     )
     if stream:
       emit("\n")
@@ -198,6 +266,8 @@ def generate() -> None:
       "seed": _SEED.value,
       "stop": stops,
       "stop_ids": ids,
+      "constraint": None if constrain is None else constrain.regex(),
+      "budget_forcing": _BUDGET_FORCING.value,
     },
   )
   if run.process == 0:

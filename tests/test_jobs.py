@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -551,3 +552,45 @@ def test_two_processes_match_one(tmp_path, name):
   assert one.read_bytes() == two.read_bytes()  # both in input order
   assert len(_records(two)) == 11 * (2 if name == "generate" else 1)
   assert not [f for f in os.listdir(tmp_path) if ".process-" in f]
+
+
+def test_generate_main_constraints(tmp_path, capsys):
+  """--choices / --json_schema=@file / --regex constrain every sample;
+  conflicting or unsupported ones are usage errors before any work."""
+  path = _write(tmp_path / "p.txt", ["Yes or no?", "Maybe?"])
+  schema = tmp_path / "s.json"
+  schema.write_text(
+    json.dumps(
+      {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+      }
+    )
+  )
+  common = [f"--input={path}", "--num_samples=3", "--steps=24"]
+  for flag, valid in (
+    ("--choices=yes,no", lambda t: t in ("yes", "no")),
+    (f"--json_schema=@{schema}", lambda t: type(json.loads(t)["n"]) is int),
+    ("--regex=[a-c]{3}", lambda t: re.fullmatch("[a-c]{3}", t)),
+  ):
+    out = tmp_path / f"{flag[2:6]}.jsonl"
+    code, summary, _ = _main(
+      "generate",
+      [*common, f"--output={out}", flag, "--budget_forcing"],
+      capsys,
+    )
+    assert code == 0, flag
+    records = _records(out)
+    assert len(records) == 6 and summary["finish_reasons"] == {"stop": 6}
+    assert all(valid(r["text"]) for r in records), records
+  out = f"--output={tmp_path / 'bad.jsonl'}"
+  for args, message in (
+    (["--regex=a", "--choices=a"], "give one of --regex, --json_schema"),
+    (['--json_schema={"type": "integer", "minimum": 1}'], "'minimum'"),
+    (["--regex=(a"], "--regex: the constraint '(a' is not a supported"),
+    (["--budget_forcing"], "--budget_forcing needs --regex"),
+  ):
+    code, _, err = _main("generate", [*common, out, *args], capsys)
+    assert code == 1 and message in err, (args, err)
+  assert not (tmp_path / "bad.jsonl").exists()

@@ -142,3 +142,28 @@ def plot(path: str, result: dict) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def constraint_table(result: dict) -> str:
+  """Text table: each constraint's tables, and its decode cost per step
+  against free decode of the same configuration and batch."""
+  lines = ["constraint tables:"]
+  for t in result["constraint_tables"]:
+    lines.append(
+      f"  {t['constraint']:8} {t['states']:6d} states {t['classes']:5d} "
+      f"classes {t['table_bytes'] / 2**20:8.2f} MiB  built in "
+      f"{t['build_s'] * 1e3:8.1f} ms"
+    )
+  lines.append("constrained decode (ms/step, against free decode):")
+  for config in result["configs"]:
+    free = {row["batch"]: row for row in config.get("decode", [])}
+    for row in config.get("constrained_decode", []):
+      base = free[row["batch"]]
+      ratio = row["ms_per_step"] / base["ms_per_step"]
+      lines.append(
+        f"  {config['name']:24} {row['constraint']:8} batch "
+        f"{row['batch']:4d}: {row['ms_per_step']:8.2f} vs "
+        f"{base['ms_per_step']:8.2f} ({ratio:.2f}x), "
+        f"{row['steps']} steps"
+      )
+  return "\n".join(lines)

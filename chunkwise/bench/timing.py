@@ -141,13 +141,18 @@ def prompt_prefix(model: InferenceModel, prompt: Sequence[int], batch: int):
   return model.prefill(_chunk(ids))
 
 
-def greedy(model: InferenceModel, prefix, steps: int):
-  """A call of greedy `generate` after `prefix`; returns (Chunk, result)."""
+def greedy(model: InferenceModel, prefix, steps: int, constraint=None):
+  """A call of greedy `generate` after `prefix` (under `constraint`, if
+  given); returns (Chunk, result)."""
   batch = prefix.per_token_scores.shape[0]
   sample_ids = np.arange(batch, dtype=np.int32)
   sampling = Sampling(temperature=0.0)
   return lambda: model.generate(
-    [prefix], sample_ids=sample_ids, steps=steps, sampling=sampling
+    [prefix],
+    sample_ids=sample_ids,
+    steps=steps,
+    sampling=sampling,
+    constraint=constraint,
   )
 
 
@@ -158,13 +163,14 @@ def decode(
   batch: int,
   steps: int,
   runs: int,
+  constraint=None,
 ) -> Point:
   """Times greedy `model.generate` of `steps` tokens for `batch` copies of
-  `prompt` (already prefilled, outside the time)."""
+  `prompt` (already prefilled, outside the time), under `constraint`."""
   start = time.perf_counter()
   prefix = jax.block_until_ready(prompt_prefix(model, prompt, batch))
   prefill_first = time.perf_counter() - start
-  call = greedy(model, prefix, steps)
+  call = greedy(model, prefix, steps, constraint)
   lengths = []
 
   def run():

@@ -132,6 +132,7 @@ class TokenizerVocabulary:
     self._pad_id = pad_id if pad_id is not None else (eos_id or 0)
     self._unk_id = unk_id
     self._chat_template = chat_template
+    self._token_bytes = None
 
   @classmethod
   def from_file(cls, path: str, **kwargs) -> TokenizerVocabulary:
@@ -178,6 +179,18 @@ class TokenizerVocabulary:
     known = [int(i) for i in ids if 0 <= int(i) < self._size]
     return self._tokenizer.decode(known, skip_special_tokens=False)
 
+  def token_bytes(self) -> list[bytes | None]:
+    """Every id's text as bytes, None for special (control) tokens.
+
+    Byte-level BPE tokens are read through GPT-2's byte map; SentencePiece
+    pieces turn "▁" into a space and `<0xNN>` into byte NN. Constrained
+    generation builds its automata from these bytes (never from decoded
+    strings, which lose partial UTF-8 sequences).
+    """
+    if self._token_bytes is None:
+      self._token_bytes = _token_bytes(self._tokenizer, self._size)
+    return list(self._token_bytes)
+
   def apply_chat_template(
     self,
     messages: Sequence[Mapping[str, str]],
@@ -210,6 +223,53 @@ class TokenizerVocabulary:
       f"TokenizerVocabulary(size={self._size}, bos_id={self._bos_id}, "
       f"eos_id={self._eos_id})"
     )
+
+
+def _token_kind(tokenizer) -> str:
+  """'byte_level' or 'sentencepiece': how token strings spell bytes."""
+  import json
+
+  config = json.loads(tokenizer.to_str())
+  text = json.dumps([config.get("decoder"), config.get("pre_tokenizer")])
+  if '"ByteLevel"' in text:
+    return "byte_level"
+  if "\u2581" in text or "▁" in text or '"ByteFallback"' in text:
+    return "sentencepiece"
+  raise ValueError(
+    "cannot tell how this tokenizer's tokens map to bytes (neither a "
+    "byte-level BPE decoder nor SentencePiece '▁' pieces); constrained "
+    "generation needs token bytes"
+  )
+
+
+def _token_bytes(tokenizer, size: int) -> tuple[bytes | None, ...]:
+  kind = _token_kind(tokenizer)
+  special = {
+    i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+  }
+  added = {
+    i: t.content
+    for i, t in tokenizer.get_added_tokens_decoder().items()
+    if not t.special
+  }
+  to_byte = {c: b for b, c in bytes_to_unicode().items()}
+  out: list[bytes | None] = []
+  for i in range(size):
+    token = tokenizer.id_to_token(i)
+    if i in special or token is None:
+      out.append(None)
+    elif i in added:
+      out.append(added[i].encode("utf-8"))
+    elif kind == "byte_level":
+      if all(c in to_byte for c in token):
+        out.append(bytes(to_byte[c] for c in token))
+      else:
+        out.append(token.encode("utf-8"))
+    elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+      out.append(bytes([int(token[3:5], 16)]))
+    else:
+      out.append(token.replace("▁", " ").encode("utf-8"))
+  return tuple(out)
 
 
 def _add_special_tokens(tokenizer, tokens, token_types) -> None:

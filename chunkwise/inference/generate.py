@@ -7,8 +7,10 @@
 Each iteration of the `lax.while_loop`:
   1. key_b = fold_in(fold_in(key(seed), sample_ids[b]), position_b), where
      position_b counts row b's tokens so far, prefixes included;
-  2. token = sample(next_logits, key, sampling); its score and top-n are
-     taken from the same raw logits;
+  2. token = sample(processed, key, sampling), where `processed` are the
+     next logits after the logits processors (`chunkwise.processors`:
+     bans, penalties, constraints...); its score and top-n are taken from
+     the raw logits; the processors' per-row states then see the token;
   3. a row whose token is a stop id is done: the stop token is written at
      column `lengths[b]` but not counted, and its next-token logits freeze
      (the BOS that opens an unprompted row at position 0 never stops it);
@@ -37,6 +39,7 @@ from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 from chunkwise.partitioning import axes as ax
+from chunkwise.processors import StepInfo, keep_rows
 
 
 @struct.dataclass(kw_only=True)
@@ -47,9 +50,11 @@ class LoopInputs:
   start: jax.Array  # int32[batch]: tokens before the first generated one
   sampling: Sampling  # per-row arrays
   stop_ids: jax.Array  # int32[n_stop]
+  processors: tuple = ()  # LogitsProcessors (their arrays are traced)
 
   @classmethod
-  def axes(cls) -> LoopInputs:
+  def axes(cls, processors: tuple = ()) -> LoopInputs:
+    """Processors' arrays (e.g. constraint tables) are replicated."""
     rows = P(ax.BATCH)
     return cls(
       sample_ids=rows,
@@ -58,7 +63,12 @@ class LoopInputs:
         temperature=rows, top_k=rows, top_p=rows, min_p=rows, seed=P()
       ),
       stop_ids=P(None),
+      processors=_replicated(processors),
     )
+
+
+def _replicated(tree):
+  return jax.tree.map(lambda _: P(), tree)
 
 
 @struct.dataclass(kw_only=True)
@@ -73,11 +83,13 @@ class LoopState:
   cache: KVCache  # generated K/V; lengths = tokens kept per row
   next_logits: jax.Array  # f32[batch, vocab]
   done: jax.Array  # bool[batch]
+  processor_states: tuple = ()  # one per-row state per processor
 
   @classmethod
-  def axes(cls) -> LoopState:
-    """Small per-row buffers are replicated; the KV buffer and the logits
-    are split like any KV cache and next-token logits."""
+  def axes(cls, processor_states: tuple = ()) -> LoopState:
+    """Small per-row buffers (processor states too) are replicated; the KV
+    buffer and the logits are split like any KV cache and next-token
+    logits."""
     rows = P(ax.BATCH, ax.TIME)
     top = P(ax.BATCH, ax.TIME, ax.TOP_N)
     return cls(
@@ -89,6 +101,7 @@ class LoopState:
       cache=KVCache.axes(),
       next_logits=P(ax.LOGITS_BATCH, ax.LOGITS_VOCAB),
       done=P(ax.BATCH),
+      processor_states=_replicated(processor_states),
     )
 
 
@@ -157,18 +170,34 @@ def _step(
   i = state.step
   live = ~state.done
   positions = inputs.start + state.cache.lengths
+  info = StepInfo(
+    generated=state.cache.lengths,
+    remaining=state.tokens.shape[1] - i,
+    stop_ids=inputs.stop_ids,
+  )
   token, score, top_ids, top_logprobs = shards.sample(
     state.next_logits,
     inputs.sampling,
     inputs.sample_ids,
     positions,
     state.top_ids.shape[-1],
+    inputs.processors,
+    state.processor_states,
+    info,
   )
   # Position 0 always holds BOS (the only token the BOS distribution allows):
   # it starts a sequence and never stops one, even where BOS is also EOS.
   stop = jnp.any(token[:, None] == inputs.stop_ids[None, :], axis=-1)
   stop &= positions > 0
   keep = live & ~stop
+  processor_states = keep_rows(
+    keep & (positions > 0),
+    tuple(
+      p.update(s, token, info)
+      for p, s in zip(inputs.processors, state.processor_states, strict=True)
+    ),
+    state.processor_states,
+  )
 
   chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
   full = infer(weights, (*caches, state.cache), chunk)
@@ -194,6 +223,7 @@ def _step(
       shards.rows(keep)[:, None], full.logits[:, 0], state.next_logits
     ),
     done=state.done | stop,
+    processor_states=processor_states,
   )
 
 
@@ -224,6 +254,7 @@ def loop_inputs(
   sample_ids: jax.Array,
   sampling: Sampling,
   stop_ids: jax.Array,
+  processors: tuple = (),
 ) -> LoopInputs:
   """The loop's constant inputs; `start` sums each row's prefix lengths."""
   sample_ids = jnp.asarray(sample_ids, jnp.int32)
@@ -232,6 +263,7 @@ def loop_inputs(
     start=total_lengths([c.lengths for c in caches], sample_ids.shape[0]),
     sampling=sampling,
     stop_ids=jnp.asarray(stop_ids, jnp.int32),
+    processors=tuple(processors),
   )
 
 

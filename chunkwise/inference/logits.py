@@ -29,6 +29,7 @@ from chunkwise.inference.kv_cache import repeat_each
 from chunkwise.inference.results import score_tokens
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 from chunkwise.models import shard_ops as ops
+from chunkwise.processors import StepInfo, rows_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,9 @@ class LogitsShards:
     sample_ids: jax.Array,
     positions: jax.Array,
     top_n: int,
+    processors: tuple = (),
+    states: tuple = (),
+    info: StepInfo | None = None,
   ):
     """Draws a token for every row and scores it.
 
@@ -131,6 +135,10 @@ class LogitsShards:
       sampling: per-row settings of all B rows (replicated).
       sample_ids, positions: int32[B], every row's (replicated).
       top_n: static.
+      processors, states, info: logits processors, their per-row states
+        and the step's `StepInfo` (all B rows, replicated). They act on
+        whole rows, after the rows are regrouped, on this device's rows
+        only; rows at position 0 (the BOS step) are left raw.
     Returns:
       (token, score, top_ids, top_logprobs) for all B rows, replicated.
     """
@@ -152,7 +160,16 @@ class LogitsShards:
 
     keys = token_keys(sampling.seed, mine(sample_ids), mine(positions))
     mine_sampling = jax.tree.map(mine, sampling)
-    token = sample(whole, keys, mine_sampling)
+    drawn_from = whole
+    if processors:
+      local = info.replace(generated=mine(info.generated))
+      for processor, state in zip(processors, states, strict=True):
+        drawn_from = processor.apply(
+          rows_of(state, first, count), drawn_from, local
+        )
+      drawn_from = jnp.where((mine(positions) > 0)[:, None], drawn_from, whole)
+    # Scores and top-n stay those of the raw logits (DESIGN.md §4.1).
+    token = sample(drawn_from, keys, mine_sampling)
     score, top_ids, top_logprobs = score_tokens(whole, token, top_n)
     out = (token, score, top_ids, top_logprobs)
     if split > 1:

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from chunkwise import constraints as constraints_lib
+from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
 from chunkwise.inference.chunk import Chunk
@@ -312,8 +314,20 @@ class InferenceModel:
       ),
     )
 
-  def _start(self, prefix, sample_ids, steps, sampling, stop_ids, top_n):
-    """Validates a generate call; returns (caches, state, loop inputs)."""
+  def _start(
+    self,
+    prefix,
+    sample_ids,
+    steps,
+    sampling,
+    stop_ids,
+    top_n,
+    processors=(),
+    constraint=None,
+    budget_forcing=False,
+  ):
+    """Validates a generate call (constraints compiled, processors traced)
+    before any device work; returns (caches, state, loop inputs)."""
     h = self._hparams
     sample_ids = checks.check_ids("sample_ids", sample_ids, h, vocab=False)
     batch = sample_ids.shape[0]
@@ -333,6 +347,12 @@ class InferenceModel:
     if self._eos_id is not None:
       stop = np.unique(np.append(stop, self._eos_id)).astype(np.int32)
     checks.check_total_length(prefix, batch, steps, h, f"{steps} steps")
+    procs = self._processors(
+      processors, constraint, budget_forcing, batch, steps, stop, prefix
+    )
+    procs, proc_states = processors_lib.check(
+      procs, batch=batch, vocab=h.vocab, n_stop=stop.shape[0]
+    )
     caches, prev = self._prefix_inputs(prefix)
     state = self._generate_engine.init(
       caches,
@@ -343,8 +363,54 @@ class InferenceModel:
       vocab=h.vocab,
       bos_id=self._bos_id,
     )
-    inputs = generate.loop_inputs(caches, sample_ids, sampling, stop)
+    state = state.replace(
+      processor_states=jax.tree.map(jnp.asarray, proc_states)
+    )
+    inputs = generate.loop_inputs(caches, sample_ids, sampling, stop, procs)
     return caches, state, inputs
+
+  def _processors(
+    self, processors, constraint, budget_forcing, batch, steps, stop, prefix
+  ):
+    """The call's processors, the constraint's (compiled) last."""
+    if isinstance(processors, processors_lib.LogitsProcessor):
+      processors = (processors,)
+    if isinstance(processors, (str, bytes)) or not isinstance(
+      processors, Sequence
+    ):
+      raise ValueError(
+        f"processors must be a list of chunkwise LogitsProcessors, got "
+        f"{processors!r}"
+      )
+    procs = list(processors)
+    if constraint is None:
+      if budget_forcing:
+        raise ValueError("budget_forcing=True needs a constraint")
+      return procs
+    width = self._hparams.vocab
+    grammar, tables = constraints_lib.compile_rows(
+      constraint,
+      batch=batch,
+      vocabulary=self._vocab,
+      stop_ids=stop.tolist(),
+      width=width,
+    )
+    if budget_forcing:
+      # A row without prefix spends its first column on BOS.
+      room = steps - (0 if prefix else 1)
+      for t in tables:
+        if int(t.distance[0]) + 1 > room:
+          raise ValueError(
+            f"budget_forcing: steps={steps} is too few for the constraint "
+            f"{t.regex[:60]!r}, whose shortest match needs "
+            f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
+          )
+    procs.append(
+      constraints_lib.processor(
+        grammar, tables, width=width, force=budget_forcing
+      )
+    )
+    return procs
 
   def generate(
     self,
@@ -355,6 +421,9 @@ class InferenceModel:
     sampling: Sampling | None = None,
     stop_ids: Sequence[int] = (),
     top_n: int = 0,
+    processors: Sequence[processors_lib.LogitsProcessor] = (),
+    constraint=None,
+    budget_forcing: bool = False,
   ) -> tuple[Chunk, ChunkResult]:
     """Samples up to `steps` tokens per row after `prefix`.
 
@@ -367,13 +436,32 @@ class InferenceModel:
         default `Sampling()` (temperature 1, no filters, seed 0).
       stop_ids: ids that end a row, besides the model's EOS.
       top_n: alternatives to return per generated position.
+      processors: `chunkwise.processors` LogitsProcessors applied in order
+        to the raw logits before sampling (bans, bias, penalties, ...).
+      constraint: a `chunkwise.constraints` Regex / JsonSchema / Choice for
+        every row, or a list of one (or None: free) per row. Constrained
+        rows draw only tokens that keep their text a prefix of a match,
+        and a stop id only once the text matches; a row whose automaton
+        allows only a stop stops.
+      budget_forcing: close every constrained row within `steps` (output
+        steers to the shortest completion as columns run out).
     Returns:
       (Chunk of the generated tokens, its ChunkResult); a row stops at its
       first stop id, which is written after the row's last token but not
       counted in its length. The result is a valid prefix for later calls.
+      Scores and top-n are always those of the raw logits, whatever the
+      processors and constraints did (DESIGN.md §4.1).
     """
     caches, state, inputs = self._start(
-      prefix, sample_ids, steps, sampling, stop_ids, top_n
+      prefix,
+      sample_ids,
+      steps,
+      sampling,
+      stop_ids,
+      top_n,
+      processors,
+      constraint,
+      budget_forcing,
     )
     state = self._generate_engine.run(caches, state, inputs, jnp.int32(steps))
     return generate.finish(state)
@@ -388,6 +476,9 @@ class InferenceModel:
     stop_ids: Sequence[int] = (),
     every: int = 8,
     top_n: int = 0,
+    processors: Sequence[processors_lib.LogitsProcessor] = (),
+    constraint=None,
+    budget_forcing: bool = False,
   ) -> Iterator[tuple[Chunk, ChunkResult]]:
     """Like `generate`, yielding (Chunk, ChunkResult) segments of `every`
     steps (the last may be shorter) as they are produced; their
@@ -396,7 +487,15 @@ class InferenceModel:
     empty (all lengths 0). Each segment is a valid prefix for later calls."""
     every = checks.check_count("every", every, minimum=1)
     caches, state, inputs = self._start(
-      prefix, sample_ids, steps, sampling, stop_ids, top_n
+      prefix,
+      sample_ids,
+      steps,
+      sampling,
+      stop_ids,
+      top_n,
+      processors,
+      constraint,
+      budget_forcing,
     )
     return self._stream(caches, state, inputs, steps, every)
 

@@ -299,14 +299,24 @@ class ShardedEngine:
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
     (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
     rules = plan.rules()
-    inputs, inputs_spec = self._place(inputs, generate.LoopInputs.axes(), rules)
+    inputs, inputs_spec = self._place(
+      inputs, generate.LoopInputs.axes(inputs.processors), rules
+    )
     stop_at, stop_spec = self._place(stop_at, P(), rules)
     per_device = functools.partial(
       generate.run, self._infer(plan), shards=self._shards(plan)
     )
-    state_spec = resolve_tree(generate.LoopState.axes(), rules)
+    # Processor states join the state on the host: place them too.
+    state, state_spec = self._place(
+      state, generate.LoopState.axes(state.processor_states), rules
+    )
     program = self._program(
-      ("run", plan),
+      (
+        "run",
+        plan,
+        jax.tree.structure(inputs.processors),
+        jax.tree.structure(state.processor_states),
+      ),
       per_device,
       (self._weight_specs, cache_specs, state_spec, inputs_spec, stop_spec),
       state_spec,

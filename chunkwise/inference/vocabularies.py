@@ -96,6 +96,10 @@ class ByteVocabulary:
         out += "\ufffd".encode()
     return out.decode("utf-8", errors="replace")
 
+  def token_bytes(self) -> list[bytes | None]:
+    """Each id's bytes (None for pad, BOS and EOS)."""
+    return [None] * self.OFFSET + [bytes([b]) for b in range(256)]
+
   def __repr__(self) -> str:
     return "ByteVocabulary()"
 

@@ -157,16 +157,20 @@ def describe_model(name: str) -> checkpoints.Description:
   return described
 
 
-def shared_prefix_text() -> str:
-  value = _SHARED_PREFIX.value
+def text_or_file(flag: str, value: str) -> str:
+  """A flag's text, or the contents of the file it names as `@path`."""
   if value.startswith("@"):
     path = value[1:]
     try:
       with open(path, encoding="utf-8") as f:
         return f.read()
     except (OSError, UnicodeDecodeError) as e:
-      raise ValueError(f"--shared_prefix={value}: {e}") from None
+      raise ValueError(f"--{flag}={value}: {e}") from None
   return value
+
+
+def shared_prefix_text() -> str:
+  return text_or_file("shared_prefix", _SHARED_PREFIX.value)
 
 
 # (described model, shared prefix row, example) -> (row, scored_from)

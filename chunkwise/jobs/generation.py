@@ -50,12 +50,10 @@ def cut_at_stop(vocab, tokens: list[int], stops: Sequence[str]):
   raise AssertionError("unreachable: the whole text holds a stop string")
 
 
-def _run(model, prefix, sample_ids, steps, sampling, stop_ids, stream):
+def _run(model, prefix, sample_ids, stream, **kwargs):
   """(token lists, score rows) of `generate`; with `stream=(row, print)`,
   through `generate_stream`, printing that row's text as it grows."""
-  kwargs = dict(
-    sample_ids=sample_ids, steps=steps, sampling=sampling, stop_ids=stop_ids
-  )
+  kwargs["sample_ids"] = sample_ids
   if stream is None:
     chunk, result = model.generate(prefix, **kwargs)
     scores = np.asarray(result.per_token_scores)
@@ -93,10 +91,14 @@ def generate_batch(
   stop_ids: Sequence[int] = (),
   stop_strings: Sequence[str] = (),
   stream: tuple[int, Callable[[str], None]] | None = None,
+  constraint=None,
+  budget_forcing: bool = False,
 ) -> list[list[dict] | None]:
   """For each row of `rows`, its `num_samples` records (None for padding
   rows, which repeat the first row). `stream=(i, emit)` passes the text of
-  row i's first sample to `emit` as it is generated."""
+  row i's first sample to `emit` as it is generated; `constraint` (one
+  `chunkwise.constraints` Constraint for every row) and `budget_forcing`
+  go to `generate`."""
   fill = rows[0]
   pad_id = int(getattr(model.vocab, "pad_id", 0) or 0)
   prompts = chunk_of(
@@ -112,10 +114,12 @@ def generate_batch(
     model,
     [*prefix, prompt],
     np.asarray(ids, np.int32),
-    steps,
-    sampling,
-    stop_ids,
     None if stream is None else (stream[0] * num_samples, stream[1]),
+    steps=steps,
+    sampling=sampling,
+    stop_ids=stop_ids,
+    constraint=constraint,
+    budget_forcing=budget_forcing,
   )
   out: list[list[dict] | None] = []
   for b, row in enumerate(rows):

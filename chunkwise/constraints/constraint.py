@@ -1,0 +1,118 @@
+"""What a user constrains output to: a regex, a JSON schema, or a choice.
+
+  cw.constraints.Regex(r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]")
+  cw.constraints.JsonSchema({"type": "object", "properties": {...}})
+  cw.constraints.Choice(["yes", "no", "maybe"])
+
+Regexes use Rust's `regex` syntax (outlines-core builds their DFA): Python
+syntax mostly works, but `\\d`, `\\w` and `\\s` are Unicode classes (a
+much larger automaton than `[0-9]`), and look-around and `\\b` are
+unsupported. A constraint matches the *whole* generated text, up to the
+stop token that ends the row.
+
+Each carries its compile limits: `max_table_mb` (mask bits of one
+constraint at the model's vocabulary width) and `time_limit_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+
+from chunkwise.constraints import schema as schema_lib
+from chunkwise.constraints import tables as tables_lib
+
+# Characters Rust's regex syntax treats as meta (escaping them is allowed).
+_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def escape(text: str) -> str:
+  """`text` as a regex matching exactly it (Rust syntax)."""
+  return "".join("\\" + c if c in _META else c for c in text)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Constraint:
+  """Base class: a regular language over the generated text."""
+
+  max_table_mb: float = 256.0
+  time_limit_s: float = 30.0
+
+  def regex(self) -> str:
+    raise NotImplementedError
+
+  def compile(
+    self, vocabulary, *, stop_ids: Sequence[int], width: int
+  ) -> tables_lib.Tables:
+    """Tables for `vocabulary` (with `token_bytes()`) and a model whose
+    logits have `width` columns; cached. Raises ValueError (see
+    `tables.compile_regex`)."""
+    for name in ("max_table_mb", "time_limit_s"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
+    return tables_lib.compile_regex(
+      self.regex(),
+      vocab,
+      stop_ids=stop_ids,
+      width=width,
+      max_table_mb=self.max_table_mb,
+      time_limit_s=self.time_limit_s,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Regex(Constraint):
+  """Text matching `pattern` in full (Rust regex syntax)."""
+
+  pattern: str
+
+  def __init__(self, pattern: str, **limits):
+    if not isinstance(pattern, str):
+      raise ValueError(f"Regex takes a pattern string, got {pattern!r}")
+    object.__setattr__(self, "pattern", pattern)
+    Constraint.__init__(self, **limits)
+
+  def regex(self) -> str:
+    return self.pattern
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice(Constraint):
+  """Exactly one of `choices` (strings, matched literally)."""
+
+  choices: tuple[str, ...]
+
+  def __init__(self, choices: Sequence[str], **limits):
+    if isinstance(choices, str) or not isinstance(choices, Sequence):
+      raise ValueError(f"Choice takes a list of strings, got {choices!r}")
+    choices = tuple(choices)
+    if not choices or not all(isinstance(c, str) for c in choices):
+      raise ValueError(
+        f"Choice takes a non-empty list of strings, got {choices!r}"
+      )
+    object.__setattr__(self, "choices", choices)
+    Constraint.__init__(self, **limits)
+
+  def regex(self) -> str:
+    return "(" + "|".join(escape(c) for c in self.choices) + ")"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JsonSchema(Constraint):
+  """JSON text valid under `schema` (a dict or a JSON string), restricted to
+  the keywords in `schema.ALLOWED` (others raise ValueError)."""
+
+  schema: str  # canonical JSON
+
+  def __init__(self, schema: str | Mapping, **limits):
+    parsed = schema_lib.parse(schema)
+    schema_lib.check(parsed)
+    # Key order matters: properties are generated in the order given.
+    object.__setattr__(self, "schema", json.dumps(parsed))
+    Constraint.__init__(self, **limits)
+
+  def regex(self) -> str:
+    return schema_lib.to_regex(self.schema)

@@ -1,0 +1,196 @@
+"""Constraints in the generate loop: one processor over concatenated tables.
+
+Every constraint in a batch is compiled (`tables`) and the tables are
+concatenated into one set; each row carries (grammar g, state s). Grammar 0
+is "unconstrained": its rows are never masked, so constrained and free rows
+share a batch. Per step, for this device's rows:
+
+  bits = bits_all[state_offset[g] + s]            # [rows, W] uint32
+  allowed = unpacked bits[:, :V]                  # padded ids stay 0
+  logits = where(allowed, logits, -inf)
+
+and after sampling, for every row (one scalar gather each):
+
+  s = next_all[class_offset[g] + s * classes[g] + token_class[g, token]]
+
+All tables are traced arguments, padded to power-of-two buckets, so a new
+constraint of the same bucket sizes reuses the compiled loop. They are
+replicated on a mesh: masking happens where the sampler holds whole rows.
+
+Budget forcing (`force=True`): once few columns remain, a token is allowed
+only if the automaton can still reach a final state and emit a stop id in
+the columns left (`distance[next] + 2 <= remaining`), so every constrained
+row ends with a stop (finish_reason "stop") within `steps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from chunkwise.constraints.constraint import Constraint
+from chunkwise.constraints.tables import Tables
+from chunkwise.processors import LogitsProcessor
+
+
+def _bucket(n: int, minimum: int) -> int:
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+class ConstraintProcessor(LogitsProcessor):
+  """The device side of one batch's constraints (module docstring)."""
+
+  bits: jax.Array  # uint32[S_total, W]
+  distance: jax.Array  # int32[S_total]
+  token_class: jax.Array  # int32[G, V]
+  next_state: jax.Array  # int32[N]: every grammar's [S_g, C_g], flattened
+  state_offset: jax.Array  # int32[G]
+  class_offset: jax.Array  # int32[G]
+  classes: jax.Array  # int32[G]
+  max_distance: jax.Array  # int32[]
+  force: bool = struct.field(pytree_node=False, default=False)
+  row_grammar: tuple = struct.field(pytree_node=False, default=())
+
+  def init(self, batch, vocab):
+    g = np.asarray(self.row_grammar, np.int32)
+    return (g, np.zeros(batch, np.int32))
+
+  def for_loop(self):
+    return self.replace(row_grammar=())
+
+  def allowed(self, g: jax.Array, s: jax.Array, vocab: int) -> jax.Array:
+    """bool[rows, vocab]: the tokens rows in states (g, s) may draw."""
+    words = self.bits[self.state_offset[g] + s]
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    unpacked = (words[:, :, None] >> shifts) & jnp.uint32(1)
+    allowed = unpacked.reshape(words.shape[0], -1)[:, :vocab] > 0
+    return allowed | (g == 0)[:, None]
+
+  def next_states(self, g: jax.Array, s: jax.Array) -> jax.Array:
+    """int32[rows, V]: each token's next state (-1: rejected)."""
+    base = self.class_offset[g] + s * self.classes[g]
+    return self.next_state[base[:, None] + self.token_class[g]]
+
+  def apply(self, state, logits, info):
+    g, s = state
+    allowed = self.allowed(g, s, logits.shape[-1])
+    if self.force:
+      is_stop = jnp.zeros(logits.shape[-1], bool).at[info.stop_ids].set(True)
+
+      def closing(allowed):
+        nxt = self.next_states(g, s)
+        far = self.distance[self.state_offset[g][:, None] + jnp.maximum(nxt, 0)]
+        fits = (far + 2 <= info.remaining) | is_stop[None, :]
+        return allowed & (fits | (g == 0)[:, None])
+
+      allowed = lax.cond(
+        info.remaining <= self.max_distance + 2,
+        closing,
+        lambda a: a,
+        allowed,
+      )
+    return jnp.where(allowed, logits, -jnp.inf)
+
+  def update(self, state, tokens, info):
+    g, s = state
+    base = self.class_offset[g] + s * self.classes[g]
+    nxt = self.next_state[base + self.token_class[g, tokens]]
+    return (g, jnp.where(nxt >= 0, nxt, s))
+
+
+def compile_rows(
+  constraints: Constraint | Sequence[Constraint | None],
+  *,
+  batch: int,
+  vocabulary,
+  stop_ids: Sequence[int],
+  width: int,
+) -> tuple[tuple[int, ...], list[Tables]]:
+  """Compiles one constraint for all rows, or one (or None) per row.
+
+  Returns (grammar id per row, 0 = unconstrained; the distinct tables).
+  Raises ValueError for a wrong row count or anything not a Constraint.
+  """
+  if isinstance(constraints, Constraint):
+    constraints = [constraints] * batch
+  if isinstance(constraints, (str, bytes)) or not isinstance(
+    constraints, Sequence
+  ):
+    raise ValueError(
+      f"constraint must be a chunkwise.constraints Constraint or a list of "
+      f"one (or None) per row, got {constraints!r}"
+    )
+  if len(constraints) != batch:
+    raise ValueError(
+      f"constraint lists one entry per row: got {len(constraints)} for "
+      f"{batch} rows"
+    )
+  if vocabulary is None:
+    raise ValueError("constraints need a model with a vocabulary")
+  grammar, tables, seen = [], [], {}
+  for c in constraints:
+    if c is None:
+      grammar.append(0)
+      continue
+    if not isinstance(c, Constraint):
+      raise ValueError(
+        f"constraint entries must be chunkwise.constraints Regex / "
+        f"JsonSchema / Choice or None, got {c!r}"
+      )
+    t = c.compile(vocabulary, stop_ids=stop_ids, width=width)
+    if id(t) not in seen:
+      seen[id(t)] = len(tables) + 1
+      tables.append(t)
+    grammar.append(seen[id(t)])
+  return tuple(grammar), tables
+
+
+def processor(
+  row_grammar: Sequence[int],
+  tables: Sequence[Tables],
+  *,
+  width: int,
+  force: bool = False,
+) -> ConstraintProcessor:
+  """Concatenates `tables` (grammar i + 1) behind the unconstrained grammar
+  0, padded to power-of-two buckets."""
+  words = -(-width // 32)
+  n_grammars = _bucket(len(tables) + 1, 2)
+  state_offset = np.zeros(n_grammars, np.int32)
+  class_offset = np.zeros(n_grammars, np.int32)
+  classes = np.ones(n_grammars, np.int32)
+  token_class = np.zeros((n_grammars, width), np.int32)
+  s_total, n_total = 1, 1  # grammar 0: one state, one class, next = 0
+  for i, t in enumerate(tables, start=1):
+    state_offset[i], class_offset[i], classes[i] = s_total, n_total, t.classes
+    token_class[i] = t.token_class
+    s_total += t.states
+    n_total += t.next_state.size
+  bits = np.zeros((_bucket(s_total, 16), words), np.uint32)
+  distance = np.zeros(bits.shape[0], np.int32)
+  next_state = np.zeros(_bucket(n_total, 64), np.int32)
+  for i, t in enumerate(tables, start=1):
+    lo = state_offset[i]
+    bits[lo : lo + t.states] = t.bits
+    distance[lo : lo + t.states] = t.distance
+    next_state[class_offset[i] : class_offset[i] + t.next_state.size] = (
+      t.next_state.reshape(-1)
+    )
+  max_distance = max((int(t.distance.max()) for t in tables), default=0)
+  return ConstraintProcessor(
+    bits=bits,
+    distance=distance,
+    token_class=token_class,
+    next_state=next_state,
+    state_offset=state_offset,
+    class_offset=class_offset,
+    classes=classes,
+    max_distance=np.int32(max_distance),
+    force=bool(force),
+    row_grammar=tuple(int(g) for g in row_grammar),
+  )

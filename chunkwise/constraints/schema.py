@@ -1,0 +1,123 @@
+"""JSON schema -> regex, refusing keywords the regex would silently drop.
+
+outlines-core's `build_regex_from_schema` ignores `minimum`, `maximum`,
+`multipleOf`, `uniqueItems`, `patternProperties`, builds `allOf` as a
+concatenation, treats `oneOf` as `anyOf`, and drops `pattern` next to
+`minLength` / `maxLength`. Output generated under such a regex would
+violate the schema it claims to follow, so `to_regex` accepts only the
+keywords below and raises ValueError naming any other (with its path).
+
+Whitespace between tokens is at most one space (`[ ]?`, outlines-core's
+default), so generation cannot run away in whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+# Keywords whose meaning the generated regex enforces in full.
+ALLOWED = frozenset(
+  {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",  # false only (the regex never allows extra keys)
+    "items",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "enum",
+    "const",
+    "anyOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "$ref",
+    "$defs",
+    "definitions",
+  }
+)
+# Annotations: no effect on valid values.
+ANNOTATIONS = frozenset(
+  {
+    "title",
+    "description",
+    "$comment",
+    "$schema",
+    "$id",
+    "examples",
+    "default",
+  }
+)
+# Keywords whose values are schemas, lists of schemas or maps of schemas.
+_SCHEMA = ("items", "additionalProperties")
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def parse(schema: str | Mapping[str, Any]) -> dict:
+  """A schema given as a JSON string or a dict, as a dict."""
+  if isinstance(schema, str):
+    try:
+      schema = json.loads(schema)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+  if not isinstance(schema, Mapping):
+    raise ValueError(f"a JSON schema must be an object, got {schema!r}")
+  return dict(schema)
+
+
+def check(schema: Any, path: str = "#") -> None:
+  """Raises ValueError at the first keyword outside the allow-list."""
+  if isinstance(schema, bool):
+    return
+  if not isinstance(schema, Mapping):
+    raise ValueError(f"{path}: a schema must be an object, got {schema!r}")
+  for key, value in schema.items():
+    where = f"{path}/{key}"
+    if key in ANNOTATIONS:
+      continue
+    if key not in ALLOWED:
+      raise ValueError(
+        f"JSON schema keyword {key!r} at {path} is not supported: "
+        f"constrained generation could not enforce it (supported: "
+        f"{', '.join(sorted(ALLOWED))})"
+      )
+    if key == "additionalProperties" and value is not False:
+      raise ValueError(
+        f"{where}: only additionalProperties=false is supported (generated "
+        f"objects have exactly the listed properties), got {value!r}"
+      )
+    if key == "pattern" and ("minLength" in schema or "maxLength" in schema):
+      raise ValueError(
+        f"{where}: 'pattern' together with minLength/maxLength is not "
+        f"supported (the length would be ignored); put the length in the "
+        f"pattern, e.g. [a-z]{{1,10}}"
+      )
+    if key in _SCHEMA and isinstance(value, Mapping):
+      check(value, where)
+    elif key in _SCHEMA_LISTS:
+      if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list of schemas, got {value!r}")
+      for i, sub in enumerate(value):
+        check(sub, f"{where}/{i}")
+    elif key in _SCHEMA_MAPS:
+      if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must map names to schemas, got {value!r}")
+      for name, sub in value.items():
+        check(sub, f"{where}/{name}")
+
+
+def to_regex(schema: str | Mapping[str, Any]) -> str:
+  """The regex of the values the (allow-listed) schema accepts."""
+  from outlines_core.json_schema import build_regex_from_schema
+
+  schema = parse(schema)
+  check(schema)
+  try:
+    return build_regex_from_schema(json.dumps(schema))
+  except Exception as e:
+    raise ValueError(f"unsupported JSON schema: {e}") from None

@@ -1,0 +1,172 @@
+"""The logits-processor interface: per-row state in, state out, on device.
+
+The generate loop applies processors between the raw next-token logits and
+the sampler, then advances their state with the sampled tokens:
+
+  state = proc.init(batch, vocab)                # host: per-row arrays
+  logits = proc.apply(state_of_rows, logits, info)   # masked / biased
+  state = proc.update(state, tokens, info)       # every row's new state
+
+A processor is a `flax.struct` dataclass: its array fields are traced
+arguments of the compiled loop (new values of the same shapes do not
+recompile), its `pytree_node=False` fields are static. Scores
+(`per_token_scores`, top-n) are always taken from the *raw* logits
+(DESIGN.md §4.1): processors only change which token is drawn.
+
+Rules a processor keeps:
+  * `init` returns a pytree of arrays whose leading axis is the batch;
+  * `apply` and `update` are jittable (no Python branching on values, no
+    host calls) and keep shapes and dtypes;
+  * `apply` sees only the rows in `logits` (the loop hands it those rows of
+    the state), `update` sees all rows; the loop itself keeps the old state
+    of rows that are done, and skips both calls at a row's position 0
+    (the BOS that opens an unprompted row).
+
+`check(processors, batch=B, vocab=V, n_stop=n)` validates settings, traces
+every call abstractly and raises ValueError naming the processor that is
+not jittable or changes a shape, before any device work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass(kw_only=True)
+class StepInfo:
+  """What the loop knows about the rows at this step.
+
+  Attributes:
+    generated: int32[rows]: tokens each row has generated (and kept) so far
+      in this call.
+    remaining: int32[]: columns left in this call's buffer, this one
+      included (a row that has not stopped after `remaining` more tokens
+      ends with finish_reason "length").
+    stop_ids: int32[n]: the ids that end a row (EOS and `stop_ids`).
+  """
+
+  generated: jax.Array
+  remaining: jax.Array
+  stop_ids: jax.Array
+
+
+class LogitsProcessor(struct.PyTreeNode):
+  """Base class of logits processors (see the module docstring)."""
+
+  def validate(self, vocab: int) -> None:
+    """Raises ValueError for settings that do not fit a `vocab`-wide model
+    (called on the host before any device work)."""
+    del vocab
+
+  def init(self, batch: int, vocab: int) -> Any:
+    """The initial per-row state (arrays with leading axis `batch`)."""
+    del batch, vocab
+    return ()
+
+  def for_loop(self) -> LogitsProcessor:
+    """The processor the compiled loop carries. Settings that only `init`
+    reads (and copies into the state) are dropped here, so that new values
+    of them do not recompile the loop."""
+    return self
+
+  def apply(self, state: Any, logits: jax.Array, info: StepInfo) -> jax.Array:
+    """f32[rows, V] logits -> f32[rows, V] (-inf forbids a token)."""
+    raise NotImplementedError
+
+  def update(self, state: Any, tokens: jax.Array, info: StepInfo) -> Any:
+    """The state after every row drew `tokens` (int32[batch])."""
+    del tokens, info
+    return state
+
+
+def rows_of(state: Any, first: jax.Array, count: int) -> Any:
+  """Rows [first, first + count) of every leaf of a per-row state."""
+  return jax.tree.map(
+    lambda x: jax.lax.dynamic_slice_in_dim(x, first, count), state
+  )
+
+
+def keep_rows(keep: jax.Array, new: Any, old: Any) -> Any:
+  """`new` where keep[b], else `old`, leaf by leaf (leading axis: rows)."""
+
+  def pick(n, o):
+    mask = keep.reshape(keep.shape + (1,) * (n.ndim - 1))
+    return jnp.where(mask, n, o)
+
+  return jax.tree.map(pick, new, old)
+
+
+def check(
+  processors: Sequence[LogitsProcessor], *, batch: int, vocab: int, n_stop: int
+) -> tuple[tuple[LogitsProcessor, ...], tuple[Any, ...]]:
+  """Validates processors on the host; returns (processors, init states).
+
+  Raises ValueError naming a processor that is not a `LogitsProcessor`,
+  whose state has the wrong leading axis, or whose `apply` / `update` cannot
+  be traced by `jax.jit` or changes a shape or dtype.
+  """
+  if isinstance(processors, LogitsProcessor):
+    processors = (processors,)
+  processors = tuple(processors)
+  states = []
+  for p in processors:
+    if not isinstance(p, LogitsProcessor):
+      raise ValueError(
+        f"processors must be chunkwise LogitsProcessor instances "
+        f"(chunkwise.processors), got {p!r}"
+      )
+    p.validate(vocab)
+    state = jax.tree.map(np.asarray, p.init(batch, vocab))
+    for leaf in jax.tree.leaves(state):
+      if leaf.ndim == 0 or leaf.shape[0] != batch:
+        raise ValueError(
+          f"{type(p).__name__}.init({batch}, {vocab}) must return arrays "
+          f"with a leading axis of {batch} rows, got shape {leaf.shape}"
+        )
+    info = StepInfo(
+      generated=jax.ShapeDtypeStruct((batch,), jnp.int32),
+      remaining=jax.ShapeDtypeStruct((), jnp.int32),
+      stop_ids=jax.ShapeDtypeStruct((n_stop,), jnp.int32),
+    )
+    logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state
+    )
+    name = type(p).__name__
+    p = p.for_loop()
+    try:
+      out = jax.eval_shape(
+        lambda p, s, x, i: p.apply(s, x, i), p, abstract, logits, info
+      )
+      new = jax.eval_shape(
+        lambda p, s, t, i: p.update(s, t, i), p, abstract, tokens, info
+      )
+    except Exception as e:
+      raise ValueError(
+        f"logits processor {name} is not jittable: its apply/update must "
+        f"use jax.numpy on traced values only ({type(e).__name__}: {e})"
+      ) from e
+    if (out.shape, out.dtype) != (logits.shape, logits.dtype):
+      raise ValueError(
+        f"{name}.apply must return f32{list(logits.shape)} logits, got "
+        f"{out.dtype}{list(out.shape)}"
+      )
+    if jax.tree.structure(new) != jax.tree.structure(abstract) or any(
+      (a.shape, a.dtype) != (b.shape, b.dtype)
+      for a, b in zip(
+        jax.tree.leaves(new), jax.tree.leaves(abstract), strict=True
+      )
+    ):
+      raise ValueError(
+        f"{name}.update must return a state of the same structure, shapes "
+        f"and dtypes as init's"
+      )
+    states.append(state)
+  return tuple(p.for_loop() for p in processors), tuple(states)
