@@ -71,16 +71,19 @@ class ConstraintProcessor(LogitsProcessor):
     allowed = unpacked.reshape(words.shape[0], -1)[:, :vocab] > 0
     return allowed | (g == 0)[:, None]
 
+  def _row(self, g: jax.Array, s: jax.Array) -> jax.Array:
+    """Where state s of grammar g starts in the flat next-state table."""
+    return self.class_offset[g] + s * self.classes[g]
+
   def next_states(self, g: jax.Array, s: jax.Array) -> jax.Array:
     """int32[rows, V]: each token's next state (-1: rejected)."""
-    base = self.class_offset[g] + s * self.classes[g]
-    return self.next_state[base[:, None] + self.token_class[g]]
+    return self.next_state[self._row(g, s)[:, None] + self.token_class[g]]
 
   def apply(self, state, logits, info):
     g, s = state
     allowed = self.allowed(g, s, logits.shape[-1])
     if self.force:
-      is_stop = jnp.zeros(logits.shape[-1], bool).at[info.stop_ids].set(True)
+      is_stop = info.stop_mask(logits.shape[-1])
 
       def closing(allowed):
         nxt = self.next_states(g, s)
@@ -98,8 +101,7 @@ class ConstraintProcessor(LogitsProcessor):
 
   def update(self, state, tokens, info):
     g, s = state
-    base = self.class_offset[g] + s * self.classes[g]
-    nxt = self.next_state[base + self.token_class[g, tokens]]
+    nxt = self.next_state[self._row(g, s) + self.token_class[g, tokens]]
     return (g, jnp.where(nxt >= 0, nxt, s))
 
 

@@ -107,7 +107,9 @@ def vocab_of(
   return Vocab(entries=entries, key=digest.hexdigest())
 
 
-_vocab_cache: dict[tuple, Vocab] = {}
+_vocab_cache: dict[
+  tuple, tuple[object, Vocab]
+] = {}  # key -> (vocabulary, Vocab)
 
 
 def cached_vocab(vocabulary, stop_ids: Sequence[int], width: int) -> Vocab:
@@ -270,22 +272,22 @@ def _tables(regex, transitions, initial, finals, stops, width) -> Tables:
   raw = [initial, *raw]
   number = {s: i for i, s in enumerate(raw)}
   n = len(raw)
-  src, tok, dst = [], [], []
+  empty = np.zeros(0, np.int64)
+  src, tok, dst = [empty], [empty], [empty]
   for s, row in transitions.items():
-    ids = np.fromiter(row.keys(), np.int64, len(row))
-    nxt = np.fromiter((number[t] for t in row.values()), np.int64, len(row))
-    keep = ids < width
-    src.append(np.full(int(keep.sum()), number[s], np.int64))
-    tok.append(ids[keep])
-    dst.append(nxt[keep])
+    tok.append(np.fromiter(row.keys(), np.int64, len(row)))
+    dst.append(
+      np.fromiter((number[t] for t in row.values()), np.int64, len(row))
+    )
+    src.append(np.full(len(row), number[s], np.int64))
+  src, tok, dst = (np.concatenate(a) for a in (src, tok, dst))
+  # outlines' one EOS loop goes with every other stop id (none is text here)
+  # and ids past the logits width; each stop id then loops on every final
+  # state.
+  keep = (tok < width) & ~np.isin(tok, stops)
+  src, tok, dst = src[keep], tok[keep], dst[keep]
   final = np.zeros(n, bool)
   final[[number[s] for s in finals]] = True
-  # outlines' one EOS loop is dropped above with the other stop ids (they
-  # are not in its vocabulary); every stop id loops on every final state.
-  is_stop = np.isin(np.concatenate(tok or [np.zeros(0, np.int64)]), stops)
-  src = np.concatenate(src or [np.zeros(0, np.int64)])[~is_stop]
-  dst = np.concatenate(dst or [np.zeros(0, np.int64)])[~is_stop]
-  tok = np.concatenate(tok or [np.zeros(0, np.int64)])[~is_stop]
   f = np.flatnonzero(final)
   stop_arr = np.asarray(stops, np.int64)
   stop_arr = stop_arr[stop_arr < width]

@@ -29,7 +29,7 @@ from chunkwise.inference.kv_cache import repeat_each
 from chunkwise.inference.results import score_tokens
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 from chunkwise.models import shard_ops as ops
-from chunkwise.processors import StepInfo, rows_of
+from chunkwise.processors import StepInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ class LogitsShards:
       local = info.replace(generated=mine(info.generated))
       for processor, state in zip(processors, states, strict=True):
         drawn_from = processor.apply(
-          rows_of(state, first, count), drawn_from, local
+          jax.tree.map(mine, state), drawn_from, local
         )
       drawn_from = jnp.where((mine(positions) > 0)[:, None], drawn_from, whole)
     # Scores and top-n stay those of the raw logits (DESIGN.md §4.1).

@@ -11,7 +11,6 @@ from chunkwise.processors.base import (
   StepInfo,
   check,
   keep_rows,
-  rows_of,
 )
 from chunkwise.processors.builtin import (
   LogitBias,
@@ -41,5 +40,4 @@ __all__ = [
   "logit_bias",
   "min_tokens",
   "penalties",
-  "rows_of",
 ]

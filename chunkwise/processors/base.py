@@ -55,6 +55,10 @@ class StepInfo:
   remaining: jax.Array
   stop_ids: jax.Array
 
+  def stop_mask(self, vocab: int) -> jax.Array:
+    """bool[vocab]: True at the stop ids."""
+    return jnp.zeros(vocab, bool).at[self.stop_ids].set(True)
+
 
 class LogitsProcessor(struct.PyTreeNode):
   """Base class of logits processors (see the module docstring)."""
@@ -83,13 +87,6 @@ class LogitsProcessor(struct.PyTreeNode):
     """The state after every row drew `tokens` (int32[batch])."""
     del tokens, info
     return state
-
-
-def rows_of(state: Any, first: jax.Array, count: int) -> Any:
-  """Rows [first, first + count) of every leaf of a per-row state."""
-  return jax.tree.map(
-    lambda x: jax.lax.dynamic_slice_in_dim(x, first, count), state
-  )
 
 
 def keep_rows(keep: jax.Array, new: Any, old: Any) -> Any:

@@ -81,7 +81,7 @@ class TokenAllow(LogitsProcessor):
   def apply(self, state, logits, info):
     allowed = jnp.zeros(logits.shape[-1], bool).at[self.ids].set(True)
     if self.stops:
-      allowed = allowed.at[info.stop_ids].set(True)
+      allowed |= info.stop_mask(logits.shape[-1])
     return jnp.where(allowed[None, :], logits, -jnp.inf)
 
 
@@ -174,8 +174,8 @@ class MinTokens(LogitsProcessor):
   def apply(self, state, logits, info):
     (count,) = state
     early = (info.generated < count)[:, None]
-    is_stop = jnp.zeros(logits.shape[-1], bool).at[info.stop_ids].set(True)
-    return jnp.where(early & is_stop[None, :], -jnp.inf, logits)
+    is_stop = info.stop_mask(logits.shape[-1])[None, :]
+    return jnp.where(early & is_stop, -jnp.inf, logits)
 
 
 def ban_tokens(ids: Sequence[int]) -> TokenBan:
