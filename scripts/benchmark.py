@@ -245,7 +245,11 @@ def run(argv: Sequence[str]) -> None:
       reference.threads()
     except ValueError as e:
       raise app.UsageError(f"--compare_hf: {e}") from None
-  named = _one_of("constraints", _CONSTRAINTS.value, tuple(CONSTRAINTS))
+  named = (
+    _one_of("constraints", _CONSTRAINTS.value, tuple(CONSTRAINTS))
+    if _CONSTRAINTS.value
+    else []
+  )
   table_rows = [_build(name, described) for name in named]
   if shape is None and layout.kind.value != "reference":
     shape = (1, 1, jax.device_count())

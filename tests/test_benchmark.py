@@ -115,6 +115,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--bandwidth_mib=8",
     "--matmul_size=128",
     "--profile_batches=3",
+    "--constraints=choice",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -164,6 +165,19 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert "profile: chunkwise int8 decode, batch 3" in result.stdout
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "ratio (tokens/s, ours / reference)" in result.stdout
+  # --constraints: the table's size and build time, and constrained decode
+  # at every decode batch of each chunkwise configuration.
+  (table,) = data["constraint_tables"]
+  assert table["constraint"] == "choice" and table["states"] > 1
+  assert table["table_bytes"] > 0 and table["build_s"] > 0
+  for c in data["configs"][::3]:
+    rows = c["constrained_decode"]
+    assert [(r["constraint"], r["batch"]) for r in rows] == [
+      ("choice", 1),
+      ("choice", 3),
+    ]
+    assert all(1 <= r["steps"] <= 5 and r["seconds"] > 0 for r in rows)
+  assert "constrained decode (ms/step, against free decode):" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -171,6 +185,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   [
     ("--decode_batches=1,0", "--decode_batches: '0' is not a positive"),
     ("--weights=float16", "--weights=float16: expected a list of"),
+    ("--constraints=yaml", "--constraints=yaml: expected a list of"),
     ("--prefill_lengths=9999", "9999 tokens"),
     ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
     ("--model=random:nope", "unknown preset 'nope'"),
