@@ -294,10 +294,14 @@ def test_smollm2_mesh_identical_to_one_device(smol):
     budget_forcing=True,
   )
   want, _ = smol.generate([smol.prefill(prompt)], **kwargs)
-  mesh_model = cw.load(
-    "smollm2-135m",
+  mesh_model = cw.InferenceModel(
+    smol.hparams,
+    smol.weights,
+    smol.vocab,
     mesh=make_mesh((1, 1, 3), jax.devices()[:3]),
     layout=LAYOUT_SMOL,
+    bos_id=smol.bos_id,
+    eos_id=smol.eos_id,
   )
   got, _ = mesh_model.generate([mesh_model.prefill(prompt)], **kwargs)
   np.testing.assert_array_equal(got.tokens, want.tokens)
