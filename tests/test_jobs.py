@@ -540,8 +540,15 @@ def test_two_processes_match_one(tmp_path, name):
     else ["--num_samples=2", "--steps=12", "--temperature=0.9", "--stream"]
   )
   one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+  # One process with all 8 devices, compiled with the same XLA flags as
+  # the two workers (bit-identical output needs identical code).
   env = _worker_env()
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = " ".join(
+    [
+      env.get("XLA_FLAGS", ""),
+      "--xla_force_host_platform_device_count=8",
+    ]
+  ).strip()
   job = _job(name, [*args, f"--output={one}"], env=env)
   log = job.communicate(timeout=300)[0].decode()
   assert job.returncode == 0, log[-4000:]
