@@ -152,7 +152,13 @@ def chat(model: cw.InferenceModel) -> None:
   vocab = model.vocab
   if not _CHAT.value or getattr(vocab, "chat_template", None) is None:
     return
-  prompt = vocab.apply_chat_template([{"role": "user", "content": _CHAT.value}])
+  try:
+    prompt = vocab.apply_chat_template(
+      [{"role": "user", "content": _CHAT.value}]
+    )
+  except ValueError as e:  # the model file's template failed or was refused
+    print(f"\n== 3. Chat skipped: {e}")
+    return
   # The template starts with the BOS (<|im_start|>) itself.
   chunk = cw.Chunk.from_lists([vocab.encode(prompt)])
   print(f"\n== 3. Chat (greedy, streamed)\nuser: {_CHAT.value}\nassistant: ")

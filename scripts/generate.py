@@ -166,8 +166,10 @@ def constraint(described, stops: list[int]):
   try:
     if name == "regex":
       c = constraints.Regex(value)
+    elif name == "json_schema" and value.startswith("@"):
+      c = constraints.JsonSchema.from_file(value[1:])
     elif name == "json_schema":
-      c = constraints.JsonSchema(cli.text_or_file(name, value))
+      c = constraints.JsonSchema(value)
     else:
       c = constraints.Choice(value)
     eos = [] if described.eos_id is None else [described.eos_id]
@@ -176,7 +178,7 @@ def constraint(described, stops: list[int]):
       stop_ids=sorted(set(stops + eos)),
       width=described.hparams.vocab,
     )
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(f"--{name}: {e}") from None
   return c
 

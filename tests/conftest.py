@@ -24,6 +24,15 @@ import chunkwise as cw
 _EMPTY_MODULES: list[str] = []
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--long",
+    action="store_true",
+    help="run the long variants (tests/test_hostile_inputs.py: thousands "
+    "of fuzz cases per format)",
+  )
+
+
 def pytest_collectreport(report):
   """Remembers test modules that define no tests (a silent no-op file)."""
   if (

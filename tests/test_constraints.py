@@ -3,7 +3,9 @@ loop (alone, mixed with free rows, on a mesh), budget forcing and errors."""
 
 import functools
 import json
+import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -306,3 +308,70 @@ def test_smollm2_mesh_identical_to_one_device(smol):
   got, _ = mesh_model.generate([mesh_model.prefill(prompt)], **kwargs)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.lengths, want.lengths)
+
+
+# -- compile limits (the compiler runs in a worker process) -----------------
+
+
+def _rss_mb() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+# 2^18 DFA states over bytes: many seconds and GBs to compile.
+RUNAWAY = "[ab]*a[ab]{18}"
+
+
+def test_runaway_compile_is_stopped_at_its_time_limit():
+  from chunkwise.constraints import worker
+
+  vocab = cw.ByteVocabulary()
+  C.Regex("[ab]").compile(vocab, stop_ids=[2], width=320)  # worker is up
+  pid = worker.pid()
+  before = _rss_mb()
+  start = time.monotonic()
+  with pytest.raises(ValueError, match=r"took over 2 s \(time_limit_s\)"):
+    C.Regex(RUNAWAY, time_limit_s=2, max_compile_mb=1e6).compile(
+      vocab, stop_ids=[2], width=320
+    )
+  assert time.monotonic() - start < 4
+  assert not _alive(pid) and worker.pid() is None  # killed and reaped
+  time.sleep(1)
+  assert _rss_mb() - before < 50  # nothing keeps growing here
+  t = C.Regex("[ab]{2}").compile(vocab, stop_ids=[2], width=320)
+  assert t.states == 3  # a fresh worker serves the next request
+
+
+def test_compile_memory_cap_holds():
+  with pytest.raises(ValueError, match=r"more than 150 MB \(max_compile_mb\)"):
+    C.Regex(RUNAWAY, time_limit_s=60, max_compile_mb=150).compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )
+
+
+def test_schema_errors_name_its_file(tmp_path):
+  path = tmp_path / "person.json"
+  deep = {"type": "string"}
+  for _ in range(70):
+    deep = {"type": "array", "items": deep}
+  path.write_text(json.dumps(deep))
+  with pytest.raises(ValueError, match=f"{path}: .*nest more than 64"):
+    C.JsonSchema.from_file(path)
+  path.write_text('{"type": "object", "properties": ' + "[" * 10**5)
+  with pytest.raises(ValueError, match=f"{path}: JSON nested too deeply"):
+    C.JsonSchema.from_file(path)
+  path.write_text(json.dumps({"type": "string", "maxLength": 10**6}))
+  with pytest.raises(ValueError, match=f"JSON schema from {path} .*took over"):
+    C.JsonSchema.from_file(path, time_limit_s=1).compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )
+  with pytest.raises(FileNotFoundError):
+    C.JsonSchema.from_file(tmp_path / "missing.json")

@@ -102,6 +102,64 @@ def test_invalid_utf8_and_length_limits(tmp_path):
   assert len(found.bad) == 2
 
 
+def test_hostile_lines_are_bad_lines(tmp_path):
+  deep = "[" * 40 + "]" * 40
+  lines = [
+    '{"id": 1, "text": "ok"}',
+    '{"id": 2, "text": "' + "x" * 5000 + '"}',
+    '{"id": 3, "text": "a", "meta": ' + deep + "}",
+    '{"id": 4, "text": "a\\ud800"}',
+    '{"id": "\\udfff", "text": "a"}',
+    '{"id": "../../escape", "text": "b"}',
+  ]
+  path = _write(tmp_path / "in.jsonl", lines)
+  found = examples.read(
+    path, kind=examples.SCORE, skip_bad=True, max_line_bytes=1000
+  )
+  assert [e.id for e in found.items] == [1, "../../escape"]
+  assert found.messages == [
+    f"{path}:2: line longer than --max_line_bytes=1000 bytes",
+    f"{path}:3: JSON nested deeper than --max_json_depth=32",
+    f"{path}:4: field 'text' holds an unpaired surrogate '\\ud800' at "
+    "character 1",
+    f"{path}:5: id holds an unpaired surrogate '\\udfff' at character 0",
+  ]
+  # Nesting past Python's recursion limit, on a line within the limit.
+  path = _write(tmp_path / "deep.jsonl", ["[" * 10**5 + "]" * 10**5])
+  with pytest.raises(examples.InputError, match=":1: JSON nested deeper"):
+    examples.read(path, kind=examples.SCORE)
+
+
+def test_ids_are_data_never_file_names(tmp_path, capsys):
+  work = tmp_path / "a" / "b"
+  work.mkdir(parents=True)
+  lines = [
+    json.dumps({"id": "../../escape", "text": "x y"}),
+    json.dumps({"id": "/tmp/abs", "text": "z"}),
+    json.dumps({"id": 3, "text": "w" * 300}),
+  ]
+  path = _write(work / "in.jsonl", lines)
+  out = work / "out.jsonl"
+  code, summary, _ = _main(
+    "score",
+    [
+      f"--input={path}",
+      f"--output={out}",
+      "--max_line_bytes=100",
+      "--skip_bad_lines",
+    ],
+    capsys,
+  )
+  assert code == 0 and summary["skipped_bad_lines"] == 1
+  assert [r["id"] for r in _records(out)] == ["../../escape", "/tmp/abs"]
+  assert sorted(p.name for p in work.iterdir()) == [
+    "in.jsonl",
+    "out.jsonl",
+    "out.jsonl.job.json",
+  ]
+  assert not (tmp_path / "escape").exists()
+
+
 # -- batching ----------------------------------------------------------------
 
 

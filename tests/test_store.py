@@ -266,7 +266,11 @@ def test_arrays_of_another_model_are_refused(saved, tmp_path):
   other_path = cw.save(other, tmp_path / "other")
   shutil.rmtree(path / store.ARRAYS)
   shutil.copytree(pathlib.Path(other_path) / store.ARRAYS, path / store.ARRAYS)
-  _edit_meta(path, lambda m: m.update(files=store._file_sizes(str(path))))
+  # An attacker who rewrites the manifest and its checksums: the shapes
+  # recorded in the arrays themselves still give the swap away.
+  sizes = store._file_sizes(str(path))
+  sums = {rel: store._crc32(str(path / rel)) for rel in sizes}
+  _edit_meta(path, lambda m: m.update(files=sizes, checksums=sums))
   with pytest.raises(
     ValueError, match=r"array embedding has shape|array layers\.\w+ has shape"
   ):

@@ -15,6 +15,7 @@ from transformers.integrations.gguf import gguf_tokenizer_mapping
 
 import chunkwise as cw
 from chunkwise.checkpoints import gguf as cw_gguf
+from chunkwise.checkpoints import gguf_file
 from chunkwise.checkpoints import tokenizer as cw_tokenizer
 
 STRINGS = [
@@ -91,7 +92,7 @@ def test_sentencepiece_gguf_vocab_matches_sentencepiece(
   sp = sentencepiece_model
   path = tmp_path / "spm.gguf"
   _write_spm_gguf(sp, path)
-  meta = cw_gguf.metadata(gguf.GGUFReader(str(path)))
+  meta = gguf_file.open_file(path).metadata
   vocab = cw_gguf.vocab_from_metadata(meta, str(path))
   assert (vocab.bos_id, vocab.eos_id, vocab.unk_id) == (1, 2, 0)
   assert vocab.vocab_size == sp.GetPieceSize()

@@ -1,8 +1,18 @@
-"""Real checkpoints: GGUF and Hugging Face import, tokenizers, `load`, and
-chunkwise's own Orbax checkpoints of models and results (`save`,
-`load_result`)."""
+"""Real checkpoints: GGUF and Hugging Face import, tokenizers, sandboxed
+chat templates, `load`, and chunkwise's own Orbax checkpoints of models and
+results (`save`, `load_result`). Every file read here is untrusted (see
+`chunkwise.untrusted` and the README's Security section)."""
 
-from chunkwise.checkpoints import gguf, hf, llama, safetensors, store
+from chunkwise.checkpoints import (
+  chat_template,
+  gguf,
+  gguf_file,
+  hf,
+  llama,
+  safetensors,
+  store,
+)
+from chunkwise.checkpoints.chat_template import ChatTemplate, ChatTemplateError
 from chunkwise.checkpoints.llama import Imported
 from chunkwise.checkpoints.load import (
   EMBEDDED,
@@ -19,13 +29,17 @@ from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 __all__ = [
   "EMBEDDED",
   "RANDOM",
+  "ChatTemplate",
+  "ChatTemplateError",
   "Description",
   "Imported",
   "TokenizerVocabulary",
+  "chat_template",
   "describe",
   "describe_random",
   "embedded_path",
   "gguf",
+  "gguf_file",
   "hf",
   "llama",
   "load",

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from chunkwise.checkpoints import llama
+from chunkwise import untrusted
+from chunkwise.checkpoints import gguf_file, llama
 from chunkwise.checkpoints.tokenizer import (
   TokenizerVocabulary,
   byte_level_bpe,
@@ -33,6 +34,8 @@ from chunkwise.checkpoints.tokenizer import (
 from chunkwise.configs import Block, HParams
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# Largest size (width, depth, length) a file may declare.
+MAX_SIZE = 1 << 40
 
 _GLOBAL_NAMES = {
   "token_embd.weight": "embed_tokens.weight",
@@ -84,16 +87,27 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
   )
 
 
-def metadata(reader) -> dict[str, Any]:
-  """Every key/value field of a `gguf.GGUFReader`, as Python values."""
-  return {name: field.contents() for name, field in reader.fields.items()}
+def _int(meta: Mapping[str, Any], key: str, source: str, default=None) -> int:
+  value = meta.get(key, default)
+  if value is None:
+    raise ValueError(f"{source}: metadata {key} is missing")
+  if isinstance(value, list):
+    raise ValueError(
+      f"{source}: {key} varies by layer ({value[:4]}...); not supported"
+    )
+  return untrusted.check_int(value, key, source=source, lo=1, hi=MAX_SIZE)
+
+
+def _float(meta: Mapping[str, Any], key: str, source: str, default) -> float:
+  return untrusted.check_float(meta.get(key, default), key, source=source)
 
 
 def hparams_from_metadata(
   meta: Mapping[str, Any], vocab: int, tied: bool, source: str
 ) -> HParams:
   """`HParams` of a `llama`-architecture file; rejects what chunkwise would
-  compute differently (RoPE scaling, partial rotary embeddings)."""
+  compute differently (RoPE scaling, partial rotary embeddings) and sizes
+  that are not positive integers."""
   arch = meta.get("general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(
@@ -101,161 +115,190 @@ def hparams_from_metadata(
       f"one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
-  def key(name: str, default: Any = None) -> Any:
-    value = meta.get(f"{arch}.{name}", default)
-    if value is None:
-      raise ValueError(f"{source}: metadata {arch}.{name} is missing")
-    if isinstance(value, list):
-      raise ValueError(
-        f"{source}: {arch}.{name} varies by layer ({value[:4]}...); not "
-        "supported"
-      )
-    return value
+  def key(name: str, default: Any = None) -> int:
+    return _int(meta, f"{arch}.{name}", source, default)
 
   scaling = meta.get(f"{arch}.rope.scaling.type", "none")
   if scaling not in (None, "none"):
     raise ValueError(
       f"{source}: RoPE scaling {scaling!r} is not supported (only plain RoPE)"
     )
-  d_model = int(key("embedding_length"))
-  heads = int(key("attention.head_count"))
-  head_dim = int(key("attention.key_length", d_model // heads))
-  rotary = int(key("rope.dimension_count", head_dim))
+  d_model = key("embedding_length")
+  heads = key("attention.head_count")
+  head_dim = key("attention.key_length", max(d_model // heads, 1))
+  rotary = key("rope.dimension_count", head_dim)
   if rotary != head_dim:
     raise ValueError(
       f"{source}: rope.dimension_count={rotary} differs from head_dim="
       f"{head_dim}; partial rotary embeddings are not supported"
     )
-  return HParams(
-    layers=int(key("block_count")),
-    d_model=d_model,
-    heads=heads,
-    kv_heads=int(key("attention.head_count_kv", heads)),
-    head_dim=head_dim,
-    d_ff=int(key("feed_forward_length")),
-    vocab=vocab,
-    max_len=int(key("context_length")),
-    block=Block.SEQUENTIAL,
-    norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-    rope_base=float(key("rope.freq_base", 10_000.0)),
-    tied_embeddings=tied,
-  )
+  with untrusted.named(source):
+    return HParams(
+      layers=key("block_count"),
+      d_model=d_model,
+      heads=heads,
+      kv_heads=key("attention.head_count_kv", heads),
+      head_dim=head_dim,
+      d_ff=key("feed_forward_length"),
+      vocab=vocab,
+      max_len=key("context_length"),
+      block=Block.SEQUENTIAL,
+      norm_eps=_float(
+        meta, f"{arch}.attention.layer_norm_rms_epsilon", source, None
+      ),
+      rope_base=_float(meta, f"{arch}.rope.freq_base", source, 10_000.0),
+      tied_embeddings=tied,
+    )
+
+
+def _list(
+  meta: Mapping[str, Any], key: str, kind: type, source: str, n=None
+) -> list:
+  """`meta[key]`, checked to be a list of `kind` (of length `n`)."""
+  value = meta.get(key)
+  if not isinstance(value, list) or not all(
+    isinstance(v, kind) and not isinstance(v, bool) for v in value
+  ):
+    raise ValueError(
+      f"{source}: metadata {key} is not a list of {kind.__name__}"
+    )
+  if n is not None and len(value) != n:
+    raise ValueError(
+      f"{source}: metadata {key} has {len(value)} entries, expected one per "
+      f"token ({n})"
+    )
+  return value
+
+
+def _optional_id(meta: Mapping[str, Any], key: str, source: str):
+  value = meta.get(key)
+  if value is None:
+    return None
+  return untrusted.check_int(value, key, source=source, hi=MAX_SIZE)
 
 
 def vocab_from_metadata(
   meta: Mapping[str, Any], source: str
 ) -> TokenizerVocabulary | None:
-  """The tokenizer the `tokenizer.ggml.*` fields describe (None if none)."""
+  """The tokenizer the `tokenizer.ggml.*` fields describe (None if none);
+  every field's type and length is checked first."""
   kind = meta.get("tokenizer.ggml.model")
   if kind is None or kind == "none":
     logging.warning("%s has no tokenizer: the model has no vocab", source)
     return None
-  tokens = meta["tokenizer.ggml.tokens"]
-  types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-  unk = meta.get("tokenizer.ggml.unknown_token_id")
-  if kind == "gpt2":
-    pre = meta.get("tokenizer.ggml.pre")
-    if pre is None:
-      logging.warning("%s names no pre-tokenizer; using GPT-2's", source)
-      pre = "gpt2"
-    tokenizer = byte_level_bpe(
-      tokens, meta.get("tokenizer.ggml.merges", []), types, pre
-    )
-  elif kind == "llama":
-    tokenizer = sentencepiece_bpe(
-      tokens,
-      meta["tokenizer.ggml.scores"],
-      types,
-      unk_id=unk,
-      add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True),
-    )
+  tokens = _list(meta, "tokenizer.ggml.tokens", str, source)
+  if "tokenizer.ggml.token_type" in meta:
+    types = _list(meta, "tokenizer.ggml.token_type", int, source, len(tokens))
   else:
+    types = [1] * len(tokens)
+  unk = _optional_id(meta, "tokenizer.ggml.unknown_token_id", source)
+  if unk is not None and unk >= len(tokens):
     raise ValueError(
-      f"{source}: tokenizer.ggml.model={kind!r} is not supported; expected "
-      "'gpt2' (byte-level BPE) or 'llama' (SentencePiece BPE)"
+      f"{source}: tokenizer.ggml.unknown_token_id={unk} is outside the "
+      f"{len(tokens)} tokens"
     )
-  return TokenizerVocabulary(
-    tokenizer,
-    bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-    eos_id=meta.get("tokenizer.ggml.eos_token_id"),
-    pad_id=meta.get("tokenizer.ggml.padding_token_id"),
-    unk_id=unk,
-    chat_template=meta.get("tokenizer.chat_template"),
-  )
-
-
-def dequantize(tensor) -> np.ndarray:
-  """A `gguf.ReaderTensor` as float32 in NumPy order ([out, in])."""
-  from gguf import quants
-
+  template = meta.get("tokenizer.chat_template")
+  if template is not None and not isinstance(template, str):
+    raise ValueError(f"{source}: tokenizer.chat_template is not a string")
   try:
-    return np.asarray(
-      quants.dequantize(tensor.data, tensor.tensor_type), np.float32
+    if kind == "gpt2":
+      pre = meta.get("tokenizer.ggml.pre")
+      if pre is None:
+        logging.warning("%s names no pre-tokenizer; using GPT-2's", source)
+        pre = "gpt2"
+      merges = (
+        _list(meta, "tokenizer.ggml.merges", str, source)
+        if "tokenizer.ggml.merges" in meta
+        else []
+      )
+      tokenizer = byte_level_bpe(tokens, merges, types, pre)
+    elif kind == "llama":
+      tokenizer = sentencepiece_bpe(
+        tokens,
+        _list(meta, "tokenizer.ggml.scores", float, source, len(tokens)),
+        types,
+        unk_id=unk,
+        add_space_prefix=bool(
+          meta.get("tokenizer.ggml.add_space_prefix", True)
+        ),
+      )
+    else:
+      raise ValueError(
+        f"tokenizer.ggml.model={kind!r} is not supported; expected "
+        "'gpt2' (byte-level BPE) or 'llama' (SentencePiece BPE)"
+      )
+    return TokenizerVocabulary(
+      tokenizer,
+      bos_id=_optional_id(meta, "tokenizer.ggml.bos_token_id", source),
+      eos_id=_optional_id(meta, "tokenizer.ggml.eos_token_id", source),
+      pad_id=_optional_id(meta, "tokenizer.ggml.padding_token_id", source),
+      unk_id=unk,
+      chat_template=template,
+      chat_template_source=f"{source}: tokenizer.chat_template",
     )
-  except NotImplementedError:
+  except ValueError as e:
+    if source in str(e):
+      raise
+    raise ValueError(f"{source}: {e}") from None
+  except Exception as e:  # the tokenizers library raises plain Exception
     raise ValueError(
-      f"tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
-      "gguf package cannot dequantize"
+      f"{source}: the tokenizer metadata is invalid: {e}"
     ) from None
 
 
 def _open(path: str | os.PathLike):
-  """(metadata, tensors by HF name, HParams) of a GGUF file; reads no
-  tensor data."""
-  path = os.fspath(path)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"no GGUF file at {path}")
-  try:
-    import gguf
-  except ImportError as e:
-    raise ImportError(
-      "reading GGUF files needs the gguf package: pip install gguf "
-      "(or chunkwise[gguf])"
-    ) from e
-  try:
-    reader = gguf.GGUFReader(path)
-  except (ValueError, OSError) as e:
-    raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
-  meta = metadata(reader)
-  tensors = {hf_name(t.name): t for t in reader.tensors}
+  """(GGUF file, tensors by HF name, HParams); reads no tensor data."""
+  f = gguf_file.open_file(path)
+  path = f.path
+  tensors = {hf_name(name): info for name, info in f.tensors.items()}
   embedding = tensors.get("embed_tokens.weight")
   if embedding is None:
     raise ValueError(f"{path}: no token_embd.weight tensor")
+  if len(embedding.shape) != 2:
+    raise ValueError(
+      f"{path}: token_embd.weight has shape {embedding.shape}, expected "
+      "[vocab, d_model]"
+    )
   hparams = hparams_from_metadata(
-    meta,
-    vocab=int(embedding.shape[-1]),  # GGUF shapes are [in, out]
+    f.metadata,
+    vocab=embedding.shape[0],
     tied="lm_head.weight" not in tensors,
     source=path,
   )
-  return meta, tensors, hparams
+  return f, tensors, hparams
 
 
 def describe(path: str | os.PathLike) -> tuple[HParams, Any]:
   """(HParams, vocabulary) of a GGUF file, without reading its weights."""
-  meta, _, hparams = _open(path)
-  return hparams, vocab_from_metadata(meta, os.fspath(path))
+  f, _, hparams = _open(path)
+  return hparams, vocab_from_metadata(f.metadata, f.path)
 
 
 def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
   """Reads a `llama`-architecture GGUF file.
 
+  Every tensor's declared shape is checked against the HParams before any
+  is dequantized (see also `gguf_file`).
+
   Raises:
     FileNotFoundError: no such file.
     ImportError: the `gguf` package is missing (pip install gguf).
-    ValueError: not a GGUF file, an unsupported architecture, quantization
-      or tokenizer, or tensors that are missing or misshapen.
+    ValueError: not a GGUF file, a malformed one, an unsupported
+      architecture, quantization or tokenizer, or tensors that are
+      missing or misshapen.
   """
-  path = os.fspath(path)
-  meta, tensors, hparams = _open(path)
+  f, tensors, hparams = _open(path)
+  vocab = vocab_from_metadata(f.metadata, f.path)
+  llama.check_special_ids(hparams, vocab, f.path)
 
   def get(name: str) -> np.ndarray:
-    value = dequantize(tensors[name])
+    value = f.dequantize(tensors[name].name)
     heads = {"q_proj.weight": hparams.heads, "k_proj.weight": hparams.kv_heads}
     for suffix, n in heads.items():
-      # A misshapen tensor is left as it is for to_weights to report.
-      if name.endswith(suffix) and value.shape[0] == n * hparams.head_dim:
+      if name.endswith(suffix):
         return unpermute_rows(value, n)
     return value
 
-  weights = llama.to_weights(hparams, get, tensors, dtype=dtype, source=path)
-  return llama.Imported(hparams, weights, vocab_from_metadata(meta, path))
+  shapes = {name: info.shape for name, info in tensors.items()}
+  weights = llama.to_weights(hparams, get, shapes, dtype=dtype, source=f.path)
+  return llama.Imported(hparams, weights, vocab)

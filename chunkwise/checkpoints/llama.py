@@ -18,7 +18,7 @@ transposes to chunkwise's contraction-first layout and stacks the layers:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -62,15 +62,18 @@ def _layer_names(hparams: HParams, i: int) -> dict[str, tuple[int, ...]]:
   return names
 
 
-def expected_shapes(hparams: HParams) -> dict[str, tuple[int, ...]]:
-  """Every tensor name a checkpoint for `hparams` holds, with its shape."""
+def expected_shapes(
+  hparams: HParams, layers: int | None = None
+) -> dict[str, tuple[int, ...]]:
+  """Every tensor name a checkpoint for `hparams` holds, with its shape
+  (of the first `layers` layers only, if given)."""
   names = {
     "embed_tokens.weight": (hparams.vocab, hparams.d_model),
     "norm.weight": (hparams.d_model,),
   }
   if not hparams.tied_embeddings:
     names["lm_head.weight"] = (hparams.vocab, hparams.d_model)
-  for i in range(hparams.layers):
+  for i in range(hparams.layers if layers is None else layers):
     names.update(_layer_names(hparams, i))
   return names
 
@@ -80,12 +83,18 @@ def check_names(
 ) -> dict[str, tuple[int, ...]]:
   """Raises ValueError for missing tensors and for ones the model would
   silently drop (a bias or a norm this architecture has no place for).
-  Returns `expected_shapes(hparams)`."""
-  want = expected_shapes(hparams)
+  Returns `expected_shapes(hparams)`.
+
+  Only as many layers are listed as the tensors could fill, so a file
+  that declares absurdly many layers is refused without listing them."""
+  per_layer = len(_layer_names(hparams, 0))
+  listed = min(hparams.layers, len(available) // per_layer + 1)
+  want = expected_shapes(hparams, listed)
   missing = sorted(set(want) - set(available))
   if missing:
+    count = len(missing) + (hparams.layers - listed) * per_layer
     raise ValueError(
-      f"{source}: {len(missing)} tensor(s) missing, e.g. "
+      f"{source}: {count} tensor(s) missing, e.g. "
       f"{', '.join(missing[:5])} (for {hparams})"
     )
   extra = sorted(
@@ -102,6 +111,26 @@ def check_names(
   return want
 
 
+def check_special_ids(hparams: HParams, vocab, source: str) -> None:
+  """The tokenizer's BOS / EOS / pad ids must be rows of the embedding
+  (checked before any weight is read)."""
+  for name in ("bos_id", "eos_id", "pad_id"):
+    value = getattr(vocab, name, None)
+    if value is not None and not 0 <= value < hparams.vocab:
+      raise ValueError(
+        f"{source}: the tokenizer's {name}={value} is outside the model's "
+        f"{hparams.vocab} embedding rows"
+      )
+
+
+def _check_shape(name, shape, want, hparams, source) -> None:
+  if shape != want:
+    raise ValueError(
+      f"{source}: tensor {name} has shape {shape}, expected {want} for "
+      f"{hparams}"
+    )
+
+
 def to_weights(
   hparams: HParams,
   get: Callable[[str], np.ndarray],
@@ -115,20 +144,22 @@ def to_weights(
   Args:
     hparams: the model's shapes (already read from the checkpoint).
     get: returns a tensor by name (may dequantize on the fly).
-    available: every tensor name the checkpoint holds.
+    available: every tensor name the checkpoint holds; a mapping of
+      names to their declared shapes has every shape checked before any
+      tensor is fetched (nothing is read or allocated for a checkpoint
+      whose shapes do not fit).
     dtype: the weights' dtype.
     source: names the checkpoint in error messages.
   """
   shapes = check_names(hparams, available, source)
+  if isinstance(available, Mapping):
+    for name, shape in shapes.items():
+      _check_shape(name, tuple(available[name]), shape, hparams, source)
   target = np.dtype(jnp.dtype(dtype))
 
   def fetch(name: str) -> np.ndarray:
     value = np.asarray(get(name))
-    if value.shape != shapes[name]:
-      raise ValueError(
-        f"{source}: tensor {name} has shape {value.shape}, expected "
-        f"{shapes[name]} for {hparams}"
-      )
+    _check_shape(name, value.shape, shapes[name], hparams, source)
     return value
 
   def put(value: np.ndarray) -> jnp.ndarray:

@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 import shutil
+import zlib
 from typing import Any
 
 import jax
@@ -43,6 +45,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.sharding import SingleDeviceSharding
 
+from chunkwise import untrusted
 from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 from chunkwise.configs import HParams
 from chunkwise.inference import (
@@ -63,6 +66,11 @@ TOKENIZER = "tokenizer.json"
 FORMAT = "chunkwise-checkpoint"
 VERSION = 1
 QUANTIZATIONS = (None, *quantized.SCHEMES)
+# Array dtypes a checkpoint may hold.
+_DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
+# Restored arrays may take this many times the bytes of their files.
+MAX_EXPANSION = 256
+EXPANSION_FLOOR = 64 << 20  # bytes always allowed
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -142,6 +150,15 @@ def _describe(flat: dict[str, Any]) -> dict:
   }
 
 
+def _crc32(path: str) -> int:
+  """CRC-32 of a file, read in 16 MiB pieces."""
+  crc = 0
+  with open(path, "rb") as f:
+    while piece := f.read(16 << 20):
+      crc = zlib.crc32(piece, crc)
+  return crc
+
+
 def _file_sizes(root: str) -> dict[str, int]:
   """Every file under `root` but the description itself, with its size."""
   out = {}
@@ -201,7 +218,8 @@ def _write(
         "version": VERSION,
         **meta,
         "arrays": _describe(flat),
-        "files": _file_sizes(partial),
+        "files": (sizes := _file_sizes(partial)),
+        "checksums": {rel: _crc32(os.path.join(partial, rel)) for rel in sizes},
       }
       # Written last: a directory without it is not a checkpoint.
       with open(os.path.join(partial, META), "w") as f:
@@ -266,9 +284,13 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
 # -- loading --------------------------------------------------------------
 
 
-def read_meta(directory: str | os.PathLike, kind: str) -> dict:
+def read_meta(
+  directory: str | os.PathLike, kind: str, *, verify: bool = True
+) -> dict:
   """The checkpoint's description, once every file it lists is present
-  with its recorded size.
+  with its recorded size and (with `verify`) its CRC-32, and no other file
+  sits among the arrays: Orbax never parses a byte chunkwise did not
+  write (accidental corruption and naive tampering end here).
 
   Raises:
     FileNotFoundError: no such directory.
@@ -284,12 +306,8 @@ def read_meta(directory: str | os.PathLike, kind: str) -> dict:
       f"{directory} is not a chunkwise checkpoint: it has no {META} (a save "
       "that did not finish leaves none)"
     )
-  try:
-    with open(path) as f:
-      meta = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"{path} is not valid JSON: {e}") from None
-  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+  meta = untrusted.read_json(path, what="checkpoint description")
+  if meta.get("format") != FORMAT:
     raise ValueError(f"{path} does not describe a {FORMAT}")
   if meta.get("version") != VERSION:
     raise ValueError(
@@ -300,6 +318,7 @@ def read_meta(directory: str | os.PathLike, kind: str) -> dict:
     raise ValueError(
       f"{directory} holds a saved {meta.get('kind')}, expected a {kind}"
     )
+  _check_description(path, meta)
   for rel, size in meta["files"].items():
     file = os.path.join(directory, rel)
     if not os.path.isfile(file):
@@ -313,16 +332,95 @@ def read_meta(directory: str | os.PathLike, kind: str) -> dict:
         f"checkpoint {directory} is corrupt: {rel} has {found} bytes, "
         f"expected {size} (truncated or overwritten)"
       )
+  if verify:
+    _verify_files(directory, meta)
   return meta
+
+
+def _verify_files(directory: str, meta: dict) -> None:
+  """No unlisted file among the arrays, and every file's CRC-32 as saved
+  (checkpoints saved before checksums were recorded are only warned
+  about)."""
+  listed = set(meta["files"])
+  found = _file_sizes(os.path.join(directory, ARRAYS))
+  extra = sorted(
+    os.path.join(ARRAYS, rel)
+    for rel in found
+    if os.path.join(ARRAYS, rel) not in listed
+  )
+  if extra:
+    raise ValueError(
+      f"checkpoint {directory} holds files it did not save: "
+      f"{', '.join(extra[:3])}"
+    )
+  sums = meta.get("checksums")
+  if sums is None:
+    logging.warning("%s was saved without checksums: not verified", directory)
+    return
+  if not isinstance(sums, dict) or set(sums) != listed:
+    raise ValueError(
+      f"{os.path.join(directory, META)}: 'checksums' does not list every file"
+    )
+  for rel, want in sums.items():
+    if _crc32(os.path.join(directory, rel)) != want:
+      raise ValueError(
+        f"checkpoint {directory} is corrupt: {rel} does not have its saved "
+        "CRC-32 (changed since it was saved)"
+      )
+
+
+def _check_description(path: str, meta: dict) -> None:
+  """The description's own fields: file sizes under relative paths inside
+  the checkpoint, array shapes and dtypes (ValueError naming the field)."""
+  files, arrays = meta.get("files"), meta.get("arrays")
+  if not isinstance(files, dict) or not isinstance(arrays, dict):
+    raise ValueError(f"{path}: 'files' and 'arrays' must be objects")
+  for rel, size in files.items():
+    parts = rel.replace("\\", "/").split("/")
+    if os.path.isabs(rel) or ".." in parts or rel in ("", META):
+      raise ValueError(
+        f"{path}: file {rel!r} is not a path inside the checkpoint"
+      )
+    untrusted.check_int(size, f"files[{rel!r}]", source=path)
+  for name, desc in arrays.items():
+    where = f"arrays[{name!r}]"
+    if not isinstance(desc, dict) or not isinstance(desc.get("shape"), list):
+      raise ValueError(f"{path}: {where} has no shape list")
+    for d in desc["shape"]:
+      untrusted.check_int(d, f"{where}.shape", source=path)
+    if desc.get("dtype") not in _DTYPES:
+      raise ValueError(
+        f"{path}: {where}.dtype={desc.get('dtype')!r} is not one of "
+        f"{', '.join(_DTYPES)}"
+      )
+
+
+def _check_bytes(directory: str, meta: dict, targets) -> None:
+  """Refuses to allocate far more than the checkpoint stores: restored
+  arrays may take at most `MAX_EXPANSION` times the bytes of the array
+  files (plus `EXPANSION_FLOOR`); real weights and caches compress by
+  under 2x, so more means a tampered description."""
+  stored = sum(
+    size for rel, size in meta["files"].items() if rel.startswith(ARRAYS)
+  )
+  need = sum(
+    math.prod(t.shape) * jnp.dtype(t.dtype).itemsize
+    for t in jax.tree.leaves(targets)
+  )
+  if need > EXPANSION_FLOOR + MAX_EXPANSION * stored:
+    raise ValueError(
+      f"checkpoint {directory} would restore {need} bytes of arrays from "
+      f"{stored} bytes of files (over {MAX_EXPANSION}x): its description "
+      "does not match its data (tampered or corrupt)"
+    )
 
 
 def _stored_shapes(directory: str) -> dict[str, tuple[int, ...]]:
   """Each array's shape as Orbax's own metadata records it."""
   path = os.path.join(directory, ARRAYS)
   try:
-    ckpt = ocp.StandardCheckpointer()
-    tree = ckpt.metadata(path).item_metadata.tree
-    ckpt.close()
+    with ocp.StandardCheckpointer() as ckpt:
+      tree = ckpt.metadata(path).item_metadata.tree
   except Exception as e:  # Orbax raises many kinds
     raise ValueError(
       f"checkpoint {directory}: cannot read the arrays' metadata: {e}"
@@ -363,9 +461,8 @@ def _restore(directory: str, targets):
   flat = _flatten(targets)
   stored = {n: t for n, t in flat.items() if np.prod(t.shape)}
   try:
-    ckpt = ocp.StandardCheckpointer()
-    restored = ckpt.restore(os.path.join(directory, ARRAYS), _nest(stored))
-    ckpt.close()
+    with ocp.StandardCheckpointer() as ckpt:
+      restored = ckpt.restore(os.path.join(directory, ARRAYS), _nest(stored))
   except Exception as e:  # Orbax raises many kinds
     raise ValueError(
       f"checkpoint {directory}: cannot read its arrays: {e}"
@@ -427,19 +524,30 @@ def _weight_shardings(h: HParams, mesh, layout, like):
 
 
 def _read_vocab(directory: str, desc: dict):
+  source = os.path.join(directory, META)
+  if not isinstance(desc, dict):
+    raise ValueError(f"{source}: 'vocabulary' is not an object")
   kind = desc.get("kind")
   if kind == "bytes":
     return ByteVocabulary()
   if kind == "tokenizer":
-    import tokenizers
-
-    path = os.path.join(directory, desc["file"])
-    return TokenizerVocabulary(
-      tokenizers.Tokenizer.from_file(path),
-      **{
-        k: desc[k]
-        for k in ("bos_id", "eos_id", "pad_id", "unk_id", "chat_template")
-      },
+    if desc.get("file") != TOKENIZER:
+      raise ValueError(
+        f"{source}: the vocabulary file is {desc.get('file')!r}, expected "
+        f"{TOKENIZER!r}"
+      )
+    ids = {k: desc.get(k) for k in ("bos_id", "eos_id", "pad_id", "unk_id")}
+    for k, v in ids.items():
+      if v is not None:
+        untrusted.check_int(v, f"vocabulary.{k}", source=source)
+    template = desc.get("chat_template")
+    if template is not None and not isinstance(template, str):
+      raise ValueError(f"{source}: vocabulary.chat_template is not a string")
+    return TokenizerVocabulary.from_file(
+      os.path.join(directory, TOKENIZER),
+      **ids,
+      chat_template=template,
+      chat_template_source=f"{source}: vocabulary.chat_template",
     )
   if kind == "external":
     logging.warning(
@@ -451,12 +559,20 @@ def _read_vocab(directory: str, desc: dict):
   return None
 
 
-def _model_meta(directory: str) -> tuple[dict, HParams]:
-  meta = read_meta(directory, "model")
+def _model_meta(directory: str, verify: bool = True) -> tuple[dict, HParams]:
+  meta = read_meta(directory, "model", verify=verify)
+  hparams = meta.get("hparams")
   try:
-    h = HParams(**meta["hparams"])
+    if not isinstance(hparams, dict):
+      raise TypeError(f"expected an object, got {hparams!r}")
+    h = HParams(**hparams)
   except (TypeError, ValueError) as e:
     raise ValueError(f"checkpoint {directory}: bad HParams: {e}") from None
+  for k in ("bos_id", "eos_id"):
+    if meta.get(k) is not None:
+      untrusted.check_int(
+        meta[k], k, source=os.path.join(directory, META), hi=h.vocab - 1
+      )
   return meta, h
 
 
@@ -464,9 +580,9 @@ def describe(directory: str | os.PathLike) -> tuple[HParams, Any, dict]:
   """(HParams, vocabulary, {"bos_id", "eos_id"}) of a saved model, without
   reading its arrays (their files are checked for presence and size)."""
   directory = os.path.abspath(os.fspath(directory))
-  meta, h = _model_meta(directory)
-  ids = {k: meta[k] for k in ("bos_id", "eos_id")}
-  return h, _read_vocab(directory, meta["vocabulary"]), ids
+  meta, h = _model_meta(directory, verify=False)
+  ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
+  return h, _read_vocab(directory, meta.get("vocabulary")), ids
 
 
 def load_model(
@@ -509,6 +625,11 @@ def load_model(
   }
   if dtype is None:
     dtype = saved.pop() if len(saved) == 1 else jnp.float32
+  if jnp.dtype(dtype).name not in ("float32", "bfloat16"):
+    raise ValueError(
+      f"checkpoint {directory}: weights of dtype {jnp.dtype(dtype).name}; "
+      "expected float32 or bfloat16"
+    )
   template = _template(h, names, jnp.dtype(dtype))
   _check_arrays(
     directory,
@@ -516,13 +637,14 @@ def load_model(
     {n: t.shape for n, t in _flatten(template).items()},
     f"its {_brief(h)}",
   )
+  _check_bytes(directory, meta, template)
+  if vocab is None:
+    vocab = _read_vocab(directory, meta.get("vocabulary"))
   shardings = _weight_shardings(h, mesh, phases[0], template)
   weights = _restore(directory, _with_shardings(template, shardings))
   if quantize == "int8":
     weights = _quantize_placed(h, mesh, phases[0], weights)
-  if vocab is None:
-    vocab = _read_vocab(directory, meta["vocabulary"])
-  ids = {k: meta[k] for k in ("bos_id", "eos_id")}
+  ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
   return InferenceModel(
     h, weights, vocab, mesh=mesh, layout=layout, **{**ids, **model_kwargs}
   )
@@ -550,7 +672,10 @@ def load_result(directory: str | os.PathLike, model: InferenceModel):
     raise ValueError(f"model must be an InferenceModel, got {model!r}")
   meta = read_meta(directory, "result")
   h = model.hparams
-  b, t, n = meta["batch"], meta["time"], meta["top_n"]
+  b, t, n = (
+    untrusted.check_int(meta.get(k), k, source=os.path.join(directory, META))
+    for k in ("batch", "time", "top_n")
+  )
   kv = (h.layers, b, t, h.kv_heads, h.head_dim)
   saved = {k: jnp.dtype(a["dtype"]) for k, a in meta["arrays"].items()}
   template = ChunkResult(
@@ -576,5 +701,6 @@ def load_result(directory: str | os.PathLike, model: InferenceModel):
         f"checkpoint {directory}: array {k} has dtype {saved.get(k)}, "
         f"expected {s.dtype.name}"
       )
+  _check_bytes(directory, meta, template)
   targets = _with_shardings(template, model.result_shardings(b))
   return _restore(directory, targets)

@@ -20,8 +20,15 @@ GGUF files describe their tokenizer by kind (`tokenizer.ggml.model`):
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from chunkwise import untrusted
+from chunkwise.checkpoints.chat_template import ChatTemplate
+
+# Largest tokenizer.json read (Gemma 3's is 33 MB).
+MAX_TOKENIZER_BYTES = 1 << 30
 
 # llama.cpp's GGUF token types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -97,7 +104,10 @@ class TokenizerVocabulary:
     bos_id, eos_id: BOS / EOS token ids; None when the model has none.
     pad_id: id used to pad chunks; default: `pad_id` else EOS else 0.
     unk_id: the unknown token's id, if any.
-    chat_template: the model's Jinja chat template, if it ships one.
+    chat_template: the model's Jinja chat template, if it ships one
+      (untrusted: rendered in a sandbox, see `chat_template.py`).
+    chat_template_source: where the template came from, for messages
+      (e.g. "model.gguf: tokenizer.chat_template").
 
   Encoding adds no special tokens (chunkwise adds BOS itself, see
   `Chunk.tokenize`); control tokens written in the text are matched whole.
@@ -114,6 +124,7 @@ class TokenizerVocabulary:
     pad_id: int | None = None,
     unk_id: int | None = None,
     chat_template: str | None = None,
+    chat_template_source: str = "the checkpoint",
   ):
     self._tokenizer = tokenizer
     self._size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -131,15 +142,41 @@ class TokenizerVocabulary:
     self._eos_id = eos_id
     self._pad_id = pad_id if pad_id is not None else (eos_id or 0)
     self._unk_id = unk_id
-    self._chat_template = chat_template
+    self._chat_template = (
+      None
+      if chat_template is None
+      else ChatTemplate(chat_template, chat_template_source)
+    )
     self._token_bytes = None
 
   @classmethod
   def from_file(cls, path: str, **kwargs) -> TokenizerVocabulary:
-    """Reads a Hugging Face `tokenizer.json`; kwargs as the constructor."""
+    """Reads a Hugging Face `tokenizer.json`; kwargs as the constructor.
+
+    The file is untrusted: one over `MAX_TOKENIZER_BYTES` is refused
+    before it is read, and the tokenizers library's errors (and panics)
+    become a ValueError naming it.
+    """
     import tokenizers
 
-    return cls(tokenizers.Tokenizer.from_file(str(path)), **kwargs)
+    path = os.fspath(path)
+    data = untrusted.read_bytes(
+      path, max_bytes=MAX_TOKENIZER_BYTES, what="tokenizer"
+    )
+    try:
+      tokenizer = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}: not valid UTF-8 ({e.reason})") from None
+    except Exception as e:  # the tokenizers library raises plain Exception
+      raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+    except BaseException as e:  # a Rust panic (pyo3's PanicException)
+      if type(e).__name__ != "PanicException":
+        raise
+      raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+    try:
+      return cls(tokenizer, **kwargs)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
 
   @property
   def tokenizer(self) -> Any:
@@ -168,7 +205,12 @@ class TokenizerVocabulary:
   @property
   def chat_template(self) -> str | None:
     """The Jinja chat template string the checkpoint ships, or None."""
-    return self._chat_template
+    return None if self._chat_template is None else self._chat_template.text
+
+  @property
+  def chat_template_source(self) -> str | None:
+    """Where the chat template came from (file and field), or None."""
+    return None if self._chat_template is None else self._chat_template.source
 
   def encode(self, s: str) -> list[int]:
     if not isinstance(s, str):
@@ -193,29 +235,37 @@ class TokenizerVocabulary:
 
   def apply_chat_template(
     self,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    **variables: Any,
   ) -> str:
-    """Renders `messages` ([{"role", "content"}, ...]) with the template.
+    """Renders `messages` ([{"role", "content"}, ...]) with the model's
+    template, in a sandbox (`chat_template.py`), as transformers does:
+    `bos_token` / `eos_token` (and `tools`, `documents`, any `variables`
+    such as `enable_thinking`) are passed to it.
 
-    Needs `jinja2` (installed with the `gguf` extra).
+    Raises:
+      ValueError: no template; `ChatTemplateError` (a ValueError naming
+        the template's source) when it fails to parse, breaks the
+        sandbox, calls `raise_exception` or runs past a limit.
     """
     if self._chat_template is None:
       raise ValueError("this vocabulary has no chat template")
-    try:
-      import jinja2
-    except ImportError as e:
-      raise ImportError(
-        "rendering a chat template needs jinja2: pip install jinja2"
-      ) from e
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    special = self._tokenizer.id_to_token
-    return env.from_string(self._chat_template).render(
-      messages=list(messages),
+    token = self._tokenizer.id_to_token
+    specials = {
+      "bos_token": self._bos_id,
+      "eos_token": self._eos_id,
+      "unk_token": self._unk_id,
+    }
+    for name, i in specials.items():
+      variables.setdefault(name, "" if i is None else token(i) or "")
+    return self._chat_template.render(
+      messages,
       add_generation_prompt=add_generation_prompt,
-      bos_token=special(self._bos_id) if self._bos_id is not None else "",
-      eos_token=special(self._eos_id) if self._eos_id is not None else "",
+      tools=tools,
+      **variables,
     )
 
   def __repr__(self) -> str:

@@ -11,7 +11,10 @@ unsupported. A constraint matches the *whole* generated text, up to the
 stop token that ends the row.
 
 Each carries its compile limits: `max_table_mb` (mask bits of one
-constraint at the model's vocabulary width) and `time_limit_s`.
+constraint at the model's vocabulary width), `time_limit_s` and
+`max_compile_mb` (wall time and memory of the compiling process, which is
+stopped when it runs past either: see `worker.py`), and optionally
+`source`, where it came from (e.g. the schema's file), for messages.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
+from chunkwise import untrusted
 from chunkwise.constraints import schema as schema_lib
 from chunkwise.constraints import tables as tables_lib
 
@@ -38,9 +43,32 @@ class Constraint:
 
   max_table_mb: float = 256.0
   time_limit_s: float = 30.0
+  max_compile_mb: float = 4096.0
+  source: str | None = None
 
   def regex(self) -> str:
     raise NotImplementedError
+
+  def _text(self) -> tuple[str, str]:
+    """(kind, text) the compiler takes: ("regex", the regex)."""
+    return "regex", self.regex()
+
+  def describe(self) -> str:
+    """The constraint as messages name it."""
+    kind, text = self._text()
+    name = "JSON schema" if kind == "schema" else "constraint"
+    where = f" from {self.source}" if self.source else ""
+    return f"the {name}{where} {tables_lib._short(text)}"
+
+  def _check_limits(self) -> None:
+    for name in ("max_table_mb", "time_limit_s", "max_compile_mb"):
+      value = getattr(self, name)
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+      ):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
 
   def compile(
     self, vocabulary, *, stop_ids: Sequence[int], width: int
@@ -48,19 +76,25 @@ class Constraint:
     """Tables for `vocabulary` (with `token_bytes()`) and a model whose
     logits have `width` columns; cached. Raises ValueError (see
     `tables.compile_regex`)."""
-    for name in ("max_table_mb", "time_limit_s"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    self._check_limits()
     vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
-    return tables_lib.compile_regex(
-      self.regex(),
-      vocab,
-      stop_ids=stop_ids,
-      width=width,
-      max_table_mb=self.max_table_mb,
-      time_limit_s=self.time_limit_s,
-    )
+    kind, text = self._text()
+    with self._named():
+      return tables_lib.compile_regex(
+        text,
+        vocab,
+        stop_ids=stop_ids,
+        width=width,
+        max_table_mb=self.max_table_mb,
+        time_limit_s=self.time_limit_s,
+        max_compile_mb=self.max_compile_mb,
+        kind=kind,
+        what=self.describe(),
+      )
+
+  def _named(self):
+    """ValueErrors raised inside name `source` (when set)."""
+    return untrusted.named(self.source) if self.source else nullcontext()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,16 +137,46 @@ class Choice(Constraint):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JsonSchema(Constraint):
   """JSON text valid under `schema` (a dict or a JSON string), restricted to
-  the keywords in `schema.ALLOWED` (others raise ValueError)."""
+  the keywords in `schema.ALLOWED` (others raise ValueError).
+
+  The schema is untrusted: nesting deeper than `schema.MAX_DEPTH` is
+  refused, and its regex is built in the compile worker under the
+  constraint's limits (see `worker.py`).
+  """
 
   schema: str  # canonical JSON
 
   def __init__(self, schema: str | Mapping, **limits):
-    parsed = schema_lib.parse(schema)
+    parsed = schema_lib.parse(schema, source=limits.get("source"))
     schema_lib.check(parsed)
     # Key order matters: properties are generated in the order given.
     object.__setattr__(self, "schema", json.dumps(parsed))
     Constraint.__init__(self, **limits)
 
+  @classmethod
+  def from_file(cls, path: str, **limits) -> JsonSchema:
+    """The schema in a JSON file (at most `schema.MAX_BYTES`); messages
+    name the file."""
+    text = untrusted.read_bytes(
+      path, max_bytes=schema_lib.MAX_BYTES, what="JSON schema"
+    )
+    try:
+      text = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}: not valid UTF-8 ({e.reason})") from None
+    limits = {"source": str(path), **limits}
+    with untrusted.named(limits["source"]):
+      return cls(text, **limits)
+
+  def _text(self) -> tuple[str, str]:
+    return "schema", self.schema
+
   def regex(self) -> str:
-    return schema_lib.to_regex(self.schema)
+    self._check_limits()
+    with self._named():
+      return tables_lib.regex_of_schema(
+        self.schema,
+        time_limit_s=self.time_limit_s,
+        max_compile_mb=self.max_compile_mb,
+        what=self.describe(),
+      )

@@ -4,7 +4,7 @@ outlines-core's `build_regex_from_schema` ignores `minimum`, `maximum`,
 `multipleOf`, `uniqueItems`, `patternProperties`, builds `allOf` as a
 concatenation, treats `oneOf` as `anyOf`, and drops `pattern` next to
 `minLength` / `maxLength`. Output generated under such a regex would
-violate the schema it claims to follow, so `to_regex` accepts only the
+violate the schema it claims to follow, so `check` accepts only the
 keywords below and raises ValueError naming any other (with its path).
 
 Whitespace between tokens is at most one space (`[ ]?`, outlines-core's
@@ -13,9 +13,10 @@ default), so generation cannot run away in whitespace.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from chunkwise import untrusted
 
 # Keywords whose meaning the generated regex enforces in full.
 ALLOWED = frozenset(
@@ -58,20 +59,39 @@ _SCHEMA_LISTS = ("anyOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 
-def parse(schema: str | Mapping[str, Any]) -> dict:
-  """A schema given as a JSON string or a dict, as a dict."""
+# Bounds on an (untrusted) schema: its JSON text and how deeply it nests.
+MAX_BYTES = 16 << 20
+MAX_DEPTH = 64
+
+
+def parse(schema: str | Mapping[str, Any], source: str | None = None) -> dict:
+  """A schema given as a JSON string or a dict, as a dict; refuses text
+  over `MAX_BYTES` and nesting deeper than `MAX_DEPTH` JSON levels."""
+  where = source or "the JSON schema"
   if isinstance(schema, str):
-    try:
-      schema = json.loads(schema)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if len(schema) > MAX_BYTES:
+      raise ValueError(
+        f"{where} has {len(schema)} characters, over the limit of {MAX_BYTES}"
+      )
+    schema = untrusted.loads(schema, source=where, max_depth=2 * MAX_DEPTH)
+  elif isinstance(schema, Mapping):
+    found = untrusted.depth(schema)
+    if found > 2 * MAX_DEPTH:
+      raise ValueError(
+        f"{where} nests {found} levels deep, over the limit of {2 * MAX_DEPTH}"
+      )
   if not isinstance(schema, Mapping):
     raise ValueError(f"a JSON schema must be an object, got {schema!r}")
   return dict(schema)
 
 
-def check(schema: Any, path: str = "#") -> None:
-  """Raises ValueError at the first keyword outside the allow-list."""
+def check(schema: Any, path: str = "#", depth: int = 0) -> None:
+  """Raises ValueError at the first keyword outside the allow-list, or
+  where subschemas nest deeper than `MAX_DEPTH`."""
+  if depth > MAX_DEPTH:
+    raise ValueError(
+      f"{path}: subschemas nest more than {MAX_DEPTH} levels deep"
+    )
   if isinstance(schema, bool):
     return
   if not isinstance(schema, Mapping):
@@ -98,26 +118,14 @@ def check(schema: Any, path: str = "#") -> None:
         f"pattern, e.g. [a-z]{{1,10}}"
       )
     if key in _SCHEMA and isinstance(value, Mapping):
-      check(value, where)
+      check(value, where, depth + 1)
     elif key in _SCHEMA_LISTS:
       if not isinstance(value, list):
         raise ValueError(f"{where} must be a list of schemas, got {value!r}")
       for i, sub in enumerate(value):
-        check(sub, f"{where}/{i}")
+        check(sub, f"{where}/{i}", depth + 1)
     elif key in _SCHEMA_MAPS:
       if not isinstance(value, Mapping):
         raise ValueError(f"{where} must map names to schemas, got {value!r}")
       for name, sub in value.items():
-        check(sub, f"{where}/{name}")
-
-
-def to_regex(schema: str | Mapping[str, Any]) -> str:
-  """The regex of the values the (allow-listed) schema accepts."""
-  from outlines_core.json_schema import build_regex_from_schema
-
-  schema = parse(schema)
-  check(schema)
-  try:
-    return build_regex_from_schema(json.dumps(schema))
-  except Exception as e:
-    raise ValueError(f"unsupported JSON schema: {e}") from None
+        check(sub, f"{where}/{name}", depth + 1)

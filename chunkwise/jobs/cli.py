@@ -93,6 +93,18 @@ _SKIP_BAD_LINES = flags.DEFINE_bool(
   False,
   "Log, count and skip bad input lines instead of stopping.",
 )
+_MAX_LINE_BYTES = flags.DEFINE_integer(
+  "max_line_bytes",
+  examples.MAX_LINE_BYTES,
+  "Longest input line in bytes; longer lines are bad lines.",
+  lower_bound=1,
+)
+_MAX_JSON_DEPTH = flags.DEFINE_integer(
+  "max_json_depth",
+  examples.MAX_JSON_DEPTH,
+  "Deepest JSON nesting of an input line; deeper lines are bad lines.",
+  lower_bound=1,
+)
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 _COORDINATOR = flags.DEFINE_string(
   "coordinator_address", None, "Multi-host: host:port of process 0."
@@ -243,6 +255,8 @@ def setup(
       kind=kind,
       fmt=_INPUT_FORMAT.value,
       skip_bad=_SKIP_BAD_LINES.value,
+      max_line_bytes=_MAX_LINE_BYTES.value,
+      max_depth=_MAX_JSON_DEPTH.value,
     )
     prepared = examples.prepare(
       found,

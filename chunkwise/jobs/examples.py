@@ -12,11 +12,14 @@ else is plain text):
 - JSON lines, generation: {"id", "prompt"} ("text" is accepted too).
 - Plain text: one example per line, its id the line number (from 1).
 
-Ids are strings or integers, unique in the file. A bad line (invalid JSON
-or UTF-8, a missing or mistyped field, an empty text, a duplicate id, too
-many tokens) is reported as `file:line: reason`: `InputError` for the
+Ids are strings or integers, unique in the file; they are data only
+(never part of a file name). A bad line (invalid JSON or UTF-8, a missing
+or mistyped field, an empty text, a duplicate id, an unpaired surrogate,
+too many tokens, longer than `max_line_bytes`, JSON nested deeper than
+`max_depth`) is reported as `file:line: reason`: `InputError` for the
 first one, or with `skip_bad=True` a list of such messages while the rest
-goes on.
+goes on. Lines end with "\n" (or "\r\n"); the file is read line by line,
+so an over-long line is never held in memory whole.
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from chunkwise import untrusted
+
 SCORE = "score"
 GENERATE = "generate"
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+# Defaults of the jobs' --max_line_bytes and --max_json_depth.
+MAX_LINE_BYTES = 4 << 20
+MAX_JSON_DEPTH = 32
 
 
 class InputError(ValueError):
@@ -97,18 +105,42 @@ def _field(record: dict, name: str, *, required: bool = True) -> str:
   value = record[name]
   if not isinstance(value, str):
     raise ValueError(
-      f"field {name!r} is {type(value).__name__} {value!r}, expected a string"
+      f"field {name!r} is {type(value).__name__} {_brief(value)}, expected "
+      "a string"
     )
+  _check_text(value, f"field {name!r}")
   if required and not value.strip():
     raise ValueError(f"field {name!r} is empty")
   return value
 
 
-def _from_json(text: str, line: int, kind: str) -> Example:
+def _brief(value) -> str:
+  text = repr(value)
+  return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_text(value: str, what: str) -> None:
+  """Text from JSON may hold unpaired surrogates ("\\ud800"), which no
+  tokenizer can encode."""
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(
+      f"{what} holds an unpaired surrogate {value[e.start]!r} at "
+      f"character {e.start}"
+    ) from None
+
+
+def _from_json(text: str, line: int, kind: str, max_depth: int) -> Example:
   try:
     record = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f"invalid JSON: {e.msg} at column {e.colno}") from None
+  except RecursionError:
+    record = None
+  found = untrusted.depth(record) if record is not None else max_depth + 1
+  if found > max_depth:
+    raise ValueError(f"JSON nested deeper than --max_json_depth={max_depth}")
   if not isinstance(record, dict):
     raise ValueError(
       f"expected a JSON object, got {type(record).__name__} {text[:40]!r}"
@@ -117,7 +149,9 @@ def _from_json(text: str, line: int, kind: str) -> Example:
     raise ValueError("missing field 'id'")
   ident = record["id"]
   if isinstance(ident, bool) or not isinstance(ident, int | str):
-    raise ValueError(f"id {ident!r} is not a string or an integer")
+    raise ValueError(f"id {_brief(ident)} is not a string or an integer")
+  if isinstance(ident, str):
+    _check_text(ident, "id")
   if kind == GENERATE:
     name = "prompt" if "prompt" in record or "text" not in record else "text"
     return Example(ident, line, _field(record, name))
@@ -131,12 +165,31 @@ def _from_json(text: str, line: int, kind: str) -> Example:
   return Example(ident, line, _field(record, "text"))
 
 
+def _lines(f, max_bytes: int):
+  """(number, bytes or None) per line of binary file `f`; None for a line
+  longer than `max_bytes`, whose rest is skipped without being held."""
+  number = 0
+  while True:
+    data = f.readline(max_bytes + 2)  # room for "\r\n"
+    if not data:
+      return
+    number += 1
+    if len(data) > max_bytes + (data.endswith(b"\n") + data.endswith(b"\r\n")):
+      while data and not data.endswith(b"\n"):
+        data = f.readline(1 << 20)
+      yield number, None
+      continue
+    yield number, data.rstrip(b"\n").rstrip(b"\r")
+
+
 def read(
   path: str | os.PathLike,
   *,
   kind: str,
   fmt: str = "auto",
   skip_bad: bool = False,
+  max_line_bytes: int = MAX_LINE_BYTES,
+  max_depth: int = MAX_JSON_DEPTH,
 ) -> Examples:
   """Reads every example of `path` (see the module docstring).
 
@@ -150,33 +203,37 @@ def read(
   json_lines = _is_json(path, fmt)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no input file {path}")
-  with open(path, "rb") as f:
-    raw = f.read()
   found = Examples(path, [], [])
   first_line: dict[str, int] = {}
-  for number, data in enumerate(raw.splitlines(), start=1):
-    try:
+  with open(path, "rb") as f:
+    for number, data in _lines(f, max_line_bytes):
       try:
-        text = data.decode("utf-8").rstrip("\r")
-      except UnicodeDecodeError as e:
-        raise ValueError(
-          f"not valid UTF-8 ({e.reason} at byte {e.start})"
-        ) from None
-      if not text.strip():
-        raise ValueError("empty line" if json_lines else "empty text")
-      if json_lines:
-        example = _from_json(text, number, kind)
-      else:
-        example = Example(number, number, text)
-      key = id_key(example.id)
-      if key in first_line:
-        raise ValueError(
-          f"duplicate id {example.id!r} (first on line {first_line[key]})"
-        )
-      first_line[key] = number
-      found.items.append(example)
-    except ValueError as e:
-      found.bad.append((number, f"{path}:{number}: {e}"))
+        if data is None:
+          raise ValueError(
+            f"line longer than --max_line_bytes={max_line_bytes} bytes"
+          )
+        try:
+          text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+          raise ValueError(
+            f"not valid UTF-8 ({e.reason} at byte {e.start})"
+          ) from None
+        if not text.strip():
+          raise ValueError("empty line" if json_lines else "empty text")
+        if json_lines:
+          example = _from_json(text, number, kind, max_depth)
+        else:
+          example = Example(number, number, text)
+        key = id_key(example.id)
+        if key in first_line:
+          raise ValueError(
+            f"duplicate id {_brief(example.id)} (first on line "
+            f"{first_line[key]})"
+          )
+        first_line[key] = number
+        found.items.append(example)
+      except ValueError as e:
+        found.bad.append((number, f"{path}:{number}: {e}"))
   _check_bad(found, skip_bad)
   if not found.items:
     raise InputError(_nothing_left(found, "no examples"))

@@ -1,0 +1,299 @@
+"""Regex or JSON schema -> token-automaton tables; runs in a child process.
+
+Compiling a constraint can take unbounded time and memory (a schema or
+regex whose automaton explodes), and a thread cannot be stopped, so
+`tables.py` sends each compilation to a worker process running this file
+as a script, and kills it when `time_limit_s` passes. The worker caps its
+own address space at its size when the request arrives plus
+`max_compile_mb` (RLIMIT_AS, where the OS enforces it: Linux), so an
+explosion ends in a failed allocation (a MemoryError, or Rust's abort)
+instead of eating the machine. This file imports only the standard
+library, NumPy and outlines-core, so the worker starts in a fraction of a
+second; it never imports chunkwise.
+
+What it computes (see `tables.py` for the layout): outlines-core's `Index`
+walks every vocabulary token through the regex's DFA from every state and
+keeps the tokens that do not die. Its states are renumbered densely (the
+initial one is 0), its single-EOS self-loops are replaced by *every* stop
+id in final states only, and tokens whose next-state columns agree in
+every state are merged into classes (found by hashing each column with
+two random 64-bit signatures; the result is checked against every
+transition). The state count is read from the index's serialized header
+before its transitions are expanded, so an automaton whose mask bits
+would exceed `max_table_mb` is refused before it is built out.
+
+Protocol: length-prefixed pickles on stdin / stdout. A request is a dict
+(`build`'s arguments, plus `vocab_key`, and `vocab` when the worker has
+not seen that key); a reply is {"ok": result} | {"error": message} |
+{"memory": message}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import struct
+import sys
+import time
+
+import numpy as np
+
+
+class UserError(Exception):
+  """A constraint that cannot be compiled (the message says why)."""
+
+
+def short(text: str) -> str:
+  return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def regex_of(kind: str, text: str) -> str:
+  """The regex of a "regex" (itself) or a "schema" (JSON text)."""
+  if kind == "regex":
+    return text
+  from outlines_core.json_schema import build_regex_from_schema
+
+  try:
+    return build_regex_from_schema(text)
+  except Exception as e:
+    raise UserError(f"unsupported JSON schema: {e}") from None
+
+
+def build(
+  kind: str,
+  text: str,
+  vocab: dict | None,
+  stops: tuple[int, ...],
+  width: int,
+  max_table_mb: float,
+) -> dict:
+  """The regex and, with a `vocab`, its tables as NumPy arrays."""
+  import outlines_core
+
+  start = time.perf_counter()
+  regex = regex_of(kind, text)
+  if vocab is None:
+    return {"regex": regex}
+  try:
+    index = outlines_core.Index(
+      regex, outlines_core.Vocabulary(stops[0], vocab)
+    )
+  except ValueError as e:
+    message = str(e)
+    if "incompatible" in message or "no transitions" in message.lower():
+      raise UserError(
+        f"the constraint {short(regex)} matches no text this vocabulary "
+        "can spell"
+      ) from None
+    raise UserError(
+      f"the constraint {short(regex)} is not a supported regex: {message}"
+    ) from None
+  n_states = count_states(index)
+  words = -(-width // 32)
+  mb = n_states * words * 4 / 2**20
+  if mb > max_table_mb:
+    raise UserError(
+      f"the constraint {short(regex)} needs {n_states} automaton states, "
+      f"{mb:.0f} MB of mask bits at vocabulary width {width}, over the "
+      f"limit of max_table_mb={max_table_mb:g}; simplify it (e.g. a "
+      "smaller maxLength) or raise the limit"
+    )
+  out = tables(
+    index.get_transitions(),
+    index.get_initial_state(),
+    set(index.get_final_states()),
+    stops,
+    width,
+  )
+  if not out["final"][0] and not out["next_state"][0].max(initial=-1) >= 0:
+    raise UserError(
+      f"the constraint {short(regex)} matches no text this vocabulary can spell"
+    )
+  return {**out, "regex": regex, "build_s": time.perf_counter() - start}
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+  """bincode's variable-length integer at `at`: (value, next offset)."""
+  tag = data[at]
+  if tag < 251:
+    return tag, at + 1
+  size = {251: 2, 252: 4, 253: 8, 254: 16}[tag]
+  return int.from_bytes(data[at + 1 : at + 1 + size], "little"), at + 1 + size
+
+
+def count_states(index) -> int:
+  """States with transitions, read from the index's serialized header
+  (initial state, final-state set, then the transition map's length)."""
+  data = index.__reduce__()[1][0]
+  _, at = _varint(data, 0)
+  n_final, at = _varint(data, at)
+  for _ in range(n_final):
+    _, at = _varint(data, at)
+  n_states, _ = _varint(data, at)
+  return n_states
+
+
+def tables(transitions, initial, finals, stops, width) -> dict:
+  """Dense tables (`tables.Tables`' fields) from outlines' transitions."""
+  raw = sorted(set(transitions) | finals | {initial})
+  raw.remove(initial)
+  raw = [initial, *raw]
+  number = {s: i for i, s in enumerate(raw)}
+  n = len(raw)
+  empty = np.zeros(0, np.int64)
+  src, tok, dst = [empty], [empty], [empty]
+  for s, row in transitions.items():
+    tok.append(np.fromiter(row.keys(), np.int64, len(row)))
+    dst.append(
+      np.fromiter((number[t] for t in row.values()), np.int64, len(row))
+    )
+    src.append(np.full(len(row), number[s], np.int64))
+  src, tok, dst = (np.concatenate(a) for a in (src, tok, dst))
+  # outlines' one EOS loop goes with every other stop id (none is text here)
+  # and ids past the logits width; each stop id then loops on every final
+  # state.
+  keep = (tok < width) & ~np.isin(tok, stops)
+  src, tok, dst = src[keep], tok[keep], dst[keep]
+  final = np.zeros(n, bool)
+  final[[number[s] for s in finals]] = True
+  f = np.flatnonzero(final)
+  stop_arr = np.asarray(stops, np.int64)
+  stop_arr = stop_arr[stop_arr < width]
+  src = np.concatenate([src, np.repeat(f, stop_arr.size)])
+  tok = np.concatenate([tok, np.tile(stop_arr, f.size)])
+  dst = np.concatenate([dst, np.repeat(f, stop_arr.size)])
+
+  token_class, n_classes = _classes(src, tok, dst, n, width)
+  next_state = np.full((n, n_classes), -1, np.int32)
+  next_state[src, token_class[tok]] = dst
+  if not np.array_equal(next_state[src, token_class[tok]], dst) or np.any(
+    next_state[:, 0] >= 0
+  ):
+    raise RuntimeError("token-class signatures collided; please report")
+
+  words = -(-width // 32)
+  bits = np.zeros((n, words), np.uint32)
+  for lo in range(0, n, 256):  # bounded memory: 256 dense rows at a time
+    dense = next_state[lo : lo + 256][:, token_class] >= 0
+    dense = np.pad(dense, ((0, 0), (0, words * 32 - width)))
+    packed = np.packbits(dense, axis=1, bitorder="little")
+    bits[lo : lo + 256] = np.ascontiguousarray(packed).view("<u4")
+  return {
+    "bits": bits,
+    "token_class": token_class.astype(np.int32),
+    "next_state": next_state,
+    "final": final,
+    "distance": _distance(src, dst, final),
+  }
+
+
+def _classes(src, tok, dst, n_states, width):
+  """Class ids of tokens with equal next-state columns; class 0 is the
+  tokens no state allows (padding, control tokens, unusable text)."""
+  rng = np.random.default_rng(0)  # fixed: every host builds equal tables
+  signatures = []
+  for _ in range(2):
+    weight = rng.integers(1, 2**63, n_states, dtype=np.uint64) | np.uint64(1)
+    contribution = weight[src] * (dst.astype(np.uint64) + np.uint64(1))
+    sig = np.zeros(width, np.uint64)
+    order = np.argsort(tok, kind="stable")
+    t = tok[order]
+    if t.size:
+      starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+      sig[t[starts]] = np.add.reduceat(contribution[order], starts)
+    signatures.append(sig)
+  both = np.stack(signatures, axis=1)
+  unique, inverse = np.unique(both, axis=0, return_inverse=True)
+  if np.any(unique[0] != 0):  # every token is allowed somewhere
+    inverse = inverse + 1
+    return inverse.reshape(-1), unique.shape[0] + 1
+  return inverse.reshape(-1), unique.shape[0]
+
+
+def _distance(src, dst, final) -> np.ndarray:
+  """Fewest tokens from each state to a final state (BFS backwards)."""
+  n = final.shape[0]
+  big = np.iinfo(np.int32).max // 2
+  dist = np.where(final, 0, big).astype(np.int64)
+  edges = np.unique(np.stack([src, dst], axis=1), axis=0)
+  for _ in range(n):
+    cand = np.full(n, big, np.int64)
+    np.minimum.at(cand, edges[:, 0], dist[edges[:, 1]] + 1)
+    new = np.minimum(dist, cand)
+    if np.array_equal(new, dist):
+      break
+    dist = new
+  return dist.astype(np.int32)
+
+
+# -- the worker process ---------------------------------------------------
+
+
+def read_message(stream):
+  """One length-prefixed pickle from `stream`; None at end of file."""
+  head = stream.read(8)
+  if len(head) < 8:
+    return None
+  (n,) = struct.unpack("<Q", head)
+  return pickle.loads(stream.read(n))
+
+
+def write_message(stream, message) -> None:
+  data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+  stream.write(struct.pack("<Q", len(data)) + data)
+  stream.flush()
+
+
+def _address_space() -> int | None:
+  """This process's virtual size in bytes (None where unknown)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _cap_memory(max_mb: float) -> None:
+  """RLIMIT_AS = current size + max_mb (no-op where unsupported)."""
+  try:
+    import resource
+  except ImportError:
+    return
+  size = _address_space()
+  if size is None:
+    return
+  limit = size + int(max_mb * 2**20)
+  with contextlib.suppress(ValueError, OSError):
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
+def serve(requests, replies) -> None:
+  """Answers requests until end of file (the module docstring)."""
+  vocabs: dict[str, dict] = {}
+  while (request := read_message(requests)) is not None:
+    key = request.pop("vocab_key", None)
+    if "vocab" in request:
+      vocabs.clear()  # one vocabulary at a time: bounded memory
+      vocabs[key] = request.pop("vocab")
+    vocab = vocabs.get(key) if key is not None else None
+    max_mb = request.pop("max_compile_mb")
+    if key is not None and vocab is None:
+      write_message(replies, {"error": "internal: unknown vocabulary"})
+      continue
+    _cap_memory(max_mb)
+    try:
+      reply = {"ok": build(vocab=vocab, **request)}
+    except UserError as e:
+      reply = {"error": str(e)}
+    except MemoryError:
+      reply = {"memory": "a Python allocation failed"}
+    write_message(replies, reply)
+
+
+if __name__ == "__main__":
+  # Started as `python -P automaton.py` (-P: this directory is not put on
+  # sys.path). stdout carries replies only.
+  replies = os.fdopen(os.dup(1), "wb")
+  os.dup2(2, 1)
+  serve(sys.stdin.buffer, replies)
