@@ -47,14 +47,9 @@ def _layer_program(layout, mesh, hparams, batch, time):
   plan_lib.check(layout, mesh, hparams)
   plan = partitioning.Plan.make(layout, mesh, hparams, batch=batch)
   rules = plan.rules()
-  layer_specs = jax.tree.map(
-    lambda s: P(*s[1:]),
-    weights.Layer.axes(hparams),
-    is_leaf=lambda s: isinstance(s, P),
-  )
-  w_specs = partitioning.resolve_tree(layer_specs, rules)
+  w_specs = partitioning.resolve_tree(weights.Layer.axes(hparams), rules)
   full = models.init_random(hparams, jax.random.key(0))
-  one = jax.tree.map(lambda a: a[0], full.layers)
+  one = full.layers[0]
   one = jax.tree.map(
     lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), one, w_specs
   )

@@ -55,16 +55,15 @@ def _mlp(h, lw, xn):
 
 def logits(h, weights, tokens):
   """f64[T, vocab]: next-token logits after each of `tokens` (one row)."""
-  w = {
-    k: (None if v is None else np.asarray(v, np.float64))
-    for k, v in vars(weights.layers).items()
-  }
   table = np.asarray(weights.embedding, np.float64)
   x = table[np.asarray(tokens)]
   time = len(tokens)
   causal = np.tril(np.ones((time, time), bool))
-  for layer in range(h.layers):
-    lw = {k: None if v is None else v[layer] for k, v in w.items()}
+  for layer in weights.layers:
+    lw = {
+      k: (None if v is None else np.asarray(v, np.float64))
+      for k, v in vars(layer).items()
+    }
     if h.block == Block.PARALLEL:
       xn = _rms_norm(x, lw["attn_norm"], h.norm_eps)
       x = x + _attention(h, lw, xn, causal) + _mlp(h, lw, xn)

@@ -75,7 +75,7 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_and_float32(tmp_path):
   want = hf_models.logits(reference, ROWS)
   _assert_matches(cw.load(tmp_path), want)
   bf16 = cw.load(tmp_path, dtype="bfloat16")
-  assert bf16.weights.layers.q.dtype == np.dtype("bfloat16")
+  assert bf16.weights.layers[0].q.dtype == np.dtype("bfloat16")
   # Same bf16 values, f32 compute: the same logits.
   _assert_matches(bf16, want)
 

@@ -216,8 +216,8 @@ def test_bad_weights_and_ids_at_construction(model):
   h = model.hparams
   with pytest.raises(
     ValueError,
-    match=r"weight .layers.q has shape "
-    r"\(2, 64, 8, 16\), expected \(2, 64, 4, 16\)",
+    match=r"weight .layers\[0\].q has shape "
+    r"\(64, 8, 16\), expected \(64, 4, 16\)",
   ):
     cw.InferenceModel(h.replace(heads=4), model.weights)
   with pytest.raises(ValueError, match="do not have the structure"):

@@ -39,8 +39,8 @@ def test_shuffling_layouts_store_tagged_weights(tiny_weights):
   assert latency.weights.tag == "ws_2d/latency on mesh 2x2x2"
   # Blocks really moved: the shuffled q differs from the plain one, but
   # holds the same values (a per-device permutation).
-  q_plain = np.asarray(plain.weights.layers.q)
-  q_shuffled = np.asarray(latency.weights.weights.layers.q)
+  q_plain = np.asarray(plain.weights.layers[0].q)
+  q_shuffled = np.asarray(latency.weights.weights.layers[0].q)
   assert not np.array_equal(q_plain, q_shuffled)
   np.testing.assert_array_equal(
     np.sort(q_plain.ravel()), np.sort(q_shuffled.ravel())

@@ -265,7 +265,7 @@ def _copy(src, dst):
       "the vocabulary file is '/etc/x'",
     ),
     (
-      lambda m: m["arrays"]["layers.q"].update(dtype="object"),
+      lambda m: m["arrays"]["layers.0.q"].update(dtype="object"),
       "dtype='object'",
     ),
     (lambda m: m["hparams"].update(layers="2"), "bad HParams"),

@@ -32,10 +32,11 @@ def test_quantize_weights_covers_every_matmul_weight():
   w = cw.models.init_random(h, jax.random.key(0))
   q = quantized.quantize_weights(w, Weights.axes(h))
   for name in ("q", "k", "v", "o", "gate", "up", "down"):
-    assert isinstance(getattr(q.layers, name), QArray), name
+    for layer in q.layers:
+      assert isinstance(getattr(layer, name), QArray), name
   assert isinstance(q.embedding, QArray) and isinstance(q.unembedding, QArray)
-  assert not isinstance(q.layers.attn_norm, QArray)
-  assert q.layers.o.scale.shape == (h.layers, 1, 1, h.d_model)
+  assert not isinstance(q.layers[0].attn_norm, QArray)
+  assert q.layers[0].o.scale.shape == (1, 1, h.d_model)
   assert q.unembedding.scale.shape == (1, h.vocab)
   check_shapes(h, q)
   ratio = quantized.nbytes(q) / quantized.nbytes(w)
@@ -43,11 +44,16 @@ def test_quantize_weights_covers_every_matmul_weight():
   keep = quantized.quantize_weights(w, Weights.axes(h), embedding=False)
   assert not isinstance(keep.embedding, QArray)
   bad = q.replace(
-    layers=q.layers.replace(
-      q=QArray(values=q.layers.q.values, scale=q.layers.q.scale[:, :, :1])
+    layers=(
+      q.layers[0].replace(
+        q=QArray(values=q.layers[0].q.values, scale=q.layers[0].q.scale[:, :1])
+      ),
+      *q.layers[1:],
     )
   )
-  with pytest.raises(ValueError, match=r"int8 weight \.layers\.q .* scales"):
+  with pytest.raises(
+    ValueError, match=r"int8 weight \.layers\[0\]\.q .* scales"
+  ):
     check_shapes(h, bad)
 
 
@@ -59,10 +65,10 @@ def test_shuffle_and_unshuffle_move_values_and_scales_together():
   for layout in ("ws_2d/none/throughput", "ws_1d/none/latency"):
     model = cw.InferenceModel(h, q, mesh=mesh, layout=layout)
     assert isinstance(model.weights, cw.models.ShuffledWeights)
-    moved = model.weights.weights.layers.q.values
+    moved = model.weights.weights.layers[0].q.values
     if layout.startswith("ws_2d"):
       assert not np.array_equal(
-        np.asarray(moved), np.asarray(q.layers.q.values)
+        np.asarray(moved), np.asarray(q.layers[0].q.values)
       )
     for a, b in zip(
       jax.tree.leaves(model.plain_weights()), jax.tree.leaves(q), strict=True

@@ -31,10 +31,11 @@ def _coded(shape, salt):
 
 def _coded_weights(h):
   w = models.init_random(h, jax.random.key(0))
-  leaves, treedef = jax.tree.flatten(w)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(w)
   coded = []
-  for i, leaf in enumerate(leaves):
-    fan = leaf.shape[1] if leaf.ndim > 2 else leaf.shape[-1]
+  for i, (path, leaf) in enumerate(leaves):
+    in_layer = "layers" in jax.tree_util.keystr(path)
+    fan = leaf.shape[0] if in_layer and leaf.ndim > 1 else leaf.shape[-1]
     coded.append(_coded(leaf.shape, 3 * i + 1) / np.sqrt(fan))
   return jax.tree.unflatten(treedef, coded)
 
@@ -56,12 +57,7 @@ def _run(mesh, fn, args, in_specs, out_specs):
 
 
 def _layer_specs(h, rules):
-  specs = jax.tree.map(
-    lambda s: P(*s[1:]),
-    models.Layer.axes(h),
-    is_leaf=lambda s: isinstance(s, P),
-  )
-  return resolve_tree(specs, rules)
+  return resolve_tree(models.Layer.axes(h), rules)
 
 
 def _setup(preset, layout, shape):
@@ -78,7 +74,7 @@ def _setup(preset, layout, shape):
 @pytest.mark.parametrize("preset", ["tiny", "tiny-parallel"])
 def test_layer_matches_dense(preset, layout, shape):
   h, mesh, plan, w = _setup(preset, layout, shape)
-  layer = jax.tree.map(lambda a: a[0], w.layers)
+  layer = w.layers[0]
   x = _coded((BATCH, TIME, h.d_model), 5)
   positions = jnp.arange(BATCH * TIME, dtype=jnp.int32).reshape(BATCH, TIME)
   positions = positions % 17

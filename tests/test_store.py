@@ -74,10 +74,8 @@ def test_round_trip_reference_to_ws_2d(tiny, saved):
   assert (loaded.bos_id, loaded.eos_id) == (tiny.bos_id, tiny.eos_id)
   assert loaded.vocab == tiny.vocab
   # Restored straight into the ws_2d shardings.
-  q = loaded.weights.layers.q
-  assert q.sharding.spec == jax.sharding.PartitionSpec(
-    None, "x", ("y", "z"), None
-  )
+  q = loaded.weights.layers[0].q
+  assert q.sharding.spec == jax.sharding.PartitionSpec("x", ("y", "z"), None)
   _assert_same_weights(loaded.plain_weights(), tiny.weights)
   # Identical to the original weights placed on the same layout...
   direct = cw.InferenceModel(
@@ -109,17 +107,46 @@ def test_save_from_a_shuffled_layout_stores_plain_weights(tiny, tmp_path):
   _assert_same_result(_run(onto, tiny.vocab)[1], _run(tiny, tiny.vocab)[1])
 
 
+def test_version_1_checkpoints_with_stacked_layers_still_load(tiny, tmp_path):
+  """Checkpoints saved before layers had arrays of their own stored each
+  layer weight stacked ("layers.q" [layers, ...]); they load into the
+  per-layer form, on one device and straight onto a mesh."""
+  weights = tiny.plain_weights()
+  for quantize in (False, True):
+    specs = cw.models.Weights.axes(tiny.hparams)
+    w = cw.models.quantize_weights(weights, specs) if quantize else weights
+    stacked = w.replace(layers=cw.models.weights.stack_layers(w.layers))
+    vocab, files = store._vocab_json(tiny.vocab)
+    meta = {
+      "version": 1,
+      "kind": "model",
+      "hparams": store._hparams_json(tiny.hparams),
+      "quantization": "int8" if quantize else None,
+      "bos_id": tiny.bos_id,
+      "eos_id": tiny.eos_id,
+      "vocabulary": vocab,
+    }
+    path = store._write(tmp_path / f"v1_{quantize}", stacked, meta, files, 0)
+    desc = json.loads((pathlib.Path(path) / store.META).read_text())
+    assert desc["version"] == 1
+    assert ("layers.q.values" if quantize else "layers.q") in desc["arrays"]
+    _assert_same_weights(cw.load(path).weights, w)
+  mesh = make_mesh((2, 2, 2))
+  on_mesh = cw.load(path, mesh=mesh, layout="ws_2d")
+  _assert_same_weights(on_mesh.plain_weights(), w)
+
+
 def test_int8_round_trip_across_layouts(saved, tmp_path):
   mesh = make_mesh((2, 2, 2))
   m8 = cw.load(saved, quantize="int8", mesh=mesh, layout="ws_1d")
-  q = m8.weights.layers.q
+  q = m8.weights.layers[0].q
   assert isinstance(q, QArray) and q.values.dtype == jnp.int8
   # Scales are split like their output channels (embed is whole in ws_1d).
   assert q.scale.sharding.spec == q.values.sharding.spec
   path = cw.save(m8, tmp_path / "m8")
   meta = json.loads((pathlib.Path(path) / store.META).read_text())
   assert meta["quantization"] == "int8"
-  assert meta["arrays"]["layers.q.values"]["dtype"] == "int8"
+  assert meta["arrays"]["layers.0.q.values"]["dtype"] == "int8"
   assert meta["arrays"]["embedding.values"]["dtype"] == "int8"
   again = cw.load(path, mesh=mesh, layout="wg/none/throughput")
   _assert_same_weights(again.plain_weights(), m8.plain_weights())
@@ -137,7 +164,7 @@ def test_int8_round_trip_across_layouts(saved, tmp_path):
 
 def test_bfloat16_weights_and_cache(saved, tiny):
   model = cw.load(saved, dtype="bfloat16", cache_dtype=jnp.bfloat16)
-  assert model.weights.layers.q.dtype == jnp.bfloat16
+  assert model.weights.layers[0].q.dtype == jnp.bfloat16
   assert model.weights.final_norm.dtype == jnp.bfloat16
   result = model.prefill(_chunk(tiny.vocab))
   assert result.kv_cache.k.dtype == jnp.bfloat16
@@ -248,9 +275,9 @@ def test_shapes_that_do_not_match_the_hparams_are_named(saved, tmp_path):
   _edit_meta(path, lambda m: m["hparams"].update(d_ff=64))
   with pytest.raises(
     ValueError,
-    match=r"array layers\.gate has shape \(2, 64, 128\), but its "
+    match=r"array layers\.0\.gate has shape \(64, 128\), but its "
     r"HParams\(layers=2, d_model=64, .*d_ff=64, \.\.\.\) expect "
-    r"\(2, 64, 64\)",
+    r"\(64, 64\)",
   ):
     cw.load(path)
   _edit_meta(path, lambda m: m["hparams"].update(d_ff=128, kv_heads=3))
@@ -272,7 +299,9 @@ def test_arrays_of_another_model_are_refused(saved, tmp_path):
   sums = {rel: store._crc32(str(path / rel)) for rel in sizes}
   _edit_meta(path, lambda m: m.update(files=sizes, checksums=sums))
   with pytest.raises(
-    ValueError, match=r"array embedding has shape|array layers\.\w+ has shape"
+    ValueError,
+    match=r"holds arrays layers\.2\.attn_norm, .* and 4 more that its "
+    r"HParams\(layers=2,",
   ):
     cw.load(path)
 
@@ -361,7 +390,7 @@ def test_convert_script_writes_an_int8_checkpoint(tmp_path):
   )
   assert run.returncode == 0, run.stderr
   model = cw.load(out)
-  assert isinstance(model.weights.layers.down, QArray)
+  assert isinstance(model.weights.layers[0].down, QArray)
   direct = cw.load(gguf, quantize="int8")
   _assert_same_weights(model.weights, direct.weights)
   again = subprocess.run(

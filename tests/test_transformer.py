@@ -61,24 +61,6 @@ def test_prefill_matches_numpy_twin(
     )
 
 
-def test_layers_run_under_scan():
-  """The jaxpr has one scan over layers and one set of layer matmuls,
-  whatever the depth."""
-
-  def count(layers):
-    h = cw.configs.get("tiny").replace(layers=layers)
-    model = cw.InferenceModel.random(h)
-    chunk = cw.Chunk.from_lists([[1, 2, 3]])
-    infer = cw.inference.transformer_infer
-    jaxpr = jax.make_jaxpr(lambda w, c: infer(h, w, (), c))(
-      model.weights, chunk
-    )
-    return str(jaxpr).count("dot_general"), str(jaxpr).count("scan[")
-
-  assert count(2) == count(30)
-  assert count(2)[1] == 1
-
-
 def test_bf16_weights_cache_and_activations_stay_close_to_f32():
   h = cw.configs.get("tiny")
   f32 = cw.InferenceModel.random(h, seed=4)

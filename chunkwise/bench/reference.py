@@ -95,7 +95,7 @@ def to_transformers(h: HParams, weights, dtype: str):
   for i in range(h.layers):
 
     def get(name, i=i):
-      return _dense(getattr(lay, name))[i]
+      return _dense(getattr(lay[i], name))
 
     p = f"model.layers.{i}."
     state |= {

@@ -165,33 +165,34 @@ def to_weights(
   def put(value: np.ndarray) -> jnp.ndarray:
     return jnp.asarray(value.astype(target, copy=False))
 
-  def stacked(suffix: str, reshape: Callable[[np.ndarray], np.ndarray]):
-    return put(
-      np.stack(
-        [reshape(fetch(f"layers.{i}.{suffix}")) for i in range(hparams.layers)]
-      )
-    )
-
   h, kvh, dh = hparams.heads, hparams.kv_heads, hparams.head_dim
   d = hparams.d_model
   attn = "self_attn."
-  layers = Layer(
-    q=stacked(attn + "q_proj.weight", lambda w: w.T.reshape(d, h, dh)),
-    k=stacked(attn + "k_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
-    v=stacked(attn + "v_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
-    o=stacked(attn + "o_proj.weight", lambda w: w.T.reshape(h, dh, d)),
-    gate=stacked("mlp.gate_proj.weight", np.transpose),
-    up=stacked("mlp.up_proj.weight", np.transpose),
-    down=stacked("mlp.down_proj.weight", np.transpose),
-    attn_norm=stacked("input_layernorm.weight", np.asarray),
-    mlp_norm=stacked("post_attention_layernorm.weight", np.asarray),
-  )
-  if hparams.qkv_bias:
-    layers = layers.replace(
-      q_bias=stacked(attn + "q_proj.bias", lambda b: b.reshape(h, dh)),
-      k_bias=stacked(attn + "k_proj.bias", lambda b: b.reshape(kvh, dh)),
-      v_bias=stacked(attn + "v_proj.bias", lambda b: b.reshape(kvh, dh)),
+
+  def layer(i: int) -> Layer:
+    def one(suffix: str, reshape: Callable[[np.ndarray], np.ndarray]):
+      return put(reshape(fetch(f"layers.{i}.{suffix}")))
+
+    out = Layer(
+      q=one(attn + "q_proj.weight", lambda w: w.T.reshape(d, h, dh)),
+      k=one(attn + "k_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
+      v=one(attn + "v_proj.weight", lambda w: w.T.reshape(d, kvh, dh)),
+      o=one(attn + "o_proj.weight", lambda w: w.T.reshape(h, dh, d)),
+      gate=one("mlp.gate_proj.weight", np.transpose),
+      up=one("mlp.up_proj.weight", np.transpose),
+      down=one("mlp.down_proj.weight", np.transpose),
+      attn_norm=one("input_layernorm.weight", np.asarray),
+      mlp_norm=one("post_attention_layernorm.weight", np.asarray),
     )
+    if hparams.qkv_bias:
+      out = out.replace(
+        q_bias=one(attn + "q_proj.bias", lambda b: b.reshape(h, dh)),
+        k_bias=one(attn + "k_proj.bias", lambda b: b.reshape(kvh, dh)),
+        v_bias=one(attn + "v_proj.bias", lambda b: b.reshape(kvh, dh)),
+      )
+    return out
+
+  layers = tuple(layer(i) for i in range(hparams.layers))
   weights = Weights(
     embedding=put(fetch("embed_tokens.weight")),
     layers=layers,

@@ -34,6 +34,7 @@ import enum
 import json
 import math
 import os
+import re
 import shutil
 import zlib
 from typing import Any
@@ -57,14 +58,17 @@ from chunkwise.inference import (
 from chunkwise.inference.checks import check_placement
 from chunkwise.inference.sharded import weight_shardings
 from chunkwise.models import Weights, quantized
-from chunkwise.models.weights import shape_of
+from chunkwise.models.weights import shape_of, stack_layers, unstack_layers
 from chunkwise.partitioning import LayoutKind
 
 META = "chunkwise.json"
 ARRAYS = "arrays"
 TOKENIZER = "tokenizer.json"
 FORMAT = "chunkwise-checkpoint"
-VERSION = 1
+VERSION = 2
+# Version 1 stored each layer weight stacked over layers ("layers.q");
+# version 2 stores one array per layer ("layers.0.q"). Both are read.
+READS = (1, 2)
 QUANTIZATIONS = (None, *quantized.SCHEMES)
 # Array dtypes a checkpoint may hold.
 _DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -82,7 +86,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _flatten(tree) -> dict[str, Any]:
-  """{"layers.q": leaf, ...}: every leaf by its pytree path."""
+  """{"layers.0.q": leaf, ...}: every leaf by its pytree path."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   return {
     ".".join(quantized.key_name(k) for k in path): leaf for path, leaf in leaves
@@ -309,10 +313,10 @@ def read_meta(
   meta = untrusted.read_json(path, what="checkpoint description")
   if meta.get("format") != FORMAT:
     raise ValueError(f"{path} does not describe a {FORMAT}")
-  if meta.get("version") != VERSION:
+  if meta.get("version") not in READS:
     raise ValueError(
       f"{path} has format version {meta.get('version')!r}; this chunkwise "
-      f"reads version {VERSION}"
+      f"reads versions {', '.join(map(str, READS))}"
     )
   if meta.get("kind") != kind:
     raise ValueError(
@@ -450,9 +454,10 @@ def _check_arrays(
       )
   extra = sorted(set(stored) - set(want))
   if extra:
+    more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
     raise ValueError(
-      f"checkpoint {directory} holds arrays {', '.join(extra)} that {what} "
-      "do not have"
+      f"checkpoint {directory} holds arrays {', '.join(extra[:5])}{more} "
+      f"that {what} do not have"
     )
 
 
@@ -480,13 +485,18 @@ def _brief(h: HParams) -> str:
   return f"HParams({', '.join(f'{k}={getattr(h, k)}' for k in keys)}, ...)"
 
 
-def _template(h: HParams, quantized_names: set[str], dtype) -> Weights:
+def _template(
+  h: HParams, quantized_names: set[str], dtype, *, stacked: bool = False
+) -> Weights:
   """ShapeDtypeStructs of the weights: QArray leaves for the names saved
-  as int8, `dtype` for the float ones."""
+  as int8, `dtype` for the float ones; with `stacked`, the layers stacked
+  as format version 1 stored them (names "layers.q", not "layers.0.q")."""
 
   def one(path, spec):
     shape = shape_of(h, spec)
     name = ".".join(quantized.key_name(k) for k in path)
+    if stacked:
+      name = re.sub(r"^layers\.\d+\.", "layers.", name)
     if name in quantized_names:
       leaf = quantized.key_name(path[-1])
       return quantized.QArray(
@@ -497,11 +507,14 @@ def _template(h: HParams, quantized_names: set[str], dtype) -> Weights:
       )
     return jax.ShapeDtypeStruct(shape, dtype)
 
-  return jax.tree_util.tree_map_with_path(
+  out = jax.tree_util.tree_map_with_path(
     one,
     Weights.axes(h),
     is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
   )
+  if stacked:
+    out = out.replace(layers=jax.eval_shape(stack_layers, out.layers))
+  return out
 
 
 def _with_shardings(template, shardings):
@@ -630,7 +643,8 @@ def load_model(
       f"checkpoint {directory}: weights of dtype {jnp.dtype(dtype).name}; "
       "expected float32 or bfloat16"
     )
-  template = _template(h, names, jnp.dtype(dtype))
+  legacy = meta["version"] == 1
+  template = _template(h, names, jnp.dtype(dtype), stacked=legacy)
   _check_arrays(
     directory,
     meta,
@@ -640,14 +654,30 @@ def load_model(
   _check_bytes(directory, meta, template)
   if vocab is None:
     vocab = _read_vocab(directory, meta.get("vocabulary"))
-  shardings = _weight_shardings(h, mesh, phases[0], template)
-  weights = _restore(directory, _with_shardings(template, shardings))
+  if legacy:
+    weights = _restore_stacked(directory, template)
+    weights = jax.device_put(
+      weights, _weight_shardings(h, mesh, phases[0], weights)
+    )
+  else:
+    shardings = _weight_shardings(h, mesh, phases[0], template)
+    weights = _restore(directory, _with_shardings(template, shardings))
   if quantize == "int8":
     weights = _quantize_placed(h, mesh, phases[0], weights)
   ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
   return InferenceModel(
     h, weights, vocab, mesh=mesh, layout=layout, **{**ids, **model_kwargs}
   )
+
+
+def _restore_stacked(directory: str, template: Weights) -> Weights:
+  """A version-1 checkpoint's weights, layers split into arrays of their
+  own (restored on the host, to be placed by the caller)."""
+  local = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+  stacked = jax.device_get(
+    _restore(directory, _with_shardings(template, local))
+  )
+  return stacked.replace(layers=unstack_layers(stacked.layers))
 
 
 def _quantize_placed(h: HParams, mesh, layout, weights):

@@ -33,6 +33,7 @@ from jax import lax
 
 from chunkwise.collectives import ring
 from chunkwise.collectives.ring import Axes
+from chunkwise.contract import contract
 
 
 def _letters(eq: str, gather: str):
@@ -54,7 +55,7 @@ def allgather_matmul_naive(
     lhs = lax.all_gather(
       lhs, tuple(axes), axis=lletters.index(gather), tiled=True
     )
-  return jnp.einsum(eq, lhs, rhs)
+  return contract(eq, lhs, rhs)
 
 
 def _rhs_block(eq, lhs, rhs, axes, gather, n, what):
@@ -76,13 +77,13 @@ def allgather_matmul_one_way(
   """One-way ring; `rhs` unshuffled."""
   n, d = ring.size(axes), ring.index(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   _, dim, m = _rhs_block(eq, lhs, rhs, axes, gather, n, "allgather_one_way")
-  acc = jnp.einsum(eq, lhs, ring.blocks(rhs, dim, d, 1, m))
+  acc = contract(eq, lhs, ring.blocks(rhs, dim, d, 1, m))
   cur = lhs
   for s in range(1, n):
     cur = ring.shift(cur, axes, +1)  # device (d - s)'s block
-    acc = acc + jnp.einsum(eq, cur, ring.blocks(rhs, dim, (d - s) % n, 1, m))
+    acc = acc + contract(eq, cur, ring.blocks(rhs, dim, (d - s) % n, 1, m))
   return acc
 
 
@@ -93,7 +94,7 @@ def allgather_matmul_latency(
   `shuffle_for_allgather_latency`."""
   n = ring.size(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   if n % 2:
     raise ValueError(
       f"allgather_matmul_latency: ring {axes} has odd size {n}; the latency "
@@ -111,7 +112,7 @@ def allgather_matmul_latency(
       fwd = ring.shift(fwd, axes, +1)  # device d - 1 - j's
       bwd = ring.shift(bwd, axes, -1)  # device d + j's
     x = jnp.concatenate([fwd, bwd], axis=ldim)
-    p = jnp.einsum(eq, x, ring.blocks(rhs, dim, 2 * j, 2, m))
+    p = contract(eq, x, ring.blocks(rhs, dim, 2 * j, 2, m))
     acc = p if acc is None else acc + p
   return acc
 
@@ -130,7 +131,7 @@ def allgather_matmul_throughput(
   subsplit = subsplit or gather
   n = ring.size(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   lletters, dim, m = _rhs_block(
     eq, lhs, rhs, axes, gather, n, "allgather_throughput"
   )
@@ -143,7 +144,7 @@ def allgather_matmul_throughput(
       top = ring.shift(top, axes, +1)  # device d - s's first half
       bottom = ring.shift(bottom, axes, -1)  # device d + s's second half
     x = jnp.concatenate([top, bottom], axis=sdim)
-    p = jnp.einsum(eq, x, ring.blocks(rhs, dim, s, 1, m))
+    p = contract(eq, x, ring.blocks(rhs, dim, s, 1, m))
     acc = p if acc is None else acc + p
   return acc
 

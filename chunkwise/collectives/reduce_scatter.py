@@ -38,6 +38,7 @@ from jax import lax
 
 from chunkwise.collectives import ring
 from chunkwise.collectives.ring import Axes
+from chunkwise.contract import contract
 
 
 def _letters(eq: str, scatter: str):
@@ -55,7 +56,7 @@ def matmul_reducescatter_naive(
 ) -> jax.Array:
   """einsum, then `lax.psum_scatter` over `axes` along `scatter`."""
   _, _, out = _letters(eq, scatter)
-  product = jnp.einsum(eq, lhs, rhs)
+  product = contract(eq, lhs, rhs)
   if not axes:
     return product
   return lax.psum_scatter(
@@ -70,12 +71,12 @@ def matmul_reducescatter_one_way(
   _, rletters, _ = _letters(eq, scatter)
   n, d = ring.size(axes), ring.index(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   dim = rletters.index(scatter)
   m = ring.block_size(rhs, dim, n, "matmul_reducescatter_one_way rhs")
 
   def part(j):
-    return jnp.einsum(eq, lhs, ring.blocks(rhs, dim, j % n, 1, m))
+    return contract(eq, lhs, ring.blocks(rhs, dim, j % n, 1, m))
 
   acc = part(d - 1)
   for s in range(1, n):
@@ -92,7 +93,7 @@ def matmul_reducescatter_latency(
   _, rletters, out = _letters(eq, scatter)
   n = ring.size(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   if n % 2:
     raise ValueError(
       f"matmul_reducescatter_latency: ring {axes} has odd size {n}; the "
@@ -102,7 +103,7 @@ def matmul_reducescatter_latency(
   m = ring.block_size(rhs, dim, n, "matmul_reducescatter_latency rhs")
 
   def part(j):  # [block a_j, block b_j] along `scatter`
-    p = jnp.einsum(eq, lhs, ring.blocks(rhs, dim, 2 * j, 2, m))
+    p = contract(eq, lhs, ring.blocks(rhs, dim, 2 * j, 2, m))
     return jnp.split(p, 2, axis=odim)
 
   plus, minus = part(0)
@@ -129,12 +130,12 @@ def matmul_reducescatter_throughput(
   _subsplit_dim(eq, scatter, subsplit)
   n = ring.size(axes)
   if n == 1:
-    return jnp.einsum(eq, lhs, rhs)
+    return contract(eq, lhs, rhs)
   dim, sdim = rletters.index(scatter), out.index(subsplit)
   m = ring.block_size(rhs, dim, n, "matmul_reducescatter_throughput rhs")
 
   def part(s):
-    p = jnp.einsum(eq, lhs, ring.blocks(rhs, dim, s, 1, m))
+    p = contract(eq, lhs, ring.blocks(rhs, dim, s, 1, m))
     return ring.halves(p, sdim, "matmul_reducescatter_throughput output")
 
   plus, minus = part(0)

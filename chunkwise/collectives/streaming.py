@@ -31,6 +31,7 @@ from jax import lax
 
 from chunkwise.collectives import ring
 from chunkwise.collectives.ring import Axes
+from chunkwise.contract import contract
 
 
 def stream_matmul_naive(
@@ -40,7 +41,7 @@ def stream_matmul_naive(
   for dim, axes in enumerate(rhs_axes):
     if axes:
       rhs = lax.all_gather(rhs, tuple(axes), axis=dim, tiled=True)
-  return jnp.einsum(eq, lhs, rhs)
+  return contract(eq, lhs, rhs)
 
 
 class _Stream:
@@ -106,7 +107,7 @@ class _Stream:
         lhs = lax.dynamic_slice_in_dim(
           lhs, start, piece.shape[dim], axis=self.lletters.index(letter)
         )
-    p = jnp.einsum(self.eq, lhs, piece)
+    p = contract(self.eq, lhs, piece)
     old = lax.dynamic_slice(self.acc, out_start, p.shape)
     self.acc = lax.dynamic_update_slice(self.acc, old + p, out_start)
 

@@ -121,7 +121,7 @@ class ShuffledWeights:
 
 @dataclasses.dataclass(frozen=True)
 class _Reorder:
-  """The block shuffle of one fused weight, stacked [layers, ...]."""
+  """The block shuffle of one layer's fused weight."""
 
   fn: Callable[[jax.Array], jax.Array]
   dim: int  # the scattered or gathered dim
@@ -163,8 +163,8 @@ def _reorders(plan: Plan) -> dict[str, _Reorder]:
       if f.op == _RS
       else collectives.shuffle_for_allgather
     )
-    dim = 1 + rletters.index(f.letter)
-    subdim = None if f.subsplit is None else 1 + rletters.index(f.subsplit)
+    dim = rletters.index(f.letter)
+    subdim = None if f.subsplit is None else rletters.index(f.subsplit)
     fn = functools.partial(
       shuffle_fn, variant, axes=ring(plan), dim=dim, subdim=subdim
     )
@@ -174,14 +174,9 @@ def _reorders(plan: Plan) -> dict[str, _Reorder]:
 
 def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
   """Per device: the weights' local blocks in the order the plan's
-  collective matmuls read them (layers stay stacked on axis 0)."""
-  updates = {
-    name: r.apply(getattr(weights.layers, name))
-    for name, r in _reorders(plan).items()
-  }
-  layers = weights.layers.replace(**updates)
+  collective matmuls read them."""
   return ShuffledWeights(
-    weights=weights.replace(layers=layers),
+    weights=_reorder(plan, weights, inverse=False),
     tag=tag(plan.kind, plan.collectives, plan.sizes),
   )
 
@@ -189,12 +184,21 @@ def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
 def unshuffle(plan: Plan, weights: ShuffledWeights) -> Weights:
   """Per device: `shuffle` undone, the weights in plain order again (to
   save them, or to place them for another layout)."""
-  plain = unwrap(plan, weights)
-  updates = {
-    name: r.apply(getattr(plain.layers, name), inverse=True)
-    for name, r in _reorders(plan).items()
-  }
-  return plain.replace(layers=plain.layers.replace(**updates))
+  return _reorder(plan, unwrap(plan, weights), inverse=True)
+
+
+def _reorder(plan: Plan, weights: Weights, *, inverse: bool) -> Weights:
+  reorders = _reorders(plan)
+
+  def one(layer):
+    return layer.replace(
+      **{
+        name: r.apply(getattr(layer, name), inverse=inverse)
+        for name, r in reorders.items()
+      }
+    )
+
+  return weights.replace(layers=tuple(one(w) for w in weights.layers))
 
 
 def unwrap(plan: Plan, weights) -> Weights:

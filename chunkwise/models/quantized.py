@@ -82,8 +82,12 @@ def quantize(w, axes: tuple[int, ...]) -> QArray:
 
 
 def key_name(key) -> str:
-  """A pytree path entry as a plain string (attribute or dict key)."""
-  return str(getattr(key, "name", getattr(key, "key", key)))
+  """A pytree path entry as a plain string (attribute, dict key or
+  sequence index: `layers[3].q` is named "layers.3.q")."""
+  for attr in ("name", "key", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
 
 
 def _name(path) -> str:

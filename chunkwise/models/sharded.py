@@ -1,4 +1,4 @@
-"""The whole model on one device's shards: embed, scanned layers, unembed.
+"""The whole model on one device's shards: embed, layers, unembed.
 
   logits, (k, v) = forward(plan, hparams, weights, tokens, positions,
                            prefix, dtype)
@@ -16,10 +16,14 @@ D] split like the KV cache.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
 from chunkwise.configs import HParams
-from chunkwise.models import fused, weight_gathered, weight_stationary
+from chunkwise.models import (
+  fused,
+  transformer,
+  weight_gathered,
+  weight_stationary,
+)
 from chunkwise.models.weights import Weights
 from chunkwise.partitioning.layout import LayoutKind
 from chunkwise.partitioning.plan import Plan
@@ -47,11 +51,10 @@ def forward(
   x = mod.embed(plan, hparams, weights, tokens, dtype)
   lengths = [n for _, _, n in prefix]
 
-  def step(x, layer_inputs):
-    w, kv = layer_inputs
+  def step(x, w, kv):
     layer_prefix = [(k, v, n) for (k, v), n in zip(kv, lengths, strict=True)]
     return mod.layer(plan, hparams, w, x, positions, layer_prefix)
 
   per_layer = tuple((k, v) for k, v, _ in prefix)
-  x, kv = lax.scan(step, x, (weights.layers, per_layer))
+  x, kv = transformer.run_layers(step, x, weights.layers, per_layer)
   return mod.unembed(plan, hparams, weights, x), kv

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Activation, Block, HParams
+from chunkwise.contract import contract
 from chunkwise.models.quantized import take_rows
 from chunkwise.models.weights import Layer, Weights
 
@@ -74,9 +75,9 @@ def _activation(kind: Activation, x: jax.Array) -> jax.Array:
 
 
 def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """einsum with the weight cast to the activation dtype (a `QArray`
+  """`contract` with the weight cast to the activation dtype (a `QArray`
   dequantizes to it)."""
-  return jnp.einsum(spec, x, w.astype(x.dtype))
+  return contract(spec, x, w.astype(x.dtype))
 
 
 def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -171,7 +172,7 @@ def forward(
   per_layer: Any = None,
   dtype=jnp.float32,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-  """The whole model over one chunk, layers under `lax.scan`.
+  """The whole model over one chunk, layer after layer.
 
   Args:
     tokens: int32[B, T].
@@ -186,9 +187,21 @@ def forward(
   """
   x = embed(weights, tokens, dtype)
 
-  def step(x, layer_inputs):
-    w, extra = layer_inputs
+  def step(x, w, extra):
     return block(hparams, w, x, positions, attend, extra)
 
-  x, kv = lax.scan(step, x, (weights.layers, per_layer))
+  x, kv = run_layers(step, x, weights.layers, per_layer)
   return unembed(hparams, weights, x), kv
+
+
+def run_layers(step, x, layers, per_layer):
+  """`x, kv_i = step(x, layers[i], per_layer[i])` for every layer in turn,
+  unrolled: each layer's weights are arrays of their own, read in place
+  by its matmuls (a scan over stacked weights copies every slice first).
+  Returns the final x and the layers' (k, v) stacked on a leading axis."""
+  kvs = []
+  for i, w in enumerate(layers):
+    extra = jax.tree.map(lambda a, i=i: a[i], per_layer)
+    x, kv = step(x, w, extra)
+    kvs.append(kv)
+  return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from chunkwise import collectives
 from chunkwise.configs import HParams
@@ -78,7 +77,7 @@ def layer(
   prefix,
 ):
   """One layer on this device's rows; returns (x, (k, v))."""
-  logical = _per_layer(Layer.axes(hparams))
+  logical = Layer.axes(hparams)
   specs = specs_like(logical, w)
   rows = _rows(plan, positions)
   if plan.collectives is Collectives.XLA:
@@ -102,13 +101,6 @@ def layer(
     )
 
   return transformer.block(hparams, local, x, rows, attend, prefix, mm)
-
-
-def _per_layer(specs):
-  """Stacked-layer specs without their leading layers axis."""
-  return jax.tree.map(
-    lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P)
-  )
 
 
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")

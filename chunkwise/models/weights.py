@@ -1,18 +1,22 @@
-"""The `Weights` pytree: every parameter, layers stacked on a leading axis.
+"""The `Weights` pytree: every parameter, one `Layer` of arrays per layer.
 
-Layers are stacked so the forward pass runs them with `lax.scan` (compile
-time independent of depth). Each type declares its logical axes once in
-`axes(hparams)`; layouts map those names to mesh axes.
+Each layer's weights are arrays of their own (not slices of a stacked
+`[layers, ...]` array), so the forward pass reads every weight in place:
+XLA copies a slice of a stacked array before a matmul uses it, which
+read each weight byte twice and wrote it once per decode step (DESIGN §6).
+Each type declares its logical axes once in `axes(hparams)`; layouts map
+those names to mesh axes.
 
   h = configs.get("tiny")
   w = init_random(h, jax.random.key(0))
-  w.layers.q.shape                  # (layers, d_model, heads, head_dim)
-  Weights.axes(h).layers.q          # P('layers', 'embed', 'heads', 'head_dim')
+  len(w.layers)                     # h.layers
+  w.layers[0].q.shape               # (d_model, heads, head_dim)
+  Weights.axes(h).layers[0].q       # P('embed', 'heads', 'head_dim')
 
-Conventions (all matmuls contract the *first* non-layer axis):
-  q:  [layers, embed, heads, head_dim]      k, v: [layers, embed, kv_heads,
-  o:  [layers, heads, head_dim, embed]             head_dim]
-  gate, up: [layers, embed, mlp]            down: [layers, mlp, embed]
+Conventions (all matmuls contract the *first* axis):
+  q:  [embed, heads, head_dim]              k, v: [embed, kv_heads, head_dim]
+  o:  [heads, head_dim, embed]
+  gate, up: [embed, mlp]                    down: [mlp, embed]
   embedding: [vocab, embed]                 unembedding: [embed, vocab]
 Query heads are grouped by K/V head: query head i uses K/V head
 i // (heads // kv_heads), as in Hugging Face's `repeat_kv`.
@@ -33,40 +37,40 @@ from chunkwise.partitioning import axes as ax
 
 @struct.dataclass(kw_only=True)
 class Layer:
-  """All layers' parameters, stacked on axis 0."""
+  """One layer's parameters."""
 
-  q: jax.Array  # [layers, embed, heads, head_dim]
-  k: jax.Array  # [layers, embed, kv_heads, head_dim]
-  v: jax.Array  # [layers, embed, kv_heads, head_dim]
-  o: jax.Array  # [layers, heads, head_dim, embed]
-  gate: jax.Array  # [layers, embed, mlp]
-  up: jax.Array  # [layers, embed, mlp]
-  down: jax.Array  # [layers, mlp, embed]
+  q: jax.Array  # [embed, heads, head_dim]
+  k: jax.Array  # [embed, kv_heads, head_dim]
+  v: jax.Array  # [embed, kv_heads, head_dim]
+  o: jax.Array  # [heads, head_dim, embed]
+  gate: jax.Array  # [embed, mlp]
+  up: jax.Array  # [embed, mlp]
+  down: jax.Array  # [mlp, embed]
   # RMSNorm scales; None without learned scales. A parallel block has one
   # norm in front of both branches (attn_norm), so mlp_norm is None there.
-  attn_norm: jax.Array | None = None  # [layers, embed]
-  mlp_norm: jax.Array | None = None  # [layers, embed]
+  attn_norm: jax.Array | None = None  # [embed]
+  mlp_norm: jax.Array | None = None  # [embed]
   # Projection biases (HParams.qkv_bias, as in Qwen2); None without them.
-  q_bias: jax.Array | None = None  # [layers, heads, head_dim]
-  k_bias: jax.Array | None = None  # [layers, kv_heads, head_dim]
-  v_bias: jax.Array | None = None  # [layers, kv_heads, head_dim]
+  q_bias: jax.Array | None = None  # [heads, head_dim]
+  k_bias: jax.Array | None = None  # [kv_heads, head_dim]
+  v_bias: jax.Array | None = None  # [kv_heads, head_dim]
 
   @classmethod
   def axes(cls, hparams: HParams) -> Layer:
-    norm = P(ax.LAYERS, ax.NORM) if hparams.norm_scale else None
+    norm = P(ax.NORM) if hparams.norm_scale else None
     sequential = hparams.block == Block.SEQUENTIAL
-    kv_bias = P(ax.LAYERS, ax.KV_HEADS, ax.HEAD_DIM)
+    kv_bias = P(ax.KV_HEADS, ax.HEAD_DIM)
     return cls(
-      q=P(ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM),
-      k=P(ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-      v=P(ax.LAYERS, ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-      o=P(ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED),
-      gate=P(ax.LAYERS, ax.EMBED, ax.MLP),
-      up=P(ax.LAYERS, ax.EMBED, ax.MLP),
-      down=P(ax.LAYERS, ax.MLP, ax.EMBED),
+      q=P(ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+      k=P(ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      v=P(ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      o=P(ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+      gate=P(ax.EMBED, ax.MLP),
+      up=P(ax.EMBED, ax.MLP),
+      down=P(ax.MLP, ax.EMBED),
       attn_norm=norm,
       mlp_norm=norm if sequential else None,
-      q_bias=P(ax.LAYERS, ax.HEADS, ax.HEAD_DIM) if hparams.qkv_bias else None,
+      q_bias=P(ax.HEADS, ax.HEAD_DIM) if hparams.qkv_bias else None,
       k_bias=kv_bias if hparams.qkv_bias else None,
       v_bias=kv_bias if hparams.qkv_bias else None,
     )
@@ -77,7 +81,7 @@ class Weights:
   """A whole decoder-only Transformer."""
 
   embedding: jax.Array  # [vocab, embed]
-  layers: Layer
+  layers: tuple[Layer, ...]  # one per layer, first to last
   final_norm: jax.Array | None = None  # [embed]; None without learned scales
   unembedding: jax.Array | None = None  # [embed, vocab]; None when tied
 
@@ -86,7 +90,7 @@ class Weights:
     """Same tree as the weights of `hparams`; leaves are logical specs."""
     return cls(
       embedding=P(ax.VOCAB, ax.EMBED),
-      layers=Layer.axes(hparams),
+      layers=(Layer.axes(hparams),) * hparams.layers,
       final_norm=P(ax.NORM) if hparams.norm_scale else None,
       unembedding=(None if hparams.tied_embeddings else P(ax.EMBED, ax.VOCAB)),
     )
@@ -95,7 +99,6 @@ class Weights:
 def shape_of(hparams: HParams, spec: P) -> tuple[int, ...]:
   """The shape `hparams` gives a weight of logical axes `spec`."""
   size = {
-    ax.LAYERS: hparams.layers,
     ax.VOCAB: hparams.vocab,
     ax.EMBED: hparams.d_model,
     ax.NORM: hparams.d_model,
@@ -178,7 +181,20 @@ def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
     elif path.endswith(".embedding") or path.endswith(".unembedding"):
       value = noise / jnp.sqrt(hparams.d_model)
     else:
-      # The first non-layer axis is the contracted one.
-      value = noise / jnp.sqrt(fan_in[spec[1]])
+      # The first axis is the contracted one.
+      value = noise / jnp.sqrt(fan_in[spec[0]])
     out.append(value.astype(dtype))
   return jax.tree.unflatten(treedef, out)
+
+
+def stack_layers(layers: tuple[Layer, ...]) -> Layer:
+  """The layers' arrays stacked on a new leading axis (`QArray`s stack
+  their values and scales): the storage form of checkpoints saved before
+  layers had arrays of their own."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def unstack_layers(stacked: Layer) -> tuple[Layer, ...]:
+  """`stack_layers` undone: one `Layer` per index of the leading axis."""
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))

@@ -8,11 +8,11 @@ them differently (2D weight-stationary keeps weights' `embed` on x but the
 residual stream's embed on x·y).
 
   from jax.sharding import PartitionSpec as P
-  P(LAYERS, EMBED, HEADS, HEAD_DIM)     # a stacked query projection
+  P(EMBED, HEADS, HEAD_DIM)             # one layer's query projection
 """
 
-# Weights.
-LAYERS = "layers"  # the stacked-layer axis (scanned, never sharded)
+LAYERS = "layers"  # the layer axis of stacked KV caches (never sharded)
+# Weights (one array per layer: no layers axis).
 VOCAB = "vocab"  # rows of the embedding table
 EMBED = "embed"  # d_model of a weight
 HEADS = "heads"  # query heads of a weight
