@@ -13,6 +13,17 @@ os.environ["XLA_FLAGS"] = (
   + " --xla_backend_optimization_level=0"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every `cw.load` builds fresh jitted functions, so a program that another
+# test (or another xdist worker, or a script a test starts) already
+# compiled would be compiled again: JAX's persistent compilation cache,
+# keyed by the program and the compile options, serves it from disk. The
+# directory is .jax_cache in the checkout unless JAX_COMPILATION_CACHE_DIR
+# names another; nothing a test asserts depends on it being warm or cold.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pathlib
 

@@ -146,7 +146,8 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
       assert 1 <= r["steps"] <= 5 and r["mbu"] > 0
       assert r["length"] == data["model"]["prompt_length"]
   int8 = data["configs"][3]["weight_bytes"]
-  assert int8 < 0.4 * data["configs"][0]["weight_bytes"]
+  # Over a quarter: the tiny preset's groups are short, so scales weigh.
+  assert int8 < 0.5 * data["configs"][0]["weight_bytes"]
   # Every chunkwise point over every transformers point of the same shape.
   assert len(data["ratios"]) == 2 * 2 * (2 + 2)
   by_name = {c["name"]: c for c in data["configs"]}

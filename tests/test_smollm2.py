@@ -314,20 +314,22 @@ def test_checkpoint_round_trip_onto_another_layout(
 
 
 def test_int8_quality_against_f32(smol):
-  """scripts/int8_quality.py on its English and code texts. Measured:
-  top-1 agreement 0.968, mean KL 0.0039 nats, weight bytes 25.2% of f32
-  (the issue's target of 98% top-1 agreement is not met; see README)."""
+  """scripts/int8_quality.py's measure on its eight shortest texts. On all
+  ten the script measured top-1 agreement 0.984, mean KL 0.0016 nats,
+  weight bytes 27.3% of f32 (per-group scales)."""
   import pathlib
 
   from chunkwise.checkpoints import quality
 
-  texts = pathlib.Path(__file__).parents[1] / "scripts/data/eval_texts.jsonl"
+  path = pathlib.Path(__file__).parents[1] / "scripts/data/eval_texts.jsonl"
+  # The eight shortest texts (two length buckets): the script measures all.
+  texts = sorted(quality.read_texts(str(path)), key=len)[:8]
   int8 = cw.load("smollm2-135m", quantize="int8")
-  report = quality.measure(smol, int8, quality.read_texts(str(texts)))
+  report = quality.measure(smol, int8, texts)
   assert report["positions"] >= 1000
   assert report["mean_kl"] <= 0.01
   assert report["bytes_ratio"] <= 0.30
-  assert report["top1_agreement"] >= 0.96
+  assert report["top1_agreement"] >= 0.98
 
 
 def test_score_script_matches_transformers(reference, tmp_path, capsys):

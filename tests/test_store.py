@@ -107,18 +107,28 @@ def test_save_from_a_shuffled_layout_stores_plain_weights(tiny, tmp_path):
   _assert_same_result(_run(onto, tiny.vocab)[1], _run(tiny, tiny.vocab)[1])
 
 
-def test_version_1_checkpoints_with_stacked_layers_still_load(tiny, tmp_path):
-  """Checkpoints saved before layers had arrays of their own stored each
-  layer weight stacked ("layers.q" [layers, ...]); they load into the
-  per-layer form, on one device and straight onto a mesh."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_checkpoints_still_load(tiny, tmp_path, version):
+  """Checkpoints saved before layers had arrays of their own (version 1)
+  stored each layer weight stacked ("layers.q" [layers, ...]); before int8
+  scales were per group (versions 1 and 2) they had one scale per output
+  channel. Both load, on one device and straight onto a mesh."""
   weights = tiny.plain_weights()
   for quantize in (False, True):
     specs = cw.models.Weights.axes(tiny.hparams)
-    w = cw.models.quantize_weights(weights, specs) if quantize else weights
-    stacked = w.replace(layers=cw.models.weights.stack_layers(w.layers))
+    w = (
+      cw.models.quantize_weights(weights, specs, grouped=False)
+      if quantize
+      else weights
+    )
+    stored = (
+      w.replace(layers=cw.models.weights.stack_layers(w.layers))
+      if version == 1
+      else w
+    )
     vocab, files = store._vocab_json(tiny.vocab)
     meta = {
-      "version": 1,
+      "version": version,
       "kind": "model",
       "hparams": store._hparams_json(tiny.hparams),
       "quantization": "int8" if quantize else None,
@@ -126,10 +136,13 @@ def test_version_1_checkpoints_with_stacked_layers_still_load(tiny, tmp_path):
       "eos_id": tiny.eos_id,
       "vocabulary": vocab,
     }
-    path = store._write(tmp_path / f"v1_{quantize}", stacked, meta, files, 0)
+    path = store._write(
+      tmp_path / f"v{version}_{quantize}", stored, meta, files, 0
+    )
     desc = json.loads((pathlib.Path(path) / store.META).read_text())
-    assert desc["version"] == 1
-    assert ("layers.q.values" if quantize else "layers.q") in desc["arrays"]
+    assert desc["version"] == version
+    name = "layers.q" if version == 1 else "layers.0.q"
+    assert (name + ".values" if quantize else name) in desc["arrays"]
     _assert_same_weights(cw.load(path).weights, w)
   mesh = make_mesh((2, 2, 2))
   on_mesh = cw.load(path, mesh=mesh, layout="ws_2d")

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from chunkwise.inference import Chunk
+from chunkwise.inference.forward import transformer_infer
 from chunkwise.models import quantized
 
 
@@ -24,30 +26,51 @@ def read_texts(path: str) -> list[str]:
     return [json.loads(line)["text"] for line in f if line.strip()]
 
 
+_BUCKET = 128  # texts are batched by length, padded to multiples of this
+
+
+def _batches(vocab, texts):
+  """Chunks of the texts, batched by length rounded up to `_BUCKET` (a
+  few programs, little padding), shortest first."""
+  lengths = [
+    int(Chunk.tokenize(vocab, [t], is_first_chunk=True).lengths[0])
+    for t in texts
+  ]
+  groups: dict[int, list[int]] = {}
+  for i, n in enumerate(lengths):
+    groups.setdefault(-(-n // _BUCKET) * _BUCKET, []).append(i)
+  chunks = []
+  for width, idx in sorted(groups.items()):
+    chunk = Chunk.tokenize(vocab, [texts[i] for i in idx], is_first_chunk=True)
+    chunks.append(chunk.pad_to_length(width))
+  return chunks
+
+
 def _distributions(model, chunks):
-  """Per text: next-token log-probs [positions, vocab] (all but BOS)."""
-  vocab = model.hparams.vocab
+  """Next-token log-probs [positions, vocab] of every row of every chunk
+  (all but BOS), from the plain single-device forward over the model's
+  own (possibly quantized) weights: a full log-softmax, not a
+  vocabulary-wide top-n."""
+  hparams = model.hparams
+  weights = jax.device_put(model.plain_weights(), jax.devices()[0])
+
+  @jax.jit
+  def log_probs(weights, chunk):
+    full = transformer_infer(hparams, weights, (), chunk)
+    return jax.nn.log_softmax(full.logits, axis=-1)
+
   out = []
   for chunk in chunks:
-    result = model.prefill(chunk, top_n=vocab)
-    n = int(chunk.lengths[0])
-    ids = np.asarray(result.top_ids[0, 1:n])
-    lps = np.asarray(result.top_logprobs[0, 1:n])
-    full = np.empty((n - 1, vocab), np.float32)
-    np.put_along_axis(full, ids, lps, axis=1)
-    out.append(full)
-  return out
+    lps = np.asarray(log_probs(weights, chunk))
+    out += [lps[r, : int(n) - 1] for r, n in enumerate(chunk.lengths)]
+  return np.concatenate(out)
 
 
 def measure(original, candidate, texts: Sequence[str]) -> dict:
   """Top-1 agreement, KL(original ‖ candidate) and weight bytes."""
-  tokenized = [
-    Chunk.tokenize(original.vocab, [t], is_first_chunk=True) for t in texts
-  ]
-  width = max(c.time for c in tokenized)
-  chunks = [c.pad_to_length(width) for c in tokenized]  # one program
-  p = np.concatenate(_distributions(original, chunks))
-  q = np.concatenate(_distributions(candidate, chunks))
+  chunks = _batches(original.vocab, list(texts))
+  p = _distributions(original, chunks)
+  q = _distributions(candidate, chunks)
   kl = np.sum(np.exp(p) * (p - q), axis=-1)
   agree = np.argmax(p, axis=-1) == np.argmax(q, axis=-1)
   original_bytes = quantized.nbytes(original.plain_weights())

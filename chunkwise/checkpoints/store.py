@@ -65,10 +65,12 @@ META = "chunkwise.json"
 ARRAYS = "arrays"
 TOKENIZER = "tokenizer.json"
 FORMAT = "chunkwise-checkpoint"
-VERSION = 2
+VERSION = 3
 # Version 1 stored each layer weight stacked over layers ("layers.q");
-# version 2 stores one array per layer ("layers.0.q"). Both are read.
-READS = (1, 2)
+# version 2 stores one array per layer ("layers.0.q"); version 3 int8
+# scales per group of inputs (`quantized.group_size`), not per output
+# channel as before. All are read.
+READS = (1, 2, 3)
 QUANTIZATIONS = (None, *quantized.SCHEMES)
 # Array dtypes a checkpoint may hold.
 _DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
@@ -486,11 +488,17 @@ def _brief(h: HParams) -> str:
 
 
 def _template(
-  h: HParams, quantized_names: set[str], dtype, *, stacked: bool = False
+  h: HParams,
+  quantized_names: set[str],
+  dtype,
+  *,
+  stacked: bool = False,
+  grouped: bool = True,
 ) -> Weights:
   """ShapeDtypeStructs of the weights: QArray leaves for the names saved
-  as int8, `dtype` for the float ones; with `stacked`, the layers stacked
-  as format version 1 stored them (names "layers.q", not "layers.0.q")."""
+  as int8 (scales per group, or per output channel without `grouped`),
+  `dtype` for the float ones; with `stacked`, the layers stacked as
+  format version 1 stored them (names "layers.q", not "layers.0.q")."""
 
   def one(path, spec):
     shape = shape_of(h, spec)
@@ -502,7 +510,8 @@ def _template(
       return quantized.QArray(
         values=jax.ShapeDtypeStruct(shape, jnp.int8),
         scale=jax.ShapeDtypeStruct(
-          quantized.shape_like(shape, spec, leaf), jnp.float32
+          quantized.shape_like(shape, spec, leaf, grouped=grouped),
+          jnp.float32,
         ),
       )
     return jax.ShapeDtypeStruct(shape, dtype)
@@ -644,7 +653,9 @@ def load_model(
       "expected float32 or bfloat16"
     )
   legacy = meta["version"] == 1
-  template = _template(h, names, jnp.dtype(dtype), stacked=legacy)
+  template = _template(
+    h, names, jnp.dtype(dtype), stacked=legacy, grouped=meta["version"] >= 3
+  )
   _check_arrays(
     directory,
     meta,

@@ -136,19 +136,22 @@ class _Reorder:
 
   def apply(self, w, *, inverse: bool = False):
     """The shuffle (or its inverse) of a weight, or of a `QArray`'s values
-    and, where they follow the reordered output axis, its scales (scales
-    of a contracted axis have size 1 there and stay)."""
+    and its scales (scales per group are reordered with the groups; a
+    scale of size 1 on the reordered dim is the same for every block
+    there and stays)."""
     fn = self.inverse if inverse else self.fn
     if not isinstance(w, QArray):
       return fn(w)
     scale = w.scale
     if scale.shape[self.dim] > 1:
+      if self.subdim is not None and scale.shape[self.subdim] == 1:
+        # The two halves of subdim read dim's blocks in different orders.
+        raise ValueError(
+          f"cannot reorder scales of shape {scale.shape} along dim "
+          f"{self.dim} when dim {self.subdim}, whose halves are reordered "
+          "differently, has a single group"
+        )
       scale = fn(scale)
-    elif self.subdim is not None and scale.shape[self.subdim] > 1:
-      raise ValueError(
-        f"cannot reorder per-channel scales of shape {scale.shape} along "
-        f"contracted dim {self.dim} and output dim {self.subdim} together"
-      )
     return QArray(values=fn(w.values), scale=scale)
 
 

@@ -1,28 +1,38 @@
-"""int8 weights: symmetric, one f32 scale per output channel.
+"""int8 weights: symmetric, one f32 scale per group of input channels.
 
 A quantized weight is a `QArray` pytree in place of the array: int8
-`values` of the weight's shape and f32 `scale`s of the same rank with
-size 1 on the contracted (input) axes, so that
+`values` of the weight's shape and f32 `scale`s of the same rank, so that
 
-  w ≈ values * scale          (broadcast), |values| <= 127,
-  scale = max |w| over the contracted axes / 127.
+  w ≈ values * scale          (each scale repeated over its group),
+  scale = max |w| over the group / 127,   |values| <= 127.
+
+A group is `group_size(n, axis)` consecutive entries of the weight's last
+contracted (input) axis, of length n, for one index of every other axis:
+36 of SmolLM2's 576 embedding inputs, 96 of its 1536 MLP inputs, half a
+head (32 of head_dim's 64 inputs) for `o`; at most 128. The scale has
+n / group entries on that axis and the weight's size on every other
+(per-channel scales had 1 on every contracted axis). Groups divide n / 16
+on axes that layouts shard, so any sharding over up to 8 devices, and the
+collective matmuls' half blocks, cut whole groups: the scales are sharded
+(and shuffled) like the values. An axis whose length 16 does not divide
+keeps one group: a scale per output channel, the scheme of checkpoints
+saved before groups (store version <= 2, `grouped=False`).
 
 `QArray.astype(dtype)` dequantizes, so per-device code that casts a weight
 to the activations' dtype before a matmul (`transformer._mm`,
 `fused.matmul`, the streamed matmuls of `weight_gathered`) runs int8
 weights unchanged, in every layout and collective variant: each device
-dequantizes its own shard. Sharding follows the weight's logical axes:
-`specs_like` gives the scale the weight's spec with the contracted axes
-unsplit (they have size 1).
+dequantizes its own shard. `specs_like` gives the scale the weight's spec
+with its size-1 axes unsplit.
 
-  qw = quantize_weights(weights)      # every matmul weight and the embedding
+  qw = quantize_weights(weights, Weights.axes(h))   # matmul weights, tables
   specs = specs_like(Weights.axes(h), qw)
-  nbytes(qw) / nbytes(weights)        # ≈ 0.25
+  nbytes(qw) / nbytes(weights)        # ≈ 0.28 for SmolLM2
 
-Contracted axes per weight (`CONTRACTED`): embed for q, k, v, gate, up and
-the (un)embedding tables (one scale per vocabulary row, which is also per
-output channel when a tied table unembeds); heads and head_dim for o; mlp
-for down. Norm scales and biases stay in float.
+Contracted axes per weight (`CONTRACTED`, the grouped one last): embed for
+q, k, v, gate, up and the (un)embedding tables (scales per vocabulary row
+and group, which is also per output channel when a tied table unembeds);
+heads and head_dim for o; mlp for down. Norm scales and biases stay float.
 """
 
 from __future__ import annotations
@@ -50,12 +60,39 @@ TABLES = ("embedding", "unembedding")
 SCHEMES = ("int8",)
 
 
+MAX_GROUP = 128
+# Groups divide n / 16 along axes that layouts shard (8 shards, each cut in
+# halves by the throughput matmuls); head_dim is never sharded, but the
+# throughput matmuls halve it.
+_SPLITS = {ax.HEAD_DIM: 2}
+_DEFAULT_SPLITS = 16
+
+
+def group_size(n: int, axis: str = ax.EMBED, *, grouped: bool = True) -> int:
+  """Entries per scale along a grouped logical `axis` of length n: the
+  largest divisor of n / 16 (n / 2 for head_dim) up to `MAX_GROUP`; n
+  (one group) when that is not whole, or with `grouped=False`."""
+  splits = _SPLITS.get(axis, _DEFAULT_SPLITS)
+  if not grouped or n % splits:
+    return n
+  part = n // splits
+  return max(d for d in range(1, MAX_GROUP + 1) if part % d == 0)
+
+
+def expand(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """A scale repeated over its groups, broadcastable against `shape`."""
+  for i, (s, n) in enumerate(zip(scale.shape, shape, strict=True)):
+    if s not in (1, n):
+      scale = jnp.repeat(scale, n // s, axis=i, total_repeat_length=n)
+  return scale
+
+
 @struct.dataclass
 class QArray:
-  """An int8 weight and its per-output-channel scales (see module doc)."""
+  """An int8 weight and its per-group scales (see module doc)."""
 
   values: jax.Array  # int8, the weight's shape
-  scale: jax.Array  # f32, the weight's shape with 1 on contracted axes
+  scale: jax.Array  # f32, the weight's shape divided by the group sizes
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -67,17 +104,29 @@ class QArray:
 
   def astype(self, dtype) -> jax.Array:
     """The dequantized weight (computed in f32, then cast to `dtype`)."""
-    out = self.values.astype(jnp.float32) * self.scale.astype(jnp.float32)
+    scale = expand(self.scale.astype(jnp.float32), self.shape)
+    out = self.values.astype(jnp.float32) * scale
     return out.astype(dtype)
 
 
-def quantize(w, axes: tuple[int, ...]) -> QArray:
-  """Symmetric int8 of `w` with one scale per index of the axes not in
-  `axes` (the contracted ones). All-zero channels get scale 1."""
+def quantize(w, axes: tuple[int, ...], group: int | None = None) -> QArray:
+  """Symmetric int8 of `w`. With a `group` size: one scale per `group`
+  entries of the last of the contracted `axes` and per index of every
+  other axis; without: one scale per index of the axes not in `axes` (per
+  output channel). All-zero groups get scale 1."""
   w32 = jnp.asarray(w, jnp.float32)
-  amax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
+  if group is None:
+    amax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
+  else:
+    last = axes[-1]
+    n = w32.shape[last]
+    if n % group:
+      raise ValueError(f"group size {group} does not divide axis {last} of {n}")
+    split = (*w32.shape[:last], n // group, group, *w32.shape[last + 1 :])
+    amax = jnp.max(jnp.abs(w32.reshape(split)), axis=last + 1)
   scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  values = jnp.clip(jnp.round(w32 / scale), -127, 127).astype(jnp.int8)
+  values = jnp.round(w32 / expand(scale, w32.shape))
+  values = jnp.clip(values, -127, 127).astype(jnp.int8)
   return QArray(values=values, scale=scale)
 
 
@@ -95,14 +144,18 @@ def _name(path) -> str:
 
 
 def contracted_dims(name: str, spec: P) -> tuple[int, ...]:
-  """Positions of the contracted axes of weight `name` with logical `spec`."""
-  return tuple(i for i, a in enumerate(spec) if a in CONTRACTED[name])
+  """Positions of the contracted axes of weight `name` with logical
+  `spec`, in `CONTRACTED` order (the grouped axis last)."""
+  return tuple(tuple(spec).index(a) for a in CONTRACTED[name] if a in spec)
 
 
-def quantize_weights(weights, specs, *, embedding: bool = True):
+def quantize_weights(
+  weights, specs, *, embedding: bool = True, grouped: bool = True
+):
   """Every matmul weight of `weights` as a `QArray` (the embedding and
   unembedding tables too unless `embedding=False`); `specs` is
-  `Weights.axes(hparams)`. Already quantized leaves are kept."""
+  `Weights.axes(hparams)`. Already quantized leaves are kept. With
+  `grouped=False`, one scale per output channel (store version <= 2)."""
 
   def one(path, spec, w):
     name = _name(path)
@@ -110,16 +163,24 @@ def quantize_weights(weights, specs, *, embedding: bool = True):
       return w
     if name in TABLES and not embedding:
       return w
-    return quantize(w, contracted_dims(name, spec))
+    dims = contracted_dims(name, spec)
+    if not grouped:
+      return quantize(w, dims)
+    group = group_size(w.shape[dims[-1]], CONTRACTED[name][-1])
+    return quantize(w, dims, group)
 
   return jax.tree_util.tree_map_with_path(
     one, specs, weights, is_leaf=lambda s: isinstance(s, P)
   )
 
 
-def scale_spec(spec: P, name: str) -> P:
-  """The logical spec of a `QArray.scale`: contracted axes unsplit."""
-  return P(*(None if a in CONTRACTED[name] else a for a in spec))
+def scale_spec(spec: P, name: str, scale_shape: tuple[int, ...]) -> P:
+  """The logical spec of a `QArray.scale` of `scale_shape`: the weight's,
+  with axes of size 1 (one group, or contracted per-channel axes) unsplit;
+  groups are sharded like the inputs they scale."""
+  full = (*spec, *(None,) * (len(scale_shape) - len(spec)))
+  pairs = zip(full, scale_shape, strict=True)
+  return P(*(None if n == 1 else a for a, n in pairs))
 
 
 def specs_like(specs, weights):
@@ -129,7 +190,9 @@ def specs_like(specs, weights):
 
   def one(path, spec, w):
     if isinstance(w, QArray):
-      return QArray(values=spec, scale=scale_spec(spec, _name(path)))
+      return QArray(
+        values=spec, scale=scale_spec(spec, _name(path), w.scale.shape)
+      )
     return spec
 
   return jax.tree_util.tree_map_with_path(
@@ -140,11 +203,18 @@ def specs_like(specs, weights):
   )
 
 
-def shape_like(shape: tuple[int, ...], spec: P, name: str) -> tuple:
+def shape_like(
+  shape: tuple[int, ...], spec: P, name: str, *, grouped: bool = True
+) -> tuple:
   """The scale's shape for a weight of `shape` and logical `spec`."""
-  return tuple(
-    1 if a in CONTRACTED[name] else n for a, n in zip(spec, shape, strict=True)
-  )
+  last = CONTRACTED[name][-1]
+
+  def one(a, n):
+    if a == last:
+      return n // group_size(n, a, grouped=grouped)
+    return 1 if a in CONTRACTED[name] and not grouped else n
+
+  return tuple(one(a, n) for a, n in zip(spec, shape, strict=True))
 
 
 def take_rows(table, ids: jax.Array) -> jax.Array:
@@ -152,7 +222,8 @@ def take_rows(table, ids: jax.Array) -> jax.Array:
   Ids must already lie inside the table."""
   if isinstance(table, QArray):
     rows = jnp.take(table.values, ids, axis=0).astype(jnp.float32)
-    return rows * jnp.take(table.scale, ids, axis=0)
+    scale = jnp.take(table.scale, ids, axis=0)
+    return rows * expand(scale, rows.shape)
   return jnp.take(table, ids, axis=0)
 
 

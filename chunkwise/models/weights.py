@@ -137,12 +137,17 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
         f"{tuple(spec)} for these HParams"
       )
     if isinstance(leaf, QArray):
-      scale = quantized.shape_like(expected, spec, name.rsplit(".", 1)[-1])
-      if leaf.values.dtype != jnp.int8 or tuple(leaf.scale.shape) != scale:
+      short = name.rsplit(".", 1)[-1]
+      scales = {
+        quantized.shape_like(expected, spec, short, grouped=g)
+        for g in (True, False)
+      }
+      if leaf.values.dtype != jnp.int8 or tuple(leaf.scale.shape) not in scales:
         raise ValueError(
           f"int8 weight {name} has values of dtype {leaf.values.dtype} and "
           f"scales of shape {tuple(leaf.scale.shape)}; expected int8 values "
-          f"and scales of shape {scale}"
+          f"and scales of shape {' or '.join(map(str, sorted(scales)))} "
+          "(per group of inputs, or per output channel)"
         )
 
 
