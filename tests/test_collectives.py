@@ -60,14 +60,24 @@ RS_CASES = {
 }
 
 
-def _rs_fn(variant, eq, axes, scatter, subsplit):
+def _cut(variant, rhs, axes, dim):
+  """The shuffled rhs cut into the pieces its ring steps read in place
+  (whole where they read one piece)."""
+  count = C.pieces(variant, ring.size(axes))
+  return rhs if count == 1 else ring.split(rhs, dim, count)
+
+
+def _rs_fn(variant, eq, axes, scatter, subsplit, cut=False):
   rletters = ring.parse(eq)[1]
   subdim = None if subsplit is None else rletters.index(subsplit)
 
   def f(lhs, rhs):
+    dim = rletters.index(scatter)
     rhs = C.shuffle_for_reducescatter(
-      variant, rhs, axes=axes, dim=rletters.index(scatter), subdim=subdim
+      variant, rhs, axes=axes, dim=dim, subdim=subdim
     )
+    if cut:
+      rhs = _cut(variant, rhs, axes, dim)
     return C.matmul_reducescatter(
       variant, eq, lhs, rhs, axes=axes, scatter=scatter, subsplit=subsplit
     )
@@ -85,12 +95,24 @@ def test_matmul_reducescatter(n, case, m):
   rhs = _random(rng, (n, *rshape(n * m)))
   total = sum(np.einsum(eq, lhs[i], rhs[i]) for i in range(n))
   want = np.stack(np.split(total, n, axis=ring.parse(eq)[2].index(scatter)))
-  mesh = _mesh((n,), ("x",))
+  _assert_forms(m, subsplits, lhs, rhs, want, _rs_fn, eq, scatter)
+
+
+def _assert_forms(m, subsplits, lhs, rhs, want, make, eq, letter):
+  """Every form on a ring of all devices, its weights cut into their ring
+  pieces (as the layouts place them), and whole, the pieces sliced at
+  each step, for one block size."""
+  mesh = _mesh((lhs.shape[0],), ("x",))
   for variant, subsplit in _forms(m, subsplits):
-    got = _run(mesh, _rs_fn(variant, eq, ("x",), scatter, subsplit), lhs, rhs)
-    np.testing.assert_allclose(
-      got, want, rtol=1e-4, atol=1e-4, err_msg=f"{variant} / {subsplit}"
-    )
+    for cut in (True, False) if m == 1 else (True,):
+      f = make(variant, eq, ("x",), letter, subsplit, cut)
+      np.testing.assert_allclose(
+        _run(mesh, f, lhs, rhs),
+        want,
+        rtol=1e-4,
+        atol=1e-4,
+        err_msg=f"{variant} / {subsplit} / cut={cut}",
+      )
 
 
 # (einsum, lhs shape for a gathered size, rhs shape for the whole size,
@@ -103,14 +125,17 @@ AG_CASES = {
 }  # fmt: skip
 
 
-def _ag_fn(variant, eq, axes, gather, subsplit):
+def _ag_fn(variant, eq, axes, gather, subsplit, cut=False):
   rletters = ring.parse(eq)[1]
   subdim = None if subsplit is None else rletters.index(subsplit)
 
   def f(lhs, rhs):
+    dim = rletters.index(gather)
     rhs = C.shuffle_for_allgather(
-      variant, rhs, axes=axes, dim=rletters.index(gather), subdim=subdim
+      variant, rhs, axes=axes, dim=dim, subdim=subdim
     )
+    if cut:
+      rhs = _cut(variant, rhs, axes, dim)
     return C.allgather_matmul(
       variant, eq, lhs, rhs, axes=axes, gather=gather, subsplit=subsplit
     )
@@ -128,12 +153,7 @@ def test_allgather_matmul(n, case, m):
   rhs = _random(rng, (n, *rshape(n * m)))
   whole = np.concatenate(list(lhs), axis=ring.parse(eq)[0].index(gather))
   want = np.stack([np.einsum(eq, whole, rhs[i]) for i in range(n)])
-  mesh = _mesh((n,), ("x",))
-  for variant, subsplit in _forms(m, subsplits):
-    got = _run(mesh, _ag_fn(variant, eq, ("x",), gather, subsplit), lhs, rhs)
-    np.testing.assert_allclose(
-      got, want, rtol=1e-4, atol=1e-4, err_msg=f"{variant} / {subsplit}"
-    )
+  _assert_forms(m, subsplits, lhs, rhs, want, _ag_fn, eq, gather)
 
 
 @pytest.mark.parametrize("axes", [("y", "z"), ("z", "x"), ("x", "y", "z")])
@@ -169,9 +189,18 @@ STREAM_CASES = {
 }
 
 
+def _stream(variant, eq, x, w, rhs_axes, halves):
+  if halves:  # the shard cut in two once, as the layout places it
+    w = C.split_for_stream_throughput(w)
+  return C.stream_matmul(variant, eq, x, w, rhs_axes=rhs_axes)
+
+
 @pytest.mark.parametrize("case", sorted(STREAM_CASES))
-@pytest.mark.parametrize("variant", C.VARIANTS)
-def test_stream_matmul(case, variant):
+@pytest.mark.parametrize(
+  "variant, halves",
+  [(v, False) for v in C.VARIANTS] + [("throughput", True)],
+)
+def test_stream_matmul(case, variant, halves):
   eq, lshape, rshape, rspec = STREAM_CASES[case]
   mesh = _mesh((2, 2, 2), ("x", "y", "z"))
   rng = np.random.default_rng(len(case))
@@ -182,9 +211,7 @@ def test_stream_matmul(case, variant):
   rows = P(("x", "y", "z"))
   f = jax.jit(
     jax.shard_map(
-      lambda x, w: C.stream_matmul(variant, eq, x[0], w, rhs_axes=rhs_axes)[
-        None
-      ],
+      lambda x, w: _stream(variant, eq, x[0], w, rhs_axes, halves)[None],
       mesh=mesh,
       in_specs=(rows, P(*rspec)),
       out_specs=rows,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.models import QArray, Weights, check_shapes, quantized
+from chunkwise.models import QArray, Weights, check_shapes, fused, quantized
 from chunkwise.partitioning import make_mesh
 
 
@@ -104,8 +104,11 @@ def test_shuffle_and_unshuffle_move_values_and_scales_together():
   for layout in ("ws_2d/none/throughput", "ws_1d/none/latency"):
     model = cw.InferenceModel(h, q, mesh=mesh, layout=layout)
     assert isinstance(model.weights, cw.models.ShuffledWeights)
-    moved = model.weights.weights.layers[0].q.values
-    if layout.startswith("ws_2d"):
+    if layout.startswith("ws_2d"):  # q is cut into its ring pieces
+      pieces = model.weights.weights.layers[0].q
+      assert isinstance(pieces, fused.Pieces) and len(pieces.parts) == 2
+      moved = fused.join(pieces).values
+      assert moved.shape == q.layers[0].q.values.shape
       assert not np.array_equal(
         np.asarray(moved), np.asarray(q.layers[0].q.values)
       )
@@ -113,6 +116,28 @@ def test_shuffle_and_unshuffle_move_values_and_scales_together():
       jax.tree.leaves(model.plain_weights()), jax.tree.leaves(q), strict=True
     ):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("scale_rows", [1, 2, 4])
+def test_pieces_cut_values_and_scales_together(scale_rows):
+  """A QArray cut into ring pieces and joined again is unchanged, whether
+  its scale is shared along the cut dim (one row) or cut with it (as many
+  rows as pieces included)."""
+  w = QArray(
+    values=jnp.arange(32, dtype=jnp.int8).reshape(8, 4),
+    scale=jnp.arange(1, 4 * scale_rows + 1, dtype=jnp.float32).reshape(
+      scale_rows, 4
+    ),
+  )
+  pieces = fused.split(w, 0, 2)
+  assert pieces.shared == (scale_rows == 1)
+  for i, part in enumerate(pieces.parts):
+    np.testing.assert_array_equal(part.values, w.values[4 * i : 4 * i + 4])
+  back = fused.join(pieces)
+  np.testing.assert_array_equal(back.values, w.values)
+  np.testing.assert_array_equal(back.scale, w.scale)
+  with pytest.raises(ValueError, match="would split a group"):
+    fused.split(w.replace(scale=jnp.ones((3, 4))), 0, 2)
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,23 @@ import chunkwise as cw
 from chunkwise.bench import hlo
 from chunkwise.partitioning import make_mesh
 
-# The ring variants below still slice each weight into its ring blocks
-# (one copy per block and step): issue 20 keeps them here, failing, until
-# shuffled weights hold their blocks as arrays of their own.
-_BLOCK_SLICES = pytest.mark.xfail(
-  strict=True, reason="ring blocks are still sliced out of the weight"
-)
+# Every layout and collective variant: the ring forms read their weight
+# pieces (`fused.Pieces`) in place.
 LAYOUTS = [
   "reference",
   "ws_1d",
-  pytest.param("ws_1d/none/latency", marks=_BLOCK_SLICES),
-  pytest.param("ws_1d/none/throughput", marks=_BLOCK_SLICES),
+  "ws_1d/none/one_way",
+  "ws_1d/none/latency",
+  "ws_1d/none/throughput",
   "ws_2d",
   "ws_2d/yz",
-  pytest.param("ws_2d/none/one_way", marks=_BLOCK_SLICES),
+  "ws_2d/none/one_way",
   "ws_2d/none/latency",
-  pytest.param("ws_2d/none/throughput", marks=_BLOCK_SLICES),
+  "ws_2d/none/throughput",
   "wg",
   "wg/none/one_way",
-  pytest.param("wg/none/throughput", marks=_BLOCK_SLICES),
+  "wg/none/latency",
+  "wg/none/throughput",
 ]
 
 

@@ -8,14 +8,24 @@ names and import nothing else of chunkwise. Each fused form has a naive
 twin (`*_naive`: XLA's collective plus einsum) that tests compare it with.
 Variants, as in `Layout.collectives`:
 
-  "xla"         the naive twin
-  "one_way"     one ring direction; plain weights
-  "latency"     half the sequential hops, double-size matmuls; shuffled
-  "throughput"  both ring directions, half the bytes per link; shuffled
+  "xla"         the naive twin; plain weights
+  "one_way"     one ring direction
+  "latency"     half the sequential hops, double-size matmuls
+  "throughput"  both ring directions, half the bytes per link
 
-  y = matmul_reducescatter("latency", "bte,ehd->bthd", x, wq_shuffled,
-                           axes=("x",), scatter="h")
+The ring forms read one weight piece per step (`pieces` of them), in an
+order that depends on the device: their weights are shuffled once per
+device, and best cut into those pieces (`ring.split`) so that each step
+reads its piece in place instead of slicing it out of the weight:
+
   wq_shuffled = shuffle_for_reducescatter("latency", wq, axes=("x",), dim=1)
+  wq_pieces = ring.split(wq_shuffled, 1, pieces("latency", ring_size))
+  y = matmul_reducescatter("latency", "bte,ehd->bthd", x, wq_pieces,
+                           axes=("x",), scatter="h")
+
+The weight-gathered layout's streamed matmuls need no shuffle; their
+throughput form sends each shard in halves, best cut once
+(`split_for_stream_throughput`).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from chunkwise.collectives.all_gather import (
   allgather_matmul_one_way,
   allgather_matmul_throughput,
   shuffle_for_allgather_latency,
+  shuffle_for_allgather_one_way,
   shuffle_for_allgather_throughput,
 )
 from chunkwise.collectives.reduce_scatter import (
@@ -36,10 +47,12 @@ from chunkwise.collectives.reduce_scatter import (
   matmul_reducescatter_one_way,
   matmul_reducescatter_throughput,
   shuffle_for_reducescatter_latency,
+  shuffle_for_reducescatter_one_way,
   shuffle_for_reducescatter_throughput,
 )
 from chunkwise.collectives.ring import Axes
 from chunkwise.collectives.streaming import (
+  split_for_stream_throughput,
   stream_matmul_latency,
   stream_matmul_naive,
   stream_matmul_one_way,
@@ -47,7 +60,8 @@ from chunkwise.collectives.streaming import (
 )
 
 VARIANTS = ("xla", "one_way", "latency", "throughput")
-SHUFFLED = ("latency", "throughput")  # variants whose weights are reordered
+# Variants whose weights are reordered (and cut into pieces) per device.
+SHUFFLED = ("one_way", "latency", "throughput")
 
 
 def _check(variant: str) -> None:
@@ -55,6 +69,16 @@ def _check(variant: str) -> None:
     raise ValueError(
       f"unknown collective variant {variant!r}; one of {VARIANTS}"
     )
+
+
+def pieces(variant: str, n: int) -> int:
+  """How many weight pieces a ring of n devices reads in `variant` (one
+  per step): N/2 for latency, N for the other ring forms, 1 (the weight
+  whole) for "xla" or a ring of one."""
+  _check(variant)
+  if variant == "xla" or n == 1:
+    return 1
+  return n // 2 if variant == "latency" else n
 
 
 def matmul_reducescatter(
@@ -123,8 +147,10 @@ def shuffle_for_reducescatter(
 ) -> jax.Array:
   """The rhs of `matmul_reducescatter(variant, ...)` with the scattered
   letter at `dim` (and the subsplit letter at `subdim`); unchanged for
-  variants that read plain weights."""
+  "xla", which reads plain weights."""
   _check(variant)
+  if variant == "one_way":
+    return shuffle_for_reducescatter_one_way(rhs, axes=tuple(axes), dim=dim)
   if variant == "latency":
     return shuffle_for_reducescatter_latency(rhs, axes=tuple(axes), dim=dim)
   if variant == "throughput":
@@ -140,6 +166,8 @@ def shuffle_for_allgather(
   """The rhs of `allgather_matmul(variant, ...)` with the gathered letter at
   `dim` (and the subsplit letter at `subdim`)."""
   _check(variant)
+  if variant == "one_way":
+    return shuffle_for_allgather_one_way(rhs, axes=tuple(axes), dim=dim)
   if variant == "latency":
     return shuffle_for_allgather_latency(rhs, axes=tuple(axes), dim=dim)
   if variant == "throughput":
@@ -162,12 +190,16 @@ __all__ = [
   "matmul_reducescatter_naive",
   "matmul_reducescatter_one_way",
   "matmul_reducescatter_throughput",
+  "pieces",
   "shuffle_for_allgather",
   "shuffle_for_allgather_latency",
+  "shuffle_for_allgather_one_way",
   "shuffle_for_allgather_throughput",
   "shuffle_for_reducescatter",
   "shuffle_for_reducescatter_latency",
+  "shuffle_for_reducescatter_one_way",
   "shuffle_for_reducescatter_throughput",
+  "split_for_stream_throughput",
   "stream_matmul",
   "stream_matmul_latency",
   "stream_matmul_naive",

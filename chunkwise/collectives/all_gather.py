@@ -11,7 +11,7 @@ blocks around the ring and multiply each with the matching rhs block while
 the next one travels (N = ring size, d = ring index):
 
   one_way     step s holds device (d - s)'s block, received from d - 1:
-              N matmuls, N - 1 sequential hops. Plain weights.
+              N matmuls, N - 1 sequential hops.
   latency     one hop first, so a device holds d - 1's block and its own;
               each of N/2 steps multiplies both (a matmul of twice the
               contraction) and moves one block +1 and the other -1:
@@ -21,8 +21,10 @@ the next one travels (N = ring size, d = ring index):
               travel in opposite directions, so each link carries half the
               bytes: N - 1 hops.
 
-The latency and throughput forms read rhs block s at step s: their weights
-are reordered once, per device, by the matching `shuffle_*` function.
+Which rhs block a step reads depends on the device, so each form's weights
+are reordered once, per device, by the matching `shuffle_*` function: step
+s then reads piece s (of N, or N/2 for latency) of the shuffled rhs, or
+the rhs already cut into those pieces (`ring.split`), read in place.
 """
 
 from __future__ import annotations
@@ -61,46 +63,52 @@ def allgather_matmul_naive(
 def _rhs_block(eq, lhs, rhs, axes, gather, n, what):
   lletters, rletters, _ = _letters(eq, gather)
   dim = rletters.index(gather)
-  m = ring.block_size(rhs, dim, n, f"{what} rhs")
+  shape = ring.whole_shape(rhs, dim)
+  if shape[dim] % n:
+    raise ValueError(
+      f"{what} rhs: dimension {dim} of shape {shape} has size {shape[dim]}, "
+      f"not divisible by the ring size {n}"
+    )
+  m = shape[dim] // n
   if lhs.shape[lletters.index(gather)] != m:
     raise ValueError(
       f"{what}: lhs {lhs.shape} holds {lhs.shape[lletters.index(gather)]} "
-      f"of {gather!r}, expected rhs size {rhs.shape[dim]} / ring size {n} "
+      f"of {gather!r}, expected rhs size {shape[dim]} / ring size {n} "
       f"= {m}"
     )
   return lletters, dim, m
 
 
 def allgather_matmul_one_way(
-  eq: str, lhs: jax.Array, rhs: jax.Array, *, axes: Axes, gather: str
+  eq: str, lhs: jax.Array, rhs: ring.Rhs, *, axes: Axes, gather: str
 ) -> jax.Array:
-  """One-way ring; `rhs` unshuffled."""
-  n, d = ring.size(axes), ring.index(axes)
+  """One-way ring; `rhs` shuffled by `shuffle_for_allgather_one_way`."""
+  n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
-  _, dim, m = _rhs_block(eq, lhs, rhs, axes, gather, n, "allgather_one_way")
-  acc = contract(eq, lhs, ring.blocks(rhs, dim, d, 1, m))
+    return contract(eq, lhs, ring.join(rhs, 0))
+  _, dim, _ = _rhs_block(eq, lhs, rhs, axes, gather, n, "allgather_one_way")
+  acc = contract(eq, lhs, ring.step_piece(rhs, dim, 0, n))
   cur = lhs
   for s in range(1, n):
     cur = ring.shift(cur, axes, +1)  # device (d - s)'s block
-    acc = acc + contract(eq, cur, ring.blocks(rhs, dim, (d - s) % n, 1, m))
+    acc = acc + contract(eq, cur, ring.step_piece(rhs, dim, s, n))
   return acc
 
 
 def allgather_matmul_latency(
-  eq: str, lhs: jax.Array, rhs: jax.Array, *, axes: Axes, gather: str
+  eq: str, lhs: jax.Array, rhs: ring.Rhs, *, axes: Axes, gather: str
 ) -> jax.Array:
   """Two blocks per step from both directions; `rhs` shuffled by
   `shuffle_for_allgather_latency`."""
   n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
+    return contract(eq, lhs, ring.join(rhs, 0))
   if n % 2:
     raise ValueError(
       f"allgather_matmul_latency: ring {axes} has odd size {n}; the latency "
       "form pairs blocks and needs an even ring"
     )
-  lletters, dim, m = _rhs_block(
+  lletters, dim, _ = _rhs_block(
     eq, lhs, rhs, axes, gather, n, "allgather_latency"
   )
   ldim = lletters.index(gather)
@@ -112,7 +120,7 @@ def allgather_matmul_latency(
       fwd = ring.shift(fwd, axes, +1)  # device d - 1 - j's
       bwd = ring.shift(bwd, axes, -1)  # device d + j's
     x = jnp.concatenate([fwd, bwd], axis=ldim)
-    p = contract(eq, x, ring.blocks(rhs, dim, 2 * j, 2, m))
+    p = contract(eq, x, ring.step_piece(rhs, dim, j, n // 2))
     acc = p if acc is None else acc + p
   return acc
 
@@ -120,7 +128,7 @@ def allgather_matmul_latency(
 def allgather_matmul_throughput(
   eq: str,
   lhs: jax.Array,
-  rhs: jax.Array,
+  rhs: ring.Rhs,
   *,
   axes: Axes,
   gather: str,
@@ -131,8 +139,8 @@ def allgather_matmul_throughput(
   subsplit = subsplit or gather
   n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
-  lletters, dim, m = _rhs_block(
+    return contract(eq, lhs, ring.join(rhs, 0))
+  lletters, dim, _ = _rhs_block(
     eq, lhs, rhs, axes, gather, n, "allgather_throughput"
   )
   _subsplit_dim(eq, gather, subsplit)
@@ -144,7 +152,7 @@ def allgather_matmul_throughput(
       top = ring.shift(top, axes, +1)  # device d - s's first half
       bottom = ring.shift(bottom, axes, -1)  # device d + s's second half
     x = jnp.concatenate([top, bottom], axis=sdim)
-    p = contract(eq, x, ring.blocks(rhs, dim, s, 1, m))
+    p = contract(eq, x, ring.step_piece(rhs, dim, s, n))
     acc = p if acc is None else acc + p
   return acc
 
@@ -157,6 +165,18 @@ def _subsplit_dim(eq: str, gather: str, subsplit: str) -> int:
       "the lhs and rhs, not the output)"
     )
   return rhs.index(subsplit)
+
+
+def shuffle_for_allgather_one_way(
+  rhs: jax.Array, *, axes: Axes, dim: int
+) -> jax.Array:
+  """Per device: block s along `dim` becomes original block (d - s) mod N."""
+  n = ring.size(axes)
+  if n == 1:
+    return rhs
+  ring.block_size(rhs, dim, n, "shuffle_for_allgather_one_way")
+  d = ring.index(axes)
+  return ring.take_blocks(rhs, dim, n, (d - jnp.arange(n)) % n)
 
 
 def shuffle_for_allgather_latency(

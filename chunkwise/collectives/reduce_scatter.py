@@ -13,7 +13,7 @@ ring while the next block's matmul runs (N = ring size, d = ring index):
 
   one_way     step s computes block (d - 1 - s) mod N, adds the partial
               sum received from d - 1 and sends it to d + 1: N matmuls,
-              N - 1 sequential hops. Plain weights.
+              N - 1 sequential hops.
   latency     step j computes two blocks in one matmul of twice the size;
               the first joins a sum travelling +1, the second one
               travelling -1: N/2 steps and N/2 sequential hops. N even.
@@ -22,9 +22,10 @@ ring while the next block's matmul runs (N = ring size, d = ring index):
               block); one half travels +1, the other -1, so each link
               carries half the bytes: N - 1 hops.
 
-The latency and throughput forms read block s at step s: their weights are
-reordered once, per device, by the matching `shuffle_*` function, so the
-schedule is contiguous slices instead of device-dependent ones.
+Every form reads piece s (of N, or N/2 for latency) at step s: its weights
+are reordered once, per device, by the matching `shuffle_*` function, so
+the schedule reads fixed pieces instead of device-dependent slices; cut
+into those pieces (`ring.split`), each is read in place.
 
 All functions are per device and take mesh axis names; a ring of size 1
 (or no axes) is a plain einsum.
@@ -64,46 +65,55 @@ def matmul_reducescatter_naive(
   )
 
 
+def _check_rhs(rhs, dim, n, what):
+  shape = ring.whole_shape(rhs, dim)
+  if shape[dim] % n:
+    raise ValueError(
+      f"{what} rhs: dimension {dim} of shape {shape} has size {shape[dim]}, "
+      f"not divisible by the ring size {n}"
+    )
+
+
 def matmul_reducescatter_one_way(
-  eq: str, lhs: jax.Array, rhs: jax.Array, *, axes: Axes, scatter: str
+  eq: str, lhs: jax.Array, rhs: ring.Rhs, *, axes: Axes, scatter: str
 ) -> jax.Array:
-  """One-way ring; `rhs` unshuffled."""
+  """One-way ring; `rhs` shuffled by `shuffle_for_reducescatter_one_way`."""
   _, rletters, _ = _letters(eq, scatter)
-  n, d = ring.size(axes), ring.index(axes)
+  n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
+    return contract(eq, lhs, ring.join(rhs, 0))
   dim = rletters.index(scatter)
-  m = ring.block_size(rhs, dim, n, "matmul_reducescatter_one_way rhs")
+  _check_rhs(rhs, dim, n, "matmul_reducescatter_one_way")
 
-  def part(j):
-    return contract(eq, lhs, ring.blocks(rhs, dim, j % n, 1, m))
+  def part(s):  # original block (d - 1 - s) mod N
+    return contract(eq, lhs, ring.step_piece(rhs, dim, s, n))
 
-  acc = part(d - 1)
+  acc = part(0)
   for s in range(1, n):
-    p = part(d - 1 - s)  # independent of the hop: overlaps with it
+    p = part(s)  # independent of the hop: overlaps with it
     acc = ring.shift(acc, axes, +1) + p
   return acc
 
 
 def matmul_reducescatter_latency(
-  eq: str, lhs: jax.Array, rhs: jax.Array, *, axes: Axes, scatter: str
+  eq: str, lhs: jax.Array, rhs: ring.Rhs, *, axes: Axes, scatter: str
 ) -> jax.Array:
   """Two blocks per step, two sums in opposite directions; `rhs` shuffled
   by `shuffle_for_reducescatter_latency`."""
   _, rletters, out = _letters(eq, scatter)
   n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
+    return contract(eq, lhs, ring.join(rhs, 0))
   if n % 2:
     raise ValueError(
       f"matmul_reducescatter_latency: ring {axes} has odd size {n}; the "
       "latency form pairs blocks and needs an even ring"
     )
   dim, odim = rletters.index(scatter), out.index(scatter)
-  m = ring.block_size(rhs, dim, n, "matmul_reducescatter_latency rhs")
+  _check_rhs(rhs, dim, n, "matmul_reducescatter_latency")
 
   def part(j):  # [block a_j, block b_j] along `scatter`
-    p = contract(eq, lhs, ring.blocks(rhs, dim, 2 * j, 2, m))
+    p = contract(eq, lhs, ring.step_piece(rhs, dim, j, n // 2))
     return jnp.split(p, 2, axis=odim)
 
   plus, minus = part(0)
@@ -117,7 +127,7 @@ def matmul_reducescatter_latency(
 def matmul_reducescatter_throughput(
   eq: str,
   lhs: jax.Array,
-  rhs: jax.Array,
+  rhs: ring.Rhs,
   *,
   axes: Axes,
   scatter: str,
@@ -130,12 +140,12 @@ def matmul_reducescatter_throughput(
   _subsplit_dim(eq, scatter, subsplit)
   n = ring.size(axes)
   if n == 1:
-    return contract(eq, lhs, rhs)
+    return contract(eq, lhs, ring.join(rhs, 0))
   dim, sdim = rletters.index(scatter), out.index(subsplit)
-  m = ring.block_size(rhs, dim, n, "matmul_reducescatter_throughput rhs")
+  _check_rhs(rhs, dim, n, "matmul_reducescatter_throughput")
 
   def part(s):
-    p = contract(eq, lhs, ring.blocks(rhs, dim, s, 1, m))
+    p = contract(eq, lhs, ring.step_piece(rhs, dim, s, n))
     return ring.halves(p, sdim, "matmul_reducescatter_throughput output")
 
   plus, minus = part(0)
@@ -154,6 +164,19 @@ def _subsplit_dim(eq: str, scatter: str, subsplit: str) -> int:
       "and the output"
     )
   return rletters.index(subsplit)
+
+
+def shuffle_for_reducescatter_one_way(
+  rhs: jax.Array, *, axes: Axes, dim: int
+) -> jax.Array:
+  """Per device: block s along `dim` becomes original block
+  (d - 1 - s) mod N."""
+  n = ring.size(axes)
+  if n == 1:
+    return rhs
+  ring.block_size(rhs, dim, n, "shuffle_for_reducescatter_one_way")
+  d = ring.index(axes)
+  return ring.take_blocks(rhs, dim, n, (d - 1 - jnp.arange(n)) % n)
 
 
 def shuffle_for_reducescatter_latency(

@@ -8,6 +8,14 @@ uses), and a shift by +1 sends device d's value to device d + 1.
   n, d = size(axes), index(axes)
   x = shift(x, axes, +1)              # now holds device d - 1's value
   w = take_blocks(w, dim, n, order)   # blocks of `dim` reordered
+
+A collective matmul reads its weight one piece per ring step. It takes
+the weight (`Rhs`) either whole, the pieces consecutive along `dim` and
+sliced out at each step (a copy per piece and step), or already cut into
+a tuple of pieces (`split`), each read in place by its step's matmul:
+
+  pieces = split(w, dim, count)      # once, when the weights are placed
+  step_piece(pieces, dim, s, count)  # pieces[s]; a slice of an array
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 Axes = tuple[str, ...]
+# A weight whole, or cut into the pieces its ring steps read (see module).
+Rhs = jax.Array | tuple[jax.Array, ...]
 
 
 def size(axes: Axes) -> int:
@@ -84,9 +94,40 @@ def halves(x: jax.Array, dim: int, what: str) -> tuple[jax.Array, jax.Array]:
   return tuple(jnp.split(x, 2, axis=dim))
 
 
-def blocks(x: jax.Array, dim: int, start, count: int, m: int) -> jax.Array:
-  """`count` consecutive blocks of size m along `dim`, from block `start`."""
-  return lax.dynamic_slice_in_dim(x, start * m, count * m, axis=dim)
+def split(x: jax.Array, dim: int, count: int) -> tuple[jax.Array, ...]:
+  """`x` cut into `count` equal consecutive pieces along `dim`."""
+  block_size(x, dim, count, "split")
+  return tuple(jnp.split(x, count, axis=dim))
+
+
+def join(pieces: Rhs, dim: int) -> jax.Array:
+  """`split` undone (an array is returned as is)."""
+  if not isinstance(pieces, tuple):
+    return pieces
+  return jnp.concatenate(pieces, axis=dim)
+
+
+def whole_shape(rhs: Rhs, dim: int) -> tuple[int, ...]:
+  """The shape of `rhs`, or of its pieces joined along `dim`."""
+  if not isinstance(rhs, tuple):
+    return rhs.shape
+  shape = list(rhs[0].shape)
+  shape[dim] = sum(p.shape[dim] for p in rhs)
+  return tuple(shape)
+
+
+def step_piece(rhs: Rhs, dim: int, s: int, count: int) -> jax.Array:
+  """Piece s of `count` along `dim`: read in place when `rhs` is already
+  split into `count` pieces, else sliced out of the array."""
+  if not isinstance(rhs, tuple):
+    m = block_size(rhs, dim, count, "step_piece")
+    return lax.slice_in_dim(rhs, s * m, (s + 1) * m, axis=dim)
+  if len(rhs) != count:
+    raise ValueError(
+      f"a weight cut into {len(rhs)} pieces cannot feed a ring of "
+      f"{count} steps; split it for this layout"
+    )
+  return rhs[s]
 
 
 def take_blocks(w: jax.Array, dim: int, n: int, order) -> jax.Array:

@@ -18,11 +18,14 @@ heads or d_ff) and o / wo (contract heads or d_ff, place embed) alike.
               link, N - 1 hops.
 
 A device computes which shard it holds from the ring position, so no form
-needs shuffled weights.
+needs shuffled weights. The throughput form sends halves of the shard: cut
+once (`split_for_stream_throughput`, a `Halves`) they are read in place;
+an array is halved at every call (a copy of the shard).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +45,51 @@ def stream_matmul_naive(
     if axes:
       rhs = lax.all_gather(rhs, tuple(axes), axis=dim, tiled=True)
   return contract(eq, lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Halves:
+  """A weight shard cut in two along `dim` (a pytree of the halves)."""
+
+  first: jax.Array
+  second: jax.Array
+  dim: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return ring.whole_shape((self.first, self.second), self.dim)
+
+  @property
+  def ndim(self) -> int:
+    return self.first.ndim
+
+  @property
+  def dtype(self):
+    return self.first.dtype
+
+  def astype(self, dtype) -> Halves:
+    return Halves(self.first.astype(dtype), self.second.astype(dtype), self.dim)
+
+
+jax.tree_util.register_dataclass(Halves)
+
+
+def halving_dim(shape: Sequence[int]) -> int:
+  """The rhs dimension the throughput form halves: the first of even size."""
+  even = [i for i, size in enumerate(shape) if size % 2 == 0]
+  if not even:
+    raise ValueError(
+      f"stream_matmul_throughput: no rhs dimension of {tuple(shape)} can be "
+      "halved"
+    )
+  return even[0]
+
+
+def split_for_stream_throughput(rhs: jax.Array) -> Halves:
+  """A weight shard cut once into the halves `stream_matmul_throughput`
+  sends, along `halving_dim`."""
+  dim = halving_dim(rhs.shape)
+  return Halves(*ring.halves(rhs, dim, "split_for_stream_throughput"), dim)
 
 
 class _Stream:
@@ -138,20 +186,19 @@ def stream_matmul_latency(eq, lhs, rhs, *, rhs_axes):
 
 
 def stream_matmul_throughput(eq, lhs, rhs, *, rhs_axes, subsplit=None):
-  """Halves of each shard travel in opposite directions. `subsplit` (an
-  rhs letter) defaults to the first rhs dimension of even size."""
+  """Halves of each shard travel in opposite directions. `rhs` is the
+  shard, halved here along `subsplit` (an rhs letter; by default
+  `halving_dim`), or a `Halves` cut once, read in place."""
   st = _Stream(eq, lhs, rhs, rhs_axes)
-  if subsplit is None:
-    even = [i for i, size in enumerate(rhs.shape) if size % 2 == 0]
-    if not even:
-      raise ValueError(
-        f"stream_matmul_throughput: no rhs dimension of {rhs.shape} can be "
-        "halved"
-      )
-    dim = even[0]
+  if isinstance(rhs, Halves):
+    dim, first, second = rhs.dim, rhs.first, rhs.second
   else:
-    dim = st.rletters.index(subsplit)
-  first, second = ring.halves(rhs, dim, "stream_matmul_throughput rhs")
+    dim = (
+      halving_dim(rhs.shape)
+      if subsplit is None
+      else st.rletters.index(subsplit)
+    )
+    first, second = ring.halves(rhs, dim, "stream_matmul_throughput rhs")
   for s in range(st.n):
     if s:
       first = ring.shift(first, st.axes, +1)

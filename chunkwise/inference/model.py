@@ -144,7 +144,10 @@ class InferenceModel:
         "layout, which needs plain weights"
       )
     if infer_fn is None:
-      check_shapes(hparams, weights.weights if shuffled else weights)
+      check_shapes(
+        hparams,
+        jax.eval_shape(fused.joined, weights.weights) if shuffled else weights,
+      )
       infer_fn = functools.partial(
         transformer_infer,
         hparams,

@@ -126,26 +126,33 @@ class ShardedEngine:
     self._programs: dict = {}
     # Where weights live depends on the layout only, never on a call.
     plan = self.plan(1)
-    logical = quantized.specs_like(
-      Weights.axes(hparams),
-      weights.weights
-      if isinstance(weights, fused.ShuffledWeights)
-      else weights,
+    shuffled = isinstance(weights, fused.ShuffledWeights)
+    plain = (
+      jax.eval_shape(fused.joined, weights.weights) if shuffled else weights
     )
+    logical = quantized.specs_like(Weights.axes(hparams), plain)
     want = (
       fused.tag(plan.kind, plan.collectives, plan.sizes)
       if fused.needs_shuffle(plan.kind, plan.collectives)
       else None
     )
-    if isinstance(weights, fused.ShuffledWeights):
+    specs = resolve_tree(logical, plan.rules())
+    self._plain_specs = specs  # of the weights in plain order
+    if shuffled:
       fused.unwrap(plan, weights)  # raises unless shuffled for this layout
-      logical = fused.ShuffledWeights(weights=logical, tag=weights.tag)
-    self.weights, self._weight_specs = self._place(
-      weights, logical, plan.rules()
+      specs = fused.ShuffledWeights(
+        fused.shuffled_specs(plan, specs, plain), tag=weights.tag
+      )
+    self.weights = jax.tree.map(
+      lambda x, s: _put(x, NamedSharding(self.mesh, s)), weights, specs
     )
-    if want is not None and not isinstance(weights, fused.ShuffledWeights):
-      # Reordered once here; every program then reads them in place.
-      shuffled_specs = fused.ShuffledWeights(self._weight_specs, tag=want)
+    self._weight_specs = specs
+    if want is not None and not shuffled:
+      # Reordered and cut once here; every program then reads the pieces
+      # in place.
+      shuffled_specs = fused.ShuffledWeights(
+        fused.shuffled_specs(plan, specs, weights), tag=want
+      )
       shuffle = self._program(
         ("shuffle",),
         functools.partial(fused.shuffle, plan),
@@ -164,7 +171,7 @@ class ShardedEngine:
       ("unshuffle",),
       functools.partial(fused.unshuffle, self.plan(1)),
       (self._weight_specs,),
-      self._weight_specs.weights,
+      self._plain_specs,
     )
     return unshuffle(self.weights)
 

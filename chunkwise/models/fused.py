@@ -18,12 +18,17 @@ K/V projections' psum over x in ws_2d (K/V heads are not split over x),
 and the residual's reduce-scatters over y (embed) and z (batch) in ws_2d.
 The weight-gathered layout streams weights instead (`weight_gathered`).
 
-The latency and throughput forms read weight block s at ring step s, so
-their weights are reordered once per device (`shuffle`, run by the engine
-when it places the weights). Reordered weights travel as `ShuffledWeights`,
-whose `tag` names the layout kind, variant and mesh they fit; `unwrap`
-refuses them anywhere else, and refuses plain weights where shuffled ones
-are needed.
+The ring forms (one_way, latency, throughput) read one weight piece per
+ring step, in an order that depends on the device, so their weights are
+reordered once per device and cut into those pieces (`shuffle`, run by the
+engine when it places the weights): a `Pieces` per fused weight, each
+piece an array of its own that its step's matmul reads in place (DESIGN
+§6: no slice of a weight per step). The weight-gathered layout's
+throughput form sends each weight shard in halves: its weights are cut in
+two once the same way. Such weights travel as `ShuffledWeights`, whose
+`tag` names the layout kind, variant and mesh they fit; `unwrap` refuses
+them anywhere else, and refuses plain weights where shuffled ones are
+needed. `unshuffle` joins and reorders them back.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from chunkwise import collectives
+from chunkwise.collectives import ring as ring_ops
+from chunkwise.collectives import streaming
 from chunkwise.models.quantized import QArray
 from chunkwise.models.weights import Weights
 from chunkwise.partitioning.layout import Collectives, LayoutKind
@@ -79,9 +86,10 @@ def scatters_embed(plan: Plan) -> bool:
   return plan.kind is LayoutKind.WS_1D
 
 
-def matmul(plan: Plan, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
-  """The fused matmul `name` (a `FUSED` entry) of one layer's weight `w`,
-  with `w` cast to the activations' dtype."""
+def matmul(plan: Plan, name: str, x: jax.Array, w) -> jax.Array:
+  """The fused matmul `name` (a `FUSED` entry) of one layer's weight `w`
+  (an array, or `Pieces` for the ring forms), cast to the activations'
+  dtype."""
   f = FUSED[plan.kind][name]
   variant = plan.collectives.value
   w = w.astype(x.dtype)
@@ -101,7 +109,60 @@ def matmul(plan: Plan, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def needs_shuffle(kind: LayoutKind, variant: Collectives) -> bool:
+  if kind is LayoutKind.WG:
+    return variant is Collectives.THROUGHPUT
   return kind in FUSED and variant.value in collectives.SHUFFLED
+
+
+# The weight-gathered layout's streamed matrices.
+STREAMED = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@struct.dataclass
+class Pieces:
+  """A weight (array or `QArray`) cut along `dim` into the pieces a
+  collective matmul reads one per ring step. A QArray's scales are cut
+  with their values, or, when `shared` (one scale along `dim`), repeated
+  in every piece."""
+
+  parts: tuple
+  dim: int = struct.field(pytree_node=False)
+  shared: bool = struct.field(pytree_node=False, default=False)
+
+  def astype(self, dtype) -> tuple:
+    """The pieces cast (int8 ones dequantized), as a tuple."""
+    return tuple(p.astype(dtype) for p in self.parts)
+
+
+def split(w, dim: int, count: int) -> Pieces:
+  """`w` (array or QArray) cut into `count` pieces along `dim`."""
+  if not isinstance(w, QArray):
+    return Pieces(ring_ops.split(w, dim, count), dim)
+  values = ring_ops.split(w.values, dim, count)
+  shared = w.scale.shape[dim] == 1
+  if shared:
+    scales = (w.scale,) * count
+  elif w.scale.shape[dim] % count:
+    raise ValueError(
+      f"cannot cut int8 scales of shape {w.scale.shape} into {count} "
+      f"pieces along dim {dim}: the pieces would split a group"
+    )
+  else:
+    scales = ring_ops.split(w.scale, dim, count)
+  parts = tuple(
+    QArray(values=v, scale=sc) for v, sc in zip(values, scales, strict=True)
+  )
+  return Pieces(parts, dim, shared)
+
+
+def join(p: Pieces):
+  """`split` undone."""
+  if not isinstance(p.parts[0], QArray):
+    return ring_ops.join(p.parts, p.dim)
+  values = ring_ops.join(tuple(q.values for q in p.parts), p.dim)
+  scales = tuple(q.scale for q in p.parts)
+  scale = scales[0] if p.shared else ring_ops.join(scales, p.dim)
+  return QArray(values=values, scale=scale)
 
 
 def tag(kind: LayoutKind, variant: Collectives, sizes) -> str:
@@ -121,11 +182,13 @@ class ShuffledWeights:
 
 @dataclasses.dataclass(frozen=True)
 class _Reorder:
-  """The block shuffle of one layer's fused weight."""
+  """The block shuffle of one layer's fused weight, and the pieces it is
+  then cut into."""
 
-  fn: Callable[[jax.Array], jax.Array]
-  dim: int  # the scattered or gathered dim
+  fn: Callable[[jax.Array], jax.Array] | None  # None: order kept
+  dim: int  # the scattered or gathered dim (the cut one)
   subdim: int | None  # the dim halved by the throughput form
+  count: int  # pieces
 
   def inverse(self, w: jax.Array) -> jax.Array:
     """The shuffle undone: its transpose, since it is a permutation.
@@ -134,11 +197,13 @@ class _Reorder:
     (out,) = jax.linear_transpose(self.fn, w32)(w32)
     return out.astype(w.dtype)
 
-  def apply(self, w, *, inverse: bool = False):
+  def reorder(self, w, *, inverse: bool = False):
     """The shuffle (or its inverse) of a weight, or of a `QArray`'s values
     and its scales (scales per group are reordered with the groups; a
     scale of size 1 on the reordered dim is the same for every block
     there and stays)."""
+    if self.fn is None:
+      return w
     fn = self.inverse if inverse else self.fn
     if not isinstance(w, QArray):
       return fn(w)
@@ -154,10 +219,29 @@ class _Reorder:
       scale = fn(scale)
     return QArray(values=fn(w.values), scale=scale)
 
+  def apply(self, w):
+    """Reordered, then cut into pieces (kept whole for a single piece)."""
+    w = self.reorder(w)
+    return w if self.count == 1 else split(w, self.dim, self.count)
 
-def _reorders(plan: Plan) -> dict[str, _Reorder]:
-  """The shuffle of each fused weight of the plan's layout, by name."""
+  def undo(self, w):
+    """`apply` undone: joined, then reordered back."""
+    return self.reorder(join(w) if isinstance(w, Pieces) else w, inverse=True)
+
+
+def _reorders(plan: Plan, layer=None) -> dict[str, _Reorder]:
+  """The shuffle of each reordered weight of the plan's layout, by name
+  (for the weight-gathered layout, of the shard shapes in `layer`, a
+  `Layer` of arrays or shapes as each device holds them)."""
   variant = plan.collectives.value
+  if plan.kind is LayoutKind.WG:
+    out = {}
+    for name in STREAMED:
+      w = getattr(layer, name)
+      dim = streaming.halving_dim(w.shape)
+      out[name] = _Reorder(None, dim, None, 2)
+    return out
+  n = plan.size(ring(plan))
   out = {}
   for name, f in FUSED[plan.kind].items():
     rletters = f.eq.split(",")[1].split("->")[0]
@@ -171,15 +255,22 @@ def _reorders(plan: Plan) -> dict[str, _Reorder]:
     fn = functools.partial(
       shuffle_fn, variant, axes=ring(plan), dim=dim, subdim=subdim
     )
-    out[name] = _Reorder(fn, dim, subdim)
+    out[name] = _Reorder(fn, dim, subdim, collectives.pieces(variant, n))
   return out
 
 
 def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
   """Per device: the weights' local blocks in the order the plan's
-  collective matmuls read them."""
+  collective matmuls read them, cut into their pieces."""
+
+  def one(layer):
+    reorders = _reorders(plan, layer)
+    return layer.replace(
+      **{name: r.apply(getattr(layer, name)) for name, r in reorders.items()}
+    )
+
   return ShuffledWeights(
-    weights=_reorder(plan, weights, inverse=False),
+    weights=weights.replace(layers=tuple(one(w) for w in weights.layers)),
     tag=tag(plan.kind, plan.collectives, plan.sizes),
   )
 
@@ -187,21 +278,78 @@ def shuffle(plan: Plan, weights: Weights) -> ShuffledWeights:
 def unshuffle(plan: Plan, weights: ShuffledWeights) -> Weights:
   """Per device: `shuffle` undone, the weights in plain order again (to
   save them, or to place them for another layout)."""
-  return _reorder(plan, unwrap(plan, weights), inverse=True)
-
-
-def _reorder(plan: Plan, weights: Weights, *, inverse: bool) -> Weights:
-  reorders = _reorders(plan)
+  weights = unwrap(plan, weights)
 
   def one(layer):
-    return layer.replace(
+    plain = joined(layer)
+    reorders = _reorders(plan, plain)
+    return plain.replace(
       **{
-        name: r.apply(getattr(layer, name), inverse=inverse)
+        name: r.reorder(getattr(plain, name), inverse=True)
         for name, r in reorders.items()
       }
     )
 
   return weights.replace(layers=tuple(one(w) for w in weights.layers))
+
+
+def joined(tree):
+  """`tree` (weights, a layer, or their shapes) with every `Pieces`
+  joined back into one array or QArray, in shuffled order."""
+  return jax.tree.map(
+    lambda x: join(x) if isinstance(x, Pieces) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, Pieces),
+  )
+
+
+def shuffled_specs(plan: Plan, specs: Weights, shapes: Weights) -> Weights:
+  """Mesh `specs` of plain weights turned into those of their shuffled
+  form: each reordered weight's spec repeated for its pieces (every piece
+  is sharded like the weight). `shapes` are the plain weights (or their
+  shapes), to find the shards' shapes."""
+  sizes = dict(plan.sizes)
+
+  def local(shape, spec):
+    out = list(shape)
+    for i, axes in enumerate(spec):
+      for a in (
+        () if axes is None else (axes,) if isinstance(axes, str) else axes
+      ):
+        out[i] //= sizes[a]
+    return jax.ShapeDtypeStruct(tuple(out), jnp.float32)
+
+  def one(layer_specs, layer):
+    shards = layer.replace(
+      **{
+        name: local(
+          getattr(layer, name).shape,
+          _values(getattr(layer_specs, name)),
+        )
+        for name in STREAMED
+      }
+    )
+    out = {}
+    for name, r in _reorders(plan, shards).items():
+      spec = getattr(layer_specs, name)
+      if r.count == 1:
+        continue
+      shared = (
+        isinstance(spec, QArray)
+        and getattr(layer, name).scale.shape[r.dim] == 1
+      )
+      out[name] = Pieces((spec,) * r.count, r.dim, shared)
+    return layer_specs.replace(**out)
+
+  return specs.replace(
+    layers=tuple(
+      one(sp, w) for sp, w in zip(specs.layers, shapes.layers, strict=True)
+    )
+  )
+
+
+def _values(spec):
+  return spec.values if isinstance(spec, QArray) else spec
 
 
 def unwrap(plan: Plan, weights) -> Weights:

@@ -24,8 +24,8 @@ import jax
 
 from chunkwise import collectives
 from chunkwise.configs import HParams
+from chunkwise.models import fused, transformer
 from chunkwise.models import shard_ops as ops
-from chunkwise.models import transformer
 from chunkwise.models.attention import attend
 from chunkwise.models.quantized import specs_like
 from chunkwise.models.weights import Layer, Weights
@@ -96,6 +96,8 @@ def layer(
 
   def mm(eq, x, w: _Streamed):
     weight = w.array.astype(x.dtype)
+    if isinstance(w.array, fused.Pieces):  # throughput: halves cut once
+      weight = collectives.streaming.Halves(*weight, w.array.dim)
     return collectives.stream_matmul(
       variant, eq, x, weight, rhs_axes=w.rhs_axes
     )
