@@ -34,7 +34,12 @@ def test_shuffling_layouts_store_tagged_weights(tiny_weights):
     h, tiny_weights, mesh=mesh, layout="ws_2d/none/latency"
   )
   assert not isinstance(plain.weights, ShuffledWeights)
-  assert not isinstance(one_way.weights, ShuffledWeights)
+  # one_way reads its blocks in a per-device order too: shuffled, and cut
+  # into the two pieces its ring of 2 reads one per step.
+  assert one_way.weights.tag == "ws_2d/one_way on mesh 2x2x2"
+  pieces = one_way.weights.weights.layers[0].q
+  assert isinstance(pieces, cw.models.fused.Pieces)
+  assert len(pieces.parts) == 2
   assert isinstance(latency.weights, ShuffledWeights)
   assert latency.weights.tag == "ws_2d/latency on mesh 2x2x2"
   # Blocks really moved: the shuffled q differs from the plain one, but
