@@ -63,18 +63,11 @@ def allgather_matmul_naive(
 def _rhs_block(eq, lhs, rhs, axes, gather, n, what):
   lletters, rletters, _ = _letters(eq, gather)
   dim = rletters.index(gather)
-  shape = ring.whole_shape(rhs, dim)
-  if shape[dim] % n:
-    raise ValueError(
-      f"{what} rhs: dimension {dim} of shape {shape} has size {shape[dim]}, "
-      f"not divisible by the ring size {n}"
-    )
-  m = shape[dim] // n
+  m = ring.block_size(rhs, dim, n, f"{what} rhs")
   if lhs.shape[lletters.index(gather)] != m:
     raise ValueError(
       f"{what}: lhs {lhs.shape} holds {lhs.shape[lletters.index(gather)]} "
-      f"of {gather!r}, expected rhs size {shape[dim]} / ring size {n} "
-      f"= {m}"
+      f"of {gather!r}, expected rhs size {m * n} / ring size {n} = {m}"
     )
   return lletters, dim, m
 

@@ -65,15 +65,6 @@ def matmul_reducescatter_naive(
   )
 
 
-def _check_rhs(rhs, dim, n, what):
-  shape = ring.whole_shape(rhs, dim)
-  if shape[dim] % n:
-    raise ValueError(
-      f"{what} rhs: dimension {dim} of shape {shape} has size {shape[dim]}, "
-      f"not divisible by the ring size {n}"
-    )
-
-
 def matmul_reducescatter_one_way(
   eq: str, lhs: jax.Array, rhs: ring.Rhs, *, axes: Axes, scatter: str
 ) -> jax.Array:
@@ -83,7 +74,7 @@ def matmul_reducescatter_one_way(
   if n == 1:
     return contract(eq, lhs, ring.join(rhs, 0))
   dim = rletters.index(scatter)
-  _check_rhs(rhs, dim, n, "matmul_reducescatter_one_way")
+  ring.block_size(rhs, dim, n, "matmul_reducescatter_one_way rhs")
 
   def part(s):  # original block (d - 1 - s) mod N
     return contract(eq, lhs, ring.step_piece(rhs, dim, s, n))
@@ -110,7 +101,7 @@ def matmul_reducescatter_latency(
       "latency form pairs blocks and needs an even ring"
     )
   dim, odim = rletters.index(scatter), out.index(scatter)
-  _check_rhs(rhs, dim, n, "matmul_reducescatter_latency")
+  ring.block_size(rhs, dim, n, "matmul_reducescatter_latency rhs")
 
   def part(j):  # [block a_j, block b_j] along `scatter`
     p = contract(eq, lhs, ring.step_piece(rhs, dim, j, n // 2))
@@ -142,7 +133,7 @@ def matmul_reducescatter_throughput(
   if n == 1:
     return contract(eq, lhs, ring.join(rhs, 0))
   dim, sdim = rletters.index(scatter), out.index(subsplit)
-  _check_rhs(rhs, dim, n, "matmul_reducescatter_throughput")
+  ring.block_size(rhs, dim, n, "matmul_reducescatter_throughput rhs")
 
   def part(s):
     p = contract(eq, lhs, ring.step_piece(rhs, dim, s, n))

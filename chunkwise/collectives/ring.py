@@ -76,13 +76,17 @@ def parse(eq: str) -> tuple[str, str, str]:
   return lhs, rhs, out
 
 
-def block_size(x: jax.Array, dim: int, n: int, what: str) -> int:
-  if x.shape[dim] % n:
+def block_size(x: Rhs, dim: int, n: int, what: str) -> int:
+  """The size of one of n blocks along `dim` of `x` (an array, or pieces
+  joined along `dim`); a ValueError naming `what` when n does not divide
+  it."""
+  shape = whole_shape(x, dim)
+  if shape[dim] % n:
     raise ValueError(
-      f"{what}: dimension {dim} of shape {x.shape} has size {x.shape[dim]}, "
+      f"{what}: dimension {dim} of shape {shape} has size {shape[dim]}, "
       f"not divisible by the ring size {n}"
     )
-  return x.shape[dim] // n
+  return shape[dim] // n
 
 
 def halves(x: jax.Array, dim: int, what: str) -> tuple[jax.Array, jax.Array]:

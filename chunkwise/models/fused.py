@@ -224,10 +224,6 @@ class _Reorder:
     w = self.reorder(w)
     return w if self.count == 1 else split(w, self.dim, self.count)
 
-  def undo(self, w):
-    """`apply` undone: joined, then reordered back."""
-    return self.reorder(join(w) if isinstance(w, Pieces) else w, inverse=True)
-
 
 def _reorders(plan: Plan, layer=None) -> dict[str, _Reorder]:
   """The shuffle of each reordered weight of the plan's layout, by name
