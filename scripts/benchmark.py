@@ -50,6 +50,7 @@ from chunkwise.constraints import tables as constraint_tables
 from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
+from chunkwise.precision import PRECISIONS
 
 WEIGHTS = ("float32", "bfloat16", "int8")
 
@@ -93,6 +94,12 @@ _HF_DTYPES = flags.DEFINE_list(
   "hf_dtypes",
   ["float32"],
   f"transformers dtypes, any of {reference.TORCH_DTYPES}.",
+)
+_PRECISION = flags.DEFINE_enum(
+  "precision",
+  None,
+  list(PRECISIONS),
+  "Matmul precision of our models (default: highest for f32 weights).",
 )
 _OUTPUT = flags.DEFINE_string("output", "benchmark.json", "JSON results.")
 _PLOT = flags.DEFINE_string("plot", "benchmark.png", "PNG plot ('' : none).")
@@ -184,13 +191,25 @@ def _load(name: str, described, weights: str, mesh, layout) -> InferenceModel:
   quantize = "int8" if weights == "int8" else None
   if not name.startswith(checkpoints.RANDOM):
     return checkpoints.load(
-      name, dtype=dtype, quantize=quantize, mesh=mesh, layout=layout
+      name,
+      dtype=dtype,
+      quantize=quantize,
+      mesh=mesh,
+      layout=layout,
+      precision=_PRECISION.value,
     )
   h = described.hparams
   params = init_random(h, jax.random.key(_SEED.value), dtype)
   if quantize:
     params = quantize_weights(params, Weights.axes(h))
-  return InferenceModel(h, params, described.vocab, mesh=mesh, layout=layout)
+  return InferenceModel(
+    h,
+    params,
+    described.vocab,
+    mesh=mesh,
+    layout=layout,
+    precision=_PRECISION.value,
+  )
 
 
 def main(argv: Sequence[str]) -> None:

@@ -178,13 +178,14 @@ def load(
     dtype: the float weights' dtype, "float32" or "bfloat16" (quantized
       GGUF tensors are dequantized to it); None: float32, or as saved for
       a `cw.save` checkpoint.
-    quantize: "int8": symmetric per-output-channel int8 for every matmul
-      weight and the embedding (`models.quantized`); None: as stored.
+    quantize: "int8": symmetric int8 with per-group scales for every
+      matmul weight and the embedding (`models.quantized`); None: as
+      stored.
     mesh, layout: where and how to shard (None: one device, reference).
     vocab: replaces the checkpoint's vocabulary.
     **model_kwargs: passed to `InferenceModel` (`prefill_layout`,
-      `generate_layout`, `cache_dtype`, `compute_dtype`, `bos_id`,
-      `eos_id`).
+      `generate_layout`, `cache_dtype`, `compute_dtype`, `precision`,
+      `bos_id`, `eos_id`).
 
   Raises:
     FileNotFoundError: unknown name, missing path or embedded package.

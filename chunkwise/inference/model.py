@@ -44,25 +44,28 @@ from chunkwise.inference.vocabularies import (
 )
 from chunkwise.models import Weights, check_shapes, fused, init_random
 from chunkwise.partitioning import Layout, LayoutKind
+from chunkwise.precision import resolve as resolve_precision
+from chunkwise.precision import with_precision
 
 
 class _ReferenceEngine:
   """The reference layout: plain jitted prefill / generate, no mesh."""
 
-  def __init__(self, infer_fn: InferFn, weights):
+  def __init__(self, infer_fn: InferFn, weights, *, precision: str):
     self.weights = weights
+
+    def traced(fn):
+      return with_precision(functools.partial(fn, infer_fn), precision)
+
     self._prefill = jax.jit(
-      functools.partial(prefill.prefill, infer_fn),
-      static_argnames=("top_n", "bos_id"),
+      traced(prefill.prefill), static_argnames=("top_n", "bos_id")
     )
     self._init = jax.jit(
-      functools.partial(generate.init, infer_fn),
+      traced(generate.init),
       static_argnames=("batch", "steps", "top_n", "vocab", "bos_id"),
     )
     # The loop state is donated: segments of generate_stream reuse buffers.
-    self._run = jax.jit(
-      functools.partial(generate.run, infer_fn), donate_argnames=("state",)
-    )
+    self._run = jax.jit(traced(generate.run), donate_argnames=("state",))
 
   def plain_weights(self):
     return self.weights
@@ -102,6 +105,10 @@ class InferenceModel:
     cache_dtype: dtype of KV caches (f32 or bf16).
     compute_dtype: dtype of the residual stream (f32 or bf16); attention
       softmax, norms and logits are always computed in f32.
+    precision: of every matmul and einsum, "highest", "high" or "default"
+      (`chunkwise.precision`); None: "highest" for f32 compute (scores
+      match the CPU's on GPUs, whose default f32 matmul is TF32),
+      "default" for bf16.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
 
@@ -124,10 +131,12 @@ class InferenceModel:
     generate_layout=None,
     cache_dtype=jnp.float32,
     compute_dtype=jnp.float32,
+    precision: str | None = None,
     infer_fn: InferFn | None = None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
+    self._precision = resolve_precision(precision, compute_dtype)
     phases = checks.check_placement(
       mesh, layout, prefill_layout, generate_layout, hparams
     )
@@ -172,7 +181,9 @@ class InferenceModel:
       if lay in engines:
         continue
       if lay.kind is LayoutKind.REFERENCE:
-        engines[lay] = _ReferenceEngine(infer_fn, weights)
+        engines[lay] = _ReferenceEngine(
+          infer_fn, weights, precision=self._precision
+        )
       else:  # weights already placed by another layout are reused
         placed = [
           e.weights
@@ -187,6 +198,7 @@ class InferenceModel:
           lay,
           cache_dtype=cache_dtype,
           compute_dtype=compute_dtype,
+          precision=self._precision,
         )
     self._prefill_engine = engines[phases[0]]
     self._generate_engine = engines[phases[1]]
@@ -230,6 +242,11 @@ class InferenceModel:
     """The sharding (one, or a ChunkResult tree of them) that `prefill` of
     `batch` rows gives its result: where a saved prefix is restored."""
     return self._prefill_engine.result_shardings(batch)
+
+  @property
+  def precision(self) -> str:
+    """Of every matmul and einsum ("highest", "high" or "default")."""
+    return self._precision
 
   @property
   def cache_dtype(self):

@@ -40,6 +40,7 @@ from chunkwise.models import Weights, fused, quantized, sharded
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
+from chunkwise.precision import with_precision
 
 
 def sharded_infer(
@@ -118,8 +119,10 @@ class ShardedEngine:
     *,
     cache_dtype,
     compute_dtype,
+    precision: str,
   ):
     self.hparams = hparams
+    self._precision = precision
     self.mesh = mesh
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
@@ -238,7 +241,7 @@ class ShardedEngine:
     if key not in self._programs:
       self._programs[key] = jax.jit(
         jax.shard_map(
-          per_device,
+          with_precision(per_device, self._precision),
           mesh=self.mesh,
           in_specs=in_specs,
           out_specs=out_specs,

@@ -39,6 +39,7 @@ from chunkwise import checkpoints, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import batching, examples, output
 from chunkwise.partitioning import Layout
+from chunkwise.precision import PRECISIONS
 
 _MODEL = flags.DEFINE_string(
   "model",
@@ -87,6 +88,13 @@ _DTYPE = flags.DEFINE_enum(
 )
 _QUANTIZE = flags.DEFINE_enum(
   "quantize", "none", ["none", "int8"], "Weight quantization."
+)
+_PRECISION = flags.DEFINE_enum(
+  "precision",
+  None,
+  list(PRECISIONS),
+  "Matmul precision (default: highest for f32, whose default is TF32 on "
+  "GPUs; see chunkwise.precision).",
 )
 _SKIP_BAD_LINES = flags.DEFINE_bool(
   "skip_bad_lines",
@@ -362,6 +370,7 @@ def load_model(setup: Setup) -> InferenceModel:
       layout=setup.layout,
       vocab=d.vocab,
       dtype=_DTYPE.value or "float32",
+      precision=_PRECISION.value,
     )
   return checkpoints.load(
     name,
@@ -369,6 +378,7 @@ def load_model(setup: Setup) -> InferenceModel:
     quantize=quantize,
     mesh=mesh,
     layout=setup.layout,
+    precision=_PRECISION.value,
   )
 
 
@@ -439,6 +449,8 @@ def run(
     ).hexdigest()[:16],
     "dtype": _DTYPE.value,
     "quantize": _QUANTIZE.value,
+    # Absent when unset, so outputs begun before the flag still resume.
+    **({"precision": _PRECISION.value} if _PRECISION.value else {}),
     **(settings or {}),
   }
   size = _BATCH_SIZE.value
