@@ -22,7 +22,9 @@ from jax import lax
 
 
 @functools.cache
-def _dims(eq: str):
+def contract_dims(eq: str):
+  """(x's contracted dims, w's contracted dims in w's order, the output
+  permutation or None) of `eq`."""
   inputs, out = eq.replace(" ", "").split("->")
   lhs, rhs = inputs.split(",")
   contracted = [c for c in rhs if c in lhs and c not in out]
@@ -45,6 +47,6 @@ def _dims(eq: str):
 def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """`jnp.einsum(eq, x, w)` with the contraction in `w`'s own dim order;
   keyword arguments go to `lax.dot_general` (e.g. `precision`)."""
-  lhs, rhs, order = _dims(eq)
+  lhs, rhs, order = contract_dims(eq)
   out = lax.dot_general(x, w, ((lhs, rhs), ((), ())), **kwargs)
   return out if order is None else out.transpose(order)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Activation, Block, HParams
-from chunkwise.contract import contract
+from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
 from chunkwise.models.weights import Layer, Weights
 
@@ -76,8 +76,9 @@ def _activation(kind: Activation, x: jax.Array) -> jax.Array:
 
 def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
   """`contract` with the weight cast to the activation dtype (a `QArray`
-  dequantizes to it)."""
-  return contract(spec, x, w.astype(x.dtype))
+  dequantizes to it); decode-sized matmuls on CPU read the weight in
+  place (`models.matmul`)."""
+  return weight_matmul(spec, x, w)
 
 
 def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -156,11 +157,8 @@ def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:
   normed = rms_norm(x, weights.final_norm, hparams.norm_eps)
   normed = normed.astype(jnp.float32)
   if weights.unembedding is None:
-    table = weights.embedding.astype(jnp.float32)
-    return jnp.einsum("bte,ve->btv", normed, table)
-  return jnp.einsum(
-    "bte,ev->btv", normed, weights.unembedding.astype(jnp.float32)
-  )
+    return weight_matmul("bte,ve->btv", normed, weights.embedding)
+  return weight_matmul("bte,ev->btv", normed, weights.unembedding)
 
 
 def forward(

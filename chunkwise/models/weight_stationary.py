@@ -39,6 +39,7 @@ from chunkwise.configs import Block, HParams
 from chunkwise.models import fused
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import attend
+from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
 from chunkwise.models.transformer import _activation, _bias, _mm, rope
 from chunkwise.models.weights import Layer, Weights
@@ -107,11 +108,9 @@ def unembed(
   """Final norm, then f32 logits [B, T, V.(vocab axes + embed axes)]."""
   xn = norm(plan, hparams, x, weights.final_norm).astype(jnp.float32)
   if weights.unembedding is None:
-    table = weights.embedding.astype(jnp.float32)
-    partial = jnp.einsum("bte,ve->btv", xn, table)
+    partial = weight_matmul("bte,ve->btv", xn, weights.embedding)
   else:
-    table = weights.unembedding.astype(jnp.float32)
-    partial = jnp.einsum("bte,ev->btv", xn, table)
+    partial = weight_matmul("bte,ev->btv", xn, weights.unembedding)
   return ops.psum_scatter(partial, plan.embed_axes, axis=2)
 
 

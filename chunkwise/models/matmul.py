@@ -1,0 +1,108 @@
+"""`weight_matmul(eq, x, w)`: activations times a weight, the weight read in
+its own dtype on CPU.
+
+XLA:CPU computes an int8 or bf16 weight's matmul by converting the whole
+weight to the activations' dtype first (a copy of f32 bytes per call) and
+then running its f32 dot: decode, which is bound by weight bytes, ran
+int8 and bf16 weights 6x slower than in place (figures in MAX_ROWS'
+comment and the README). On the CPU backend, a matmul with few rows
+(at most `MAX_ROWS`: decode steps, short chunks) whose weight's contracted
+dims lead it ("k-major": q, k, v, o, gate, up, down, an untied
+unembedding) or end it ("n-major": a tied embedding table unembedding)
+calls `chunkwise.cpu_kernels.matmul` (through `jax.ffi`), which reads
+each int8, bf16 or f32 weight element once and converts it in registers.
+Everything else, and every other backend, takes the plain twin `plain`:
+`contract(eq, x, w.astype(x.dtype))`, which tests compare the kernel
+with. The kernel's f32 sums are cast to x's dtype.
+
+  y = weight_matmul("bte,ehd->bthd", x, layer.q)     # QArray, bf16 or f32
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from chunkwise import cpu_kernels
+from chunkwise.contract import contract, contract_dims
+from chunkwise.models.quantized import QArray
+
+# Rows (product of x's free dims) up to which the kernel runs: beyond, the
+# matmul is bound by FLOPs, not bytes, and XLA's GEMM of the dequantized
+# weight is as fast or faster (f32, 30 layers of 576x1536 and 1536x576 on
+# the 2-core CI machine: 1 row 12.9 vs 12.8 ms, 4 rows 20 vs 32, 16 rows
+# 51 vs 55).
+MAX_ROWS = 16
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def plain(eq: str, x: jax.Array, w) -> jax.Array:
+  """The XLA twin: the weight cast (a QArray dequantized) to x's dtype."""
+  return contract(eq, x, w.astype(x.dtype))
+
+
+def _form(eq: str, x, w) -> bool | None:
+  """n-major (True), k-major (False), or None where the kernel does not
+  apply to `eq` and these operands."""
+  values = w.values if isinstance(w, QArray) else w
+  if not isinstance(w, QArray) and jnp.dtype(values.dtype) not in _DTYPES:
+    return None
+  lhs, rhs, order = contract_dims(eq)
+  c = len(rhs)
+  if order is not None or c == 0:
+    return None
+  if lhs != tuple(range(x.ndim - c, x.ndim)):
+    return None
+  nw = values.ndim
+  if rhs == tuple(range(c)):
+    nmajor = False
+  elif rhs == tuple(range(nw - c, nw)):
+    nmajor = True
+  else:
+    return None
+  if math.prod(x.shape[: x.ndim - c]) > MAX_ROWS:
+    return None
+  if isinstance(w, QArray):  # free dims of the scale must be whole
+    free = range(c, nw) if not nmajor else range(nw - c)
+    if any(w.scale.shape[i] != values.shape[i] for i in free):
+      return None
+  return nmajor
+
+
+def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
+  _, rhs, _ = contract_dims(eq)
+  c = len(rhs)
+  values = w.values if isinstance(w, QArray) else w
+  free_x = x.shape[: x.ndim - c]
+  if nmajor:
+    free_w = values.shape[: values.ndim - c]
+    k = math.prod(values.shape[values.ndim - c :])
+  else:
+    free_w = values.shape[c:]
+    k = math.prod(values.shape[:c])
+  rows, n = math.prod(free_x), math.prod(free_w)
+  w2 = values.reshape((n, k) if nmajor else (k, n))
+  if isinstance(w, QArray):
+    scale = w.scale.astype(jnp.float32)
+    scale = scale.reshape((n, -1) if nmajor else (-1, n))
+  else:
+    scale = jnp.ones((n, 1) if nmajor else (1, n), jnp.float32)
+  out = cpu_kernels.matmul(x.reshape(rows, k), w2, scale, nmajor=nmajor)
+  return out.reshape(*free_x, *free_w).astype(x.dtype)
+
+
+def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
+  """`plain(eq, x, w)`, through the CPU kernel where it applies (module
+  doc). `w`: an array or a `QArray`."""
+  nmajor = _form(eq, x, w)
+  if nmajor is None or not cpu_kernels.load():
+    return plain(eq, x, w)
+  return lax.platform_dependent(
+    x,
+    w,
+    cpu=lambda x, w: _kernel(eq, x, w, nmajor),
+    default=lambda x, w: plain(eq, x, w),
+  )

@@ -1,0 +1,122 @@
+"""The CPU matmul kernel (`chunkwise.cpu_kernels`) against its plain twin."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise import cpu_kernels
+from chunkwise.cpu_kernels import build
+from chunkwise.models import matmul
+from chunkwise.models.quantized import QArray, quantize
+
+pytestmark = pytest.mark.skipif(
+  not cpu_kernels.load(), reason="no C++ compiler: the kernels did not build"
+)
+
+
+def _weight(kind, shape, contracted, group):
+  w = jax.random.normal(jax.random.key(len(shape) + shape[-1]), shape) * 0.05
+  if kind == "int8":
+    return quantize(w, contracted, group)
+  if kind == "int8/channel":
+    return quantize(w, contracted)
+  return w.astype(kind)
+
+
+CASES = [
+  # eq, x shape, w shape, contracted dims of w, group
+  ("bte,ef->btf", (1, 1, 64), (64, 96), (0,), 16),  # k-major, decode
+  ("bte,ef->btf", (3, 1, 72), (72, 40), (0,), 36),  # groups of 36, 40 cols
+  ("bte,ef->btf", (2, 5, 64), (64, 37), (0,), 32),  # 10 rows, odd tail
+  ("bthd,hde->bte", (2, 1, 3, 8), (3, 8, 24), (0, 1), 4),  # o: two dims
+  ("bte,ve->btv", (1, 1, 72), (203, 72), (1,), 36),  # tied table
+  ("bte,ve->btv", (16, 1, 64), (50, 64), (1,), 64),  # 16 rows, one group
+]
+
+
+@pytest.mark.parametrize(
+  "kind", ["int8", "int8/channel", "bfloat16", "float32"]
+)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] + str(c[1]))
+def test_kernel_matches_plain_twin(case, kind):
+  eq, xs, ws, contracted, group = case
+  x = jax.random.normal(jax.random.key(1), xs)
+  w = _weight(kind, ws, contracted, group)
+  assert matmul._form(eq, x, w) is not None
+  fast = jax.jit(lambda x, w: matmul.weight_matmul(eq, x, w))
+  assert build.TARGET in fast.lower(x, w).as_text()
+  want = matmul.plain(eq, x, w)
+  got = fast(x, w)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_activations_cast_back():
+  x = jax.random.normal(jax.random.key(2), (1, 1, 64), jnp.bfloat16)
+  w = _weight("int8", (64, 32), (0,), 16)
+  got = jax.jit(lambda x, w: matmul.weight_matmul("bte,ef->btf", x, w))(x, w)
+  assert got.dtype == jnp.bfloat16
+  want = matmul.plain("bte,ef->btf", x.astype(jnp.float32), w)
+  np.testing.assert_allclose(
+    got.astype(jnp.float32), want, rtol=2e-2, atol=2e-2
+  )
+
+
+def test_where_the_plain_twin_runs():
+  w = _weight("int8", (64, 32), (0,), 16)
+  rows = matmul.MAX_ROWS + 1
+  # too many rows: bound by FLOPs, XLA's GEMM
+  assert matmul._form("bte,ef->btf", jnp.ones((rows, 1, 64)), w) is None
+  # output letters in another order, or the weight's contracted dim inside
+  assert matmul._form("bte,ef->bft", jnp.ones((1, 1, 64)), w) is None
+  w3 = jnp.ones((4, 64, 8))
+  assert matmul._form("bte,hef->bthf", jnp.ones((1, 1, 64)), w3) is None
+  # an int weight that is not a QArray
+  assert matmul._form("bte,ef->btf", jnp.ones((1, 1, 64)), w.values) is None
+  plain = jax.jit(lambda x, w: matmul.weight_matmul("bte,ef->btf", x, w))
+  assert build.TARGET not in plain.lower(jnp.ones((rows, 1, 64)), w).as_text()
+
+
+def test_disabled_by_environment(monkeypatch):
+  for off in ("0", "false", "OFF"):
+    monkeypatch.setenv("CHUNKWISE_CPU_KERNELS", off)
+    assert not build.enabled()
+  monkeypatch.setenv("CHUNKWISE_CPU_KERNELS", "1")
+  assert build.enabled()
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["int8", "bf16"])
+def test_model_decode_same_as_plain_twin(monkeypatch, quantized):
+  """A whole model's decode through the kernel and through XLA's dots:
+  greedy tokens equal, scores within f32 summation-order noise."""
+  h = cw.configs.get("tiny")
+  model = cw.InferenceModel.random(h, seed=3)
+  weights = model.weights
+  if quantized:
+    weights = cw.models.quantized.quantize_weights(weights, cw.models.Weights.axes(h))
+  else:
+    weights = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights)
+
+  def run():
+    m = cw.InferenceModel(h, weights, cw.ByteVocabulary())
+    chunk = cw.Chunk.tokenize(m.vocab, ["abc", "d"], is_first_chunk=True)
+    first = m.prefill(chunk, top_n=2)
+    tokens, result = m.generate([first], sample_ids=jnp.arange(2), steps=6)
+    return first, tokens, result
+
+  fast = run()
+  monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+  slow = run()
+  np.testing.assert_array_equal(fast[1].tokens, slow[1].tokens)
+  for a, b in ((fast[0], slow[0]), (fast[2], slow[2])):
+    np.testing.assert_allclose(
+      a.per_token_scores, b.per_token_scores, rtol=1e-4, atol=1e-4
+    )
+
+
+def test_qarray_scales_must_cover_free_dims():
+  w = _weight("int8", (64, 32), (0,), 16)
+  odd = QArray(values=w.values, scale=w.scale[:, :1])
+  assert matmul._form("bte,ef->btf", jnp.ones((1, 1, 64)), odd) is None
