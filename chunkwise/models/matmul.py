@@ -98,7 +98,9 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   """`plain(eq, x, w)`, through the CPU kernel where it applies (module
   doc). `w`: an array or a `QArray`."""
   nmajor = _form(eq, x, w)
-  if nmajor is None or not cpu_kernels.load():
+  # Only a CPU-backed process builds the kernel (none on a GPU host).
+  on_cpu = jax.default_backend() == "cpu"
+  if nmajor is None or not on_cpu or not cpu_kernels.load():
     return plain(eq, x, w)
   return lax.platform_dependent(
     x,
