@@ -95,7 +95,9 @@ def test_model_decode_same_as_plain_twin(monkeypatch, quantized):
   model = cw.InferenceModel.random(h, seed=3)
   weights = model.weights
   if quantized:
-    weights = cw.models.quantized.quantize_weights(weights, cw.models.Weights.axes(h))
+    weights = cw.models.quantized.quantize_weights(
+      weights, cw.models.Weights.axes(h)
+    )
   else:
     weights = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights)
 
