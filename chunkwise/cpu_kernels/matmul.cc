@@ -19,10 +19,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -225,11 +227,16 @@ struct Job {
   i64 total = 0;
   std::atomic<i64> next{0};
   std::atomic<i64> done{0};
+  std::mutex mu;
+  std::condition_variable finished;
 
   void work() {
     for (i64 b; (b = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
       body(b);
-      done.fetch_add(1, std::memory_order_release);
+      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        finished.notify_all();
+      }
     }
   }
 };
@@ -246,8 +253,16 @@ void parallel_for(ffi::ThreadPool& pool, i64 total,
   // holds the job, never the caller's buffers.
   for (i64 i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
   job->work();
-  while (job->done.load(std::memory_order_acquire) < total)
+  // A short spin (a helper is usually about to finish), then block: other
+  // programs (another device's shard, another process) may need the cores.
+  for (int i = 0; i < 256; ++i) {
+    if (job->done.load(std::memory_order_acquire) == total) return;
     std::this_thread::yield();
+  }
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->finished.wait(lock, [&] {
+    return job->done.load(std::memory_order_acquire) == total;
+  });
 }
 
 template <class W>
