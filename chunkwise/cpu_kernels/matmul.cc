@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -52,6 +53,25 @@ inline float to_float(uint16_t bf16) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// The portable twin of the AVX2 blocks below (any CPU the compiler
+// targets); they also use it for column tails.
+template <bool SCALED, class W>
+void scalar_rows(const float* x, const W* w, const float* s, float* out, i64 M,
+                 i64 K, i64 N, i64 group, bool nmajor, i64 n0, i64 n1) {
+  const i64 groups = K / group;
+  for (i64 n = n0; n < n1; ++n)
+    for (i64 m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (i64 k = 0; k < K; ++k) {
+        float wk = to_float(nmajor ? w[n * K + k] : w[k * N + n]);
+        float sc = !SCALED ? 1.f : nmajor ? s[n * groups + k / group]
+                                          : s[(k / group) * N + n];
+        acc += x[m * K + k] * wk * sc;
+      }
+      out[m * N + n] = acc;
+    }
 }
 
 #ifdef CW_AVX2
@@ -125,16 +145,9 @@ void kmajor_cols(const float* x, const W* w, const float* s, float* out,
       }
     }
   }
-  for (i64 m = 0; m < M; ++m) {
+  for (i64 m = 0; m < M; ++m)
     std::copy(acc + m * B, acc + m * B + (nv - n0), out + m * N + n0);
-    for (i64 n = nv; n < n1; ++n) {
-      float sum = 0.f;
-      for (i64 k = 0; k < K; ++k)
-        sum += x[m * K + k] * to_float(w[k * N + n]) *
-               (SCALED ? s[(k / group) * N + n] : 1.f);
-      out[m * N + n] = sum;
-    }
-  }
+  scalar_rows<SCALED>(x, w, s, out, M, K, N, group, false, nv, n1);
 }
 
 // n-major: out[n .. n + R) of one x row, R weight rows at a time (R
@@ -178,24 +191,6 @@ inline void nmajor_rows(const float* xm, const W* w, const float* s,
   for (int j = 0; j < R; ++j) outm[n + j] = hsum(total[j]) + tail[j];
 }
 #endif  // CW_AVX2
-
-// The portable twin of the blocks above (any CPU the compiler targets).
-template <bool SCALED, class W>
-void scalar_rows(const float* x, const W* w, const float* s, float* out, i64 M,
-                 i64 K, i64 N, i64 group, bool nmajor, i64 n0, i64 n1) {
-  const i64 groups = K / group;
-  for (i64 n = n0; n < n1; ++n)
-    for (i64 m = 0; m < M; ++m) {
-      float acc = 0.f;
-      for (i64 k = 0; k < K; ++k) {
-        float wk = to_float(nmajor ? w[n * K + k] : w[k * N + n]);
-        float sc = !SCALED ? 1.f : nmajor ? s[n * groups + k / group]
-                                          : s[(k / group) * N + n];
-        acc += x[m * K + k] * wk * sc;
-      }
-      out[m * N + n] = acc;
-    }
-}
 
 // Columns (k-major) or rows (n-major) [n0, n1) of the output, all M rows;
 // `acc` holds M * (n1 - n0) floats.
@@ -280,11 +275,15 @@ void run(ffi::ThreadPool& pool, const float* x, const W* w, const float* s,
   const i64 blocks = (N + block - 1) / block;
   parallel_for(pool, blocks, [=](i64 b) {
     const i64 n0 = b * block, n1 = std::min(N, n0 + block);
-    std::unique_ptr<float[]> acc(nmajor ? nullptr : new float[M * (n1 - n0)]);
+    // k-major accumulators: one buffer per thread, grown, never freed
+    // between calls (at most 64 KB, see above).
+    thread_local std::vector<float> acc;
+    if (!nmajor && acc.size() < static_cast<size_t>(M * (n1 - n0)))
+      acc.resize(M * (n1 - n0));
     if (scaled)
-      compute<true>(x, w, s, out, acc.get(), M, K, N, group, nmajor, n0, n1);
+      compute<true>(x, w, s, out, acc.data(), M, K, N, group, nmajor, n0, n1);
     else
-      compute<false>(x, w, s, out, acc.get(), M, K, N, group, nmajor, n0, n1);
+      compute<false>(x, w, s, out, acc.data(), M, K, N, group, nmajor, n0, n1);
   });
 }
 

@@ -3,9 +3,9 @@ its own dtype on CPU.
 
 XLA:CPU computes an int8 or bf16 weight's matmul by converting the whole
 weight to the activations' dtype first (a copy of f32 bytes per call) and
-then running its f32 dot: decode, which is bound by weight bytes, ran
-int8 and bf16 weights 6x slower than in place (figures in MAX_ROWS'
-comment and the README). On the CPU backend, a matmul with few rows
+then running its f32 dot, so decode, which is bound by weight bytes,
+gained nothing from smaller weights (the README's Performance section
+measures what the kernel changes). On the CPU backend, a matmul with few rows
 (at most `MAX_ROWS`: decode steps, short chunks) whose weight's contracted
 dims lead it ("k-major": q, k, v, o, gate, up, down, an untied
 unembedding) or end it ("n-major": a tied embedding table unembedding)
@@ -32,9 +32,9 @@ from chunkwise.models.quantized import QArray
 
 # Rows (product of x's free dims) up to which the kernel runs: beyond, the
 # matmul is bound by FLOPs, not bytes, and XLA's GEMM of the dequantized
-# weight is as fast or faster (f32, 30 layers of 576x1536 and 1536x576 on
-# the 2-core CI machine: 1 row 12.9 vs 12.8 ms, 4 rows 20 vs 32, 16 rows
-# 51 vs 55).
+# weight catches up (a one-off timing of f32 SmolLM2 MLP shapes on the
+# 2-core CI machine had the two level at 1 and 16 rows, the kernel ahead
+# at 4; not a script in this repository).
 MAX_ROWS = 16
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
