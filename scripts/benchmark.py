@@ -34,10 +34,11 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, constraints, partitioning
+from chunkwise import checkpoints, constraints, memory, partitioning
 from chunkwise.bench import (
   machine,
   profile,
@@ -51,6 +52,7 @@ from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
 from chunkwise.precision import PRECISIONS
+from chunkwise.precision import resolve as resolve_precision
 
 WEIGHTS = ("float32", "bfloat16", "int8")
 
@@ -99,7 +101,14 @@ _PRECISION = flags.DEFINE_enum(
   "precision",
   None,
   list(PRECISIONS),
-  "Matmul precision of our models (default: highest for f32 weights).",
+  "Matmul precision of our models (default: highest for f32 compute, "
+  "default for bf16).",
+)
+_COMPUTE_DTYPE = flags.DEFINE_enum(
+  "compute_dtype",
+  "float32",
+  ["float32", "bfloat16"],
+  "Dtype of our models' activations (the residual stream).",
 )
 _OUTPUT = flags.DEFINE_string("output", "benchmark.json", "JSON results.")
 _PLOT = flags.DEFINE_string("plot", "benchmark.png", "PNG plot ('' : none).")
@@ -186,30 +195,46 @@ def _describe(name: str) -> checkpoints.Description:
   return described
 
 
+def _init_dtype(weights: str) -> str:
+  """What random weights are drawn in (int8: quantized from bf16)."""
+  return "float32" if weights == "float32" else "bfloat16"
+
+
+def _check_fits(name: str, h, kinds: Sequence[str]) -> None:
+  """Random weights are drawn on the device: refuse, in one line, a preset
+  whose largest configuration would not fit in its free memory."""
+  need = max(
+    h.num_params() * np.dtype(_init_dtype(k)).itemsize
+    + (h.num_params() if k == "int8" else 0)
+    for k in kinds
+  )
+  try:
+    memory.check_fits(
+      f"{h.num_params() / 1e9:.2f}B random weights for "
+      f"--weights={','.join(kinds)}",
+      need,
+    )
+  except ValueError as e:
+    raise app.UsageError(f"--model={name}: {e}") from None
+
+
 def _load(name: str, described, weights: str, mesh, layout) -> InferenceModel:
   dtype = "bfloat16" if weights == "bfloat16" else "float32"
   quantize = "int8" if weights == "int8" else None
-  if not name.startswith(checkpoints.RANDOM):
-    return checkpoints.load(
-      name,
-      dtype=dtype,
-      quantize=quantize,
-      mesh=mesh,
-      layout=layout,
-      precision=_PRECISION.value,
-    )
-  h = described.hparams
-  params = init_random(h, jax.random.key(_SEED.value), dtype)
-  if quantize:
-    params = quantize_weights(params, Weights.axes(h))
-  return InferenceModel(
-    h,
-    params,
-    described.vocab,
+  common = dict(
     mesh=mesh,
     layout=layout,
     precision=_PRECISION.value,
+    compute_dtype=jnp.dtype(_COMPUTE_DTYPE.value),
   )
+  if not name.startswith(checkpoints.RANDOM):
+    return checkpoints.load(name, dtype=dtype, quantize=quantize, **common)
+  h = described.hparams
+  # Drawn on the default device from the shapes alone, leaf by leaf.
+  params = init_random(h, jax.random.key(_SEED.value), _init_dtype(weights))
+  if quantize:
+    params = quantize_weights(params, Weights.axes(h))
+  return InferenceModel(h, params, described.vocab, **common)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -258,12 +283,16 @@ def run(argv: Sequence[str]) -> None:
       f"{longest} tokens (longest prefill, or prompt + --steps) exceed the "
       f"model's max_len={h.max_len}"
     )
+  hf_device = None
   if _COMPARE_HF.value:
     try:
       reference.check_supported(h)
       reference.threads()
+      hf_device = reference.device()
     except ValueError as e:
       raise app.UsageError(f"--compare_hf: {e}") from None
+  if _MODEL.value.startswith(checkpoints.RANDOM):
+    _check_fits(_MODEL.value, h, kinds)
   named = (
     _one_of("constraints", _CONSTRAINTS.value, tuple(CONSTRAINTS))
     if _CONSTRAINTS.value
@@ -274,10 +303,18 @@ def run(argv: Sequence[str]) -> None:
     shape = (1, 1, jax.device_count())
   mesh = None if shape is None else partitioning.make_mesh(shape)
 
+  # Peak FLOP/s at the dtype and precision each configuration multiplies
+  # in: ours (compute dtype, --precision) and transformers' (its dtype).
+  compute = _COMPUTE_DTYPE.value
+  ours = (compute, resolve_precision(_PRECISION.value, compute))
+  matmuls = [ours] + [
+    (d, resolve_precision(None, d)) for d in (hf_dtypes if hf_device else [])
+  ]
   limits = machine.measure(
     bandwidth_bytes=_BANDWIDTH_MIB.value << 20,
     matmul_size=_MATMUL_SIZE.value,
     runs=max(_RUNS.value, 3),
+    matmuls=matmuls,
   )
   logging.info("machine: %s", limits.describe())
   grid = [
@@ -323,18 +360,15 @@ def run(argv: Sequence[str]) -> None:
     prefill = []
     for ids in grid:
       point = timing.prefill(model, ids, _RUNS.value)
-      prefill.append(roofline.prefill_row(point, h, limits))
+      prefill.append(roofline.prefill_row(point, h, limits.peak(*ours)))
       logging.info("%s prefill: %s", config["name"], prefill[-1])
     profiles = {}
     for b in profile_batches:
-      profiles[str(b)] = [
-        op.describe()
-        for op in profile.top_ops(
-          timing.greedy(
-            model, timing.prompt_prefix(model, prompt, b), _STEPS.value
-          )
+      profiles[str(b)] = profile.measure(
+        timing.greedy(
+          model, timing.prompt_prefix(model, prompt, b), _STEPS.value
         )
-      ]
+      ).describe()
     results.append(
       config
       | {
@@ -350,7 +384,9 @@ def run(argv: Sequence[str]) -> None:
       gc.collect()
       for dtype in hf_dtypes:
         results.append(
-          _reference(h, plain, dtype, prompt, grid, decode_batches, limits)
+          _reference(
+            h, plain, dtype, hf_device, prompt, grid, decode_batches, limits
+          )
         )
       del plain
     else:
@@ -400,8 +436,9 @@ def _build(name: str, described) -> dict:
   }
 
 
-def _reference(h, plain, dtype, prompt, grid, batches, limits) -> dict:
-  hf = reference.to_transformers(h, plain, dtype)
+def _reference(h, plain, dtype, device, prompt, grid, batches, limits):
+  hf = reference.to_transformers(h, plain, dtype, device)
+  peak = limits.peak(dtype, resolve_precision(None, dtype))
   size = sum(p.numel() * p.element_size() for p in hf.parameters())
   itemsize = 2 if dtype == "bfloat16" else 4
   name = f"transformers {dtype}"
@@ -415,12 +452,13 @@ def _reference(h, plain, dtype, prompt, grid, batches, limits) -> dict:
   prefill = []
   for ids in grid:
     point = reference.prefill(hf, ids, _RUNS.value)
-    prefill.append(roofline.prefill_row(point, h, limits))
+    prefill.append(roofline.prefill_row(point, h, peak))
     logging.info("%s prefill: %s", name, prefill[-1])
   return {
     "name": name,
     "kind": "transformers",
     "weights": dtype,
+    "device": device,
     "threads": reference.threads(),
     "weight_bytes": size,
     "prefill": prefill,

@@ -6,14 +6,16 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import chunkwise as cw
-from chunkwise.bench import reference, roofline, timing
+from chunkwise.bench import machine, profile, reference, roofline, timing
 from chunkwise.bench.machine import Limits
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -87,7 +89,10 @@ def test_roofline_arithmetic():
     times=(0.5, 0.1, 0.2),
   )
   limits = Limits(
-    bandwidth=1e9, peak_flops=1e12, bandwidth_bytes=1, matmul_size=1
+    bandwidth=1e9,
+    peaks={"float32/highest": 1e12},
+    bandwidth_bytes=1,
+    matmul_size=1,
   )
   row = roofline.decode_row(point, h, 1000, 2, limits)
   assert row["seconds"] == 0.2 and row["compile_s"] == pytest.approx(2.8)
@@ -96,6 +101,153 @@ def test_roofline_arithmetic():
   assert row["bytes_per_step"] == pytest.approx(step_bytes)
   assert row["mbu"] == pytest.approx(step_bytes / (0.2 / 11) / 1e9)
   assert row["roofline_tokens_per_s"] == pytest.approx(4e9 / step_bytes)
+  prefill = timing.Point("prefill", 2, 3, 0, 6, 1.0, (0.5,))
+  row = roofline.prefill_row(prefill, h, limits.peak("float32", "highest"))
+  assert row["mfu"] == pytest.approx(roofline.prefill_flops(h, 2, 3) / 5e11)
+  with pytest.raises(ValueError, match="no peak measured for bfloat16/def"):
+    limits.peak(jnp.bfloat16, "default")
+
+
+def test_machine_limits_are_timed_as_chains_on_the_device():
+  # Each pass of the chain reads the whole array again: the compiled
+  # program holds one reduction per pass (none merged or hoisted).
+  x = jnp.ones((1024,), jnp.float32)
+  for n in (1, 1 + machine.REPEATS):
+    hlo = machine.chain(machine.read_step, n).lower(1.0, x).compile()
+    assert hlo.as_text().count(" reduce(") == n
+  limits = machine.measure(
+    bandwidth_bytes=1 << 16,
+    matmul_size=32,
+    runs=1,
+    matmuls=[("float32", "highest"), ("bfloat16", "default")] * 2,
+  )
+  assert sorted(limits.peaks) == ["bfloat16/default", "float32/highest"]
+  assert limits.bandwidth > 0 and limits.peak("bfloat16", "default") > 0
+  assert limits.describe()["device_kind"] == jax.devices()[0].device_kind
+  with pytest.raises(ValueError, match="dtype='int8'"):
+    machine.peak_flops(8, 1, "int8")
+  with pytest.raises(ValueError, match="runs=0"):
+    machine.measure(runs=0)
+
+
+def _event(name, start, duration, hlo_op=None):
+  stats = [] if hlo_op is None else [("hlo_op", hlo_op), ("hlo_module", "m")]
+  return types.SimpleNamespace(
+    name=name, start_ns=start, duration_ns=duration, stats=stats
+  )
+
+
+def _plane(name, lines):
+  return types.SimpleNamespace(
+    name=name,
+    lines=[types.SimpleNamespace(name=k, events=v) for k, v in lines.items()],
+  )
+
+
+def test_profile_reads_gpu_kernels_by_op_and_kind():
+  gpu = _plane(
+    "/device:GPU:0",
+    {
+      "Stream #13(compute)": [
+        _event("nvjet_tst_64x8_64x16", 0, 40, "custom-call.3"),
+        _event("loop_fusion", 40, 10, "fusion.7"),
+        _event("nvjet_tst_64x8_64x16", 100, 40, "custom-call.3"),
+      ],
+      "Stream #14(memcpy)": [
+        _event("memcpy32_post", 30, 30, "dynamic-slice.2"),
+        _event("MemcpyD2D", 200, 20),  # no op: named by the kernel
+      ],
+      "Stream #15(nccl)": [
+        _event("ncclDevKernel_AllReduce", 60, 20, "all-reduce.1")
+      ],
+      # Derived per-op timelines repeat the kernels: not read.
+      "XLA Ops": [_event("custom-call.3", 0, 140, "custom-call.3")],
+    },
+  )
+  host = _plane("/host:CPU", {"tf_XLAEigen/1": [_event("dot.1", 0, 999)]})
+  source, found = profile.events([host, _plane("/device:GPU:1", {}), gpu])
+  assert source.startswith("/device:GPU:0: Stream #13(compute)")
+  assert len(found) == 6
+  p = profile.summarize(source, found, wall_ns=400, count=2)
+  assert p.kinds == {
+    "matmul": 80e-6,
+    "copy": 50e-6,
+    "collective": 20e-6,
+    "other": 10e-6,
+  }
+  # Busy: [0, 80) and [100, 140) and [200, 220), overlaps counted once.
+  assert p.busy_ms == pytest.approx(140e-6)
+  assert p.busy_share == pytest.approx(140 / 400)
+  (top, second) = p.ops
+  assert (top.name, top.kind, top.calls) == ("custom-call.3", "matmul", 2)
+  assert top.share == pytest.approx(80 / 160)
+  assert (second.name, second.kind) == ("dynamic-slice.2", "copy")
+  assert p.describe()["kinds_ms"]["matmul"] == pytest.approx(80e-6)
+
+
+def test_profile_reads_tpu_op_lines_and_cpu_thunks():
+  tpu = _plane(
+    "/device:TPU:0",
+    {"XLA Ops": [_event("fusion.1", 0, 5, "fusion.1")], "Steps": []},
+  )
+  source, found = profile.events([tpu])
+  assert source == "/device:TPU:0: XLA Ops" and len(found) == 1
+  host = _plane(
+    "/host:CPU",
+    {
+      "python": [_event("PjitFunction", 0, 100)],
+      "tf_XLAEigen/1": [
+        _event("ThunkExecutor::Execute", 0, 50),  # bookkeeping: no op
+        _event("ffi_call.3", 0, 20, "ffi_call.3"),
+        _event("ynn_fusion.2", 30, 10, "ynn_fusion.2"),
+      ],
+      "tf_XLAEigen/2": [_event("copy.4", 10, 30, "copy.4")],
+    },
+  )
+  source, found = profile.events([host])
+  assert "XLAEigen" in source
+  assert sorted(e.op for e in found) == ["copy.4", "ffi_call.3", "ynn_fusion.2"]
+  p = profile.summarize(source, found, wall_ns=100)
+  assert p.kinds["matmul"] == pytest.approx(30e-6)
+  assert p.busy_ms == pytest.approx(40e-6)  # [0, 40) on either thread
+  assert profile.kind_of("wrapped_convert") == "other"
+  assert profile.kind_of("all-gather-start.2") == "collective"
+  assert profile.kind_of("dynamic-update-slice.1") == "copy"
+
+
+def test_transformers_reference_runs_where_jax_runs(monkeypatch):
+  assert reference.device() == "cpu"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  with pytest.raises(ValueError, match="this torch has no CUDA"):
+    reference.device()
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(ValueError, match="runs on 'tpu'"):
+    reference.device()
+  with pytest.raises(ValueError, match="device='mps'"):
+    reference.to_transformers(cw.configs.get("tiny"), None, "float32", "mps")
+  # Every timed call waits for the other framework's queue.
+  waits = []
+  _, times = timing.timed(lambda: 1, 3, sync=lambda: waits.append(1))
+  assert len(times) == 3 and len(waits) == 4
+
+
+def test_random_presets_of_any_size_are_described_and_checked_for_fit():
+  h = cw.configs.get("llama3-8b")
+  assert (h.layers, h.d_model, h.heads, h.kv_heads, h.head_dim) == (
+    32,
+    4096,
+    32,
+    8,
+    128,
+  )
+  assert (h.d_ff, h.vocab, h.rope_base) == (14_336, 128_256, 500_000.0)
+  assert not h.tied_embeddings
+  assert h.num_params() == pytest.approx(8.03e9, rel=1e-3)
+  big = cw.checkpoints.describe_random("random:palm-540b").hparams
+  assert big.num_params() > 5e11
+  with pytest.raises(ValueError, match=r"too large: they need 2161\.4 GB"):
+    cw.InferenceModel.random(big)
 
 
 @pytest.mark.slow
@@ -122,7 +274,10 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert result.returncode == 0, result.stderr
   data = json.loads(out.read_text())
   assert data["machine"]["bandwidth_gb_s"] > 0
-  assert data["machine"]["peak_matmul_gflop_s"] > 0
+  # Ours (f32 at "highest") and transformers' bf16 matmuls.
+  peaks = data["machine"]["peak_matmul_gflop_s"]
+  assert sorted(peaks) == ["bfloat16/default", "float32/highest"]
+  assert all(v > 0 for v in peaks.values())
   names = [c["name"] for c in data["configs"]]
   assert names == [
     "chunkwise float32",
@@ -160,9 +315,17 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     want = rows[0][key]["tokens_per_s"] / rows[1][key]["tokens_per_s"]
     assert r["ratio"] == pytest.approx(want)
   for c in data["configs"][::3]:  # the chunkwise ones were profiled
-    ops = c["profiles"]["3"]
+    p = c["profiles"]["3"]
+    ops = p["ops"]
     assert 0 < len(ops) <= 15 and all(op["calls"] >= 1 for op in ops)
     assert 0 < sum(op["share"] for op in ops) <= 1 + 1e-9
+    assert 0 < p["busy_share"] <= 1 and p["wall_ms"] > 0
+    # The tiny model's weight matmuls run our CPU kernel (FFI calls).
+    assert p["kinds_ms"]["matmul"] > 0 and set(p["kinds_ms"]) == set(
+      profile.KINDS
+    )
+  for c in data["configs"][1:3]:
+    assert c["device"] == "cpu"
   assert "profile: chunkwise int8 decode, batch 3" in result.stdout
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "ratio (tokens/s, ours / reference)" in result.stdout
@@ -190,6 +353,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     ("--prefill_lengths=9999", "9999 tokens"),
     ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
     ("--model=random:nope", "unknown preset 'nope'"),
+    ("--model=random:palm-540b", "too large: they need"),
   ],
 )
 def test_bad_flags_fail_before_measuring(tmp_path, flag, message):

@@ -66,7 +66,7 @@ def test_main_job_with_random_weights(tmp_path):
   "flag, message",
   [
     ("--model=random:huge", "unknown preset 'huge'"),
-    ("--model=random:palm-540b", "too large"),
+    ("--model=random:palm-540b", "too large: they need"),
     ("--model=/no/such/model.gguf", "neither a known model name"),
     ("--top_p=0", "--top_p must be > 0"),
   ],

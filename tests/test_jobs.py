@@ -384,6 +384,9 @@ def test_bad_flags_exit_with_one_line(tmp_path, capsys):
       ([*base, "--max_len=99999"], "exceeds the model's max_len 512"),
       ([*base, "--layout=ws_9d"], "ws_9d"),
       ([f"--input={long_path}", f"--output={out}"], "long.txt:1: 601 tokens"),
+      # Random weights are drawn on the device: one that cannot hold them
+      # is refused before any output exists.
+      ([*base, "--model=random:palm-540b"], "too large: they need 2161"),
     ],
     "generate": [
       ([*base, "--stop_ids=7,x"], "--stop_ids: 'x' is not an integer"),

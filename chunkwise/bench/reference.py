@@ -4,12 +4,16 @@ The reference gets *our* weights (dequantized when they are int8), copied
 into a `LlamaForCausalLM` (`Qwen2ForCausalLM` with q/k/v biases), so both
 sides compute the same model whatever checkpoint format it came from:
 
-  hf = to_transformers(model.hparams, model.plain_weights(), "bfloat16")
+  hf = to_transformers(model.hparams, model.plain_weights(), "bfloat16",
+                       device())
   point = decode(hf, prompt_ids, batch=16, steps=128, runs=3)
 
-`generate` is greedy with `min_new_tokens=steps`: every row runs every
-step. Needs `torch` (install `torch==2.13.0`, a CPU build) and
-`transformers`; they are imported only here.
+It runs on the device JAX runs on (`device()`: CUDA when JAX's backend is
+a GPU) and every timed call waits for torch's queue (`synchronize`) before
+the clock is read. `generate` is greedy with `min_new_tokens=steps`: every
+row runs every step. Needs `torch` (install `torch==2.13.0`, a CPU build,
+here; a CUDA build on a GPU machine) and `transformers`; they are imported
+only here.
 """
 
 from __future__ import annotations
@@ -58,11 +62,72 @@ def _dense(w) -> np.ndarray:
   return np.asarray(jax.device_get(w), np.float32)
 
 
-def to_transformers(h: HParams, weights, dtype: str):
-  """A transformers causal LM holding `weights` (plain block order) in
-  `dtype` ("float32" or "bfloat16")."""
+def device() -> str:
+  """Where transformers runs: "cuda" when JAX's backend is a GPU (so both
+  sides are timed on the same device), else "cpu"."""
+  torch, _ = _import()
+  backend = jax.default_backend()
+  if backend == "gpu":
+    if not torch.cuda.is_available():
+      raise ValueError(
+        "JAX runs on the GPU but this torch has no CUDA: the transformers "
+        "reference would run on the CPU, not the same device"
+      )
+    return "cuda"
+  if backend != "cpu":
+    raise ValueError(
+      f"JAX runs on {backend!r}; the transformers reference runs on the "
+      "CPU or a CUDA GPU only"
+    )
+  return "cpu"
+
+
+def synchronize(hf) -> None:
+  """Waits for the work queued on `hf`'s device (CUDA runs async)."""
+  torch, _ = _import()
+  if next(hf.parameters()).device.type == "cuda":
+    torch.cuda.synchronize()
+
+
+def _tensors(h: HParams, weights):
+  """(transformers name, our weight as f32 numpy) pairs, one weight at a
+  time: only one is ever converted (and held in f32) at once."""
+  e, lay = h.d_model, weights.layers
+  yield "model.embed_tokens.weight", lambda: _dense(weights.embedding)
+  yield "model.norm.weight", lambda: _dense(weights.final_norm)
+  if not h.tied_embeddings:
+    yield "lm_head.weight", lambda: _dense(weights.unembedding).T
+  for i in range(h.layers):
+
+    def get(name, f=lambda w: w, i=i):
+      return lambda: f(_dense(getattr(lay[i], name)))
+
+    p = f"model.layers.{i}."
+    yield p + "self_attn.q_proj.weight", get("q", lambda w: w.reshape(e, -1).T)
+    yield p + "self_attn.k_proj.weight", get("k", lambda w: w.reshape(e, -1).T)
+    yield p + "self_attn.v_proj.weight", get("v", lambda w: w.reshape(e, -1).T)
+    yield p + "self_attn.o_proj.weight", get("o", lambda w: w.reshape(-1, e).T)
+    yield p + "mlp.gate_proj.weight", get("gate", np.transpose)
+    yield p + "mlp.up_proj.weight", get("up", np.transpose)
+    yield p + "mlp.down_proj.weight", get("down", np.transpose)
+    yield p + "input_layernorm.weight", get("attn_norm")
+    yield p + "post_attention_layernorm.weight", get("mlp_norm")
+    if h.qkv_bias:
+      for name in ("q", "k", "v"):
+        yield p + f"self_attn.{name}_proj.bias", get(f"{name}_bias", np.ravel)
+
+
+def to_transformers(h: HParams, weights, dtype: str, device: str = "cpu"):
+  """A transformers causal LM on `device` ("cpu" or "cuda") holding
+  `weights` (plain block order) in `dtype` ("float32" or "bfloat16").
+
+  The model is built on the device and each parameter is filled from its
+  own weight, one at a time, so the host never holds more than one weight
+  in f32 (an 8B model fits)."""
   if dtype not in TORCH_DTYPES:
     raise ValueError(f"dtype={dtype!r}: expected one of {TORCH_DTYPES}")
+  if device not in ("cpu", "cuda"):
+    raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
   check_supported(h)
   torch, transformers = _import()
   config_class = (
@@ -82,46 +147,29 @@ def to_transformers(h: HParams, weights, dtype: str):
     tie_word_embeddings=h.tied_embeddings,
     hidden_act="silu",
   )
-  hf = transformers.AutoModelForCausalLM.from_config(
-    config, dtype=getattr(torch, dtype)
-  ).eval()
-  e, lay = h.d_model, weights.layers
-  state = {
-    "model.embed_tokens.weight": _dense(weights.embedding),
-    "model.norm.weight": _dense(weights.final_norm),
-  }
-  if not h.tied_embeddings:
-    state["lm_head.weight"] = _dense(weights.unembedding).T
-  for i in range(h.layers):
-
-    def get(name, i=i):
-      return _dense(getattr(lay[i], name))
-
-    p = f"model.layers.{i}."
-    state |= {
-      p + "self_attn.q_proj.weight": get("q").reshape(e, -1).T,
-      p + "self_attn.k_proj.weight": get("k").reshape(e, -1).T,
-      p + "self_attn.v_proj.weight": get("v").reshape(e, -1).T,
-      p + "self_attn.o_proj.weight": get("o").reshape(-1, e).T,
-      p + "mlp.gate_proj.weight": get("gate").T,
-      p + "mlp.up_proj.weight": get("up").T,
-      p + "mlp.down_proj.weight": get("down").T,
-      p + "input_layernorm.weight": get("attn_norm"),
-      p + "post_attention_layernorm.weight": get("mlp_norm"),
-    }
-    if h.qkv_bias:
-      for name in ("q", "k", "v"):
-        state[p + f"self_attn.{name}_proj.bias"] = get(f"{name}_bias").ravel()
-  tensors = {
-    k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()
-  }
-  missing, unexpected = hf.load_state_dict(tensors, strict=False)
-  missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
-  if h.tied_embeddings:
-    missing = [m for m in missing if m != "lm_head.weight"]
-  if missing or unexpected:
+  with torch.device(device):
+    hf = transformers.AutoModelForCausalLM.from_config(
+      config, dtype=getattr(torch, dtype)
+    ).eval()
+  params = dict(hf.named_parameters())  # a tied lm_head is listed once
+  unexpected = []
+  with torch.no_grad():
+    for name, value in _tensors(h, weights):
+      target = params.pop(name, None)
+      if target is None:
+        unexpected.append(name)
+        continue
+      array = value()
+      if tuple(target.shape) != array.shape:
+        raise ValueError(
+          f"{name}: our weight has shape {array.shape}, transformers' "
+          f"{tuple(target.shape)}"
+        )
+      target.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+      del array
+  if params or unexpected:
     raise ValueError(
-      f"weights do not fit transformers' model: missing {missing}, "
+      f"weights do not fit transformers' model: missing {sorted(params)}, "
       f"unexpected {unexpected}"
     )
   return hf
@@ -135,13 +183,13 @@ def threads() -> int:
 def prefill(hf, ids: np.ndarray, runs: int) -> Point:
   """Times the forward pass (all positions' logits) over `ids`."""
   torch, _ = _import()
-  inputs = torch.from_numpy(np.asarray(ids, np.int64))
+  inputs = torch.from_numpy(np.asarray(ids, np.int64)).to(hf.device)
 
   def run():
     with torch.inference_mode():
       return hf(input_ids=inputs).logits
 
-  return timed_prefill(run, ids.shape, runs)
+  return timed_prefill(run, ids.shape, runs, sync=lambda: synchronize(hf))
 
 
 def decode(
@@ -150,7 +198,7 @@ def decode(
   """Times greedy `generate` of exactly `steps` tokens for `batch` copies
   of `prompt` (its prefill included, as `generate` does it)."""
   torch, _ = _import()
-  ids = torch.tensor([list(prompt)] * batch, dtype=torch.long)
+  ids = torch.tensor([list(prompt)] * batch, dtype=torch.long, device=hf.device)
   mask = torch.ones_like(ids)
 
   def run():
@@ -164,7 +212,7 @@ def decode(
         pad_token_id=0,
       )
 
-  first, times = timed(run, runs)
+  first, times = timed(run, runs, sync=lambda: synchronize(hf))
   return Point(
     phase="decode",
     batch=batch,

@@ -60,10 +60,11 @@ def _fmt(value, digits=1) -> str:
 def table(result: dict) -> str:
   """Plain-text tables of every measured point and every ratio."""
   m = result["machine"]
+  peaks = ", ".join(f"{k} {v:.0f}" for k, v in m["peak_matmul_gflop_s"].items())
   lines = [
-    f"machine: {m['cpu_count']} CPUs, {m['backend']}, read bandwidth "
-    f"{m['bandwidth_gb_s']:.1f} GB/s, peak f32 matmul "
-    f"{m['peak_matmul_gflop_s']:.0f} GFLOP/s",
+    f"machine: {m['device_kind']} ({m['backend']}, {m['cpu_count']} CPUs), "
+    f"read bandwidth {m['bandwidth_gb_s']:.1f} GB/s, peak matmul GFLOP/s: "
+    f"{peaks} (timed on the device)",
     "",
     "prefill        config  batch x len   compile_s   seconds     tok/s   MFU",
   ]
@@ -86,12 +87,19 @@ def table(result: dict) -> str:
         f"{r['tokens_per_s']:>9.1f} {_fmt(100 * r.get('mbu', 0), 0):>4}%"
       )
   for c in result["configs"]:
-    for batch, ops in c.get("profiles", {}).items():
-      lines += ["", f"profile: {c['name']} decode, batch {batch}"]
+    for batch, p in c.get("profiles", {}).items():
+      kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["kinds_ms"].items())
+      lines += [
+        "",
+        f"profile: {c['name']} decode, batch {batch}: busy "
+        f"{p['busy_share']:.0%} of {p['wall_ms']:.1f} ms; ms by kind: "
+        f"{kinds}",
+        f"  ({p['source']})",
+      ]
       lines += [
         f"  {op['share']:6.1%} {op['ms']:9.1f} ms {op['calls']:7d}x  "
-        f"{op['name']}"
-        for op in ops
+        f"{op['kind']:10} {op['name']}"
+        for op in p["ops"]
       ]
   if result["ratios"]:
     lines += ["", "ratio (tokens/s, ours / reference)"]

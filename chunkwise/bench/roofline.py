@@ -8,7 +8,10 @@ row's K/V so far, so
 Prefill is bound by compute: 2 FLOPs per weight per token in the matmuls
 (the unembedding included), plus causal attention's two products, so
 
-  MFU = FLOPs / seconds / peak matmul FLOP/s.
+  MFU = FLOPs / seconds / peak matmul FLOP/s,
+
+the peak measured at the dtype and precision the configuration's matmuls
+run at (`machine.Limits.peak`): a bf16 model against the bf16 peak.
 """
 
 from __future__ import annotations
@@ -70,11 +73,13 @@ def decode_row(
   }
 
 
-def prefill_row(point, h: HParams, limits) -> dict:
-  """`point.describe()` plus FLOPs and MFU."""
+def prefill_row(point, h: HParams, peak_flops: float) -> dict:
+  """`point.describe()` plus FLOPs and MFU against `peak_flops` (FLOP/s
+  of the matmuls' dtype and precision)."""
   flops = prefill_flops(h, point.batch, point.length)
   return {
     **point.describe(),
     "flops": flops,
-    "mfu": flops / point.seconds / limits.peak_flops,
+    "peak_gflop_s": peak_flops / 1e9,
+    "mfu": flops / point.seconds / peak_flops,
   }

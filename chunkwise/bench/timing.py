@@ -24,17 +24,22 @@ import numpy as np
 from chunkwise.inference import Chunk, InferenceModel, Sampling
 
 
-def timed(fn: Callable[[], object], runs: int) -> tuple[float, list[float]]:
-  """(seconds of a first, warm-up call; seconds of each of `runs` calls)."""
-  start = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - start
-  times = []
-  for _ in range(runs):
+def timed(
+  fn: Callable[[], object], runs: int, sync: Callable[[], None] | None = None
+) -> tuple[float, list[float]]:
+  """(seconds of a first, warm-up call; seconds of each of `runs` calls).
+  Each call is waited for before the clock is read: JAX arrays with
+  `block_until_ready`, other frameworks' queued work with `sync`."""
+
+  def once() -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return first, times
+    if sync is not None:
+      sync()
+    return time.perf_counter() - start
+
+  first = once()
+  return first, [once() for _ in range(runs)]
 
 
 def median_seconds(fn: Callable[[], object], runs: int) -> float:
@@ -120,9 +125,10 @@ def prefill(model: InferenceModel, ids: np.ndarray, runs: int) -> Point:
   return timed_prefill(lambda: model.prefill(chunk), ids.shape, runs)
 
 
-def timed_prefill(fn, shape: tuple[int, int], runs: int) -> Point:
-  """Times `fn`, a prefill of `shape` = (batch, length) tokens."""
-  first, times = timed(fn, runs)
+def timed_prefill(fn, shape: tuple[int, int], runs: int, sync=None) -> Point:
+  """Times `fn`, a prefill of `shape` = (batch, length) tokens (waited for
+  with `sync` too, see `timed`)."""
+  first, times = timed(fn, runs, sync)
   batch, length = shape
   return Point(
     phase="prefill",

@@ -2,6 +2,7 @@
 
 configs.get("tiny")          # fast tests: Llama-style, grouped KV heads
 configs.get("tiny-parallel") # fast tests: PaLM-style, multiquery
+configs.get("llama3-8b")     # Llama 3 8B's shapes, for benchmarks
 configs.get("palm-540b")     # shapes of "Efficiently Scaling Transformer
                              # Inference", 48 real heads, no padding
 """
@@ -66,6 +67,23 @@ PRESETS: Mapping[str, HParams] = types.MappingProxyType(
       norm_eps=1e-5,
       rope_base=100_000.0,
       tied_embeddings=True,
+    ),
+    # Llama 3 8B's shapes (Meta, 2024): grouped K/V heads, untied
+    # embeddings, RoPE base 500000 (its llama3 RoPE scaling is not modelled:
+    # for benchmarks with random weights).
+    "llama3-8b": HParams(
+      layers=32,
+      d_model=4096,
+      heads=32,
+      kv_heads=8,
+      head_dim=128,
+      d_ff=14_336,
+      vocab=128_256,
+      max_len=8192,
+      block=Block.SEQUENTIAL,
+      norm_eps=1e-5,
+      rope_base=500_000.0,
+      tied_embeddings=False,
     ),
     "palm-8b": HParams(layers=32, d_model=4096, heads=16, d_ff=16_384, **_PALM),
     "palm-62b": HParams(

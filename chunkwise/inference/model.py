@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise import constraints as constraints_lib
+from chunkwise import memory
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
@@ -217,7 +218,13 @@ class InferenceModel:
   ) -> InferenceModel:
     """Random weights of `dtype` (see `models.init_random`). Without `vocab`,
     models whose vocabulary holds 259 ids get a `ByteVocabulary`; other
-    keyword arguments go to the constructor."""
+    keyword arguments go to the constructor. Raises ValueError, before
+    drawing anything, when the weights would not fit on the device."""
+    memory.check_fits(
+      f"random weights ({hparams.num_params() / 1e9:.3g}B parameters, "
+      f"{jnp.dtype(dtype).name})",
+      hparams.num_params() * jnp.dtype(dtype).itemsize,
+    )
     weights = init_random(hparams, jax.random.key(seed), dtype)
     if vocab is None:
       vocab = random_model_vocab(hparams.vocab)

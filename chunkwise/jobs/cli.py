@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, partitioning
+from chunkwise import checkpoints, memory, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import batching, examples, output
 from chunkwise.partitioning import Layout
@@ -168,9 +168,19 @@ def describe_model(name: str) -> checkpoints.Description:
   """What the model will be, read without loading weights."""
   if name.startswith(checkpoints.RANDOM):
     try:
-      return checkpoints.describe_random(name)
+      described = checkpoints.describe_random(name)
+      # Random weights are drawn on the device: refuse before any output.
+      import jax.numpy as jnp
+
+      dtype = jnp.dtype(_DTYPE.value or "float32")
+      params = described.hparams.num_params()
+      memory.check_fits(
+        f"random weights ({params / 1e9:.3g}B parameters, {dtype.name})",
+        params * dtype.itemsize,
+      )
     except ValueError as e:
       raise ValueError(f"--model={name}: {e}") from None
+    return described
   described = checkpoints.describe(name)
   if described.vocab is None:
     raise ValueError(f"--model={name} has no tokenizer to encode text with")
