@@ -13,13 +13,18 @@ times, after a warm-up call, the median of --runs calls of
   - greedy decode of --steps tokens after the --prompt, for every
     --decode_batches size: ms per step, tokens/s, MBU;
   - the first prefill + generate of a fresh program (compilation).
-The machine's read bandwidth (a jitted sum over --bandwidth_mib) and peak
-matmul FLOP/s (an f32 --matmul_size cube) are measured in the same run and
-give MBU (decode: weight + K/V bytes per step / time / bandwidth) and MFU
-(prefill: matmul FLOPs / time / peak). --compare_hf copies the same
-weights into transformers' Llama (one model per --hf_dtypes), times its
-forward pass and `generate` on the same ids and batch sizes, and reports
-tokens/s ratios. --constraints times decode again under each named
+The device's read bandwidth (a sum over --bandwidth_mib) and peak matmul
+FLOP/s (a --matmul_size cube, at each dtype and precision the run
+multiplies in) are timed on the device in the same run (chains of 1 and
+9 passes, see chunkwise/bench/machine.py) and give MBU (decode: weight +
+K/V bytes per step / time / bandwidth) and MFU (prefill: matmul FLOPs /
+time / the peak of its dtype and precision). --compare_hf copies the same
+weights into transformers' Llama on JAX's device (one model per
+--hf_dtypes), times its forward pass and `generate` on the same ids and
+batch sizes, and reports tokens/s ratios. --profile_batches profiles one
+decode call per batch (ops, time by kind, busy share). --model=random:
+<preset> draws weights of any preset on the device when they fit.
+--constraints times decode again under each named
 constraint (structured generation) and reports its table build time and
 size, and the per-step cost against free decode. Writes --output (JSON)
 and --plot (PNG: latency per token against throughput, one curve per

@@ -165,7 +165,8 @@ def to_transformers(h: HParams, weights, dtype: str, device: str = "cpu"):
           f"{name}: our weight has shape {array.shape}, transformers' "
           f"{tuple(target.shape)}"
         )
-      target.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+      # torch.from_numpy wants a writable array (device_get gives read-only)
+      target.copy_(torch.from_numpy(np.require(array, requirements="CW")))
       del array
   if params or unexpected:
     raise ValueError(
