@@ -6,7 +6,8 @@ anything large is allocated on it.
   # 32.1 GB, the device (cpu) has 21.9 GB free
 
 Accelerators report their allocator's limit and use; on the CPU it is the
-host's available memory (/proc/meminfo's MemAvailable).
+host's available memory (/proc/meminfo's MemAvailable). Asking starts
+JAX's backend: a multi-process job asks after `jax.distributed.initialize`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import jax
 
 
 def free_bytes() -> int:
-  """Bytes the default device can still allocate."""
-  stats = jax.devices()[0].memory_stats() or {}
+  """Bytes this process's first device can still allocate (a local
+  device: with several processes, `jax.devices()[0]` may be another
+  process's, whose memory this one cannot read)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
   if "bytes_limit" in stats:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
   try:

@@ -168,19 +168,9 @@ def describe_model(name: str) -> checkpoints.Description:
   """What the model will be, read without loading weights."""
   if name.startswith(checkpoints.RANDOM):
     try:
-      described = checkpoints.describe_random(name)
-      # Random weights are drawn on the device: refuse before any output.
-      import jax.numpy as jnp
-
-      dtype = jnp.dtype(_DTYPE.value or "float32")
-      params = described.hparams.num_params()
-      memory.check_fits(
-        f"random weights ({params / 1e9:.3g}B parameters, {dtype.name})",
-        params * dtype.itemsize,
-      )
+      return checkpoints.describe_random(name)
     except ValueError as e:
       raise ValueError(f"--model={name}: {e}") from None
-    return described
   described = checkpoints.describe(name)
   if described.vocab is None:
     raise ValueError(f"--model={name} has no tokenizer to encode text with")
@@ -361,6 +351,24 @@ def check_same_plan(plan: Sequence, setup: Setup, processes: int) -> None:
     )
 
 
+def check_fits(setup: Setup) -> None:
+  """Random weights are drawn on the device: refuse, in one line, those
+  it cannot hold (checkpoints are read as they come)."""
+  if not _MODEL.value.startswith(checkpoints.RANDOM):
+    return
+  import jax.numpy as jnp
+
+  dtype = jnp.dtype(_DTYPE.value or "float32")
+  params = setup.described.hparams.num_params()
+  try:
+    memory.check_fits(
+      f"random weights ({params / 1e9:.3g}B parameters, {dtype.name})",
+      params * dtype.itemsize,
+    )
+  except ValueError as e:
+    raise ValueError(f"--model={_MODEL.value}: {e}") from None
+
+
 def load_model(setup: Setup) -> InferenceModel:
   """Step 4's model on the mesh the flags name."""
   import jax
@@ -466,6 +474,11 @@ def run(
   size = _BATCH_SIZE.value
   process, processes = start_processes()
   error = out = None
+  try:  # needs the devices, so after start_processes; before any output
+    check_fits(setup)
+  except ValueError as e:
+    error = str(e)
+  agree(error, processes)
   try:  # opens (creates) this process's output shard
     out = open_output(processes, process, key=record_key, settings=settings)
   except output.OutputError as e:
