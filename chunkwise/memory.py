@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 
 def free_bytes() -> int:
@@ -32,6 +33,16 @@ def free_bytes() -> int:
   except OSError:
     pass
   return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_random_weights(params: int, dtype) -> None:
+  """`check_fits` for `params` random weights of `dtype`, drawn on the
+  device (`InferenceModel.random`; the batch jobs ask before any output)."""
+  dtype = jnp.dtype(dtype)
+  check_fits(
+    f"random weights ({params / 1e9:.3g}B parameters, {dtype.name})",
+    params * dtype.itemsize,
+  )
 
 
 def check_fits(what: str, need: float) -> None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkwise.bench.timing import median_seconds
-from chunkwise.precision import PRECISIONS
+from chunkwise.precision import resolve as resolve_precision
 
 # Extra passes of the timed loop: enough that the device time dominates
 # the noise of two host-timed calls.
@@ -108,7 +108,6 @@ def bandwidth(nbytes: int, runs: int) -> float:
   sums it scaled by a number that depends on the previous pass."""
   n = max(nbytes // 4, 1)
   x = jnp.full((n,), 1e-3, jnp.float32)
-
   return 4 * n / device_seconds(read_step, jnp.float32(1.0), x, runs)
 
 
@@ -123,8 +122,7 @@ def peak_flops(size: int, runs: int, dtype="float32", precision="highest"):
   `precision`, chained pass to pass (b = 1/size keeps values at 1)."""
   if jnp.dtype(dtype).name not in MATMUL_DTYPES:
     raise ValueError(f"dtype={dtype!r}: expected one of {MATMUL_DTYPES}")
-  if precision not in PRECISIONS:
-    raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
+  precision = resolve_precision(precision, dtype)  # checked
   b = jnp.full((size, size), 1.0 / size, dtype)
   a = jnp.ones((size, size), dtype)
   step = functools.partial(jnp.matmul, precision=precision)

@@ -117,8 +117,9 @@ RANDOM = "random:"
 def describe_random(name: str) -> Description:
   """What `random:<preset>` names: the preset's HParams and the vocabulary
   `InferenceModel.random` gives it. Raises ValueError for an unknown
-  preset. Any size is described: whether its weights fit is for the
-  caller to check against the device (`scripts/benchmark.py` does)."""
+  preset. Any size is described: whether its weights fit is checked
+  against the device by whoever draws them (`memory.check_random_weights`:
+  `InferenceModel.random`, the batch jobs; the benchmark per --weights)."""
   preset = name.removeprefix(RANDOM)
   if preset not in configs.names():
     raise ValueError(

@@ -220,11 +220,7 @@ class InferenceModel:
     models whose vocabulary holds 259 ids get a `ByteVocabulary`; other
     keyword arguments go to the constructor. Raises ValueError, before
     drawing anything, when the weights would not fit on the device."""
-    memory.check_fits(
-      f"random weights ({hparams.num_params() / 1e9:.3g}B parameters, "
-      f"{jnp.dtype(dtype).name})",
-      hparams.num_params() * jnp.dtype(dtype).itemsize,
-    )
+    memory.check_random_weights(hparams.num_params(), dtype)
     weights = init_random(hparams, jax.random.key(seed), dtype)
     if vocab is None:
       vocab = random_model_vocab(hparams.vocab)

@@ -356,15 +356,9 @@ def check_fits(setup: Setup) -> None:
   it cannot hold (checkpoints are read as they come)."""
   if not _MODEL.value.startswith(checkpoints.RANDOM):
     return
-  import jax.numpy as jnp
-
-  dtype = jnp.dtype(_DTYPE.value or "float32")
   params = setup.described.hparams.num_params()
   try:
-    memory.check_fits(
-      f"random weights ({params / 1e9:.3g}B parameters, {dtype.name})",
-      params * dtype.itemsize,
-    )
+    memory.check_random_weights(params, _DTYPE.value or "float32")
   except ValueError as e:
     raise ValueError(f"--model={_MODEL.value}: {e}") from None
 
