@@ -165,6 +165,12 @@ def _run(model):
   return first, tokens, result
 
 
+# The CPU kernel multiplies int8 weights by activations rounded to int16
+# per group (2^-16 of the group's largest): f32 noise between layouts can
+# flip a rounding, so scores agree to ~1e-4, not to f32 noise.
+_ATOL = 2e-4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["xla", "one_way", "latency", "throughput"])
 @pytest.mark.parametrize("kind", ["ws_1d", "ws_2d", "ws_2d/yz", "wg"])
@@ -181,11 +187,11 @@ def test_int8_every_layout_and_variant(int8_reference, kind, variant):
   )
   got_first, got_tokens, got_result = _run(model)
   np.testing.assert_allclose(
-    got_first.per_token_scores, first.per_token_scores, atol=2e-5
+    got_first.per_token_scores, first.per_token_scores, atol=_ATOL
   )
   np.testing.assert_array_equal(got_first.top_ids, first.top_ids)
   np.testing.assert_array_equal(got_tokens.tokens, tokens.tokens)
   np.testing.assert_array_equal(got_tokens.lengths, tokens.lengths)
   np.testing.assert_allclose(
-    got_result.per_token_scores, result.per_token_scores, atol=2e-5
+    got_result.per_token_scores, result.per_token_scores, atol=_ATOL
   )
