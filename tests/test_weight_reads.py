@@ -4,6 +4,8 @@ slice or dequantized twin of a weight outside a matmul. Checked on the
 optimized HLO (`chunkwise.bench.hlo`), whose checker is itself checked on
 programs that do copy."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +89,41 @@ def test_the_checker_sees_copies():
   assert len(hlo.weight_copies(text(unrolled, int8), 3)) == 3
   # Small weights (norm scales) are not followed.
   assert hlo.weight_copies(text(unrolled, layers), 3, min_elements=10**6) == []
+
+
+@pytest.mark.parametrize("layout", ["reference", "ws_2d"])
+def test_generate_writes_its_kv_buffer_in_place(layout):
+  """The decode loop's K/V buffer ([layers, batch, steps, ...]) is
+  written in place: no step copies it (written after the reads of the
+  same step, XLA copied it twice a step)."""
+  h = cw.configs.get("tiny")
+  mesh = None if layout == "reference" else make_mesh((2, 2, 2))
+  model = cw.InferenceModel.random(h, seed=0, mesh=mesh, layout=layout)
+  steps = 7
+  with hlo.recording(model) as programs:
+    prompt = model.prefill(cw.Chunk.from_lists([[1, 5, 9], [1, 7, 0]]))
+    model.generate([prompt], sample_ids=np.arange(2), steps=steps)
+  (text,) = [text for name, _, text in programs if name == "run"]
+  buffers = [
+    i
+    for instrs in hlo.parse(text).computations.values()
+    for i in instrs
+    if i.op == "copy" and _is_kv_buffer(i.shape, h.layers, steps)
+  ]
+  assert buffers == []
+  writes = [
+    i
+    for instrs in hlo.parse(text).computations.values()
+    for i in instrs
+    if _is_kv_buffer(i.shape, h.layers, steps)
+    and i.op in ("dynamic-update-slice", "fusion")
+  ]
+  assert writes  # the pattern matches the buffer's shape
+
+
+def _is_kv_buffer(shape: str, layers: int, steps: int) -> bool:
+  dims = re.fullmatch(r"[a-z]+\d*\[([\d,]*)\]\{[\d,]*\}", shape)
+  if dims is None:
+    return False
+  d = [int(x) for x in dims.group(1).split(",") if x]
+  return len(d) == 5 and d[0] == layers and d[2] == steps

@@ -201,18 +201,17 @@ def _step(
 
   chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
   full = infer(weights, (*caches, state.cache), chunk)
-  new = full.kv_cache
-  cache = KVCache(
-    k=lax.dynamic_update_slice_in_dim(state.cache.k, new.k, i, axis=2),
-    v=lax.dynamic_update_slice_in_dim(state.cache.v, new.v, i, axis=2),
-    lengths=state.cache.lengths + keep.astype(jnp.int32),
+  # Column i of the buffer is written by the next step (`_write_pending`),
+  # before anything reads the buffer; this step returns it.
+  cache = state.cache.replace(
+    lengths=state.cache.lengths + keep.astype(jnp.int32)
   )
 
   def column(new, old):
     mask = live.reshape(live.shape + (1,) * (new.ndim - 1))
     return _write_column(old, jnp.where(mask, new, 0).astype(old.dtype), i)
 
-  return LoopState(
+  step_state = LoopState(
     step=i + 1,
     tokens=column(token, state.tokens),
     scores=column(score, state.scores),
@@ -225,6 +224,25 @@ def _step(
     done=state.done | stop,
     processor_states=processor_states,
   )
+  return step_state, (full.kv_cache.k, full.kv_cache.v)
+
+
+def _write_pending(state: LoopState, pending) -> LoopState:
+  """Writes `pending` (the K/V of column step - 1) into the buffer.
+
+  The loop writes a step's K/V at the start of the next step, so in every
+  step the write is the buffer's first use and the reads come after it:
+  written at the end of the step that computes it, XLA could schedule the
+  write before the last layers' reads and so copied the whole buffer
+  twice a step (the K/V of a step are computed in each layer before its
+  attention reads the buffer)."""
+  at = jnp.maximum(state.step - 1, 0)
+  k, v = pending
+  cache = state.cache.replace(
+    k=lax.dynamic_update_slice_in_dim(state.cache.k, k, at, axis=2),
+    v=lax.dynamic_update_slice_in_dim(state.cache.v, v, at, axis=2),
+  )
+  return state.replace(cache=cache)
 
 
 def run(
@@ -241,12 +259,22 @@ def run(
   shards = shards or LogitsShards(vocab=state.next_logits.shape[-1])
   limit = jnp.minimum(stop_at, state.tokens.shape[1])
 
-  def cond(state):
+  def cond(carry):
+    state, _ = carry
     return (state.step < limit) & ~jnp.all(state.done)
 
-  return lax.while_loop(
-    cond, lambda s: _step(infer, shards, weights, caches, inputs, s), state
+  def body(carry):
+    state = _write_pending(*carry)
+    return _step(infer, shards, weights, caches, inputs, state)
+
+  # Nothing is pending on entry: column step - 1 is already written (or,
+  # at step 0, about to be), so its own contents are written back.
+  at = jnp.maximum(state.step - 1, 0)
+  pending = (
+    lax.dynamic_slice_in_dim(state.cache.k, at, 1, axis=2),
+    lax.dynamic_slice_in_dim(state.cache.v, at, 1, axis=2),
   )
+  return _write_pending(*lax.while_loop(cond, body, (state, pending)))
 
 
 def loop_inputs(

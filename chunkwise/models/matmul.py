@@ -13,7 +13,11 @@ calls `chunkwise.cpu_kernels.matmul` (through `jax.ffi`), which reads
 each int8, bf16 or f32 weight element once and converts it in registers.
 Everything else, and every other backend, takes the plain twin `plain`:
 `contract(eq, x, w.astype(x.dtype))`, which tests compare the kernel
-with. The kernel's f32 sums are cast to x's dtype.
+with. The kernel's f32 sums are cast to x's dtype. With int8 weights
+(and AVX2) the kernel rounds x to int16 once per call, one scale per row
+and weight group, and sums products in int32: each output differs from
+the twin by at most sum_k |w_k| * max|x over k's group| / 65534
+(`tests/test_cpu_kernels.py` asserts that bound).
 
   y = weight_matmul("bte,ehd->bthd", x, layer.q)     # QArray, bf16 or f32
 """
