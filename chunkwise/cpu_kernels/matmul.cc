@@ -16,17 +16,20 @@
 // products are summed in int32 (`_mm256_madd_epi16`), converted to f32
 // once per group (or per 256 inputs). Converting every int8 weight to f32
 // ran on one pipe of this Zen CPU and left int8 compute-bound at ~40% of
-// the bandwidth.
+// the bandwidth ("this Zen CPU": the 2-core AMD EPYC this was measured on).
+//
 // Work is split into column (k-major) or row (n-major) blocks that the
 // calling thread and XLA's intra-op threads claim from a shared counter,
-// so the call completes even if no pool thread ever runs its task.
+// so the call completes even if no pool thread ever runs its task; an
+// int8 k-major weight is split by whole weight rows instead, each block
+// summing its own partial output, which the caller adds up.
 //
 // The plain twin (XLA's dot of the dequantized weight) is in matmul.py;
 // tests/test_cpu_kernels.py compares the two.
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>

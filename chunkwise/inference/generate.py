@@ -254,7 +254,8 @@ def run(
   stop_at: jax.Array,
   shards: LogitsShards | None = None,
 ) -> LoopState:
-  """Runs the loop from `state.step` until `stop_at` or all rows are done."""
+  """Runs the loop from `state.step` until `stop_at` or all rows are done;
+  the returned state's K/V buffer holds every column computed so far."""
   caches = tuple(caches)
   shards = shards or LogitsShards(vocab=state.next_logits.shape[-1])
   limit = jnp.minimum(stop_at, state.tokens.shape[1])
