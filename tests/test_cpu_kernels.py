@@ -9,6 +9,7 @@ import pytest
 
 import chunkwise as cw
 from chunkwise import cpu_kernels
+from chunkwise.contract import contract_dims
 from chunkwise.cpu_kernels import build
 from chunkwise.models import matmul
 from chunkwise.models.quantized import QArray, quantize
@@ -69,7 +70,7 @@ def test_kernel_matches_plain_twin(case, kind):
 
 def _int16_error_bound(eq, x, w):
   """sum_k |w[k, n]| * (max |x| over k's group / 32767) / 2 per output."""
-  c = len(matmul.contract_dims(eq)[1])
+  c = len(contract_dims(eq)[1])
   rows, k = math.prod(x.shape[: x.ndim - c]), math.prod(x.shape[x.ndim - c :])
   groups = w.scale.size * k // w.values.size
   xf = np.abs(np.asarray(x, np.float32)).reshape(rows, groups, k // groups)
