@@ -43,13 +43,22 @@ def _attend_piece(
     (m, s, o): max logit [b, r, T, kv_heads, group], sum of exp(logit - m)
     (same shape) and the exp-weighted sum of values [..., D].
   """
-  logits = jnp.einsum("brtkgd,bskd->brtkgs", q, k.astype(jnp.float32))
+  # Heads first, keys last: both einsums are then plain batched matmuls
+  # ([rows, D] x [D, S] and [rows, S] x [S, D]) and the softmax runs over
+  # the minor axis. Written over k's own [b, S, kv_heads, D] order, XLA:CPU
+  # made the logits [kv_heads, S, rows] and transposed them twice a layer
+  # (a quarter of a 512-token prefill).
+  qh = jnp.moveaxis(q, 3, 1)  # [b, kv_heads, r, T, group, D]
+  kh = jnp.transpose(k.astype(jnp.float32), (0, 2, 3, 1))  # [b, kv, D, S]
+  vh = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))  # [b, kv, S, D]
+  mask = jnp.moveaxis(mask, 3, 1)
+  logits = jnp.einsum("bkrtgd,bkds->bkrtgs", qh, kh)
   logits = jnp.where(mask, logits, _MASKED)
   m = jnp.max(logits, axis=-1)
   e = jnp.where(mask, jnp.exp(logits - m[..., None]), 0.0)
   s = jnp.sum(e, axis=-1)
-  o = jnp.einsum("brtkgs,bskd->brtkgd", e, v.astype(jnp.float32))
-  return m, s, o
+  o = jnp.einsum("bkrtgs,bksd->bkrtgd", e, vh)
+  return jnp.moveaxis(m, 1, 3), jnp.moveaxis(s, 1, 3), jnp.moveaxis(o, 1, 3)
 
 
 def attend(
