@@ -121,3 +121,27 @@ def test_attend_does_not_copy_prefix_to_the_batch():
   assert not any(4 in s and 64 in s and s[-1] == 8 for s in shapes), sorted(
     shapes
   )
+
+
+@pytest.mark.parametrize("time", [300, 1100])
+def test_long_chunk_attends_in_causal_blocks(time):
+  """A long chunk's causal attention is cut into query blocks (300 rows: 2
+  of 150; 1100: 8, the last shorter) that skip the masked keys, and still
+  equals the plain softmax, with a prefix of 5 slots (4 valid) beside it."""
+  rng = np.random.default_rng(1)
+  normal = lambda *s: rng.standard_normal(s).astype(np.float32)
+  q, k, v = normal(1, time, 4, 8), normal(1, time, 2, 8), normal(1, time, 2, 8)
+  prefix = (normal(1, 5, 2, 8), normal(1, 5, 2, 8), np.array([4], np.int32))
+  out = attend(q, k, v, [prefix])
+
+  k_all = np.concatenate([prefix[0][:, :4], k], axis=1)
+  v_all = np.concatenate([prefix[1][:, :4], v], axis=1)
+  visible = np.ones((time, 4 + time), bool)
+  visible[:, 4:] = np.tril(np.ones((time, time), bool))
+  expected = _plain_attention(q, k_all, v_all, visible[None])
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+  jaxpr = jax.make_jaxpr(attend)(q, k, v, [prefix])
+  shapes = {tuple(var.aval.shape) for eqn in jaxpr.eqns for var in eqn.outvars}
+  assert not any(s.count(time) >= 2 for s in shapes), "no [T, T] logits"
+  assert any(s[-1] == time and s.count(time) == 1 for s in shapes)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.inference.kv_cache import repeat_each
-from chunkwise.inference.results import score_tokens
+from chunkwise.inference.results import exp_sum, score_tokens
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 from chunkwise.models import shard_ops as ops
 from chunkwise.processors import StepInfo
@@ -93,15 +93,14 @@ class LogitsShards:
     # log_softmax as jax.nn computes it: (x - max) - log(sum(exp(x - max))).
     top = ops.pmax(jnp.max(logits, axis=-1, keepdims=True), axes)
     top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
-    shifted = logits - top
-    total = ops.psum(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True), axes)
-    logprobs = shifted - jnp.log(total)
+    log_total = jnp.log(ops.psum(exp_sum(logits - top), axes))
     width = logits.shape[-1]
     ids = jnp.clip(tokens, 0, self.vocab - 1) - self._offset()
     inside = (ids >= 0) & (ids < width)
     mine = jnp.take_along_axis(
-      logprobs, jnp.clip(ids, 0, width - 1)[..., None], axis=-1
-    )[..., 0]
+      logits, jnp.clip(ids, 0, width - 1)[..., None], axis=-1
+    )
+    mine = ((mine - top) - log_total)[..., 0]
     scores = ops.psum(jnp.where(inside, mine, 0.0), axes)
     if not top_n:
       empty = (*tokens.shape, 0)
@@ -111,10 +110,11 @@ class LogitsShards:
         jnp.zeros(empty, jnp.float32),
       )
     # Each shard's best min(n, width); their union holds the global top n.
-    values, idx = lax.top_k(logprobs, min(top_n, width))
+    values, idx = lax.top_k(logits, min(top_n, width))
     values = ops.all_gather(values, axes, axis=-1)
     idx = ops.all_gather(idx + self._offset(), axes, axis=-1)
     best, pick = lax.top_k(values, top_n)
+    best = (best - top) - log_total
     return scores, jnp.take_along_axis(idx, pick, axis=-1), best
 
   def sample(

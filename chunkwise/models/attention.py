@@ -31,7 +31,12 @@ PrefixLayer = tuple[jax.Array, jax.Array, jax.Array]
 
 
 def _attend_piece(
-  q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  mask: jax.Array,
+  *,
+  rows_see_a_key: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Unnormalised attention of q to one piece of context.
 
@@ -39,6 +44,9 @@ def _attend_piece(
     q: f32[b, r, T, kv_heads, group, D], pre-scaled.
     k, v: [b, S, kv_heads, D].
     mask: bool, broadcastable to [b, r, T, kv_heads, group, S].
+    rows_see_a_key: every query row has at least one unmasked key (causal
+      attention within a chunk), so masked logits need no second select:
+      exp(_MASKED - m) is already 0.
   Returns:
     (m, s, o): max logit [b, r, T, kv_heads, group], sum of exp(logit - m)
     (same shape) and the exp-weighted sum of values [..., D].
@@ -55,10 +63,55 @@ def _attend_piece(
   logits = jnp.einsum("bkrtgd,bkds->bkrtgs", qh, kh)
   logits = jnp.where(mask, logits, _MASKED)
   m = jnp.max(logits, axis=-1)
-  e = jnp.where(mask, jnp.exp(logits - m[..., None]), 0.0)
+  e = jnp.exp(logits - m[..., None])
+  if not rows_see_a_key:  # an all-masked row has m = _MASKED: exp(0) = 1
+    e = jnp.where(mask, e, 0.0)
   s = jnp.sum(e, axis=-1)
   o = jnp.einsum("bkrtgs,bksd->bkrtgd", e, vh)
   return jnp.moveaxis(m, 1, 3), jnp.moveaxis(s, 1, 3), jnp.moveaxis(o, 1, 3)
+
+
+# Query blocks of the chunk's causal attention (block i reads only the keys
+# up to its own last row, skipping the masked upper triangle's blocks): at
+# least this many rows each, and at most this many blocks.
+_BLOCK_ROWS = 128
+_MAX_BLOCKS = 8
+
+
+def _attend_causal(
+  q: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`_attend_piece` of the chunk to itself, causally.
+
+  Long chunks are cut into query blocks, each reading the keys before its
+  end: with n blocks, (n + 1) / 2n of the full [T, T] logits are computed
+  (a 512-token chunk: 4 blocks, 5/8).
+
+  Args:
+    q: f32[B, T, kv_heads, group, D], pre-scaled.
+    k, v: [B, T, kv_heads, D].
+  Returns:
+    (m, s, o) as `_attend_piece`, without its `r` axis.
+  """
+  time = q.shape[1]
+  blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
+  rows = -(-time // blocks)
+  parts = []
+  for start in range(0, time, rows):
+    end = min(start + rows, time)
+    causal = (start + jnp.arange(end - start))[:, None] >= jnp.arange(end)
+    parts.append(
+      _attend_piece(
+        q[:, None, start:end],
+        k[:, :end],
+        v[:, :end],
+        causal[None, None, :, None, None, :],
+        rows_see_a_key=True,
+      )
+    )
+  return tuple(
+    jnp.concatenate([p[i][:, 0] for p in parts], axis=1) for i in range(3)
+  )
 
 
 def attend(
@@ -97,11 +150,7 @@ def attend(
         o.reshape(batch, time, kv_heads, group, dim),
       )
     )
-  causal = jnp.arange(time)[:, None] >= jnp.arange(time)[None, :]  # [T, S]
-  m, s, o = _attend_piece(
-    q[:, None], k, v, causal[None, None, :, None, None, :]
-  )
-  pieces.append((m[:, 0], s[:, 0], o[:, 0]))
+  pieces.append(_attend_causal(q, k, v))
 
   big_m = pieces[0][0]
   for m, _, _ in pieces[1:]:
