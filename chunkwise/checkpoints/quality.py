@@ -15,8 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from chunkwise.inference import Chunk
-from chunkwise.inference.forward import transformer_infer
+from chunkwise.inference import Chunk, transformer_infer
 from chunkwise.models import quantized
 
 

@@ -53,13 +53,11 @@ from chunkwise.inference import (
   ByteVocabulary,
   ChunkResult,
   InferenceModel,
-  KVCache,
 )
-from chunkwise.inference.checks import check_placement
-from chunkwise.inference.sharded import weight_shardings
 from chunkwise.models import Weights, quantized
 from chunkwise.models.weights import shape_of, stack_layers, unstack_layers
 from chunkwise.partitioning import LayoutKind
+from chunkwise.partitioning.placement import check_placement, shardings_for
 
 META = "chunkwise.json"
 ARRAYS = "arrays"
@@ -542,7 +540,8 @@ def _weight_shardings(h: HParams, mesh, layout, like):
   for the reference layout, else the layout's shardings on `mesh`."""
   if layout.kind is LayoutKind.REFERENCE:
     return SingleDeviceSharding(jax.devices()[0])
-  return weight_shardings(h, mesh, layout, like)
+  axes = quantized.specs_like(Weights.axes(h), like)
+  return shardings_for(axes, layout, mesh, h)
 
 
 def _read_vocab(directory: str, desc: dict):
@@ -717,18 +716,9 @@ def load_result(directory: str | os.PathLike, model: InferenceModel):
     untrusted.check_int(meta.get(k), k, source=os.path.join(directory, META))
     for k in ("batch", "time", "top_n")
   )
-  kv = (h.layers, b, t, h.kv_heads, h.head_dim)
   saved = {k: jnp.dtype(a["dtype"]) for k, a in meta["arrays"].items()}
-  template = ChunkResult(
-    per_token_scores=jax.ShapeDtypeStruct((b, t), jnp.float32),
-    top_ids=jax.ShapeDtypeStruct((b, t, n), jnp.int32),
-    top_logprobs=jax.ShapeDtypeStruct((b, t, n), jnp.float32),
-    next_token_logits=jax.ShapeDtypeStruct((b, h.vocab), jnp.float32),
-    kv_cache=KVCache(
-      k=jax.ShapeDtypeStruct(kv, model.cache_dtype),
-      v=jax.ShapeDtypeStruct(kv, model.cache_dtype),
-      lengths=jax.ShapeDtypeStruct((b,), jnp.int32),
-    ),
+  template = ChunkResult.shapes(
+    h, batch=b, time=t, top_n=n, cache_dtype=model.cache_dtype
   )
   _check_arrays(
     directory,

@@ -24,6 +24,7 @@ from chunkwise.constraints.constraint import (
 from chunkwise.constraints.processor import (
   ConstraintProcessor,
   compile_rows,
+  for_call,
   processor,
 )
 from chunkwise.constraints.tables import Tables, compile_regex, vocab_of
@@ -38,6 +39,7 @@ __all__ = [
   "compile_regex",
   "compile_rows",
   "escape",
+  "for_call",
   "processor",
   "schema",
   "vocab_of",

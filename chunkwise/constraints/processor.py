@@ -196,3 +196,44 @@ def processor(
     force=bool(force),
     row_grammar=tuple(int(g) for g in row_grammar),
   )
+
+
+def for_call(
+  constraint,
+  *,
+  batch: int,
+  steps: int,
+  stop_ids: Sequence[int],
+  vocabulary,
+  width: int,
+  budget_forcing: bool = False,
+  has_prefix: bool = True,
+) -> ConstraintProcessor | None:
+  """The processor of a generate call's `constraint` (one for every row, or
+  one or None per row), compiled; None without a constraint.
+
+  With `budget_forcing`, raises ValueError, before anything runs, when
+  `steps` cannot hold a constraint's shortest match and a stop (a row
+  without prefix spends its first column on BOS).
+  """
+  if constraint is None:
+    if budget_forcing:
+      raise ValueError("budget_forcing=True needs a constraint")
+    return None
+  grammar, tables = compile_rows(
+    constraint,
+    batch=batch,
+    vocabulary=vocabulary,
+    stop_ids=list(stop_ids),
+    width=width,
+  )
+  if budget_forcing:
+    room = steps - (0 if has_prefix else 1)
+    for t in tables:
+      if int(t.distance[0]) + 1 > room:
+        raise ValueError(
+          f"budget_forcing: steps={steps} is too few for the constraint "
+          f"{t.regex[:60]!r}, whose shortest match needs "
+          f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
+        )
+  return processor(grammar, tables, width=width, force=budget_forcing)

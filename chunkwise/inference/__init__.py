@@ -3,7 +3,7 @@
 
 from chunkwise.inference.attention import attend
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.forward import InferFn, transformer_infer
+from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.model import InferenceModel
 from chunkwise.inference.results import (

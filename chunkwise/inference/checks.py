@@ -1,7 +1,12 @@
 """Input validation on the host, before any device work (DESIGN.md §4.10).
 
 Every check raises ValueError naming the offending value and what was
-expected. They read only small arrays (token ids, lengths) back to the host.
+expected. Checks read host arrays (the chunks and ids a caller built) and
+the static shapes of device arrays; they never wait for a device result
+unless it is all they have to go by: a chunk whose tokens live on the
+device is read back, and prefix lengths only when the prefixes' widths
+allow a row to overflow `max_len`. So chained calls on device-resident
+results (prefill -> generate -> prefill) dispatch without blocking.
 """
 
 from __future__ import annotations
@@ -9,64 +14,30 @@ from __future__ import annotations
 import itertools
 import reprlib
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
+from chunkwise import constraints as constraints_lib
+from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.results import ChunkResult
-from chunkwise.partitioning import Layout, LayoutKind
-from chunkwise.partitioning import plan as plan_lib
+from chunkwise.inference.sampling import Sampling
+from chunkwise.processors import LogitsProcessor
 
 
 def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
-def check_placement(
-  mesh,
-  layout=None,
-  prefill_layout=None,
-  generate_layout=None,
-  hparams: HParams | None = None,
-):
-  """Validates a mesh and layouts; returns (prefill layout, generate layout).
-
-  `layout` sets both phases; `prefill_layout` / `generate_layout` override
-  it per phase. Layouts may be `Layout`s or strings ("ws_2d/yz"). Without a
-  mesh only the reference layout runs. With `hparams`, the mesh must divide
-  every dimension each layout shards.
-  """
-  base = Layout() if layout is None else Layout.parse(layout)
-  phases = tuple(
-    base if given is None else Layout.parse(given)
-    for given in (prefill_layout, generate_layout)
-  )
-  if mesh is not None and not isinstance(mesh, Mesh):
-    raise ValueError(
-      f"mesh must be a jax.sharding.Mesh (see chunkwise.partitioning."
-      f"make_mesh), got {mesh!r}"
-    )
-  for phase, lay in zip(("prefill", "generate"), phases, strict=True):
-    if lay.kind is LayoutKind.REFERENCE:
-      continue
-    if mesh is None:
-      raise ValueError(
-        f"{phase} layout {lay} shards the model and needs a mesh; pass "
-        "mesh=chunkwise.partitioning.make_mesh(...)"
-      )
-    if hparams is not None:
-      plan_lib.check(lay, mesh, hparams)
-  return phases
-
-
 def check_chunk(chunk: Chunk, hparams: HParams) -> Chunk:
   """Shapes, lengths in [0, time], valid token ids in [0, vocab).
 
-  Returns the chunk with int32 device arrays (its fields may be lists or
-  numpy arrays on the way in).
+  Returns the chunk with int32 arrays, host arrays (or lists) as numpy and
+  device arrays left on the device.
   """
   if not isinstance(chunk, Chunk):
     raise ValueError(f"expected a Chunk, got {type(chunk).__name__}")
@@ -104,9 +75,15 @@ def check_chunk(chunk: Chunk, hparams: HParams) -> Chunk:
       f"outside the model's vocabulary [0, {hparams.vocab})"
     )
   return Chunk(
-    tokens=jnp.asarray(tokens, jnp.int32),
-    lengths=jnp.asarray(lengths, jnp.int32),
+    tokens=_int32(chunk.tokens, tokens), lengths=_int32(chunk.lengths, lengths)
   )
+
+
+def _int32(given, host: np.ndarray):
+  """`given` as int32 where it lives: device arrays stay on the device."""
+  if isinstance(given, jax.Array):
+    return given if given.dtype == jnp.int32 else given.astype(jnp.int32)
+  return host.astype(np.int32, copy=False)
 
 
 def check_prefix(
@@ -160,7 +137,13 @@ def check_total_length(
   hparams: HParams,
   what: str,
 ) -> None:
-  """Every row's prefix tokens plus `new_tokens` must fit in max_len."""
+  """Every row's prefix tokens plus `new_tokens` must fit in max_len.
+
+  A prefix's width bounds its rows' lengths: when the widths allow no
+  overflow, no length is read back from the device."""
+  widest = sum(p.kv_cache.time for p in prefix) + int(np.max(new_tokens))
+  if widest <= hparams.max_len:
+    return
   total = np.zeros((batch,), np.int64)
   for p in prefix:
     total += np.repeat(_host(p.lengths).astype(np.int64), batch // p.batch)
@@ -203,3 +186,96 @@ def check_ids(name: str, ids, hparams: HParams, *, vocab: bool) -> np.ndarray:
     value = arr[np.argmax(bad)]
     raise ValueError(f"{name} contains {value}, outside [0, {limit})")
   return arr.astype(np.int32)
+
+
+def check_prefill(
+  hparams: HParams, chunk: Chunk, prefix: Sequence[ChunkResult], top_n
+) -> tuple[Chunk, tuple[ChunkResult, ...], int]:
+  """Validates the arguments of `InferenceModel.prefill`; returns them as
+  the engine takes them."""
+  chunk = check_chunk(chunk, hparams)
+  prefix = check_prefix(prefix, chunk.batch, hparams)
+  top_n = check_count("top_n", top_n, minimum=0, maximum=hparams.vocab)
+  lengths = np.asarray(chunk.lengths)  # on the host unless given on device
+  check_total_length(prefix, chunk.batch, lengths, hparams, "the chunk")
+  return chunk, prefix, top_n
+
+
+class GenerateCall(NamedTuple):
+  """A validated generate call: what the engine's loop is built from."""
+
+  prefix: tuple[ChunkResult, ...]
+  sample_ids: np.ndarray  # int32[batch]
+  steps: int
+  top_n: int
+  sampling: Sampling  # per-row arrays
+  stop_ids: np.ndarray  # int32[n_stop], the model's EOS included
+  processors: tuple[LogitsProcessor, ...]  # the constraint's last
+  processor_states: tuple[Any, ...]  # their initial states (host arrays)
+
+  @property
+  def batch(self) -> int:
+    return self.sample_ids.shape[0]
+
+
+def check_generate(
+  hparams: HParams,
+  prefix: Sequence[ChunkResult],
+  *,
+  sample_ids,
+  steps,
+  sampling: Sampling | None,
+  stop_ids,
+  eos_id: int | None,
+  top_n,
+  processors,
+  constraint,
+  budget_forcing: bool,
+  vocabulary,
+) -> GenerateCall:
+  """Validates every argument of `InferenceModel.generate` on the host,
+  compiling the constraint and tracing the processors; raises ValueError
+  naming the first bad value."""
+  h = hparams
+  sample_ids = check_ids("sample_ids", sample_ids, h, vocab=False)
+  batch = sample_ids.shape[0]
+  if batch == 0:
+    raise ValueError("sample_ids is empty: generate needs at least one row")
+  steps = check_count("steps", steps, minimum=1)
+  top_n = check_count("top_n", top_n, minimum=0, maximum=h.vocab)
+  prefix = check_prefix(prefix, batch, h)
+  if sampling is None:
+    sampling = Sampling()
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a chunkwise Sampling, got {sampling!r}")
+  sampling = sampling.for_batch(batch)
+  stop = check_ids("stop_ids", stop_ids, h, vocab=True)
+  if eos_id is not None:
+    stop = np.unique(np.append(stop, eos_id)).astype(np.int32)
+  check_total_length(prefix, batch, steps, h, f"{steps} steps")
+  procs = processors_lib.as_tuple(processors)
+  masking = constraints_lib.for_call(
+    constraint,
+    batch=batch,
+    steps=steps,
+    stop_ids=stop.tolist(),
+    vocabulary=vocabulary,
+    width=h.vocab,
+    budget_forcing=budget_forcing,
+    has_prefix=bool(prefix),
+  )
+  if masking is not None:  # the constraint's processor runs last
+    procs = (*procs, masking)
+  procs, states = processors_lib.check(
+    procs, batch=batch, vocab=h.vocab, n_stop=stop.shape[0]
+  )
+  return GenerateCall(
+    prefix=prefix,
+    sample_ids=sample_ids,
+    steps=steps,
+    top_n=top_n,
+    sampling=sampling,
+    stop_ids=stop,
+    processors=procs,
+    processor_states=states,
+  )

@@ -9,6 +9,11 @@
 
 Positions `>= lengths[b]` are padding. Only the first chunk of a sequence
 starts with BOS; continuation chunks (prefilled with a prefix) do not.
+
+Chunks built from text or lists hold numpy arrays: they stay on the host,
+where `InferenceModel` validates them without a device round trip, until a
+call places them (chunks that `generate` returns hold device arrays).
+`split_at` and `pad_to_length` keep the arrays where they are.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from chunkwise.partitioning import axes as ax
 class Chunk:
   """Token ids int32[batch, time] with per-row valid lengths int32[batch]."""
 
-  tokens: jax.Array  # int32[batch, time]
-  lengths: jax.Array  # int32[batch]
+  tokens: jax.Array | np.ndarray  # int32[batch, time]
+  lengths: jax.Array | np.ndarray  # int32[batch]
 
   @classmethod
   def axes(cls) -> Chunk:
@@ -69,7 +74,7 @@ class Chunk:
     for i, row in enumerate(rows):
       tokens[i, : len(row)] = np.asarray(row, np.int64)
     lengths = np.array([len(r) for r in rows], np.int32)
-    return cls(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths))
+    return cls(tokens=tokens, lengths=lengths)
 
   @classmethod
   def tokenize(
@@ -144,11 +149,12 @@ class Chunk:
       raise ValueError(
         f"split_at({n}) is outside the chunk's 0..{self.time} columns"
       )
+    xp = _array_module(self.lengths)
     first = Chunk(
-      tokens=self.tokens[:, :n], lengths=jnp.minimum(self.lengths, n)
+      tokens=self.tokens[:, :n], lengths=xp.minimum(self.lengths, n)
     )
     second = Chunk(
-      tokens=self.tokens[:, n:], lengths=jnp.maximum(self.lengths, n) - n
+      tokens=self.tokens[:, n:], lengths=xp.maximum(self.lengths, n) - n
     )
     return first, second
 
@@ -158,7 +164,13 @@ class Chunk:
       raise ValueError(
         f"pad_to_length({n}) is shorter than the chunk's {self.time} columns"
       )
-    tokens = jnp.pad(
+    tokens = _array_module(self.tokens).pad(
       self.tokens, ((0, 0), (0, n - self.time)), constant_values=pad_id
     )
     return Chunk(tokens=tokens, lengths=self.lengths)
+
+
+def _array_module(x):
+  """numpy for host arrays, jax.numpy for device ones: chunk edits stay
+  where the chunk is."""
+  return np if isinstance(x, np.ndarray) else jnp

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.forward import InferFn
+from chunkwise.inference.infer import InferFn
 from chunkwise.inference.kv_cache import KVCache, total_lengths
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult

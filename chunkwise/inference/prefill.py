@@ -1,11 +1,13 @@
-"""Prefill: run a chunk after its prefixes and score every token.
+"""Prefill on one device: run a chunk after its prefixes and score every token.
 
   result = prefill(infer, weights, caches, prev_logits, chunk, top_n=5,
                    bos_id=0)
 
 `caches` are the prefixes' KV caches in order and `prev_logits` the last
-prefix's `next_token_logits` (None for a first chunk). The public entry point
-is `InferenceModel.prefill`, which validates and compiles this function.
+prefix's `next_token_logits` (None for a first chunk). Every engine
+compiles this one function: the reference engine as it is, the sharded
+engine under `shard_map` with the device's `LogitsShards`. The public entry
+point is `InferenceModel.prefill`, which validates first.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from collections.abc import Sequence
 import jax
 
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.forward import InferFn
+from chunkwise.inference.infer import InferFn
 from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 
 
@@ -29,7 +32,20 @@ def prefill(
   *,
   top_n: int,
   bos_id: int,
+  shards: LogitsShards | None = None,
+  prev_split: bool = True,
 ) -> ChunkResult:
-  """Forward pass over `chunk`, then scores, top-n and next-token logits."""
+  """Forward pass over `chunk`, then scores, top-n and next-token logits.
+
+  Under `shard_map`, `shards` says how this device's logits are cut and
+  `prev_split` whether `prev_logits` is cut like them (see
+  `FullChunkResult.to_chunk_result`)."""
   full = infer(weights, tuple(caches), chunk)
-  return full.to_chunk_result(prev_logits, chunk, top_n=top_n, bos_id=bos_id)
+  return full.to_chunk_result(
+    prev_logits,
+    chunk,
+    top_n=top_n,
+    bos_id=bos_id,
+    shards=shards,
+    prev_split=prev_split,
+  )

@@ -29,6 +29,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, repeat_each
 from chunkwise.partitioning import axes as ax
@@ -70,6 +71,50 @@ class ChunkResult:
   @property
   def top_n(self) -> int:
     return self.top_ids.shape[2]
+
+  @classmethod
+  def shapes(
+    cls, hparams: HParams, *, batch: int, time: int, top_n: int, cache_dtype
+  ) -> ChunkResult:
+    """The `jax.ShapeDtypeStruct`s of a result of `batch` rows and `time`
+    positions: what prefill returns, and what a saved result restores."""
+    kv = (hparams.layers, batch, time, hparams.kv_heads, hparams.head_dim)
+    f32, i32 = jnp.float32, jnp.int32
+    return cls(
+      per_token_scores=jax.ShapeDtypeStruct((batch, time), f32),
+      top_ids=jax.ShapeDtypeStruct((batch, time, top_n), i32),
+      top_logprobs=jax.ShapeDtypeStruct((batch, time, top_n), f32),
+      next_token_logits=jax.ShapeDtypeStruct((batch, hparams.vocab), f32),
+      kv_cache=KVCache(
+        k=jax.ShapeDtypeStruct(kv, cache_dtype),
+        v=jax.ShapeDtypeStruct(kv, cache_dtype),
+        lengths=jax.ShapeDtypeStruct((batch,), i32),
+      ),
+    )
+
+  @classmethod
+  def empty(
+    cls,
+    hparams: HParams,
+    prev_logits: jax.Array | None,
+    *,
+    batch: int,
+    top_n: int,
+    cache_dtype,
+    bos_id: int,
+  ) -> ChunkResult:
+    """The result of a chunk of no positions after a prefix whose last
+    next-token logits are `prev_logits` (None: none, the BOS distribution):
+    nothing to score, and the logits carried over."""
+    shapes = cls.shapes(
+      hparams, batch=batch, time=0, top_n=top_n, cache_dtype=cache_dtype
+    )
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return zeros.replace(
+      next_token_logits=carried_logits(
+        prev_logits, batch, vocab=hparams.vocab, bos_id=bos_id
+      )
+    )
 
 
 @struct.dataclass(kw_only=True)
@@ -160,12 +205,21 @@ def carried_logits(
 def exp_sum(x: jax.Array) -> jax.Array:
   """sum(exp(x)) over the last axis, keeping it (size 1).
 
-  Summed by a matrix-vector product with ones at full f32 precision:
-  XLA:CPU's fused exp-and-reduce took twice as long (112 ms of a 512-token
-  prefill's 1.1 s, over its 49152-word vocabulary).
+  On the CPU summed by a matrix-vector product with ones: XLA:CPU's fused
+  exp-and-reduce took twice as long (112 ms of a 512-token prefill's 1.1 s,
+  over its 49152-word vocabulary). XLA:CPU computes f32 dots in f32 at any
+  `precision`, so the product follows the model's setting (tests check
+  every dot carries it); elsewhere, where a "default" dot may round to
+  bf16 or TF32, the sum is a plain reduction.
   """
-  ones = jnp.ones(x.shape[-1], jnp.float32)
-  total = jnp.einsum("...v,v->...", jnp.exp(x), ones, precision="highest")
+  e = jnp.exp(x)
+
+  def by_matvec(e):
+    return jnp.einsum("...v,v->...", e, jnp.ones(e.shape[-1], e.dtype))
+
+  total = lax.platform_dependent(
+    e, cpu=by_matvec, default=lambda e: jnp.sum(e, axis=-1)
+  )
   return total[..., None]
 
 

@@ -50,6 +50,21 @@ def eos_id_of(vocab: Vocabulary | None) -> int | None:
   return None if eos is None or eos < 0 else int(eos)
 
 
+def special_ids(
+  vocab: Vocabulary | None, bos_id, eos_id, *, size: int
+) -> tuple[int, int | None]:
+  """(BOS id, EOS id or None): the given ones, else the vocabulary's (BOS
+  0 where it has none). Raises ValueError for an id outside [0, size)."""
+  bos = bos_id_of(vocab) if bos_id is None else int(bos_id)
+  eos = eos_id_of(vocab) if eos_id is None else int(eos_id)
+  for name, value in (("bos_id", bos), ("eos_id", eos)):
+    if value is not None and not 0 <= value < size:
+      raise ValueError(
+        f"{name}={value} is outside the model's vocabulary [0, {size})"
+      )
+  return bos, eos
+
+
 class ByteVocabulary:
   """UTF-8 bytes as tokens: pad 0, BOS 1, EOS 2, byte b is id b + 3.
 

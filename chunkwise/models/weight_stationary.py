@@ -26,7 +26,7 @@ activations are gathered before a matmul and reduce-scattered after it.
   xn @ table [V.YZ, E.X] -psum_scatter x on vocab-> logits [B, T, V.YZX].
 
 `prefix` holds, per prefix cache, this layer's (k, v, lengths) already cut
-to this device's attention rows (see `inference.sharded`).
+to this device's attention rows (see `inference.sharded_engine`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ from chunkwise.partitioning.mesh import (
   make_mesh,
   parse_mesh,
 )
+from chunkwise.partitioning.placement import (
+  check_placement,
+  put,
+  shardings_for,
+)
 from chunkwise.partitioning.plan import Plan
 from chunkwise.partitioning.rules import resolve, resolve_tree
 
@@ -22,9 +27,12 @@ __all__ = [
   "LayoutKind",
   "Plan",
   "axes",
+  "check_placement",
   "initialize_multihost",
   "make_mesh",
   "parse_mesh",
+  "put",
   "resolve",
   "resolve_tree",
+  "shardings_for",
 ]

@@ -9,6 +9,7 @@ tokens, result = model.generate(
 from chunkwise.processors.base import (
   LogitsProcessor,
   StepInfo,
+  as_tuple,
   check,
   keep_rows,
 )
@@ -34,6 +35,7 @@ __all__ = [
   "TokenAllow",
   "TokenBan",
   "allow_tokens",
+  "as_tuple",
   "ban_tokens",
   "check",
   "keep_rows",

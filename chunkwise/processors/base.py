@@ -99,6 +99,21 @@ def keep_rows(keep: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree.map(pick, new, old)
 
 
+def as_tuple(processors) -> tuple:
+  """A call's `processors` argument (one LogitsProcessor or a sequence of
+  them) as a tuple; raises ValueError for anything else."""
+  if isinstance(processors, LogitsProcessor):
+    return (processors,)
+  if isinstance(processors, (str, bytes)) or not isinstance(
+    processors, Sequence
+  ):
+    raise ValueError(
+      f"processors must be a list of chunkwise LogitsProcessors, got "
+      f"{processors!r}"
+    )
+  return tuple(processors)
+
+
 def check(
   processors: Sequence[LogitsProcessor], *, batch: int, vocab: int, n_stop: int
 ) -> tuple[tuple[LogitsProcessor, ...], tuple[Any, ...]]:

@@ -1,4 +1,4 @@
-"""Sharded execution: one jitted `shard_map` program per phase and plan.
+"""The sharded engine: one jitted `shard_map` program per phase and plan.
 
   engine = ShardedEngine(hparams, weights, mesh, Layout.parse("ws_2d/yz"))
   result = engine.prefill(caches, prev_logits, chunk, top_n=0, bos_id=1)
@@ -14,9 +14,10 @@ under another layout) and runs the per-device program. Small per-row arrays
 caches and logits are split.
 
 Per device, `sharded_infer` is an `InferFn`: it cuts the prefix caches to
-this device's attention rows and runs `models.sharded.forward`; prefill
+this device's attention rows and runs `models.sharded_forward`; prefill
 scores and the generate loop samples through `logits.LogitsShards`, so
-prefill and generate are the same code as the single-device reference.
+prefill and generate are the same code as the reference engine's
+(`engine.ReferenceEngine`).
 """
 
 from __future__ import annotations
@@ -25,21 +26,21 @@ import functools
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import HParams
-from chunkwise.inference import generate
+from chunkwise.inference import generate, prefill
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.forward import positions_of
+from chunkwise.inference.infer import positions_of
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
-from chunkwise.models import Weights, fused, quantized, sharded
+from chunkwise.models import Weights, fused, quantized, sharded_forward
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
+from chunkwise.partitioning.placement import named, put
 from chunkwise.precision import with_precision
 
 
@@ -72,39 +73,13 @@ def sharded_infer(
     if b % n:  # replicated rows: keep the one this block reads
       k, v = (ops.local_rows(a, n, i, axis=1) for a in (k, v))
     local.append((k, v, ops.local_rows(cache.lengths, n, i)))
-  logits, (k, v) = sharded.forward(
+  logits, (k, v) = sharded_forward.forward(
     plan, hparams, weights, chunk.tokens, positions, local, compute_dtype
   )
   cache = KVCache(
     k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths
   )
   return FullChunkResult(logits=logits, kv_cache=cache)
-
-
-def _put(x, sharding: NamedSharding):
-  """Places `x` with `sharding`, from the host or from another sharding
-  (also across processes: host values must be equal on every process)."""
-  if isinstance(x, jax.Array) and (
-    not x.is_fully_addressable or sharding.is_fully_addressable
-  ):
-    return jax.device_put(x, sharding)
-  host = np.asarray(x)
-  return jax.make_array_from_callback(
-    host.shape, sharding, lambda index: host[index]
-  )
-
-
-def weight_shardings(hparams: HParams, mesh: Mesh, layout: Layout, like):
-  """The `NamedSharding`s `layout` gives weights shaped like `like` (a
-  Weights tree of arrays or `ShapeDtypeStruct`s, int8 `QArray`s allowed),
-  in plain block order: what a checkpoint is restored into."""
-  plan = Plan.make(layout, mesh, hparams, batch=1)
-  logical = quantized.specs_like(Weights.axes(hparams), like)
-  return jax.tree.map(
-    lambda s: NamedSharding(mesh, s),
-    resolve_tree(logical, plan.rules()),
-    is_leaf=lambda s: isinstance(s, P),
-  )
 
 
 class ShardedEngine:
@@ -147,7 +122,7 @@ class ShardedEngine:
         fused.shuffled_specs(plan, specs, plain), tag=weights.tag
       )
     self.weights = jax.tree.map(
-      lambda x, s: _put(x, NamedSharding(self.mesh, s)), weights, specs
+      lambda x, s: put(x, NamedSharding(self.mesh, s)), weights, specs
     )
     self._weight_specs = specs
     if want is not None and not shuffled:
@@ -180,11 +155,8 @@ class ShardedEngine:
 
   def result_shardings(self, batch: int) -> ChunkResult:
     """Where `prefill` of a batch of `batch` rows puts its ChunkResult."""
-    specs = resolve_tree(ChunkResult.axes(), self.plan(batch).rules())
-    return jax.tree.map(
-      lambda s: NamedSharding(self.mesh, s),
-      specs,
-      is_leaf=lambda s: isinstance(s, P),
+    return named(
+      self.mesh, resolve_tree(ChunkResult.axes(), self.plan(batch).rules())
     )
 
   def plan(self, batch: int, prefix_batches: Sequence[int] = ()) -> Plan:
@@ -201,7 +173,7 @@ class ShardedEngine:
     returns (placed tree, mesh specs)."""
     specs = resolve_tree(logical, rules)
     placed = jax.tree.map(
-      lambda x, s: _put(x, NamedSharding(self.mesh, s)), tree, specs
+      lambda x, s: put(x, NamedSharding(self.mesh, s)), tree, specs
     )
     return placed, specs
 
@@ -259,19 +231,14 @@ class ShardedEngine:
     )
     rules = plan.rules()
     chunk, chunk_spec = self._place(chunk, Chunk.axes(), rules)
-    infer = self._infer(plan)
-    shards = self._shards(plan)
-
-    def per_device(weights, caches, prev, chunk):
-      full = infer(weights, caches, chunk)
-      return full.to_chunk_result(
-        prev,
-        chunk,
-        top_n=top_n,
-        bos_id=bos_id,
-        shards=shards,
-        prev_split=prev_split,
-      )
+    per_device = functools.partial(
+      prefill.prefill,
+      self._infer(plan),
+      top_n=top_n,
+      bos_id=bos_id,
+      shards=self._shards(plan),
+      prev_split=prev_split,
+    )
 
     program = self._program(
       ("prefill", plan, top_n, bos_id, prev is not None),

@@ -1,0 +1,255 @@
+"""Engines: weights placed for one layout, and their compiled programs.
+
+  prefill_engine, generate_engine = make_engines(
+      hparams, weights, mesh, (prefill_layout, generate_layout), ...)
+  result = prefill_engine.prefill(caches, prev_logits, chunk, top_n=0,
+                                  bos_id=1)
+  state = generate_engine.init(caches, prev_logits, batch=8, steps=16, ...)
+  state = generate_engine.run(caches, state, inputs, stop_at)
+
+`InferenceModel` validates a call on the host, then hands it to the engine
+of its phase; every engine follows the `Engine` protocol below and compiles
+the same per-device functions (`prefill.prefill`, `generate.init`,
+`generate.run`). `ReferenceEngine` runs them with `jax.jit` on JAX's default
+device; `sharded_engine.ShardedEngine` runs them under `shard_map` on a
+mesh, with the weights split (and reordered for collective matmuls) as the
+layout says.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+from chunkwise.configs import HParams
+from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.infer import InferFn, transformer_infer
+from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.sharded_engine import ShardedEngine
+from chunkwise.models import Weights, check_shapes, fused
+from chunkwise.partitioning import Layout, LayoutKind
+from chunkwise.precision import with_precision
+
+
+@runtime_checkable
+class Engine(Protocol):
+  """Weights placed for one layout, and the programs that read them.
+
+  Inputs are validated by the caller; the engine only places and runs.
+  """
+
+  weights: Weights | fused.ShuffledWeights  # as placed
+
+  def plain_weights(self) -> Weights:
+    """The weights in plain block order, as placed."""
+    ...
+
+  def result_shardings(self, batch: int):
+    """Where `prefill` of `batch` rows puts its ChunkResult (one sharding
+    or a ChunkResult tree of them)."""
+    ...
+
+  def prefill(
+    self,
+    caches: Sequence[KVCache],
+    prev: jax.Array | None,
+    chunk: Chunk,
+    *,
+    top_n: int,
+    bos_id: int,
+  ) -> ChunkResult:
+    """`prefill.prefill` of `chunk` after prefix `caches`, whose last
+    next-token logits are `prev`."""
+    ...
+
+  def init(
+    self,
+    caches: Sequence[KVCache],
+    prev: jax.Array | None,
+    *,
+    batch: int,
+    steps: int,
+    top_n: int,
+    vocab: int,
+    bos_id: int,
+  ) -> generate.LoopState:
+    """`generate.init`: the loop's state before its first step."""
+    ...
+
+  def run(
+    self,
+    caches: Sequence[KVCache],
+    state: generate.LoopState,
+    inputs: generate.LoopInputs,
+    stop_at: jax.Array,
+  ) -> generate.LoopState:
+    """`generate.run` up to column `stop_at` (the state is donated)."""
+    ...
+
+
+class ReferenceEngine:
+  """The reference layout: the per-device functions jitted, no mesh."""
+
+  def __init__(self, infer_fn: InferFn, weights, *, precision: str):
+    self.weights = weights
+
+    def traced(fn):
+      return with_precision(functools.partial(fn, infer_fn), precision)
+
+    self._prefill = jax.jit(
+      traced(prefill.prefill), static_argnames=("top_n", "bos_id")
+    )
+    self._init = jax.jit(
+      traced(generate.init),
+      static_argnames=("batch", "steps", "top_n", "vocab", "bos_id"),
+    )
+    # The loop state is donated: segments of generate_stream reuse buffers.
+    self._run = jax.jit(traced(generate.run), donate_argnames=("state",))
+
+  def plain_weights(self):
+    return self.weights
+
+  def result_shardings(self, batch: int):
+    """Where results live: JAX's default device."""
+    del batch
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def prefill(self, caches, prev, chunk, *, top_n, bos_id):
+    return self._prefill(
+      self.weights, caches, prev, chunk, top_n=top_n, bos_id=bos_id
+    )
+
+  def init(self, caches, prev, **static):
+    return self._init(self.weights, caches, prev, **static)
+
+  def run(self, caches, state, inputs, stop_at):
+    return self._run(self.weights, caches, state, inputs, stop_at)
+
+
+def make_engines(
+  hparams: HParams,
+  weights,
+  mesh,
+  phases: tuple[Layout, Layout],
+  *,
+  infer_fn: InferFn | None,
+  cache_dtype,
+  compute_dtype,
+  precision: str,
+) -> tuple[Engine, Engine]:
+  """The (prefill, generate) engines of validated `phases` on `mesh`; one
+  engine when both phases share a layout. Weights placed for one layout
+  are reused by the other where the placement allows it. The reference
+  layout reads `weights` as given, with `infer_fn` (None: the
+  Transformer's `transformer_infer`).
+
+  Raises ValueError, before placing anything, for weights that do not fit
+  `hparams`, an `infer_fn` with a sharded layout, or shuffled weights with
+  the reference layout.
+  """
+  sharded = [p for p in phases if p.kind is not LayoutKind.REFERENCE]
+  if infer_fn is not None and sharded:
+    raise ValueError(
+      f"infer_fn replaces the reference forward pass only; layouts "
+      f"{[str(p) for p in sharded]} need the Transformer's"
+    )
+  shuffled = isinstance(weights, fused.ShuffledWeights)
+  if shuffled and len(sharded) < len(phases):
+    raise ValueError(
+      f"weights shuffled for {weights.tag} cannot run the reference "
+      "layout, which needs plain weights"
+    )
+  if infer_fn is None:
+    check_shapes(
+      hparams,
+      jax.eval_shape(fused.joined, weights.weights) if shuffled else weights,
+    )
+    infer_fn = functools.partial(
+      transformer_infer,
+      hparams,
+      cache_dtype=cache_dtype,
+      compute_dtype=compute_dtype,
+    )
+  engines: dict[Layout, Engine] = {}
+  for lay in phases:
+    if lay in engines:
+      continue
+    if lay.kind is LayoutKind.REFERENCE:
+      engines[lay] = ReferenceEngine(infer_fn, weights, precision=precision)
+      continue
+    # Weights already placed by another layout are reused, unless shuffled
+    # for another layout's collectives.
+    placed = [
+      e.weights
+      for e in engines.values()
+      if not isinstance(e.weights, fused.ShuffledWeights)
+      or e.weights.tag == shuffle_tag(lay, mesh)
+    ]
+    engines[lay] = ShardedEngine(
+      hparams,
+      placed[0] if placed else weights,
+      mesh,
+      lay,
+      cache_dtype=cache_dtype,
+      compute_dtype=compute_dtype,
+      precision=precision,
+    )
+  return engines[phases[0]], engines[phases[1]]
+
+
+def prefix_inputs(prefix: Sequence[ChunkResult]):
+  """What an engine reads of a call's prefix: (its KV caches, the last
+  one's next-token logits or None)."""
+  caches = tuple(p.kv_cache for p in prefix)
+  return caches, (prefix[-1].next_token_logits if prefix else None)
+
+
+def start_loop(
+  engine: Engine, call: checks.GenerateCall, *, vocab: int, bos_id: int
+):
+  """The generate loop of a validated call, before its first step: returns
+  (prefix caches, loop state, loop inputs) for `engine.run`."""
+  caches, prev = prefix_inputs(call.prefix)
+  state = engine.init(
+    caches,
+    prev,
+    batch=call.batch,
+    steps=call.steps,
+    top_n=call.top_n,
+    vocab=vocab,
+    bos_id=bos_id,
+  )
+  state = state.replace(
+    processor_states=jax.tree.map(jnp.asarray, call.processor_states)
+  )
+  inputs = generate.loop_inputs(
+    caches, call.sample_ids, call.sampling, call.stop_ids, call.processors
+  )
+  return caches, state, inputs
+
+
+def stream(
+  engine: Engine, caches, state, inputs, steps: int, every: int
+) -> Iterator[tuple[Chunk, ChunkResult]]:
+  """Runs the loop in segments of `every` columns, yielding each segment
+  (`generate.segment`). Once every row has stopped, nothing more runs: the
+  remaining (empty) segments are cut from the final state."""
+  done = False
+  for begin in range(0, steps, every):
+    end = min(begin + every, steps)
+    if not done:
+      state = engine.run(caches, state, inputs, jnp.int32(end))
+      done = bool(jnp.all(state.done))
+    yield generate.segment(state, begin, end)
+
+
+def shuffle_tag(layout: Layout, mesh) -> str:
+  """The `ShuffledWeights.tag` that `layout` on `mesh` reads."""
+  sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
+  return fused.tag(layout.kind, layout.collectives, sizes)
