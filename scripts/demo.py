@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 
 import chunkwise as cw
+from chunkwise.jobs import cli
 
 _MODEL = flags.DEFINE_string(
   "model",
@@ -54,14 +55,9 @@ _SAMPLES = flags.DEFINE_integer(
 _STEPS = flags.DEFINE_integer(
   "steps", 12, "Tokens to generate per sample.", lower_bound=1
 )
-_TEMPERATURE = flags.DEFINE_float(
-  "temperature", 0.7, "Sampling temperature (0: greedy).", lower_bound=0.0
+SAMPLING = cli.SamplingFlags(
+  temperature=0.7, top_p=0.95, seed_help="Sampling (and random weight) seed."
 )
-_TOP_P = flags.DEFINE_float(
-  "top_p", 0.95, "Nucleus sampling mass, in (0, 1].", upper_bound=1.0
-)
-flags.register_validator("top_p", lambda p: p > 0, "--top_p must be > 0")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling (and random weight) seed.")
 _CHAT = flags.DEFINE_string(
   "chat",
   "What is the capital of France?",
@@ -76,7 +72,7 @@ def _load(name: str) -> cw.InferenceModel:
   try:
     if name.startswith(cw.checkpoints.RANDOM):
       hparams = cw.checkpoints.describe_random(name).hparams
-      return cw.InferenceModel.random(hparams, seed=_SEED.value)
+      return cw.InferenceModel.random(hparams, seed=SAMPLING.seed.value)
     return cw.load(name)
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(f"--model={name}: {e}") from None
@@ -132,9 +128,7 @@ def few_shot(model: cw.InferenceModel) -> None:
     [prefix, tasks],
     sample_ids=jnp.arange(samples),
     steps=_STEPS.value,
-    sampling=cw.Sampling(
-      temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value
-    ),
+    sampling=SAMPLING.sampling(),
     stop_ids=_stop_ids(model),
   )
   texts = tokens.detokenize(vocab)

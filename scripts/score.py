@@ -22,78 +22,26 @@ examples, tokens, mean NLL per token, perplexity, tokens/s.
 
 Multi-host: pass --coordinator_address, --num_processes, --process_id to
 every process (or --multihost for the platform's detection); see
-chunkwise/jobs/cli.py for how examples and output are split.
+chunkwise/jobs/driver.py for how examples and output are split. The same
+job runs from Python: chunkwise.jobs.run_score(ScoreJob(...)).
 """
 
 from __future__ import annotations
 
-import math
-
 from absl import app, flags
 
-from chunkwise.jobs import cli, examples, scoring
+from chunkwise.jobs import ScoreJob, cli, run_score
 
+JOB = cli.JobFlags()
 _TOP_N = flags.DEFINE_integer(
   "top_n", 0, "Most likely alternatives per scored token.", lower_bound=0
 )
 _TOKENS = flags.DEFINE_bool("tokens", False, "Write each example's token ids.")
 
 
-def encode(described, prefix: list[int], example: examples.Example):
-  """(row, scored_from): BOS (unless a shared prefix holds it), the
-  context, then the scored text."""
-  vocab = described.vocab
-  head = [] if prefix else [described.bos_id]
-  if example.context:
-    head += vocab.encode(example.context)
-  return head + list(vocab.encode(example.text)), len(head)
-
-
-def summarize(setup: cli.Setup, run: cli.Run) -> dict:
-  """Totals over the whole output; speed over this run's examples."""
-  records = run.output.records()
-  tokens = sum(r["num_tokens"] for r in records)
-  nll = -sum(r["logprob"] for r in records) / max(tokens, 1)
-  new = sum(
-    len(p.tokens) - p.scored_from
-    for p in map(setup.prepared.__getitem__, run.todo)
-  )
-  return cli.summary(
-    setup,
-    run,
-    new_tokens=new,
-    examples=len(records),
-    tokens=tokens,
-    mean_nll=round(nll, 6),
-    perplexity=round(math.exp(nll), 4),
-  )
-
-
 def score() -> None:
-  setup = cli.setup(examples.SCORE, encode)
-  top_n, vocab = _TOP_N.value, setup.described.hparams.vocab
-  if top_n > vocab:
-    raise app.UsageError(f"--top_n={top_n} exceeds the vocabulary ({vocab})")
-
-  def run_batch(model, prefix, rows, batch):
-    records = scoring.score_batch(
-      model,
-      rows,
-      time=batch.time,
-      prefix=prefix,
-      top_n=top_n,
-      with_tokens=_TOKENS.value,
-    )
-    return [None if r is None else [r] for r in records]
-
-  run = cli.run(
-    setup,
-    keys=lambda p: [examples.id_key(p.example.id)],
-    run_batch=run_batch,
-    settings={"script": "score", "top_n": top_n, "tokens": _TOKENS.value},
-  )
-  if run.process == 0:
-    cli.report(summarize(setup, run))
+  job = ScoreJob(**JOB.fields(), top_n=_TOP_N.value, tokens=_TOKENS.value)
+  cli.report(run_score(job))
 
 
 main = cli.main(score)

@@ -17,6 +17,7 @@ import pytest
 from absl import flags
 
 import chunkwise as cw
+from chunkwise import jobs
 from chunkwise.jobs import batching, examples, generation, output
 from tests.test_multihost import _free_port, _worker_env
 
@@ -354,6 +355,99 @@ def test_score_main_matches_prefill(tmp_path, capsys):
     np.asarray(after.per_token_scores[0]),
     atol=2e-5,
   )
+
+
+def test_jobs_from_python_write_what_the_scripts_write(tmp_path, capsys):
+  """`run_score` / `run_generate` on configs give byte-identical output
+  files (settings included) and the summary the scripts print."""
+  path = _write(tmp_path / "in.jsonl", [json.dumps(t) for t in TEXTS])
+  prompts = _write(tmp_path / "prompts.txt", ["Hello", "The end"])
+  model = jobs.ModelConfig(name="random:tiny")
+  for name, job, args in (
+    (
+      "score",
+      jobs.ScoreJob(
+        input=path,
+        output=str(tmp_path / "py-score.jsonl"),
+        model=model,
+        top_n=2,
+        batch_size=2,
+        progress=False,
+      ),
+      ["--top_n=2", "--batch_size=2"],
+    ),
+    (
+      "generate",
+      jobs.GenerateJob(
+        input=prompts,
+        output=str(tmp_path / "py-generate.jsonl"),
+        model=model,
+        num_samples=2,
+        steps=6,
+        sampling=cw.Sampling(temperature=0.8, top_k=20, seed=3),
+        stop=("e",),
+        progress=False,
+      ),
+      [
+        "--num_samples=2",
+        "--steps=6",
+        "--temperature=0.8",
+        "--top_k=20",
+        "--seed=3",
+        "--stop=e",
+      ],
+    ),
+  ):
+    run = jobs.run_score if name == "score" else jobs.run_generate
+    summary = run(job)
+    out = tmp_path / f"cli-{name}.jsonl"
+    code, printed, _ = _main(
+      name, [f"--input={job.input}", f"--output={out}", *args], capsys
+    )
+    assert code == 0
+    assert pathlib.Path(job.output).read_bytes() == out.read_bytes(), name
+    settings = [pathlib.Path(f"{p}.job.json") for p in (job.output, out)]
+    if all(s.exists() for s in settings):
+      assert settings[0].read_bytes() == settings[1].read_bytes(), name
+    drop = ("output", "seconds", "tokens_per_s")
+    assert {k: v for k, v in summary.items() if k not in drop} == {
+      k: v for k, v in printed.items() if k not in drop
+    }
+
+
+def test_job_configs_check_their_values(tmp_path):
+  path = _write(tmp_path / "in.txt", ["hello"])
+  base = dict(input=path, output=str(tmp_path / "o.jsonl"))
+  cfg = jobs.ModelConfig(name="random:tiny", layout="ws_1d", mesh="1x2x4")
+  assert cfg.layout == cw.Layout.parse("ws_1d") and cfg.mesh == (1, 2, 4)
+  assert jobs.ModelConfig(quantize="int8").quantize is jobs.Quantization.INT8
+  job = jobs.ScoreJob(**base, input_format="text")
+  assert job.input_format is jobs.InputFormat.TEXT
+  assert job.kind is jobs.JobKind.SCORE
+  assert jobs.GenerateJob(**base).kind is jobs.JobKind.GENERATE
+  for make, message in (
+    (lambda: jobs.ModelConfig(quantize="int4"), "quantize='int4'"),
+    (lambda: jobs.ModelConfig(dtype="float16"), "dtype='float16'"),
+    (lambda: jobs.ModelConfig(layout="ws_9d"), "ws_9d"),
+    (lambda: jobs.ScoreJob(input="", output="o"), "--input is required"),
+    (lambda: jobs.ScoreJob(**base, batch_size=0), "--batch_size=0"),
+    (lambda: jobs.ScoreJob(**base, input_format="csv"), "input_format='csv'"),
+    (
+      lambda: jobs.GenerateJob(**base, sampling=cw.Sampling(top_p=0.0)),
+      "top_p",
+    ),
+    (lambda: jobs.GenerateJob(**base, stop=("",)), "--stop='' is empty"),
+  ):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      make()
+  # A job that is fine as a config but not for its model: JobError, one
+  # line, nothing written.
+  bad = jobs.ScoreJob(
+    **base, model=jobs.ModelConfig(name="random:tiny"), top_n=10**6
+  )
+  with pytest.raises(jobs.JobError, match="--top_n=1000000 exceeds"):
+    jobs.run_score(bad)
+  assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_broken_line_fails_before_writing_or_is_skipped(tmp_path, capsys):

@@ -94,3 +94,10 @@ def test_quickstart_runs_on_the_default_model():
   answers = [line for line in lines if line.startswith("assistant: ")]
   assert len(answers) == 1, text
   assert "Paris" in answers[0]
+
+  # The scoring job run from Python: same log-probs as section 2, and a
+  # second run resumes with nothing left to do.
+  assert "job summary: 3 examples" in text, text
+  gap = re.search(r"largest difference ([\d.e+-]+)", text)
+  assert gap and float(gap.group(1)) < 1e-3, text
+  assert "second run: 0 run now, 3 resumed" in text, text

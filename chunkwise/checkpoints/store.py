@@ -57,6 +57,7 @@ from chunkwise.inference import (
 from chunkwise.models import Weights, quantized
 from chunkwise.models.weights import shape_of, stack_layers, unstack_layers
 from chunkwise.partitioning import LayoutKind
+from chunkwise.partitioning.multihost import barrier
 from chunkwise.partitioning.placement import check_placement, shardings_for
 
 META = "chunkwise.json"
@@ -175,13 +176,6 @@ def _file_sizes(root: str) -> dict[str, int]:
   return dict(sorted(out.items()))
 
 
-def _sync(name: str) -> None:
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(name)
-
-
 def _write(
   directory, tree, meta: dict, files: dict[str, str], overwrite: bool
 ) -> str:
@@ -203,7 +197,7 @@ def _write(
   leader = jax.process_index() == 0
   if leader and os.path.exists(partial):
     shutil.rmtree(partial)
-  _sync("chunkwise_save_start")
+  barrier("chunkwise_save_start")
   flat = _flatten(tree)
   # Orbax refuses empty arrays (e.g. top-n of n = 0); their shapes are
   # recorded in the description and they are made again on loading.
@@ -228,7 +222,7 @@ def _write(
       # Written last: a directory without it is not a checkpoint.
       with open(os.path.join(partial, META), "w") as f:
         json.dump(meta, f, indent=1)
-    _sync("chunkwise_save_written")
+    barrier("chunkwise_save_written")
     if leader:
       if os.path.exists(directory):
         old = directory + ".replaced"
@@ -242,7 +236,7 @@ def _write(
     if leader:
       shutil.rmtree(partial, ignore_errors=True)
     raise
-  _sync("chunkwise_save_done")
+  barrier("chunkwise_save_done")
   return directory
 
 

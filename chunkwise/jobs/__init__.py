@@ -1,13 +1,53 @@
 """Batch jobs: scoring and generation over files of examples, resumable,
-multi-host (scripts/score.py, scripts/generate.py).
+multi-host, callable from Python and from scripts/score.py,
+scripts/generate.py (which only parse flags into these configs).
 
+  from chunkwise.jobs import ScoreJob, ModelConfig, run_score
+  summary = run_score(ScoreJob(input="texts.jsonl", output="scores.jsonl",
+                               model=ModelConfig(name="smollm2-135m")))
+
+- `config`: `ScoreJob`, `GenerateJob`, `ModelConfig`, `MultiHost` and the
+  enums (`JobKind`, `WeightDtype`, `Quantization`, `InputFormat`).
+- `driver`: the job's steps (describe, read, plan, run, finish) and
+  `JobError`.
+- `scoring`, `generation`: `run_score` / `run_generate`, and one batch's
+  device calls and records.
 - `examples`: reading and checking input lines (`file:line: reason`).
 - `batching`: length-bucketed batches, the same on every process.
 - `output`: resumable JSON-lines output, shards merged at the end.
-- `scoring`, `generation`: one batch's device calls and records.
-- `cli`: the common absl flags and the job driver.
+- `cli`: the scripts' absl flag groups, parsed into the configs.
 """
 
 from chunkwise.jobs import batching, examples, generation, output, scoring
+from chunkwise.jobs.config import (
+  GenerateJob,
+  InputFormat,
+  JobKind,
+  ModelConfig,
+  MultiHost,
+  Quantization,
+  ScoreJob,
+  WeightDtype,
+)
+from chunkwise.jobs.driver import JobError
+from chunkwise.jobs.generation import run_generate
+from chunkwise.jobs.scoring import run_score
 
-__all__ = ["batching", "examples", "generation", "output", "scoring"]
+__all__ = [
+  "GenerateJob",
+  "InputFormat",
+  "JobError",
+  "JobKind",
+  "ModelConfig",
+  "MultiHost",
+  "Quantization",
+  "ScoreJob",
+  "WeightDtype",
+  "batching",
+  "examples",
+  "generation",
+  "output",
+  "run_generate",
+  "run_score",
+  "scoring",
+]

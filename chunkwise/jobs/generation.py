@@ -1,7 +1,10 @@
-"""Sampling one batch of a generation job: prefill the prompts, generate
+"""Generation jobs: `run_generate` runs a whole `GenerateJob`;
+`generate_batch` samples one batch (prefill the prompts, generate
 `num_samples` rows per prompt from their shared KV caches, one record per
-sample.
+sample).
 
+  summary = run_generate(GenerateJob(input="prompts.txt", output="s.jsonl",
+                                     num_samples=4, steps=64))
   records = generate_batch(model, rows, time=32, num_samples=4, steps=64,
                            sampling=cw.Sampling(temperature=0.7), ...)
 
@@ -20,12 +23,16 @@ ran in nor the process that ran it.
 
 from __future__ import annotations
 
+import collections
 import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from chunkwise import constraints
 from chunkwise.inference import ChunkResult, InferenceModel, Sampling
+from chunkwise.jobs import driver, examples
+from chunkwise.jobs.config import GenerateJob
 from chunkwise.jobs.examples import Prepared, id_key
 from chunkwise.jobs.scoring import chunk_of, floats
 
@@ -144,3 +151,160 @@ def generate_batch(
       )
     out.append(records)
   return out
+
+
+def encode(described, prefix: list[int], example: examples.Example):
+  """(row, 0): BOS (unless a shared prefix holds it), then the prompt."""
+  head = [] if prefix else [described.bos_id]
+  return head + list(described.vocab.encode(example.text)), 0
+
+
+def record_key(record: dict) -> str:
+  """(id, sample); KeyError for a record that is not a sample."""
+  if "finish_reason" not in record:
+    raise KeyError("finish_reason")
+  return id_key([record["id"], record["sample"]])
+
+
+def constraint_of(job: GenerateJob, described):
+  """The job's regex / json_schema / choices constraint (or None),
+  compiled now so that a bad one stops the job before any device work."""
+  given = [
+    (name, value)
+    for name, value in (
+      ("regex", job.regex),
+      ("json_schema", job.json_schema),
+      ("choices", None if job.choices is None else list(job.choices)),
+    )
+    if value is not None
+  ]
+  if not given:
+    if job.budget_forcing:
+      raise driver.JobError(
+        "--budget_forcing needs --regex, --json_schema or --choices"
+      )
+    return None
+  if len(given) > 1:
+    raise driver.JobError(
+      f"give one of --regex, --json_schema, --choices, got "
+      f"{', '.join('--' + n for n, _ in given)}"
+    )
+  name, value = given[0]
+  try:
+    if name == "regex":
+      c = constraints.Regex(value)
+    elif name == "json_schema" and value.startswith("@"):
+      c = constraints.JsonSchema.from_file(value[1:])
+    elif name == "json_schema":
+      c = constraints.JsonSchema(value)
+    else:
+      c = constraints.Choice(value)
+    eos = [] if described.eos_id is None else [described.eos_id]
+    c.compile(
+      described.vocab,
+      stop_ids=sorted(set(job.stop_ids) | set(eos)),
+      width=described.hparams.vocab,
+    )
+  except (ValueError, FileNotFoundError) as e:
+    raise driver.JobError(f"--{name}: {e}") from None
+  return c
+
+
+def summarize(setup: driver.Setup, run: driver.Run) -> dict:
+  records = run.output.records()
+  reasons = collections.Counter(r["finish_reason"] for r in records)
+  mine = {id_key(setup.prepared[i].example.id) for i in run.todo}
+  new = sum(len(r["tokens"]) for r in records if id_key(r["id"]) in mine)
+  return driver.summary(
+    setup,
+    run,
+    new_tokens=new,
+    examples=len({id_key(r["id"]) for r in records}),
+    samples=len(records),
+    tokens=sum(len(r["tokens"]) for r in records),
+    finish_reasons=dict(sorted(reasons.items())),
+  )
+
+
+def _print(text: str) -> None:
+  print(text, end="", flush=True)
+
+
+def run_generate(
+  job: GenerateJob, *, emit: Callable[[str], None] = _print
+) -> dict | None:
+  """Samples every prompt of `job.input` into `job.output` (resumable,
+  multi-host; see `driver`). With `job.stream`, process 0 passes the first
+  prompt's first sample to `emit` as it grows (default: standard output).
+  Returns the summary on process 0 (None on the others): examples,
+  samples, tokens, finish reasons, and this run's counts and tokens/s.
+  Raises `driver.JobError` (one line) before any device work for a bad
+  job, input, constraint or output."""
+  if not isinstance(job, GenerateJob):
+    raise driver.JobError(f"run_generate needs a GenerateJob, got {job!r}")
+  steps = job.steps
+  setup = driver.setup(
+    job, encode, reserved=steps, reserved_for=f"--steps={steps}"
+  )
+  vocab_size = setup.described.hparams.vocab
+  if job.sampling.top_k > vocab_size:
+    raise driver.JobError(
+      f"--top_k={job.sampling.top_k} exceeds the vocabulary ({vocab_size})"
+    )
+  for i in job.stop_ids:
+    if not 0 <= i < vocab_size:
+      raise driver.JobError(
+        f"--stop_ids: {i} is outside the vocabulary [0, {vocab_size})"
+      )
+  constrain = constraint_of(job, setup.described)
+  first = setup.prepared[0].example.id
+
+  def shown(text: str) -> None:
+    if driver.is_main_process():
+      emit(text)
+
+  def run_batch(model, prefix, rows, batch):
+    lead = [i for i, r in enumerate(rows) if r and r.example.id == first]
+    # Every process runs the same (streamed) program; process 0 prints.
+    stream = (lead[0], shown) if job.stream and lead else None
+    out = generate_batch(
+      model,
+      rows,
+      time=batch.time,
+      num_samples=job.num_samples,
+      steps=steps,
+      sampling=job.sampling,
+      prefix=prefix,
+      stop_ids=list(job.stop_ids),
+      stop_strings=list(job.stop),
+      stream=stream,
+      constraint=constrain,
+      budget_forcing=job.budget_forcing,
+    )
+    if stream:
+      shown("\n")
+    return out
+
+  sampling = job.sampling
+  run = driver.run(
+    setup,
+    keys=lambda p: [id_key([p.example.id, s]) for s in range(job.num_samples)],
+    run_batch=run_batch,
+    reserved=steps,
+    record_key=record_key,
+    settings={
+      "script": "generate",
+      "num_samples": job.num_samples,
+      "steps": steps,
+      "temperature": sampling.temperature,
+      "top_k": sampling.top_k,
+      "top_p": sampling.top_p,
+      "min_p": sampling.min_p,
+      "seed": sampling.seed,
+      "stop": list(job.stop),
+      "stop_ids": list(job.stop_ids),
+      "constraint": None if constrain is None else constrain.regex(),
+      "budget_forcing": job.budget_forcing,
+    },
+  )
+  return summarize(setup, run) if run.process == 0 else None

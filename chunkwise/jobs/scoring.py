@@ -1,5 +1,7 @@
-"""Scoring one batch of a scoring job: prefill, then one record per row.
+"""Scoring jobs: `run_score` runs a whole `ScoreJob`; `score_batch` scores
+one batch (prefill, then one record per row).
 
+  summary = run_score(ScoreJob(input="texts.jsonl", output="out.jsonl"))
   records = score_batch(model, rows, time=64, prefix=shared, top_n=5)
 
 A record holds `id`, `num_tokens` (scored tokens), `logprob` (their sum,
@@ -12,11 +14,14 @@ same float32, so equal results give byte-equal files.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from chunkwise.inference import Chunk, ChunkResult, InferenceModel
+from chunkwise.jobs import driver, examples
+from chunkwise.jobs.config import ScoreJob
 from chunkwise.jobs.examples import Prepared
 
 
@@ -78,3 +83,68 @@ def score_batch(
       }
     records.append(record)
   return records
+
+
+def encode(described, prefix: list[int], example: examples.Example):
+  """(row, scored_from): BOS (unless a shared prefix holds it), the
+  context, then the scored text."""
+  vocab = described.vocab
+  head = [] if prefix else [described.bos_id]
+  if example.context:
+    head += vocab.encode(example.context)
+  return head + list(vocab.encode(example.text)), len(head)
+
+
+def summarize(setup: driver.Setup, run: driver.Run) -> dict:
+  """Totals over the whole output; speed over this run's examples."""
+  records = run.output.records()
+  tokens = sum(r["num_tokens"] for r in records)
+  nll = -sum(r["logprob"] for r in records) / max(tokens, 1)
+  new = sum(
+    len(p.tokens) - p.scored_from
+    for p in map(setup.prepared.__getitem__, run.todo)
+  )
+  return driver.summary(
+    setup,
+    run,
+    new_tokens=new,
+    examples=len(records),
+    tokens=tokens,
+    mean_nll=round(nll, 6),
+    perplexity=round(math.exp(nll), 4),
+  )
+
+
+def run_score(job: ScoreJob) -> dict | None:
+  """Scores every example of `job.input` into `job.output` (resumable,
+  multi-host; see `driver`). Returns the summary on process 0 (None on the
+  others): examples, tokens, mean NLL per token, perplexity, and this
+  run's counts and tokens/s. Raises `driver.JobError` (one line) before
+  any device work for a bad job, input or output."""
+  if not isinstance(job, ScoreJob):
+    raise driver.JobError(f"run_score needs a ScoreJob, got {job!r}")
+  setup = driver.setup(job, encode)
+  vocab = setup.described.hparams.vocab
+  if job.top_n > vocab:
+    raise driver.JobError(
+      f"--top_n={job.top_n} exceeds the vocabulary ({vocab})"
+    )
+
+  def run_batch(model, prefix, rows, batch):
+    records = score_batch(
+      model,
+      rows,
+      time=batch.time,
+      prefix=prefix,
+      top_n=job.top_n,
+      with_tokens=job.tokens,
+    )
+    return [None if r is None else [r] for r in records]
+
+  run = driver.run(
+    setup,
+    keys=lambda p: [examples.id_key(p.example.id)],
+    run_batch=run_batch,
+    settings={"script": "score", "top_n": job.top_n, "tokens": job.tokens},
+  )
+  return summarize(setup, run) if run.process == 0 else None

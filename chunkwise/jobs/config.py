@@ -1,0 +1,212 @@
+"""What a batch job is: frozen, keyword-only configs with enums.
+
+  job = ScoreJob(input="texts.jsonl", output="scores.jsonl",
+                 model=ModelConfig(name="random:tiny"), top_n=5)
+  summary = run_score(job)             # chunkwise.jobs; the same output and
+                                       # summary as scripts/score.py
+  job = GenerateJob(input="prompts.txt", output="samples.jsonl", steps=32,
+                    sampling=Sampling(temperature=0.7), num_samples=4)
+
+Strings are accepted where an enum or a `Layout` is expected ("int8",
+"ws_2d/yz") and converted, or refused with a ValueError naming the value.
+Every field's meaning is that of the absl flag of the same name (the
+scripts only parse flags into these configs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import ClassVar
+
+from chunkwise.inference import Sampling
+from chunkwise.jobs import examples
+from chunkwise.partitioning import Layout, parse_mesh
+from chunkwise.precision import PRECISIONS
+
+
+class JobKind(enum.Enum):
+  SCORE = examples.SCORE
+  GENERATE = examples.GENERATE
+
+
+class WeightDtype(enum.Enum):
+  """Float weights' dtype (None in a config: the checkpoint's own)."""
+
+  FLOAT32 = "float32"
+  BFLOAT16 = "bfloat16"
+
+
+class Quantization(enum.Enum):
+  NONE = "none"
+  INT8 = "int8"
+
+
+class InputFormat(enum.Enum):
+  """AUTO: .jsonl / .ndjson / .json files are JSON lines, others text."""
+
+  AUTO = "auto"
+  JSONL = "jsonl"
+  TEXT = "text"
+
+
+def _enum(kind: type[enum.Enum], value, field: str):
+  """`value` as a member of `kind` (members and their values accepted)."""
+  if isinstance(value, kind):
+    return value
+  try:
+    return kind(value)
+  except ValueError:
+    choices = ", ".join(repr(m.value) for m in kind)
+    raise ValueError(f"{field}={value!r}: expected one of {choices}") from None
+
+
+def _set(config, name: str, value) -> None:
+  object.__setattr__(config, name, value)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """The model and where it runs."""
+
+  name: str = "smollm2-135m"  # a preset name, a .gguf file, a checkpoint
+  # directory, or random:<preset>
+  layout: Layout = dataclasses.field(default_factory=Layout)  # or a string
+  mesh: tuple[int, int, int] | None = None  # or "2x2x2"; None: 1x1x<all
+  # devices> for a sharded layout
+  dtype: WeightDtype | None = None
+  quantize: Quantization = Quantization.NONE
+  precision: str | None = None  # "highest", "high", "default"
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise ValueError(f"model name must be a non-empty string: {self.name!r}")
+    _set(self, "layout", Layout.parse(self.layout))
+    if isinstance(self.mesh, str):
+      _set(self, "mesh", parse_mesh(self.mesh))
+    if self.dtype is not None:
+      _set(self, "dtype", _enum(WeightDtype, self.dtype, "dtype"))
+    _set(self, "quantize", _enum(Quantization, self.quantize, "quantize"))
+    if self.precision is not None and self.precision not in PRECISIONS:
+      raise ValueError(
+        f"precision={self.precision!r}: expected one of {list(PRECISIONS)}"
+      )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MultiHost:
+  """How this process joins a multi-process job (all None / False: one
+  process, or `jax.distributed` already started by the caller)."""
+
+  coordinator_address: str | None = None  # host:port of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
+  auto: bool = False  # the platform's detection (TPU pods, SLURM, ...)
+  cpu_devices: int | None = None  # host CPU devices per process
+
+  @property
+  def asked(self) -> bool:
+    given = (self.coordinator_address, self.num_processes, self.process_id)
+    return self.auto or any(v is not None for v in given)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Job:
+  """What scoring and generation jobs share."""
+
+  kind: ClassVar[JobKind]
+  input: str  # JSON lines or text, one example per line
+  output: str  # JSON lines; a re-run skips the ids it holds
+  model: ModelConfig = ModelConfig()
+  input_format: InputFormat = InputFormat.AUTO
+  batch_size: int = 8  # rows per device call, over all processes
+  max_len: int | None = None  # tokens, shared prefix included (None: the
+  # model's)
+  shared_prefix: str = ""  # text (or @file) prefilled once for every example
+  skip_bad_lines: bool = False  # log, count and skip them instead of stopping
+  max_line_bytes: int = examples.MAX_LINE_BYTES
+  max_json_depth: int = examples.MAX_JSON_DEPTH
+  progress: bool = True  # a progress bar on process 0
+  batch_delay_s: float = 0.0  # sleep after each batch (throttling)
+  multihost: MultiHost = MultiHost()
+
+  def __post_init__(self):
+    for name in ("input", "output"):
+      if not isinstance(getattr(self, name), str) or not getattr(self, name):
+        raise ValueError(f"--{name} is required")
+    if not isinstance(self.model, ModelConfig):
+      raise ValueError(f"model must be a ModelConfig, got {self.model!r}")
+    _set(
+      self,
+      "input_format",
+      _enum(InputFormat, self.input_format, "input_format"),
+    )
+    for name in ("batch_size", "max_line_bytes", "max_json_depth"):
+      _positive(name, getattr(self, name))
+    if self.max_len is not None:
+      _positive("max_len", self.max_len)
+    if self.batch_delay_s < 0:
+      raise ValueError(f"batch_delay_s={self.batch_delay_s} must be >= 0")
+
+
+def _positive(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"--{name}={value!r} must be an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoreJob(Job):
+  """Scores every example: per-token log-probs, their sum, top-n."""
+
+  kind: ClassVar[JobKind] = JobKind.SCORE
+  top_n: int = 0  # most likely alternatives per scored token
+  tokens: bool = False  # write each example's token ids
+
+  def __post_init__(self):
+    super().__post_init__()
+    if isinstance(self.top_n, bool) or not isinstance(self.top_n, int):
+      raise ValueError(f"--top_n={self.top_n!r} must be an integer")
+    if self.top_n < 0:
+      raise ValueError(f"--top_n={self.top_n} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateJob(Job):
+  """Samples `num_samples` continuations of every prompt."""
+
+  kind: ClassVar[JobKind] = JobKind.GENERATE
+  num_samples: int = 1
+  steps: int = 64  # most tokens per sample
+  sampling: Sampling = dataclasses.field(default_factory=Sampling)
+  stop: tuple[str, ...] = ()  # strings that end a sample (cut off the text)
+  stop_ids: tuple[int, ...] = ()  # ids that end a sample (EOS always does)
+  stream: bool = False  # print the first prompt's first sample as it grows
+  # At most one constraint (compiled before any device work):
+  regex: str | None = None
+  json_schema: str | None = None  # JSON text, or @file
+  choices: tuple[str, ...] | None = None
+  budget_forcing: bool = False  # close each constrained sample in `steps`
+
+  def __post_init__(self):
+    super().__post_init__()
+    _positive("num_samples", self.num_samples)
+    _positive("steps", self.steps)
+    if not isinstance(self.sampling, Sampling):
+      raise ValueError(
+        f"sampling must be a chunkwise Sampling, got {self.sampling!r}"
+      )
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
+      value = getattr(self.sampling, name)
+      if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(
+          f"sampling.{name}={value!r}: a job samples every row alike, so "
+          "give one number"
+        )
+    self.sampling.for_batch(1)  # its values' checks
+    _set(self, "stop", tuple(self.stop))
+    _set(self, "stop_ids", tuple(self.stop_ids))
+    for s in self.stop:
+      if not isinstance(s, str) or not s:
+        raise ValueError(f"--stop={s!r} is empty")
+    if self.choices is not None:
+      _set(self, "choices", tuple(self.choices))
