@@ -8,7 +8,7 @@ into a chunkwise Orbax checkpoint, optionally with int8 weights.
       mesh=cw.partitioning.make_mesh((2, 2, 2)))'
 
 The output holds the weights, HParams, BOS/EOS ids and the tokenizer (see
-`chunkwise.checkpoints.store`); it is written to `<output>.partial` and
+`chunkwise.checkpoints.manifest`); it is written to `<output>.partial` and
 renamed when complete, so a failed run leaves nothing at `--output`.
 """
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.checkpoints import gguf_file, hf, safetensors, store
+from chunkwise.checkpoints import gguf_file, hf, manifest, safetensors
 from tests import fuzz_inputs
 
 
@@ -300,7 +300,7 @@ def test_orbax_files_are_verified_before_orbax_reads_them(tmp_path, saved):
 def test_orbax_declared_sizes_are_bounded_by_the_stored_bytes(
   tmp_path, saved, monkeypatch
 ):
-  monkeypatch.setattr(store, "MAX_EXPANSION", 0)
-  monkeypatch.setattr(store, "EXPANSION_FLOOR", 0)
+  monkeypatch.setattr(manifest, "MAX_EXPANSION", 0)
+  monkeypatch.setattr(manifest, "EXPANSION_FLOOR", 0)
   with pytest.raises(ValueError, match=r"would restore \d+ bytes of arrays"):
     cw.load(saved)

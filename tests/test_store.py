@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.checkpoints import store
+from chunkwise.checkpoints import arrays, manifest, saved_vocab, store
 from chunkwise.models import QArray
 from chunkwise.partitioning import make_mesh
 from tests import hf_models
@@ -126,7 +126,7 @@ def test_older_checkpoints_still_load(tiny, tmp_path, version):
       if version == 1
       else w
     )
-    vocab, files = store._vocab_json(tiny.vocab)
+    vocab, files = saved_vocab.to_json(tiny.vocab)
     meta = {
       "version": version,
       "kind": "model",
@@ -136,10 +136,10 @@ def test_older_checkpoints_still_load(tiny, tmp_path, version):
       "eos_id": tiny.eos_id,
       "vocabulary": vocab,
     }
-    path = store._write(
+    path = manifest.write(
       tmp_path / f"v{version}_{quantize}", stored, meta, files, 0
     )
-    desc = json.loads((pathlib.Path(path) / store.META).read_text())
+    desc = json.loads((pathlib.Path(path) / manifest.META).read_text())
     assert desc["version"] == version
     name = "layers.q" if version == 1 else "layers.0.q"
     assert (name + ".values" if quantize else name) in desc["arrays"]
@@ -157,7 +157,7 @@ def test_int8_round_trip_across_layouts(saved, tmp_path):
   # Scales are split like their output channels (embed is whole in ws_1d).
   assert q.scale.sharding.spec == q.values.sharding.spec
   path = cw.save(m8, tmp_path / "m8")
-  meta = json.loads((pathlib.Path(path) / store.META).read_text())
+  meta = json.loads((pathlib.Path(path) / manifest.META).read_text())
   assert meta["quantization"] == "int8"
   assert meta["arrays"]["layers.0.q.values"]["dtype"] == "int8"
   assert meta["arrays"]["embedding.values"]["dtype"] == "int8"
@@ -255,7 +255,7 @@ def _copy(saved, tmp_path):
 
 
 def _data_files(path):
-  meta = json.loads((path / store.META).read_text())
+  meta = json.loads((path / manifest.META).read_text())
   return [f for f in meta["files"] if "/d/" in f or f.startswith("arrays/d")]
 
 
@@ -278,9 +278,9 @@ def test_truncated_file_is_named(saved, tmp_path):
 
 
 def _edit_meta(path, edit):
-  meta = json.loads((path / store.META).read_text())
+  meta = json.loads((path / manifest.META).read_text())
   edit(meta)
-  (path / store.META).write_text(json.dumps(meta))
+  (path / manifest.META).write_text(json.dumps(meta))
 
 
 def test_shapes_that_do_not_match_the_hparams_are_named(saved, tmp_path):
@@ -304,12 +304,14 @@ def test_arrays_of_another_model_are_refused(saved, tmp_path):
   )
   path = _copy(saved, tmp_path)
   other_path = cw.save(other, tmp_path / "other")
-  shutil.rmtree(path / store.ARRAYS)
-  shutil.copytree(pathlib.Path(other_path) / store.ARRAYS, path / store.ARRAYS)
+  shutil.rmtree(path / arrays.ARRAYS)
+  shutil.copytree(
+    pathlib.Path(other_path) / arrays.ARRAYS, path / arrays.ARRAYS
+  )
   # An attacker who rewrites the manifest and its checksums: the shapes
   # recorded in the arrays themselves still give the swap away.
-  sizes = store._file_sizes(str(path))
-  sums = {rel: store._crc32(str(path / rel)) for rel in sizes}
+  sizes = manifest.file_sizes(str(path))
+  sums = {rel: manifest.crc32(str(path / rel)) for rel in sizes}
   _edit_meta(path, lambda m: m.update(files=sizes, checksums=sums))
   with pytest.raises(
     ValueError,
@@ -359,7 +361,7 @@ def test_save_is_all_or_nothing(tiny, tmp_path, monkeypatch):
   def boom(root):
     raise OSError("disk full")
 
-  monkeypatch.setattr(store, "_file_sizes", boom)
+  monkeypatch.setattr(manifest, "file_sizes", boom)
   with pytest.raises(OSError, match="disk full"):
     cw.save(tiny, target)
   assert not target.exists()
@@ -374,7 +376,7 @@ def test_save_is_all_or_nothing(tiny, tmp_path, monkeypatch):
   with pytest.raises(FileExistsError, match="overwrite=True"):
     cw.save(tiny, target)
   cw.save(tiny, target, overwrite=True)
-  assert store.is_checkpoint(target)
+  assert manifest.is_checkpoint(target)
   (tmp_path / "notes").mkdir()
   (tmp_path / "notes" / "a.txt").write_text("keep me")
   with pytest.raises(ValueError, match=r"not a chunkwise checkpoint"):

