@@ -23,8 +23,8 @@ from absl import logging
 from chunkwise import configs
 from chunkwise.checkpoints import gguf, hf, manifest, placed, store
 from chunkwise.configs import HParams
-from chunkwise.inference import InferenceModel
-from chunkwise.inference.vocabularies import (
+from chunkwise.inference import (
+  InferenceModel,
   bos_id_of,
   eos_id_of,
   random_model_vocab,

@@ -12,7 +12,13 @@ from chunkwise.inference.results import (
   concat_results,
 )
 from chunkwise.inference.sampling import Sampling
-from chunkwise.inference.vocabularies import ByteVocabulary, Vocabulary
+from chunkwise.inference.vocabularies import (
+  ByteVocabulary,
+  Vocabulary,
+  bos_id_of,
+  eos_id_of,
+  random_model_vocab,
+)
 
 __all__ = [
   "ByteVocabulary",
@@ -25,6 +31,9 @@ __all__ = [
   "Sampling",
   "Vocabulary",
   "attend",
+  "bos_id_of",
   "concat_results",
+  "eos_id_of",
+  "random_model_vocab",
   "transformer_infer",
 ]

@@ -1,0 +1,95 @@
+"""DESIGN.md §1's dependency direction, read from every module's imports.
+
+A package may import only packages above it:
+configs -> collectives, processors -> partitioning, constraints -> models
+-> inference -> checkpoints, bench -> jobs; checkpoints and jobs use only
+the names `chunkwise.inference` exports. The single-module helpers
+(contract, untrusted, precision, memory, cpu_kernels) import nothing
+above the floor they serve; `contract` (activation times weight in the
+weight's own order) imports nothing at all, like `configs`.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+import chunkwise.inference
+
+ROOT = pathlib.Path(__file__).parents[1] / "chunkwise"
+
+FLOORS = {
+  "configs": 0,
+  "contract": 0,  # imports nothing; collectives and models use it
+  "collectives": 1,
+  "processors": 1,
+  "cpu_kernels": 1,
+  "untrusted": 1,
+  "precision": 1,
+  "partitioning": 2,
+  "constraints": 2,
+  "memory": 2,
+  "models": 3,
+  "inference": 5,
+  "checkpoints": 6,
+  "bench": 6,
+  "jobs": 7,
+}
+PUBLIC_ONLY = ("checkpoints", "jobs")
+
+
+def _package(module: str) -> str | None:
+  parts = module.split(".")
+  if parts[0] != "chunkwise" or len(parts) < 2:
+    return None
+  return parts[1]
+
+
+def _imports(path: pathlib.Path):
+  """(imported module, names) of every `import` / `from ... import`."""
+  tree = ast.parse(path.read_text(), str(path))
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        yield alias.name, ()
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      yield node.module, tuple(a.name for a in node.names)
+
+
+def _modules():
+  for path in sorted(ROOT.rglob("*.py")):
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    yield ".".join(rel.parts), path
+
+
+@pytest.mark.parametrize(
+  "module,path", list(_modules()), ids=[m for m, _ in _modules()]
+)
+def test_imports_point_up(module, path):
+  here = _package(module)
+  if here not in FLOORS:  # chunkwise/__init__.py: the public surface
+    assert module == "chunkwise.__init__", module
+    return
+  for imported, names in _imports(path):
+    there = _package(imported)
+    if there is None or there == here:
+      continue
+    assert there in FLOORS, f"{module} imports unknown {imported}"
+    assert FLOORS[there] < FLOORS[here], (
+      f"{module} (floor {FLOORS[here]}) imports {imported} "
+      f"(floor {FLOORS[there]}): imports must point up"
+    )
+    if here in PUBLIC_ONLY and there == "inference":
+      assert imported == "chunkwise.inference", (
+        f"{module} imports {imported}: use chunkwise.inference's names"
+      )
+      hidden = set(names) - set(chunkwise.inference.__all__)
+      assert not hidden, f"{module} imports unexported {sorted(hidden)}"
+
+
+def test_every_package_has_a_floor():
+  packages = {p.name for p in ROOT.iterdir() if p.is_dir() and p.name[0] != "_"}
+  modules = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+  assert (packages | modules) - {"__pycache__"} <= set(FLOORS), sorted(
+    (packages | modules) - set(FLOORS)
+  )
