@@ -128,3 +128,45 @@ def test_embed_and_unembed_match_dense(layout, shape):
   np.testing.assert_allclose(
     got_logits, models.unembed(h, w, want_x), atol=2e-4, rtol=1e-4
   )
+
+
+def test_why_the_engine_runs_shard_map_without_the_vma_check(tiny, monkeypatch):
+  """`sharded_engine.CHECK_VMA` is off for the two reasons its comment
+  names; each still holds (when one stops failing, turn the check on)."""
+  from chunkwise import cpu_kernels
+  from chunkwise.inference import sharded_engine
+  from chunkwise.models import matmul
+
+  mesh = make_mesh((1, 1, 2), jax.devices()[:2])
+  x = jnp.ones((2, 2, 16), jnp.float32)
+  w = jnp.ones((16, 8), jnp.float32)
+  spec = (P("z"), P())
+
+  def per_device(x, w):
+    return matmul.weight_matmul("bte,ef->btf", x, w)
+
+  if cpu_kernels.load():  # 2. the kernel's result has no varying axes
+    with pytest.raises(TypeError, match="branches must have equal output"):
+      jax.jit(
+        jax.shard_map(
+          per_device,
+          mesh=mesh,
+          in_specs=spec,
+          out_specs=P("z"),
+          check_vma=True,
+        )
+      )(x, w)
+  # 1. replication made by gathers the checker cannot infer (the kernel
+  # switched off, so only this reason is left).
+  monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+  monkeypatch.setattr(sharded_engine, "CHECK_VMA", True)
+  model = cw.InferenceModel(
+    tiny.hparams,
+    tiny.weights,
+    tiny.vocab,
+    mesh=make_mesh((2, 2, 2)),
+    layout="ws_2d/yzx/one_way",
+  )
+  chunk = cw.Chunk.tokenize(model.vocab, ["ab", "cd"], is_first_chunk=True)
+  with pytest.raises(ValueError, match="can't be statically inferred"):
+    model.prefill(chunk)

@@ -29,6 +29,7 @@ from chunkwise.inference import (
   eos_id_of,
   random_model_vocab,
 )
+from chunkwise.models.quantized import Quantization
 from chunkwise.partitioning.placement import check_placement
 
 # name -> (import package, file inside it, PyPI distribution)
@@ -158,7 +159,7 @@ def load(
   name_or_path: str | os.PathLike,
   *,
   dtype=None,
-  quantize: str | None = None,
+  quantize: Quantization | str | None = None,
   mesh=None,
   layout=None,
   vocab=None,
@@ -194,10 +195,7 @@ def load(
       f"dtype={dtype!r} is not a weight dtype chunkwise loads; expected one "
       f"of {', '.join(WEIGHT_DTYPES)}"
     )
-  if quantize not in store.QUANTIZATIONS:
-    raise ValueError(
-      f"quantize={quantize!r} is not supported; expected None or 'int8'"
-    )
+  quantize = Quantization.of(quantize)
   phases = check_placement(
     mesh,
     layout,
@@ -222,7 +220,7 @@ def load(
   else:
     imported = gguf.read(path, dtype=dtype)
   weights = imported.weights
-  if quantize == "int8":  # placed as float, quantized where it lives
+  if quantize is Quantization.INT8:  # placed as float, quantized in place
     h = imported.hparams
     shardings = placed.weight_shardings(h, mesh, phases[0], weights)
     weights = placed.quantize_placed(
@@ -232,7 +230,7 @@ def load(
     "loaded %s (%.1fM parameters%s) in %.1f s",
     path,
     imported.hparams.num_params() / 1e6,
-    ", int8" if quantize else "",
+    ", int8" if quantize is Quantization.INT8 else "",
     time.perf_counter() - start,
   )
   return InferenceModel(

@@ -42,9 +42,6 @@ from chunkwise.models import Weights, quantized
 from chunkwise.models.weights import unstack_layers
 from chunkwise.partitioning.placement import check_placement
 
-QUANTIZATIONS = (None, *quantized.SCHEMES)
-
-
 # -- saving ---------------------------------------------------------------
 
 
@@ -76,7 +73,11 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
     meta = {
       "kind": "model",
       "hparams": _hparams_json(obj.hparams),
-      "quantization": "int8" if quantized.is_quantized(weights) else None,
+      "quantization": (
+        quantized.Quantization.INT8.value
+        if quantized.is_quantized(weights)
+        else None
+      ),
       "bos_id": obj.bos_id,
       "eos_id": obj.eos_id,
       "vocabulary": vocab,
@@ -133,7 +134,7 @@ def load_model(
   directory: str | os.PathLike,
   *,
   dtype=None,
-  quantize: str | None = None,
+  quantize: quantized.Quantization | str | None = None,
   mesh=None,
   layout=None,
   vocab=None,
@@ -197,7 +198,7 @@ def load_model(
     weights = arrays.restore(
       directory, placed.with_shardings(template, shardings)
     )
-  if quantize == "int8":
+  if quantized.Quantization.of(quantize) is quantized.Quantization.INT8:
     weights = placed.quantize_placed(h, mesh, phases[0], weights)
   ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
   return InferenceModel(

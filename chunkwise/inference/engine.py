@@ -249,7 +249,7 @@ def stream(
     yield generate.segment(state, begin, end)
 
 
-def shuffle_tag(layout: Layout, mesh) -> str:
+def shuffle_tag(layout: Layout, mesh) -> fused.ShuffleTag:
   """The `ShuffledWeights.tag` that `layout` on `mesh` reads."""
   sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)
   return fused.tag(layout.kind, layout.collectives, sizes)

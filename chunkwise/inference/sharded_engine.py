@@ -82,6 +82,21 @@ def sharded_infer(
   return FullChunkResult(logits=logits, kv_cache=cache)
 
 
+# shard_map's varying-axes check stays off for the engine's programs, for
+# two reasons that tests/test_sharded_layers.py checks still hold:
+#  1. outputs declared replicated (scores, top-n, a K/V cache replicated
+#     over the axes attention does not split) are made so by explicit
+#     gathers and ring collectives whose replication the checker cannot
+#     infer ("out_specs ... require replication which can't be statically
+#     inferred");
+#  2. the CPU matmul kernel is a `jax.ffi` call whose result carries no
+#     varying-axes type, so its `platform_dependent` switch with XLA's dot
+#     (whose result does) fails the check ("switch branches must have
+#     equal output types").
+# The collective matmuls alone run with the check on (test_collectives.py).
+CHECK_VMA = False
+
+
 class ShardedEngine:
   """Weights placed on a mesh with one layout, and its compiled programs."""
 
@@ -217,8 +232,7 @@ class ShardedEngine:
           mesh=self.mesh,
           in_specs=in_specs,
           out_specs=out_specs,
-          # Outputs declared replicated are made so by explicit gathers.
-          check_vma=False,
+          check_vma=CHECK_VMA,
         ),
         **jit_options,
       )

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from chunkwise.inference import Sampling
 from chunkwise.jobs import examples
+from chunkwise.models.quantized import Quantization
 from chunkwise.partitioning import Layout, parse_mesh
 from chunkwise.precision import PRECISIONS
 
@@ -35,11 +36,6 @@ class WeightDtype(enum.Enum):
 
   FLOAT32 = "float32"
   BFLOAT16 = "bfloat16"
-
-
-class Quantization(enum.Enum):
-  NONE = "none"
-  INT8 = "int8"
 
 
 class InputFormat(enum.Enum):

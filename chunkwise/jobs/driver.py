@@ -212,7 +212,7 @@ def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
   return checkpoints.load(
     m.name,
     dtype=dtype,
-    quantize=None if m.quantize is Quantization.NONE else m.quantize.value,
+    quantize=m.quantize,
     mesh=mesh,
     layout=m.layout,
     precision=m.precision,

@@ -1,7 +1,7 @@
 """Per-device Transformer math and the `Weights` pytree."""
 
 from chunkwise.models.fused import ShuffledWeights
-from chunkwise.models.quantized import QArray, quantize_weights
+from chunkwise.models.quantized import QArray, Quantization, quantize_weights
 from chunkwise.models.transformer import (
   AttendFn,
   block,
@@ -18,6 +18,7 @@ __all__ = [
   "AttendFn",
   "Layer",
   "QArray",
+  "Quantization",
   "ShuffledWeights",
   "Weights",
   "block",

@@ -91,7 +91,7 @@ def matmul(plan: Plan, name: str, x: jax.Array, w) -> jax.Array:
   (an array, or `Pieces` for the ring forms), cast to the activations'
   dtype."""
   f = FUSED[plan.kind][name]
-  variant = plan.collectives.value
+  variant = plan.collectives
   w = w.astype(x.dtype)
   if f.op == _RS:
     return collectives.matmul_reducescatter(
@@ -111,7 +111,7 @@ def matmul(plan: Plan, name: str, x: jax.Array, w) -> jax.Array:
 def needs_shuffle(kind: LayoutKind, variant: Collectives) -> bool:
   if kind is LayoutKind.WG:
     return variant is Collectives.THROUGHPUT
-  return kind in FUSED and variant.value in collectives.SHUFFLED
+  return kind in FUSED and variant.shuffled
 
 
 # The weight-gathered layout's streamed matrices.
@@ -165,19 +165,33 @@ def join(p: Pieces):
   return QArray(values=values, scale=scale)
 
 
-def tag(kind: LayoutKind, variant: Collectives, sizes) -> str:
-  """What shuffled weights fit: layout kind, variant and mesh shape."""
-  shape = "x".join(str(n) for _, n in sizes)
-  return f"{kind.value}/{variant.value} on mesh {shape}"
+@dataclasses.dataclass(frozen=True)
+class ShuffleTag:
+  """What shuffled weights fit: a layout kind, a collective variant and a
+  mesh shape (`str`: "ws_2d/latency on mesh 2x2x2")."""
+
+  kind: LayoutKind
+  collectives: Collectives
+  mesh: tuple[int, ...]
+
+  def __str__(self) -> str:
+    shape = "x".join(str(n) for n in self.mesh)
+    return f"{self.kind.value}/{self.collectives.value} on mesh {shape}"
+
+
+def tag(kind: LayoutKind, variant: Collectives, sizes) -> ShuffleTag:
+  """The tag of weights shuffled for `kind` and `variant` on a mesh of
+  `sizes` ((axis, size) pairs)."""
+  return ShuffleTag(kind, Collectives.of(variant), tuple(n for _, n in sizes))
 
 
 @struct.dataclass
 class ShuffledWeights:
   """`Weights` whose blocks are reordered per device for one collective
-  variant; only the layout named by `tag` can run them."""
+  variant; only the layout its `tag` names can run them."""
 
   weights: Weights
-  tag: str = struct.field(pytree_node=False)
+  tag: ShuffleTag = struct.field(pytree_node=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +243,7 @@ def _reorders(plan: Plan, layer=None) -> dict[str, _Reorder]:
   """The shuffle of each reordered weight of the plan's layout, by name
   (for the weight-gathered layout, of the shard shapes in `layer`, a
   `Layer` of arrays or shapes as each device holds them)."""
-  variant = plan.collectives.value
+  variant = plan.collectives
   if plan.kind is LayoutKind.WG:
     out = {}
     for name in STREAMED:
@@ -359,9 +373,9 @@ def unwrap(plan: Plan, weights) -> Weights:
   got = weights.tag if isinstance(weights, ShuffledWeights) else None
   if want != got:
     raise ValueError(
-      f"weights {'shuffled for ' + got if got else 'in plain order'} cannot "
+      f"weights {f'shuffled for {got}' if got else 'in plain order'} cannot "
       f"run layout {plan.kind.value}/{plan.collectives.value} on mesh "
       f"{'x'.join(str(n) for _, n in plan.sizes)}, which needs "
-      f"{'weights shuffled for ' + want if want else 'plain weights'}"
+      f"{f'weights shuffled for {want}' if want else 'plain weights'}"
     )
   return weights.weights if got else weights

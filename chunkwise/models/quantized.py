@@ -37,6 +37,8 @@ heads and head_dim for o; mlp for down. Norm scales and biases stay float.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +59,27 @@ CONTRACTED = {
   "unembedding": (ax.EMBED,),
 }
 TABLES = ("embedding", "unembedding")
-SCHEMES = ("int8",)
+
+
+class Quantization(enum.Enum):
+  """How matmul weights are stored: as loaded (NONE) or symmetric int8
+  with per-group scales (INT8)."""
+
+  NONE = "none"
+  INT8 = "int8"
+
+  @classmethod
+  def of(cls, value) -> Quantization:
+    """A member from a member, its name ("int8", "none") or None (NONE);
+    ValueError naming anything else."""
+    if value is None:
+      return cls.NONE
+    try:
+      return cls(value)
+    except ValueError:
+      raise ValueError(
+        f"quantize={value!r} is not supported; expected None or 'int8'"
+      ) from None
 
 
 MAX_GROUP = 128

@@ -92,7 +92,7 @@ def layer(
   small = w.replace(**{name: None for name in _MATRICES})
   small_specs = specs.replace(**{name: None for name in _MATRICES})
   local = _whole(plan, small, small_specs).replace(**streamed)
-  variant = plan.collectives.value
+  variant = plan.collectives
 
   def mm(eq, x, w: _Streamed):
     weight = w.array.astype(x.dtype)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from chunkwise.collectives import Collectives
+
 
 class LayoutKind(enum.Enum):
   REFERENCE = "reference"
@@ -39,16 +41,6 @@ class AttnBatch(enum.Enum):
   @property
   def axes(self) -> tuple[str, ...]:
     return () if self is AttnBatch.NONE else tuple(self.value)
-
-
-class Collectives(enum.Enum):
-  """How sharded matmuls communicate: XLA's own collectives, or collective
-  matmuls around the ring (one-way, latency- or throughput-optimised)."""
-
-  XLA = "xla"
-  ONE_WAY = "one_way"
-  LATENCY = "latency"
-  THROUGHPUT = "throughput"
 
 
 def _choices(enum_type) -> str:
