@@ -277,6 +277,23 @@ def test_truncated_file_is_named(saved, tmp_path):
     cw.load(path)
 
 
+def test_same_size_corruption_is_named(saved, tmp_path):
+  """One flipped byte keeps the file's size: its CRC-32 names it, and an
+  unlisted file among the arrays is refused before Orbax reads anything."""
+  path = _copy(saved, tmp_path)
+  victim = _data_files(path)[-1]
+  data = bytearray((path / victim).read_bytes())
+  data[len(data) // 2] ^= 0x01
+  (path / victim).write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=rf"{victim} does not have its saved"):
+    cw.load(path)
+  data[len(data) // 2] ^= 0x01
+  (path / victim).write_bytes(bytes(data))
+  (path / arrays.ARRAYS / "planted").write_bytes(b"x")
+  with pytest.raises(ValueError, match="holds files it did not save"):
+    cw.load(path)
+
+
 def _edit_meta(path, edit):
   meta = json.loads((path / manifest.META).read_text())
   edit(meta)

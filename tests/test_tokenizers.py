@@ -15,7 +15,7 @@ from transformers.integrations.gguf import gguf_tokenizer_mapping
 
 import chunkwise as cw
 from chunkwise.checkpoints import gguf as cw_gguf
-from chunkwise.checkpoints import gguf_file
+from chunkwise.checkpoints import gguf_file, gguf_tokenizer
 from chunkwise.checkpoints import tokenizer as cw_tokenizer
 
 STRINGS = [
@@ -57,14 +57,14 @@ def sentencepiece_model(tmp_path_factory):
 
 def _spm_token_type(sp, i):
   if sp.IsUnknown(i):
-    return cw_tokenizer.UNKNOWN
+    return gguf_tokenizer.UNKNOWN
   if sp.IsControl(i):
-    return cw_tokenizer.CONTROL
+    return gguf_tokenizer.CONTROL
   if sp.IsByte(i):
-    return cw_tokenizer.BYTE
+    return gguf_tokenizer.BYTE
   if sp.IsUnused(i):
-    return cw_tokenizer.UNUSED
-  return cw_tokenizer.NORMAL
+    return gguf_tokenizer.UNUSED
+  return gguf_tokenizer.NORMAL
 
 
 def _write_spm_gguf(sp, path):
@@ -113,7 +113,7 @@ def _ours(pre):
     [
       *(
         pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated")
-        for r in cw_tokenizer.PRE_TOKENIZER_SPLITS[pre]
+        for r in gguf_tokenizer.PRE_TOKENIZER_SPLITS[pre]
       ),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ]
@@ -154,7 +154,7 @@ def test_bytes_to_unicode_is_gpt2s_map():
 
 def test_unknown_pre_tokenizer_is_rejected():
   with pytest.raises(ValueError, match=r"tokenizer.ggml.pre='nonesuch'"):
-    cw_tokenizer.byte_level_bpe(["a"], [], [1], "nonesuch")
+    gguf_tokenizer.byte_level_bpe(["a"], [], [1], "nonesuch")
 
 
 def test_seqio_sentencepiece_vocabulary_works_unchanged():

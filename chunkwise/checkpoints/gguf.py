@@ -26,11 +26,11 @@ from absl import logging
 
 from chunkwise import untrusted
 from chunkwise.checkpoints import gguf_file, llama
-from chunkwise.checkpoints.tokenizer import (
-  TokenizerVocabulary,
+from chunkwise.checkpoints.gguf_tokenizer import (
   byte_level_bpe,
   sentencepiece_bpe,
 )
+from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
 from chunkwise.configs import Block, HParams
 
 SUPPORTED_ARCHITECTURES = ("llama",)

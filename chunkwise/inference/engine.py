@@ -210,11 +210,32 @@ def prefix_inputs(prefix: Sequence[ChunkResult]):
   return caches, (prefix[-1].next_token_logits if prefix else None)
 
 
+# Arguments of the generate methods that `checks.check_generate` does not
+# take.
+_NOT_CHECKED = ("self", "prefix", "every")
+
+
 def start_loop(
-  engine: Engine, call: checks.GenerateCall, *, vocab: int, bos_id: int
+  engine: Engine,
+  hparams: HParams,
+  prefix: Sequence[ChunkResult],
+  args: dict,
+  *,
+  eos_id: int | None,
+  bos_id: int,
+  vocabulary,
 ):
-  """The generate loop of a validated call, before its first step: returns
-  (prefix caches, loop state, loop inputs) for `engine.run`."""
+  """Validates a generate call (`checks.check_generate` of `args`, the
+  generate method's `locals()`: constraints compiled, processors traced)
+  before any device work, then starts its loop: returns (prefix caches,
+  loop state, loop inputs) for `engine.run`."""
+  call = checks.check_generate(
+    hparams,
+    prefix,
+    eos_id=eos_id,
+    vocabulary=vocabulary,
+    **{k: v for k, v in args.items() if k not in _NOT_CHECKED},
+  )
   caches, prev = prefix_inputs(call.prefix)
   state = engine.init(
     caches,
@@ -222,7 +243,7 @@ def start_loop(
     batch=call.batch,
     steps=call.steps,
     top_n=call.top_n,
-    vocab=vocab,
+    vocab=hparams.vocab,
     bos_id=bos_id,
   )
   state = state.replace(

@@ -228,16 +228,14 @@ class InferenceModel:
     )
 
   def _start(self, prefix, args: dict):
-    """Validates a generate call (`checks.check_generate`: constraints
-    compiled, processors traced) before any device work, then starts it."""
-    call = checks.check_generate(
-      self._hparams, prefix, eos_id=self._eos_id, vocabulary=self._vocab, **args
-    )
     return start_loop(
       self._generate_engine,
-      call,
-      vocab=self._hparams.vocab,
+      self._hparams,
+      prefix,
+      args,
+      eos_id=self._eos_id,
       bos_id=self._bos_id,
+      vocabulary=self._vocab,
     )
 
   def generate(
@@ -280,7 +278,7 @@ class InferenceModel:
       Scores and top-n are always those of the raw logits, whatever the
       processors and constraints did (DESIGN.md §4.1).
     """
-    caches, state, inputs = self._start(prefix, _call_args(locals()))
+    caches, state, inputs = self._start(prefix, locals())
     return generate.finish(
       self._generate_engine.run(caches, state, inputs, jnp.int32(steps))
     )
@@ -305,13 +303,5 @@ class InferenceModel:
     every row has stopped, nothing more runs: the remaining segments are
     empty (all lengths 0). Each segment is a valid prefix for later calls."""
     every = checks.check_count("every", every, minimum=1)
-    caches, state, inputs = self._start(prefix, _call_args(locals()))
+    caches, state, inputs = self._start(prefix, locals())
     return stream(self._generate_engine, caches, state, inputs, steps, every)
-
-
-def _call_args(given: dict) -> dict:
-  """A generate method's keyword arguments (its `locals()`), as
-  `checks.check_generate` takes them."""
-  return {
-    k: v for k, v in given.items() if k not in ("self", "prefix", "every")
-  }
