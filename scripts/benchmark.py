@@ -423,7 +423,7 @@ def run(argv: Sequence[str]) -> None:
 def _build(name: str, described) -> dict:
   """Compiles a named constraint from scratch: its table size and time."""
   c = CONSTRAINTS[name]
-  stops = [] if described.eos_id is None else [described.eos_id]
+  stops = list(described.eos_ids)
   constraint_tables.clear_cache()
   try:
     t = c.compile(

@@ -87,7 +87,7 @@ def _pieces(vocab: cw.Vocabulary, tokens: list[int], scores: np.ndarray) -> str:
 
 def _stop_ids(model: cw.InferenceModel) -> list[int]:
   """End of answer: a line break (one token for "\\n" or "\\n\\n")."""
-  ids = [] if model.eos_id is None else [model.eos_id]
+  ids = list(model.eos_ids)
   for text in ("\n", "\n\n"):
     encoded = model.vocab.encode(text)
     if len(encoded) == 1:

@@ -154,10 +154,17 @@ def test_gguf_metadata_and_tensor_errors(tmp_path):
   model = cw.load(path)
   assert model.hparams.max_len == 128 and model.vocab is None
   assert model.hparams.rope_base == 500.0
-  with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+  with pytest.raises(ValueError, match=r"rope\.scaling\.factor is missing"):
     cw.load(
       _gguf_with(
         tmp_path, lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+      )
+    )
+  with pytest.raises(ValueError, match=r"scaling\.type='longrope' is not supp"):
+    cw.load(
+      _gguf_with(
+        tmp_path,
+        lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE),
       )
     )
   with pytest.raises(ValueError, match=r"missing, e.g. layers.1.mlp.up_proj"):
@@ -168,11 +175,27 @@ def test_gguf_metadata_and_tensor_errors(tmp_path):
     r"\(64, 96\)",
   ):
     cw.load(_gguf_with(tmp_path, reshape={"blk.0.ffn_down.weight": 10}))
-  with pytest.raises(ValueError, match=r"no place for: rope_freqs.weight"):
+  with pytest.raises(ValueError, match=r"no place for: blk.0.attn_sinks"):
     cw.load(
       _gguf_with(
         tmp_path,
-        lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)),
+        lambda w: w.add_tensor(
+          "blk.0.attn_sinks.weight", np.ones(4, np.float32)
+        ),
+      )
+    )
+  # Llama 3.1+ files carry RoPE frequency factors, one per rotated pair.
+  factors = np.linspace(1.0, 8.0, 8).astype(np.float32)
+  model = cw.load(
+    _gguf_with(tmp_path, lambda w: w.add_tensor("rope_freqs.weight", factors))
+  )
+  assert model.hparams.rope_scaling.kind == cw.configs.RopeKind.FACTORS
+  np.testing.assert_allclose(model.hparams.rope_scaling.short_factors, factors)
+  with pytest.raises(ValueError, match=r"rope_freqs.weight has 3 factors, exp"):
+    cw.load(
+      _gguf_with(
+        tmp_path,
+        lambda w: w.add_tensor("rope_freqs.weight", np.ones(3, np.float32)),
       )
     )
 

@@ -63,7 +63,8 @@ def test_safetensors_checkpoint_matches_transformers(variant, tmp_path):
   assert model.hparams.tied_embeddings == c.tie_word_embeddings
   assert model.hparams.qkv_bias == (c.model_type == "qwen2")
   if c.model_type == "mistral":
-    assert model.hparams.max_len == 64  # capped at the sliding window
+    assert model.hparams.sliding_window == 64
+    assert model.hparams.max_len == c.max_position_embeddings
   _assert_matches(model, hf_models.logits(reference, ROWS))
 
 

@@ -102,3 +102,24 @@ def test_num_params_counts_every_weight(changes):
   h = cw.configs.get("tiny").replace(**changes)
   weights = jax.eval_shape(lambda: cw.models.init_random(h, jax.random.key(0)))
   assert h.num_params() == sum(x.size for x in jax.tree.leaves(weights))
+
+
+# Published parameter counts (model cards), billions: the presets' shapes
+# and features must add up to them.
+PUBLISHED = {
+  "llama-3.2-1b": 1.24,
+  "llama-3.2-3b": 3.21,
+  "llama-3.1-8b": 8.03,
+  "qwen2.5-0.5b": 0.49,
+  "qwen2.5-7b": 7.61,
+  "gemma-2-2b": 2.61,
+  "gemma-2-9b": 9.24,
+  "gemma-3-1b": 1.00,
+  "phi-3.5-mini": 3.82,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_model_presets_count_the_published_parameters(name):
+  count = cw.configs.get(name).num_params() / 1e9
+  assert count == pytest.approx(PUBLISHED[name], rel=0.01)

@@ -127,6 +127,11 @@ def test_gguf_absurd_hyperparameters_are_refused_cheaply(tmp_path, gguf_seed):
   data, fields = gguf_seed
   at = fields["llama.block_count.type"] + 4  # the uint32 value
   path = _patched(tmp_path, data, at, "<I", 2**31)
+  with pytest.raises(ValueError, match=r"layers=2147483648 exceeds"):
+    cw.load(path)
+  # Deep, but a depth HParams allows: the missing tensors are counted, not
+  # listed.
+  path = _patched(tmp_path, data, at, "<I", 60_000)
   with pytest.raises(ValueError, match=r"\d+ tensor\(s\) missing"):
     cw.load(path)
 
@@ -150,7 +155,8 @@ def _edit_json(path, **changes):
   "change, reason",
   [
     ({"num_hidden_layers": 10**13}, r"num_hidden_layers=\d+ is not an int"),
-    ({"num_hidden_layers": 2**30}, r"\d+ tensor\(s\) missing"),
+    ({"num_hidden_layers": 2**30}, r"num_hidden_layers|layers=\d+ exceeds"),
+    ({"num_hidden_layers": 60_000}, r"\d+ tensor\(s\) missing"),
     ({"hidden_size": "64"}, "hidden_size='64' is not an integer"),
     ({"rms_norm_eps": [1]}, r"rms_norm_eps=\[1\] is not a finite number"),
     ({"rope_scaling": "linear"}, "rope_scaling is str, expected an object"),

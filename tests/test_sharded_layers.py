@@ -79,18 +79,19 @@ def test_layer_matches_dense(preset, layout, shape):
   positions = jnp.arange(BATCH * TIME, dtype=jnp.int32).reshape(BATCH, TIME)
   positions = positions % 17
 
-  def dense_attend(q, k, v, _):
-    return attend(q, k, v)
+  def dense_attend(q, k, v, _, options):
+    return attend(q, k, v, (), options)
 
+  site = models.sites(h, positions)[0]
   want, (want_k, want_v) = models.block(
-    h, layer, x, positions, dense_attend, None
+    h, layer, x, positions, dense_attend, None, site
   )
   rules = plan.rules()
   resid = P(plan.resid_batch or None, None, plan.resid_embed or None)
   cache = P(plan.attn_batch or None, None, plan.cache_heads or None, None)
 
   def per_device(w, x, positions):
-    return _module(plan).layer(plan, h, w, x, positions, [])
+    return _module(plan).layer(plan, h, w, x, positions, [], site)
 
   got, (got_k, got_v) = _run(
     mesh,

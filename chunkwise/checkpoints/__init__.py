@@ -8,12 +8,13 @@ from chunkwise.checkpoints import (
   gguf,
   gguf_file,
   hf,
-  llama,
+  hf_config,
+  hf_tensors,
   safetensors,
   store,
 )
 from chunkwise.checkpoints.chat_template import ChatTemplate, ChatTemplateError
-from chunkwise.checkpoints.llama import Imported
+from chunkwise.checkpoints.hf_tensors import Imported
 from chunkwise.checkpoints.load import (
   EMBEDDED,
   RANDOM,
@@ -41,7 +42,8 @@ __all__ = [
   "gguf",
   "gguf_file",
   "hf",
-  "llama",
+  "hf_config",
+  "hf_tensors",
   "load",
   "load_result",
   "safetensors",

@@ -1,7 +1,7 @@
-"""GGUF files (llama.cpp's format) of the `llama` architecture.
+"""GGUF files (llama.cpp's format) of the architectures in `gguf_arch`.
 
   imported = gguf.read("SmolLM2-135M-Instruct.Q4_1.gguf")
-  imported.hparams            # from the `llama.*` metadata
+  imported.hparams            # from the `{arch}.*` metadata
   imported.weights            # dequantized, Q/K rows un-permuted
   imported.vocab.chat_template
 
@@ -16,7 +16,6 @@ rebuilt from the `tokenizer.ggml.*` metadata (see `tokenizer.py`).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,45 +24,32 @@ import numpy as np
 from absl import logging
 
 from chunkwise import untrusted
-from chunkwise.checkpoints import gguf_file, llama
+from chunkwise.checkpoints import gguf_file, hf_tensors
+from chunkwise.checkpoints.gguf_arch import (
+  MAX_SIZE,
+  ROPE_TENSORS,
+  SUPPORTED_ARCHITECTURES,
+  hf_name,
+  hparams_from_metadata,
+  permutes_qk,
+)
 from chunkwise.checkpoints.gguf_tokenizer import (
   byte_level_bpe,
   sentencepiece_bpe,
 )
 from chunkwise.checkpoints.tokenizer import TokenizerVocabulary
-from chunkwise.configs import Block, HParams
+from chunkwise.configs import HParams
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-# Largest size (width, depth, length) a file may declare.
-MAX_SIZE = 1 << 40
-
-_GLOBAL_NAMES = {
-  "token_embd.weight": "embed_tokens.weight",
-  "output_norm.weight": "norm.weight",
-  "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-  "attn_norm.weight": "input_layernorm.weight",
-  "ffn_norm.weight": "post_attention_layernorm.weight",
-  "attn_q.weight": "self_attn.q_proj.weight",
-  "attn_k.weight": "self_attn.k_proj.weight",
-  "attn_v.weight": "self_attn.v_proj.weight",
-  "attn_output.weight": "self_attn.o_proj.weight",
-  "ffn_gate.weight": "mlp.gate_proj.weight",
-  "ffn_up.weight": "mlp.up_proj.weight",
-  "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(name: str) -> str:
-  """llama.cpp's tensor name -> Hugging Face's (unknown names unchanged)."""
-  if name in _GLOBAL_NAMES:
-    return _GLOBAL_NAMES[name]
-  match = _LAYER.fullmatch(name)
-  if match and match.group(2) in _LAYER_NAMES:
-    return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-  return name
+__all__ = [
+  "SUPPORTED_ARCHITECTURES",
+  "describe",
+  "hf_name",
+  "hparams_from_metadata",
+  "permute_rows",
+  "read",
+  "unpermute_rows",
+  "vocab_from_metadata",
+]
 
 
 def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -85,70 +71,6 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     .swapaxes(1, 2)
     .reshape(w.shape)
   )
-
-
-def _int(meta: Mapping[str, Any], key: str, source: str, default=None) -> int:
-  value = meta.get(key, default)
-  if value is None:
-    raise ValueError(f"{source}: metadata {key} is missing")
-  if isinstance(value, list):
-    raise ValueError(
-      f"{source}: {key} varies by layer ({value[:4]}...); not supported"
-    )
-  return untrusted.check_int(value, key, source=source, lo=1, hi=MAX_SIZE)
-
-
-def _float(meta: Mapping[str, Any], key: str, source: str, default) -> float:
-  return untrusted.check_float(meta.get(key, default), key, source=source)
-
-
-def hparams_from_metadata(
-  meta: Mapping[str, Any], vocab: int, tied: bool, source: str
-) -> HParams:
-  """`HParams` of a `llama`-architecture file; rejects what chunkwise would
-  compute differently (RoPE scaling, partial rotary embeddings) and sizes
-  that are not positive integers."""
-  arch = meta.get("general.architecture")
-  if arch not in SUPPORTED_ARCHITECTURES:
-    raise ValueError(
-      f"{source}: general.architecture={arch!r} is not supported; expected "
-      f"one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-  def key(name: str, default: Any = None) -> int:
-    return _int(meta, f"{arch}.{name}", source, default)
-
-  scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-  if scaling not in (None, "none"):
-    raise ValueError(
-      f"{source}: RoPE scaling {scaling!r} is not supported (only plain RoPE)"
-    )
-  d_model = key("embedding_length")
-  heads = key("attention.head_count")
-  head_dim = key("attention.key_length", max(d_model // heads, 1))
-  rotary = key("rope.dimension_count", head_dim)
-  if rotary != head_dim:
-    raise ValueError(
-      f"{source}: rope.dimension_count={rotary} differs from head_dim="
-      f"{head_dim}; partial rotary embeddings are not supported"
-    )
-  with untrusted.named(source):
-    return HParams(
-      layers=key("block_count"),
-      d_model=d_model,
-      heads=heads,
-      kv_heads=key("attention.head_count_kv", heads),
-      head_dim=head_dim,
-      d_ff=key("feed_forward_length"),
-      vocab=vocab,
-      max_len=key("context_length"),
-      block=Block.SEQUENTIAL,
-      norm_eps=_float(
-        meta, f"{arch}.attention.layer_norm_rms_epsilon", source, None
-      ),
-      rope_base=_float(meta, f"{arch}.rope.freq_base", source, 10_000.0),
-      tied_embeddings=tied,
-    )
 
 
 def _list(
@@ -230,7 +152,14 @@ def vocab_from_metadata(
     return TokenizerVocabulary(
       tokenizer,
       bos_id=_optional_id(meta, "tokenizer.ggml.bos_token_id", source),
-      eos_id=_optional_id(meta, "tokenizer.ggml.eos_token_id", source),
+      eos_ids=[
+        i
+        for i in (
+          _optional_id(meta, f"tokenizer.ggml.{name}_token_id", source)
+          for name in ("eos", "eot", "eom")
+        )
+        if i is not None
+      ],
       pad_id=_optional_id(meta, "tokenizer.ggml.padding_token_id", source),
       unk_id=unk,
       chat_template=template,
@@ -247,10 +176,16 @@ def vocab_from_metadata(
 
 
 def _open(path: str | os.PathLike):
-  """(GGUF file, tensors by HF name, HParams); reads no tensor data."""
+  """(GGUF file, tensors by HF name, HParams); reads no tensor data but
+  RoPE frequency factors."""
   f = gguf_file.open_file(path)
   path = f.path
-  tensors = {hf_name(name): info for name, info in f.tensors.items()}
+  arch = f.metadata.get("general.architecture")
+  tensors = {
+    hf_name(name, arch): info
+    for name, info in f.tensors.items()
+    if name not in ROPE_TENSORS
+  }
   embedding = tensors.get("embed_tokens.weight")
   if embedding is None:
     raise ValueError(f"{path}: no token_embd.weight tensor")
@@ -264,6 +199,7 @@ def _open(path: str | os.PathLike):
     vocab=embedding.shape[0],
     tied="lm_head.weight" not in tensors,
     source=path,
+    tensor=lambda name: f.dequantize(name) if name in f.tensors else None,
   )
   return f, tensors, hparams
 
@@ -274,8 +210,8 @@ def describe(path: str | os.PathLike) -> tuple[HParams, Any]:
   return hparams, vocab_from_metadata(f.metadata, f.path)
 
 
-def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
-  """Reads a `llama`-architecture GGUF file.
+def read(path: str | os.PathLike, *, dtype=jnp.float32) -> hf_tensors.Imported:
+  """Reads a GGUF file of a supported architecture (`gguf_arch`).
 
   Every tensor's declared shape is checked against the HParams before any
   is dequantized (see also `gguf_file`).
@@ -289,16 +225,21 @@ def read(path: str | os.PathLike, *, dtype=jnp.float32) -> llama.Imported:
   """
   f, tensors, hparams = _open(path)
   vocab = vocab_from_metadata(f.metadata, f.path)
-  llama.check_special_ids(hparams, vocab, f.path)
+  hf_tensors.check_special_ids(hparams, vocab, f.path)
+
+  permuted = permutes_qk(f.metadata.get("general.architecture"))
 
   def get(name: str) -> np.ndarray:
     value = f.dequantize(tensors[name].name)
     heads = {"q_proj.weight": hparams.heads, "k_proj.weight": hparams.kv_heads}
     for suffix, n in heads.items():
-      if name.endswith(suffix):
+      if permuted and name.endswith(suffix):
         return unpermute_rows(value, n)
     return value
 
   shapes = {name: info.shape for name, info in tensors.items()}
-  weights = llama.to_weights(hparams, get, shapes, dtype=dtype, source=f.path)
-  return llama.Imported(hparams, weights, vocab)
+  get, shapes = hf_tensors.unfuse(hparams, get, shapes, f.path)
+  weights = hf_tensors.to_weights(
+    hparams, get, shapes, dtype=dtype, source=f.path
+  )
+  return hf_tensors.Imported(hparams, weights, vocab)

@@ -27,6 +27,7 @@ from chunkwise.inference import (
   InferenceModel,
   bos_id_of,
   eos_id_of,
+  eos_ids_of,
   random_model_vocab,
 )
 from chunkwise.models.quantized import Quantization
@@ -110,6 +111,7 @@ class Description:
   vocab: Any  # a Vocabulary, or None when the checkpoint has no tokenizer
   bos_id: int
   eos_id: int | None
+  eos_ids: tuple[int, ...] = ()  # every EOS, eos_id first
 
 
 RANDOM = "random:"
@@ -128,7 +130,9 @@ def describe_random(name: str) -> Description:
     )
   h = configs.get(preset)
   vocab = random_model_vocab(h.vocab)
-  return Description(h, vocab, bos_id_of(vocab), eos_id_of(vocab))
+  return Description(
+    h, vocab, bos_id_of(vocab), eos_id_of(vocab), eos_ids_of(vocab)
+  )
 
 
 def describe(name_or_path: str | os.PathLike) -> Description:
@@ -147,11 +151,18 @@ def describe(name_or_path: str | os.PathLike) -> Description:
   else:
     hparams, vocab = gguf.describe(path)
   bos = ids.get("bos_id")
+  if "eos_ids" in ids:
+    eos_ids = ids["eos_ids"]
+  elif "eos_id" in ids:
+    eos_ids = () if ids["eos_id"] is None else (ids["eos_id"],)
+  else:
+    eos_ids = eos_ids_of(vocab)
   return Description(
     hparams,
     vocab,
     bos_id_of(vocab) if bos is None else bos,
-    ids["eos_id"] if "eos_id" in ids else eos_id_of(vocab),
+    eos_ids[0] if eos_ids else None,
+    eos_ids,
   )
 
 
@@ -183,7 +194,7 @@ def load(
     vocab: replaces the checkpoint's vocabulary.
     **model_kwargs: passed to `InferenceModel` (`prefill_layout`,
       `generate_layout`, `cache_dtype`, `compute_dtype`, `precision`,
-      `bos_id`, `eos_id`).
+      `bos_id`, `eos_id`, `eos_ids`).
 
   Raises:
     FileNotFoundError: unknown name, missing path or embedded package.

@@ -31,6 +31,7 @@ def to_json(vocab) -> tuple[dict, dict[str, str]]:
       "file": TOKENIZER,
       "bos_id": vocab.bos_id,
       "eos_id": vocab.eos_id,
+      "eos_ids": list(vocab.eos_ids),
       "pad_id": vocab.pad_id,
       "unk_id": vocab.unk_id,
       "chat_template": vocab.chat_template,
@@ -61,6 +62,12 @@ def read(directory: str, desc: dict):
     for k, v in ids.items():
       if v is not None:
         untrusted.check_int(v, f"vocabulary.{k}", source=source)
+    if desc.get("eos_ids") is not None:
+      if not isinstance(desc["eos_ids"], list):
+        raise ValueError(f"{source}: vocabulary.eos_ids is not a list")
+      for v in desc["eos_ids"]:
+        untrusted.check_int(v, "vocabulary.eos_ids", source=source)
+      ids["eos_ids"] = desc["eos_ids"]
     template = desc.get("chat_template")
     if template is not None and not isinstance(template, str):
       raise ValueError(f"{source}: vocabulary.chat_template is not a string")

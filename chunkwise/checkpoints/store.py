@@ -21,8 +21,6 @@ first). Only local file systems are supported.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import os
 from typing import Any
 
@@ -45,14 +43,6 @@ from chunkwise.partitioning.placement import check_placement
 # -- saving ---------------------------------------------------------------
 
 
-def _hparams_json(h: HParams) -> dict:
-  out = {}
-  for f in dataclasses.fields(h):
-    value = getattr(h, f.name)
-    out[f.name] = value.value if isinstance(value, enum.Enum) else value
-  return out
-
-
 def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
   """Saves a model (weights, HParams, vocabulary, BOS/EOS) or a
   `ChunkResult` (e.g. a prefilled few-shot prefix) as an Orbax checkpoint.
@@ -72,7 +62,7 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
     vocab, files = saved_vocab.to_json(obj.vocab)
     meta = {
       "kind": "model",
-      "hparams": _hparams_json(obj.hparams),
+      "hparams": obj.hparams.to_json(),
       "quantization": (
         quantized.Quantization.INT8.value
         if quantized.is_quantized(weights)
@@ -80,6 +70,7 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
       ),
       "bos_id": obj.bos_id,
       "eos_id": obj.eos_id,
+      "eos_ids": list(obj.eos_ids),
       "vocabulary": vocab,
     }
     return manifest.write(directory, weights, meta, files, overwrite)
@@ -113,20 +104,34 @@ def _model_meta(directory: str, verify: bool = True) -> tuple[dict, HParams]:
     h = HParams(**hparams)
   except (TypeError, ValueError) as e:
     raise ValueError(f"checkpoint {directory}: bad HParams: {e}") from None
+  source = os.path.join(directory, META)
   for k in ("bos_id", "eos_id"):
     if meta.get(k) is not None:
-      untrusted.check_int(
-        meta[k], k, source=os.path.join(directory, META), hi=h.vocab - 1
-      )
+      untrusted.check_int(meta[k], k, source=source, hi=h.vocab - 1)
+  eos_ids = meta.get("eos_ids")
+  if eos_ids is not None:
+    if not isinstance(eos_ids, list):
+      raise ValueError(f"{source}: eos_ids is not a list")
+    for i in eos_ids:
+      untrusted.check_int(i, "eos_ids", source=source, hi=h.vocab - 1)
   return meta, h
 
 
+def _special_ids(meta: dict) -> dict:
+  """The saved BOS / EOS ids, as `InferenceModel` takes them."""
+  ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
+  if meta.get("eos_ids") is not None:
+    ids["eos_ids"] = tuple(meta["eos_ids"])
+  return ids
+
+
 def describe(directory: str | os.PathLike) -> tuple[HParams, Any, dict]:
-  """(HParams, vocabulary, {"bos_id", "eos_id"}) of a saved model, without
-  reading its arrays (their files are checked for presence and size)."""
+  """(HParams, vocabulary, {"bos_id", "eos_id"[, "eos_ids"]}) of a saved
+  model, without reading its arrays (their files are checked for presence
+  and size)."""
   directory = os.path.abspath(os.fspath(directory))
   meta, h = _model_meta(directory, verify=False)
-  ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
+  ids = _special_ids(meta)
   return h, saved_vocab.read(directory, meta.get("vocabulary")), ids
 
 
@@ -200,7 +205,7 @@ def load_model(
     )
   if quantized.Quantization.of(quantize) is quantized.Quantization.INT8:
     weights = placed.quantize_placed(h, mesh, phases[0], weights)
-  ids = {k: meta.get(k) for k in ("bos_id", "eos_id")}
+  ids = _special_ids(meta)
   return InferenceModel(
     h, weights, vocab, mesh=mesh, layout=layout, **{**ids, **model_kwargs}
   )

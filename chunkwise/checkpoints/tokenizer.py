@@ -54,6 +54,8 @@ class TokenizerVocabulary:
   Args:
     tokenizer: the `tokenizers.Tokenizer`.
     bos_id, eos_id: BOS / EOS token ids; None when the model has none.
+    eos_ids: every id that ends a sequence (the first is `eos_id`);
+      default: (eos_id,).
     pad_id: id used to pad chunks; default: `pad_id` else EOS else 0.
     unk_id: the unknown token's id, if any.
     chat_template: the model's Jinja chat template, if it ships one
@@ -73,6 +75,7 @@ class TokenizerVocabulary:
     *,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    eos_ids: Sequence[int] | None = None,
     pad_id: int | None = None,
     unk_id: int | None = None,
     chat_template: str | None = None,
@@ -90,8 +93,26 @@ class TokenizerVocabulary:
         raise ValueError(
           f"{name}={value} is outside the tokenizer's {self._size} ids"
         )
+    if eos_ids is not None:
+      eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
+      for i in eos_ids:
+        if not 0 <= i < self._size:
+          raise ValueError(
+            f"eos_ids holds {i}, outside the tokenizer's {self._size} ids"
+          )
+      if eos_ids and eos_id is None:
+        eos_id = eos_ids[0]
+      elif eos_ids and eos_ids[0] != eos_id:
+        raise ValueError(
+          f"eos_id={eos_id} must be the first of eos_ids={list(eos_ids)}"
+        )
+      elif not eos_ids and eos_id is not None:
+        eos_ids = (eos_id,)
     self._bos_id = bos_id
     self._eos_id = eos_id
+    self._eos_ids = (
+      eos_ids if eos_ids is not None else (() if eos_id is None else (eos_id,))
+    )
     self._pad_id = pad_id if pad_id is not None else (eos_id or 0)
     self._unk_id = unk_id
     self._chat_template = (
@@ -141,6 +162,11 @@ class TokenizerVocabulary:
   @property
   def eos_id(self) -> int | None:
     return self._eos_id
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """Every id that ends a sequence, `eos_id` first."""
+    return self._eos_ids
 
   @property
   def pad_id(self) -> int:

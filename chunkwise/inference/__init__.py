@@ -17,6 +17,7 @@ from chunkwise.inference.vocabularies import (
   Vocabulary,
   bos_id_of,
   eos_id_of,
+  eos_ids_of,
   random_model_vocab,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
   "bos_id_of",
   "concat_results",
   "eos_id_of",
+  "eos_ids_of",
   "random_model_vocab",
   "transformer_infer",
 ]

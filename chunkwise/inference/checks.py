@@ -226,7 +226,7 @@ def check_generate(
   steps,
   sampling: Sampling | None,
   stop_ids,
-  eos_id: int | None,
+  eos_ids: Sequence[int],
   top_n,
   processors,
   constraint,
@@ -250,8 +250,8 @@ def check_generate(
     raise ValueError(f"sampling must be a chunkwise Sampling, got {sampling!r}")
   sampling = sampling.for_batch(batch)
   stop = check_ids("stop_ids", stop_ids, h, vocab=True)
-  if eos_id is not None:
-    stop = np.unique(np.append(stop, eos_id)).astype(np.int32)
+  if eos_ids:
+    stop = np.unique(np.append(stop, eos_ids)).astype(np.int32)
   check_total_length(prefix, batch, steps, h, f"{steps} steps")
   procs = processors_lib.as_tuple(processors)
   masking = constraints_lib.for_call(

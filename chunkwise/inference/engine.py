@@ -221,7 +221,7 @@ def start_loop(
   prefix: Sequence[ChunkResult],
   args: dict,
   *,
-  eos_id: int | None,
+  eos_ids: tuple[int, ...],
   bos_id: int,
   vocabulary,
 ):
@@ -232,7 +232,7 @@ def start_loop(
   call = checks.check_generate(
     hparams,
     prefix,
-    eos_id=eos_id,
+    eos_ids=eos_ids,
     vocabulary=vocabulary,
     **{k: v for k, v in args.items() if k not in _NOT_CHECKED},
   )

@@ -49,11 +49,11 @@ def transformer_infer(
   prefix = tuple(prefix)
   lengths = [c.lengths for c in prefix]
 
-  def attend_layer(q, k, v, per_layer):
+  def attend_layer(q, k, v, per_layer, options):
     layer_prefix = [
       (pk, pv, n) for (pk, pv), n in zip(per_layer, lengths, strict=True)
     ]
-    return attend(q, k, v, layer_prefix)
+    return attend(q, k, v, layer_prefix, options)
 
   per_layer = tuple((c.k, c.v) for c in prefix)
   logits, (k, v) = forward(

@@ -51,6 +51,9 @@ class InferenceModel:
     vocab: a tokenizer with seqio.Vocabulary's surface (optional).
     bos_id: BOS id; default: the vocabulary's, else 0.
     eos_id: stop token of `generate`; default: the vocabulary's, else none.
+    eos_ids: every stop token of `generate` (e.g. Llama 3 instruct's
+      <|end_of_text|> and <|eot_id|>), the first being `eos_id`; default:
+      (eos_id,) if given, else the vocabulary's `eos_ids` / `eos_id`.
     mesh: a mesh with axes ("x", "y", "z") (`partitioning.make_mesh`), or
       None: JAX's default device.
     layout: a `Layout` or its string ("ws_2d/yz"); None is the reference
@@ -80,6 +83,7 @@ class InferenceModel:
     *,
     bos_id: int | None = None,
     eos_id: int | None = None,
+    eos_ids: Sequence[int] | None = None,
     mesh=None,
     layout=None,
     prefill_layout=None,
@@ -98,8 +102,8 @@ class InferenceModel:
     self._cache_dtype = jnp.dtype(cache_dtype)
     self._hparams = hparams
     self._vocab = vocab
-    self._bos_id, self._eos_id = special_ids(
-      vocab, bos_id, eos_id, size=hparams.vocab
+    self._bos_id, self._eos_ids = special_ids(
+      vocab, bos_id, eos_id, size=hparams.vocab, eos_ids=eos_ids
     )
     self._mesh = mesh
     self._layouts = phases
@@ -194,7 +198,13 @@ class InferenceModel:
 
   @property
   def eos_id(self) -> int | None:
-    return self._eos_id
+    """The first of `eos_ids` (None without any)."""
+    return self._eos_ids[0] if self._eos_ids else None
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """Every id that stops `generate` (besides its `stop_ids`)."""
+    return self._eos_ids
 
   def prefill(
     self, chunk: Chunk, prefix: Sequence[ChunkResult] = (), top_n: int = 0
@@ -233,7 +243,7 @@ class InferenceModel:
       self._hparams,
       prefix,
       args,
-      eos_id=self._eos_id,
+      eos_ids=self._eos_ids,
       bos_id=self._bos_id,
       vocabulary=self._vocab,
     )

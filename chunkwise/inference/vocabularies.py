@@ -50,15 +50,38 @@ def eos_id_of(vocab: Vocabulary | None) -> int | None:
   return None if eos is None or eos < 0 else int(eos)
 
 
+def eos_ids_of(vocab: Vocabulary | None) -> tuple[int, ...]:
+  """Every id that ends a sequence: the vocabulary's `eos_ids` where it
+  has them (Llama 3 instruct: <|end_of_text|>, <|eot_id|>, ...), else its
+  EOS id, else none."""
+  ids = getattr(vocab, "eos_ids", None) if vocab is not None else None
+  if ids:
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None and i >= 0))
+  eos = eos_id_of(vocab)
+  return () if eos is None else (eos,)
+
+
 def special_ids(
-  vocab: Vocabulary | None, bos_id, eos_id, *, size: int
-) -> tuple[int, int | None]:
-  """(BOS id, EOS id or None): the given ones, else the vocabulary's (BOS
-  0 where it has none). Raises ValueError for an id outside [0, size)."""
+  vocab: Vocabulary | None, bos_id, eos_id, *, size: int, eos_ids=None
+) -> tuple[int, tuple[int, ...]]:
+  """(BOS id, EOS ids): the given ones, else the vocabulary's (BOS 0 where
+  it has none). `eos_id` alone gives (eos_id,); `eos_ids` lists every EOS
+  (the first is the model's `eos_id`). Raises ValueError for an id
+  outside [0, size)."""
   bos = bos_id_of(vocab) if bos_id is None else int(bos_id)
-  eos = eos_id_of(vocab) if eos_id is None else int(eos_id)
-  for name, value in (("bos_id", bos), ("eos_id", eos)):
-    if value is not None and not 0 <= value < size:
+  if eos_ids is not None:
+    eos = tuple(dict.fromkeys(int(i) for i in eos_ids))
+    if eos_id is not None and eos[:1] != (int(eos_id),):
+      raise ValueError(
+        f"eos_id={eos_id} must be the first of eos_ids={list(eos)}"
+      )
+  elif eos_id is not None:
+    eos = (int(eos_id),)
+  else:
+    eos = eos_ids_of(vocab)
+  names = ["bos_id", "eos_id", *["eos_ids"] * (len(eos) - 1)]
+  for name, value in zip(names, (bos, *eos), strict=False):
+    if not 0 <= value < size:
       raise ValueError(
         f"{name}={value} is outside the model's vocabulary [0, {size})"
       )

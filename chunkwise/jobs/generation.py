@@ -199,7 +199,7 @@ def constraint_of(job: GenerateJob, described):
       c = constraints.JsonSchema(value)
     else:
       c = constraints.Choice(value)
-    eos = [] if described.eos_id is None else [described.eos_id]
+    eos = list(described.eos_ids)
     c.compile(
       described.vocab,
       stop_ids=sorted(set(job.stop_ids) | set(eos)),

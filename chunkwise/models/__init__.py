@@ -1,15 +1,17 @@
 """Per-device Transformer math and the `Weights` pytree."""
 
+from chunkwise.models import rope
 from chunkwise.models.fused import ShuffledWeights
 from chunkwise.models.quantized import QArray, Quantization, quantize_weights
 from chunkwise.models.transformer import (
   AttendFn,
+  Site,
   block,
   embed,
   forward,
   mlp,
   rms_norm,
-  rope,
+  sites,
   unembed,
 )
 from chunkwise.models.weights import Layer, Weights, check_shapes, init_random
@@ -20,6 +22,7 @@ __all__ = [
   "QArray",
   "Quantization",
   "ShuffledWeights",
+  "Site",
   "Weights",
   "block",
   "check_shapes",
@@ -30,5 +33,6 @@ __all__ = [
   "quantize_weights",
   "rms_norm",
   "rope",
+  "sites",
   "unembed",
 ]

@@ -11,19 +11,48 @@ masked. A cache with batch b < B serves B/b consecutive query rows ("repeat
 each"): queries are reshaped to [b, B/b, ...] so the cache is read in place.
 Grouped-query attention: query head h reads K/V head h // (heads/kv_heads).
 
-  out = attend(q, k, v, [(cache_k, cache_v, cache_lengths), ...])
+  out = attend(q, k, v, [(cache_k, cache_v, cache_lengths), ...], options)
+
+`Options` carry a layer's query scale, attention-logit soft cap and sliding
+window. A window needs every key's position: the pieces are one row's
+consecutive context, so slot j of piece i sits at position (lengths of the
+pieces before i) + j, and the chunk's row r at (all prefix lengths) + r:
+keys more than `window - 1` positions behind a query are masked, in prefix
+caches as in the chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from chunkwise.configs import HParams
+
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
 # (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
 _MASKED = -1e30
+
+
+class Options(NamedTuple):
+  """One layer's attention options (static).
+
+  scale: multiplies queries (None: head_dim^-1/2); softcap: logits become
+  softcap * tanh(logits / softcap); window: keys at most window - 1
+  positions behind the query are attended (None: all)."""
+
+  scale: float | None = None
+  softcap: float | None = None
+  window: int | None = None
+
+  @classmethod
+  def of(cls, hparams: HParams, layer: int) -> Options:
+    return cls(hparams.query_scale, hparams.attn_softcap, hparams.window(layer))
+
+
+PLAIN = Options()
 
 # (k, v, lengths): one layer of a prefix cache.
 #   k, v: [b, S, kv_heads, head_dim]; lengths: int32[b].
@@ -36,6 +65,7 @@ def _attend_piece(
   v: jax.Array,
   mask: jax.Array,
   *,
+  softcap: float | None = None,
   rows_see_a_key: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Unnormalised attention of q to one piece of context.
@@ -61,6 +91,8 @@ def _attend_piece(
   vh = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))  # [b, kv, S, D]
   mask = jnp.moveaxis(mask, 3, 1)
   logits = jnp.einsum("bkrtgd,bkds->bkrtgs", qh, kh)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   logits = jnp.where(mask, logits, _MASKED)
   m = jnp.max(logits, axis=-1)
   e = jnp.exp(logits - m[..., None])
@@ -79,13 +111,15 @@ _MAX_BLOCKS = 8
 
 
 def _attend_causal(
-  q: jax.Array, k: jax.Array, v: jax.Array
+  q: jax.Array, k: jax.Array, v: jax.Array, options: Options
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`_attend_piece` of the chunk to itself, causally.
+  """`_attend_piece` of the chunk to itself, causally (and within the
+  window, if any).
 
   Long chunks are cut into query blocks, each reading the keys before its
-  end: with n blocks, (n + 1) / 2n of the full [T, T] logits are computed
-  (a 512-token chunk: 4 blocks, 5/8).
+  end (and, with a window, none before its first row's window): with n
+  blocks, (n + 1) / 2n of the full [T, T] logits are computed (a 512-token
+  chunk: 4 blocks, 5/8).
 
   Args:
     q: f32[B, T, kv_heads, group, D], pre-scaled.
@@ -94,18 +128,24 @@ def _attend_causal(
     (m, s, o) as `_attend_piece`, without its `r` axis.
   """
   time = q.shape[1]
+  window = options.window
   blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
   rows = -(-time // blocks)
   parts = []
   for start in range(0, time, rows):
     end = min(start + rows, time)
-    causal = (start + jnp.arange(end - start))[:, None] >= jnp.arange(end)
+    first = 0 if window is None else max(0, start - window + 1)
+    behind = (start + jnp.arange(end - start))[:, None] - jnp.arange(first, end)
+    seen = behind >= 0  # every row sees itself, window or not
+    if window is not None:
+      seen &= behind < window
     parts.append(
       _attend_piece(
         q[:, None, start:end],
-        k[:, :end],
-        v[:, :end],
-        causal[None, None, :, None, None, :],
+        k[:, first:end],
+        v[:, first:end],
+        seen[None, None, :, None, None, :],
+        softcap=options.softcap,
         rows_see_a_key=True,
       )
     )
@@ -114,8 +154,18 @@ def _attend_causal(
   )
 
 
+def _repeat_rows(x: jax.Array, batch: int) -> jax.Array:
+  """Per-row values of a piece of b rows for the `batch` query rows it
+  serves (row r reads piece row r // (batch / b))."""
+  return jnp.repeat(x, batch // x.shape[0], axis=0)
+
+
 def attend(
-  q: jax.Array, k: jax.Array, v: jax.Array, prefix: Sequence[PrefixLayer] = ()
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  prefix: Sequence[PrefixLayer] = (),
+  options: Options = PLAIN,
 ) -> jax.Array:
   """Causal attention of a chunk to its prefixes and itself.
 
@@ -123,25 +173,43 @@ def attend(
     q: [B, T, heads, D] queries (RoPE applied, not scaled).
     k, v: [B, T, kv_heads, D] the chunk's keys and values.
     prefix: one (k, v, lengths) per prefix cache, batches dividing B.
+    options: the layer's `Options`.
   Returns:
     f32[B, T, heads, D].
   """
   batch, time, heads, dim = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
-  q = q.astype(jnp.float32) * (dim**-0.5)
+  scale = dim**-0.5 if options.scale is None else options.scale
+  q = q.astype(jnp.float32) * scale
   q = q.reshape(batch, time, kv_heads, group, dim)
+  window = options.window
+  if window is not None:
+    # Each piece's first slot's position, per query row.
+    starts, start = [], jnp.zeros((batch,), jnp.int32)
+    for _, _, lengths in prefix:
+      starts.append(start)
+      start = start + _repeat_rows(lengths, batch)
+    q_positions = start[:, None] + jnp.arange(time)  # [B, T]
 
   pieces = []
-  for pk, pv, lengths in prefix:
+  for i, (pk, pv, lengths) in enumerate(prefix):
     if pk.shape[1] == 0:  # a zero-width prefix holds nothing to attend to
       continue
-    b = pk.shape[0]
+    b, width = pk.shape[:2]
     # [b, S] -> [b, 1, 1, 1, 1, S]
-    mask = jnp.arange(pk.shape[1])[None, :] < lengths[:, None]
+    mask = jnp.arange(width)[None, :] < lengths[:, None]
     mask = mask[:, None, None, None, None, :]
+    if window is not None:
+      k_positions = starts[i][:, None] + jnp.arange(width)  # [B, S]
+      near = q_positions[:, :, None] - k_positions[:, None, :] < window
+      mask = mask & near.reshape(b, batch // b, time, 1, 1, width)
     m, s, o = _attend_piece(
-      q.reshape(b, batch // b, *q.shape[1:]), pk, pv, mask
+      q.reshape(b, batch // b, *q.shape[1:]),
+      pk,
+      pv,
+      mask,
+      softcap=options.softcap,
     )
     pieces.append(
       (
@@ -150,7 +218,7 @@ def attend(
         o.reshape(batch, time, kv_heads, group, dim),
       )
     )
-  pieces.append(_attend_causal(q, k, v))
+  pieces.append(_attend_causal(q, k, v, options))
 
   big_m = pieces[0][0]
   for m, _, _ in pieces[1:]:

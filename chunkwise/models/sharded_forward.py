@@ -50,10 +50,11 @@ def forward(
   weights = fused.unwrap(plan, weights)
   x = mod.embed(plan, hparams, weights, tokens, dtype)
   lengths = [n for _, _, n in prefix]
+  sites = transformer.sites(hparams, positions)
 
-  def step(x, w, kv):
+  def step(i, x, w, kv):
     layer_prefix = [(k, v, n) for (k, v), n in zip(kv, lengths, strict=True)]
-    return mod.layer(plan, hparams, w, x, positions, layer_prefix)
+    return mod.layer(plan, hparams, w, x, positions, layer_prefix, sites[i])
 
   per_layer = tuple((k, v) for k, v, _ in prefix)
   x, kv = transformer.run_layers(step, x, weights.layers, per_layer)

@@ -18,22 +18,26 @@ rotate-half pairing (i, i + head_dim/2); logits in f32.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Activation, Block, HParams
+from chunkwise.models import rope
+from chunkwise.models.attention import Options
 from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
 from chunkwise.models.weights import Layer, Weights
 
-# attend(q, k, v, per_layer) -> attention output [batch, time, heads, head_dim]
+# attend(q, k, v, per_layer, options) -> attention output [batch, time,
+# heads, head_dim]
 # q: [batch, time, heads, head_dim], RoPE applied, not yet scaled.
 # k, v: [batch, time, kv_heads, head_dim], this chunk's keys (RoPE applied).
 # per_layer: this layer's slice of the `per_layer` pytree given to `forward`.
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
+# options: the layer's `attention.Options` (query scale, soft cap, window).
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, Options], jax.Array]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
@@ -43,50 +47,6 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
   if scale is not None:
     normed = normed * scale.astype(jnp.float32)
   return normed.astype(x.dtype)
-
-
-def _sin_cos(angles: jax.Array, heads: int) -> tuple[jax.Array, jax.Array]:
-  """sin and cos of `angles`, computed once per angle on the CPU.
-
-  Fused into the rotation, XLA:CPU evaluates both for every head and both
-  halves of every row (7% of a 512-token prefill); its optimization barrier
-  is removed before fusion, so a conditional (whose branches agree) is what
-  stores them. Few rows (decode) keep the fused form: no extra thunk.
-  """
-
-  def plain(a):
-    return jnp.sin(a), jnp.cos(a)
-
-  if angles.size * heads < 4096:
-    return plain(angles)
-
-  def stored(a):
-    return lax.cond(jnp.isnan(a.ravel()[0]), plain, plain, a)
-
-  return lax.platform_dependent(angles, cpu=stored, default=plain)
-
-
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  """Rotary position embedding, rotate-half layout.
-
-  Args:
-    x: [batch, time, heads, head_dim].
-    positions: int32[batch, time], absolute positions of the tokens.
-    base: wavelength base.
-  Returns:
-    x with each pair (i, i + head_dim/2) rotated by position * base^(-2i/d).
-  """
-  head_dim = x.shape[-1]
-  inv_freq = 1.0 / (
-    base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  )
-  # Highest precision: a bf16 angle would round position 257 to 256.
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
-  sin, cos = _sin_cos(angles, x.shape[2])
-  sin, cos = sin[:, :, None, :], cos[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
 
 
 def _activation(kind: Activation, x: jax.Array) -> jax.Array:
@@ -121,6 +81,7 @@ def attention(
   positions: jax.Array,
   attend: AttendFn,
   per_layer: Any,
+  site: Site,
   mm=_mm,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """Projections, RoPE, `attend`, output projection. x is already normed.
@@ -131,10 +92,42 @@ def attention(
   q = _bias(mm("bte,ehd->bthd", x, w.q), w.q_bias)
   k = _bias(mm("bte,ehd->bthd", x, w.k), w.k_bias)
   v = _bias(mm("bte,ehd->bthd", x, w.v), w.v_bias)
-  q = rope(q, positions, hparams.rope_base)
-  k = rope(k, positions, hparams.rope_base)
-  out = attend(q, k, v, per_layer)  # [B, T, heads, head_dim]
+  q, k = position_heads(hparams, w, q, k, positions, positions, site.rotation)
+  out = attend(q, k, v, per_layer, site.options)  # [B, T, heads, head_dim]
   return mm("bthd,hde->bte", out.astype(x.dtype), w.o), (k, v)
+
+
+def position_heads(
+  hparams: HParams,
+  w: Layer,
+  q: jax.Array,
+  k: jax.Array,
+  q_positions: jax.Array,
+  k_positions: jax.Array,
+  rotation: rope.Rotation,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-head norms (`qk_norm`) and RoPE of queries and keys."""
+  if hparams.qk_norm:
+    q = rms_norm(q, w.q_norm, hparams.norm_eps)
+    k = rms_norm(k, w.k_norm, hparams.norm_eps)
+  return (
+    rope.rotate(q, q_positions, rotation),
+    rope.rotate(k, k_positions, rotation),
+  )
+
+
+class Site(NamedTuple):
+  """What one layer computes differently from another: its RoPE and its
+  attention options (`sites` makes them for a call)."""
+
+  rotation: rope.Rotation
+  options: Options
+
+
+def sites(hparams: HParams, positions: jax.Array) -> tuple[Site, ...]:
+  """Every layer's `Site` for a call at `positions` (all of its rows)."""
+  rotations = rope.per_layer(hparams, positions)
+  return tuple(Site(r, Options.of(hparams, i)) for i, r in enumerate(rotations))
 
 
 def block(
@@ -144,6 +137,7 @@ def block(
   positions: jax.Array,
   attend: AttendFn,
   per_layer: Any,
+  site: Site,
   mm=_mm,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
   """One Transformer layer (w is one layer's slice). Returns (x, (k, v)).
@@ -153,13 +147,40 @@ def block(
   eps = hparams.norm_eps
   if hparams.block == Block.PARALLEL:
     normed = rms_norm(x, w.attn_norm, eps)
-    attn, kv = attention(hparams, w, normed, positions, attend, per_layer, mm)
+    attn, kv = attention(
+      hparams, w, normed, positions, attend, per_layer, site, mm
+    )
     return x + attn + mlp(hparams, w, normed, mm), kv
   attn, kv = attention(
-    hparams, w, rms_norm(x, w.attn_norm, eps), positions, attend, per_layer, mm
+    hparams,
+    w,
+    rms_norm(x, w.attn_norm, eps),
+    positions,
+    attend,
+    per_layer,
+    site,
+    mm,
   )
-  x = x + attn
-  return x + mlp(hparams, w, rms_norm(x, w.mlp_norm, eps), mm), kv
+  x = x + _post_norm(attn, w.post_attn_norm, eps)
+  out = mlp(hparams, w, rms_norm(x, w.mlp_norm, eps), mm)
+  return x + _post_norm(out, w.post_mlp_norm, eps), kv
+
+
+def _post_norm(x: jax.Array, scale: jax.Array | None, eps: float):
+  """A branch's output normed before the residual add (`post_norms`)."""
+  return x if scale is None else rms_norm(x, scale, eps)
+
+
+def scale_embedded(hparams: HParams, x: jax.Array) -> jax.Array:
+  """x times `embed_scale` rounded to x's dtype (as Gemma does)."""
+  if hparams.embed_scale is None:
+    return x
+  return x * jnp.asarray(hparams.embed_scale, x.dtype)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+  """cap * tanh(logits / cap); logits unchanged without a cap."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -178,8 +199,10 @@ def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:
   normed = rms_norm(x, weights.final_norm, hparams.norm_eps)
   normed = normed.astype(jnp.float32)
   if weights.unembedding is None:
-    return weight_matmul("bte,ve->btv", normed, weights.embedding)
-  return weight_matmul("bte,ev->btv", normed, weights.unembedding)
+    logits = weight_matmul("bte,ve->btv", normed, weights.embedding)
+  else:
+    logits = weight_matmul("bte,ev->btv", normed, weights.unembedding)
+  return softcap(logits, hparams.final_softcap)
 
 
 def forward(
@@ -204,23 +227,24 @@ def forward(
     logits f32[B, T, vocab] and (k, v), each [layers, B, T, kv_heads,
     head_dim], the chunk's keys and values.
   """
-  x = embed(weights, tokens, dtype)
+  x = scale_embedded(hparams, embed(weights, tokens, dtype))
+  layer_sites = sites(hparams, positions)
 
-  def step(x, w, extra):
-    return block(hparams, w, x, positions, attend, extra)
+  def step(i, x, w, extra):
+    return block(hparams, w, x, positions, attend, extra, layer_sites[i])
 
   x, kv = run_layers(step, x, weights.layers, per_layer)
   return unembed(hparams, weights, x), kv
 
 
 def run_layers(step, x, layers, per_layer):
-  """`x, kv_i = step(x, layers[i], per_layer[i])` for every layer in turn,
+  """`x, kv_i = step(i, x, layers[i], per_layer[i])` for every layer in turn,
   unrolled: each layer's weights are arrays of their own, read in place
   by its matmuls (a scan over stacked weights copies every slice first).
   Returns the final x and the layers' (k, v) stacked on a leading axis."""
   kvs = []
   for i, w in enumerate(layers):
     extra = jax.tree.map(lambda a, i=i: a[i], per_layer)
-    x, kv = step(x, w, extra)
+    x, kv = step(i, x, w, extra)
     kvs.append(kv)
   return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)

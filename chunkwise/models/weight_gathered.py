@@ -55,7 +55,8 @@ def embed(
 ) -> jax.Array:
   """Token ids [B, T] (replicated) -> residual [B.rows, T, E]."""
   whole = _gathered(plan, hparams, weights, "embedding")
-  return transformer.embed(whole, _rows(plan, tokens), dtype)
+  x = transformer.embed(whole, _rows(plan, tokens), dtype)
+  return transformer.scale_embedded(hparams, x)
 
 
 def unembed(
@@ -75,6 +76,7 @@ def layer(
   x: jax.Array,
   positions: jax.Array,
   prefix,
+  site: transformer.Site,
 ):
   """One layer on this device's rows; returns (x, (k, v))."""
   logical = Layer.axes(hparams)
@@ -82,7 +84,7 @@ def layer(
   rows = _rows(plan, positions)
   if plan.collectives is Collectives.XLA:
     whole = _whole(plan, w, specs)
-    return transformer.block(hparams, whole, x, rows, attend, prefix)
+    return transformer.block(hparams, whole, x, rows, attend, prefix, site)
   rules = plan.rules()
   streamed = {}
   for name in _MATRICES:
@@ -102,7 +104,7 @@ def layer(
       variant, eq, x, weight, rhs_axes=w.rhs_axes
     )
 
-  return transformer.block(hparams, local, x, rows, attend, prefix, mm)
+  return transformer.block(hparams, local, x, rows, attend, prefix, site, mm)
 
 
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")

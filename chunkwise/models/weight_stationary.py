@@ -38,10 +38,18 @@ from jax import lax
 from chunkwise.configs import Block, HParams
 from chunkwise.models import fused
 from chunkwise.models import shard_ops as ops
-from chunkwise.models.attention import attend
+from chunkwise.models.attention import Options, attend
 from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
-from chunkwise.models.transformer import _activation, _bias, _mm, rope
+from chunkwise.models.transformer import (
+  Site,
+  _activation,
+  _bias,
+  _mm,
+  position_heads,
+  scale_embedded,
+  softcap,
+)
 from chunkwise.models.weights import Layer, Weights
 from chunkwise.partitioning.plan import Plan
 
@@ -72,6 +80,23 @@ def norm(
   return ops.all_gather(normed, plan.resid_batch, axis=0)
 
 
+def residual_norm(
+  plan: Plan, hparams: HParams, x: jax.Array, scale: jax.Array | None
+) -> jax.Array:
+  """RMSNorm of a branch's output in the residual's layout [B.rb, T, E.re]
+  (`post_norms`): x unchanged without a scale."""
+  if scale is None:
+    return x
+  x32 = x.astype(jnp.float32)
+  squares = ops.psum(
+    jnp.sum(x32 * x32, axis=-1, keepdims=True), plan.resid_embed
+  )
+  normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
+  n = plan.size(plan.resid_embed)
+  local = ops.block(scale, n, ops.index(plan.resid_embed), axis=0)
+  return (normed * local.astype(jnp.float32)).astype(x.dtype)
+
+
 def reduce(
   plan: Plan, partial: jax.Array, embed_scattered: bool = False
 ) -> jax.Array:
@@ -99,7 +124,7 @@ def embed(
   inside = (ids >= 0) & (ids < rows)
   found = take_rows(table, jnp.clip(ids, 0, rows - 1))
   partial = jnp.where(inside[..., None], found, 0).astype(dtype)
-  return reduce(plan, partial)
+  return scale_embedded(hparams, reduce(plan, partial))
 
 
 def unembed(
@@ -111,7 +136,8 @@ def unembed(
     partial = weight_matmul("bte,ve->btv", xn, weights.embedding)
   else:
     partial = weight_matmul("bte,ev->btv", xn, weights.unembedding)
-  return ops.psum_scatter(partial, plan.embed_axes, axis=2)
+  logits = ops.psum_scatter(partial, plan.embed_axes, axis=2)
+  return softcap(logits, hparams.final_softcap)
 
 
 def heads_attention(
@@ -121,6 +147,7 @@ def heads_attention(
   k: jax.Array,
   v: jax.Array,
   prefix,
+  options: Options,
 ) -> jax.Array:
   """Attention of this device's query heads.
 
@@ -168,6 +195,7 @@ def heads_attention(
         select(k),
         select(v),
         layer_prefix,
+        options,
       )
     )
   out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
@@ -181,6 +209,7 @@ def attention(
   xn: jax.Array,
   positions: jax.Array,
   prefix,
+  site: Site,
 ):
   """xn [B, T, E.embed] -> ([B, T, E.embed]{head axes unreduced}, (k, v))."""
   embed_axes = plan.embed_axes
@@ -218,9 +247,11 @@ def attention(
     return _bias(out, bias)
 
   k, v = project(wk, bk), project(wv, bv)
-  q = rope(q, positions, hparams.rope_base)
-  k = rope(k, row_positions, hparams.rope_base)
-  out = heads_attention(plan, hparams, q, k, v, prefix).astype(xn.dtype)
+  q, k = position_heads(
+    hparams, w, q, k, positions, row_positions, site.rotation
+  )
+  out = heads_attention(plan, hparams, q, k, v, prefix, site.options)
+  out = out.astype(xn.dtype)
   # all-gather embed_axes on heads, then @ o (ws_2d); @ o, then
   # reduce-scatter on embed (ws_1d)
   return _matmul(plan, "o", "bthd,hde->bte", out, w.o), (k, v)
@@ -250,16 +281,19 @@ def layer(
   x: jax.Array,
   positions: jax.Array,
   prefix,
+  site: Site,
 ):
   """One layer on the residual [B.rb, T, E.re]; returns (x, (k, v))."""
   scattered = fused.scatters_embed(plan)
   if hparams.block == Block.PARALLEL:
     xn = norm(plan, hparams, x, w.attn_norm)
-    attn, kv = attention(plan, hparams, w, xn, positions, prefix)
+    attn, kv = attention(plan, hparams, w, xn, positions, prefix, site)
     out = attn + mlp(plan, hparams, w, xn)
     return x + reduce(plan, out, scattered), kv
   xn = norm(plan, hparams, x, w.attn_norm)
-  attn, kv = attention(plan, hparams, w, xn, positions, prefix)
-  x = x + reduce(plan, attn, scattered)
+  attn, kv = attention(plan, hparams, w, xn, positions, prefix, site)
+  attn = reduce(plan, attn, scattered)
+  x = x + residual_norm(plan, hparams, attn, w.post_attn_norm)
   xn = norm(plan, hparams, x, w.mlp_norm)
-  return x + reduce(plan, mlp(plan, hparams, w, xn), scattered), kv
+  out = reduce(plan, mlp(plan, hparams, w, xn), scattered)
+  return x + residual_norm(plan, hparams, out, w.post_mlp_norm), kv

@@ -54,6 +54,12 @@ class Layer:
   q_bias: jax.Array | None = None  # [heads, head_dim]
   k_bias: jax.Array | None = None  # [kv_heads, head_dim]
   v_bias: jax.Array | None = None  # [kv_heads, head_dim]
+  # Norms of the branches' outputs (HParams.post_norms, Gemma 2/3).
+  post_attn_norm: jax.Array | None = None  # [embed]
+  post_mlp_norm: jax.Array | None = None  # [embed]
+  # Per-head norms of queries and keys (HParams.qk_norm, Gemma 3).
+  q_norm: jax.Array | None = None  # [head_dim]
+  k_norm: jax.Array | None = None  # [head_dim]
 
   @classmethod
   def axes(cls, hparams: HParams) -> Layer:
@@ -73,6 +79,10 @@ class Layer:
       q_bias=P(ax.HEADS, ax.HEAD_DIM) if hparams.qkv_bias else None,
       k_bias=kv_bias if hparams.qkv_bias else None,
       v_bias=kv_bias if hparams.qkv_bias else None,
+      post_attn_norm=norm if hparams.post_norms else None,
+      post_mlp_norm=norm if hparams.post_norms else None,
+      q_norm=P(ax.HEAD_DIM) if hparams.qk_norm else None,
+      k_norm=P(ax.HEAD_DIM) if hparams.qk_norm else None,
     )
 
 
@@ -121,7 +131,8 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
     raise ValueError(
       f"weights do not have the structure HParams asks for (norm_scale="
       f"{hparams.norm_scale}, block={hparams.block.value}, tied_embeddings="
-      f"{hparams.tied_embeddings}, qkv_bias={hparams.qkv_bias}): expected "
+      f"{hparams.tied_embeddings}, qkv_bias={hparams.qkv_bias}, post_norms="
+      f"{hparams.post_norms}, qk_norm={hparams.qk_norm}): expected "
       f"{want}, got {got}"
     )
   for (path, spec), leaf in zip(
@@ -179,7 +190,7 @@ def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:
   for path, spec, k in zip(paths, leaves, keys, strict=True):
     shape = shape_of(hparams, spec)
     noise = jax.random.normal(k, shape, jnp.float32)
-    if spec[-1] == ax.NORM:
+    if spec[-1] == ax.NORM or path.endswith("_norm"):
       value = 1.0 + 0.1 * noise
     elif path.endswith("_bias"):
       value = 0.1 * noise

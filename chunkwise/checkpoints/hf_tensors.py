@@ -1,10 +1,12 @@
-"""Llama-family tensors (Hugging Face names and orientation) -> `Weights`.
+"""Tensors with Hugging Face names and orientation -> `Weights`.
 
-Both importers hand over tensors named as in Hugging Face's
-`LlamaForCausalLM` without the `model.` prefix, in PyTorch's [out, in]
-orientation; the GGUF importer renames llama.cpp's tensors and undoes their
-Q/K row permutation first. This module checks every shape against `HParams`,
-transposes to chunkwise's contraction-first layout and stacks the layers:
+Both importers hand over tensors named as in Hugging Face's causal LMs
+(`LlamaForCausalLM`, `Gemma2ForCausalLM`, ...) without the `model.` prefix,
+in PyTorch's [out, in] orientation; the GGUF importer renames llama.cpp's
+tensors and undoes their Q/K row permutation first. Fused tensors (Phi-3's
+`qkv_proj` and `gate_up_proj`) are split by `unfuse`. This module checks
+every shape against `HParams` and transposes to chunkwise's
+contraction-first layout:
 
   q_proj [heads*head_dim, d_model]   -> Layer.q [layers, d_model, heads,
                                                  head_dim]
@@ -13,6 +15,13 @@ transposes to chunkwise's contraction-first layout and stacks the layers:
   gate_proj / up_proj [d_ff, d_model] -> [layers, d_model, d_ff]
   down_proj [d_model, d_ff]          -> [layers, d_ff, d_model]
   lm_head [vocab, d_model]           -> Weights.unembedding [d_model, vocab]
+
+Norms: `input_layernorm` is the attention's; with `post_norms` (Gemma 2/3)
+`post_attention_layernorm` and `post_feedforward_layernorm` norm the
+branches' outputs and `pre_feedforward_layernorm` is the MLP's, otherwise
+`post_attention_layernorm` is the MLP's. Gemma's checkpoints store norm
+scales w for (1 + w): the importer passes `norm_offset=1` (llama.cpp's
+GGUF files store 1 + w already).
 """
 
 from __future__ import annotations
@@ -40,6 +49,21 @@ class Imported:
   vocab: Any  # a Vocabulary, or None when the checkpoint has no tokenizer
 
 
+# Layer norm fields -> their tensor names, without and with post_norms.
+_NORMS = {
+  False: {
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+  },
+  True: {
+    "attn_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+    "mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
+  },
+}
+
+
 def _layer_names(hparams: HParams, i: int) -> dict[str, tuple[int, ...]]:
   d, dh = hparams.d_model, hparams.head_dim
   q, kv = hparams.heads * dh, hparams.kv_heads * dh
@@ -52,9 +76,12 @@ def _layer_names(hparams: HParams, i: int) -> dict[str, tuple[int, ...]]:
     p + "mlp.gate_proj.weight": (hparams.d_ff, d),
     p + "mlp.up_proj.weight": (hparams.d_ff, d),
     p + "mlp.down_proj.weight": (d, hparams.d_ff),
-    p + "input_layernorm.weight": (d,),
-    p + "post_attention_layernorm.weight": (d,),
   }
+  for tensor in _NORMS[hparams.post_norms].values():
+    names[p + tensor + ".weight"] = (d,)
+  if hparams.qk_norm:
+    names[p + "self_attn.q_norm.weight"] = (dh,)
+    names[p + "self_attn.k_norm.weight"] = (dh,)
   if hparams.qkv_bias:
     names[p + "self_attn.q_proj.bias"] = (q,)
     names[p + "self_attn.k_proj.bias"] = (kv,)
@@ -131,12 +158,78 @@ def _check_shape(name, shape, want, hparams, source) -> None:
     )
 
 
+# Fused tensor -> (its parts, each part's rows as a function of HParams).
+_FUSED = {
+  "self_attn.qkv_proj.weight": (
+    (
+      "self_attn.q_proj.weight",
+      "self_attn.k_proj.weight",
+      "self_attn.v_proj.weight",
+    ),
+    lambda h: (
+      h.heads * h.head_dim,
+      h.kv_heads * h.head_dim,
+      h.kv_heads * h.head_dim,
+    ),
+  ),
+  "mlp.gate_up_proj.weight": (
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    lambda h: (h.d_ff, h.d_ff),
+  ),
+}
+
+
+def unfuse(
+  hparams: HParams,
+  get: Callable[[str], np.ndarray],
+  shapes: Mapping[str, tuple[int, ...]],
+  source: str,
+) -> tuple[Callable[[str], np.ndarray], dict[str, tuple[int, ...]]]:
+  """(get, shapes) with every fused tensor (`qkv_proj`, `gate_up_proj`)
+  replaced by its parts, cut by rows in order (q, k, v; gate, up); a fused
+  tensor whose rows do not add up is refused before anything is read."""
+  shapes = dict(shapes)
+  parts: dict[str, tuple[str, int, int]] = {}
+  for name in list(shapes):
+    for fused, (names, rows_of) in _FUSED.items():
+      if not name.endswith("." + fused):
+        continue
+      layer = name[: -len(fused)]
+      rows = rows_of(hparams)
+      shape = tuple(shapes.pop(name))
+      if len(shape) != 2 or shape[0] != sum(rows):
+        raise ValueError(
+          f"{source}: tensor {name} has shape {shape}, expected "
+          f"({sum(rows)}, {hparams.d_model}) for {hparams}"
+        )
+      start = 0
+      for part, n in zip(names, rows, strict=True):
+        shapes[layer + part] = (n, shape[1])
+        parts[layer + part] = (name, start, start + n)
+        start += n
+  if not parts:
+    return get, shapes
+  last: dict[str, np.ndarray] = {}
+
+  def get_part(name: str) -> np.ndarray:
+    if name not in parts:
+      return get(name)
+    fused, start, end = parts[name]
+    if fused not in last:
+      last.clear()
+      last[fused] = np.asarray(get(fused))
+    return last[fused][start:end]
+
+  return get_part, shapes
+
+
 def to_weights(
   hparams: HParams,
   get: Callable[[str], np.ndarray],
   available: Collection[str],
   *,
   dtype=jnp.float32,
+  norm_offset: float = 0.0,
   source: str = "checkpoint",
 ) -> Weights:
   """Builds `Weights` of `dtype` from Hugging Face-named tensors.
@@ -149,6 +242,8 @@ def to_weights(
       tensor is fetched (nothing is read or allocated for a checkpoint
       whose shapes do not fit).
     dtype: the weights' dtype.
+    norm_offset: added to every norm scale (1 for Gemma's (1 + w) norms,
+      in f32, before the cast to `dtype`).
     source: names the checkpoint in error messages.
   """
   shapes = check_names(hparams, available, source)
@@ -164,6 +259,12 @@ def to_weights(
 
   def put(value: np.ndarray) -> jnp.ndarray:
     return jnp.asarray(value.astype(target, copy=False))
+
+  def norm(name: str) -> jnp.ndarray:
+    value = fetch(name)
+    if norm_offset:
+      value = value.astype(np.float32) + np.float32(norm_offset)
+    return put(value)
 
   h, kvh, dh = hparams.heads, hparams.kv_heads, hparams.head_dim
   d = hparams.d_model
@@ -181,9 +282,16 @@ def to_weights(
       gate=one("mlp.gate_proj.weight", np.transpose),
       up=one("mlp.up_proj.weight", np.transpose),
       down=one("mlp.down_proj.weight", np.transpose),
-      attn_norm=one("input_layernorm.weight", np.asarray),
-      mlp_norm=one("post_attention_layernorm.weight", np.asarray),
+      **{
+        field: norm(f"layers.{i}.{tensor}.weight")
+        for field, tensor in _NORMS[hparams.post_norms].items()
+      },
     )
+    if hparams.qk_norm:
+      out = out.replace(
+        q_norm=norm(f"layers.{i}.{attn}q_norm.weight"),
+        k_norm=norm(f"layers.{i}.{attn}k_norm.weight"),
+      )
     if hparams.qkv_bias:
       out = out.replace(
         q_bias=one(attn + "q_proj.bias", lambda b: b.reshape(h, dh)),
@@ -196,7 +304,7 @@ def to_weights(
   weights = Weights(
     embedding=put(fetch("embed_tokens.weight")),
     layers=layers,
-    final_norm=put(fetch("norm.weight")),
+    final_norm=norm("norm.weight"),
     unembedding=(
       None if hparams.tied_embeddings else put(fetch("lm_head.weight").T)
     ),
