@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import chunkwise as cw
 from chunkwise.configs import RopeScaling
@@ -25,14 +26,25 @@ ATOL = 1e-4
 
 
 @functools.cache
-def _pair(name):
-  """(transformers model, chunkwise model loaded from its safetensors)."""
+def _saved(name):
+  """(directory of a tiny model's safetensors, chunkwise's model of it)."""
   import tempfile
 
-  reference = hf_models.tiny_architecture(name, seed=3)
   directory = tempfile.mkdtemp(prefix=f"arch-{name}-")
-  reference.save_pretrained(directory)
-  return reference, cw.load(directory)
+  hf_models.tiny_architecture(name, seed=3).save_pretrained(directory)
+  return directory, cw.load(directory)
+
+
+def _pair(name):
+  """(transformers model, chunkwise model) of the same weights. The
+  transformers model is fresh on every call: its "dynamic" RoPE keeps the
+  longest sequence it has seen, so a shared one would depend on test
+  order."""
+  directory, model = _saved(name)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+    directory, dtype=torch.float32
+  ).eval()
+  return reference, model
 
 
 def _scores(logits, rows):
@@ -59,7 +71,7 @@ def test_matches_transformers_on_a_padded_batch_and_a_prefix_split(name):
   # The same rows in two calls: the second attends to the first's cache,
   # its window reaching back into it (transformers with its cache does the
   # same: one call's length sets dynamic and longrope frequencies).
-  want = hf_models.split_logits(reference, ROWS, 12)
+  want = hf_models.split_logits(_pair(name)[0], ROWS, 12)
   head, tail = chunk.split_at(12)
   first = model.prefill(head)
   second = model.prefill(tail, prefix=[first])
@@ -338,3 +350,83 @@ def _byte_tokenizer(directory):
   vocab = {chr(0x100 + i): i for i in range(128)}
   tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
   tok.save(str(directory / "tokenizer.json"))
+
+
+def test_config_files_in_older_and_newer_spellings():
+  """Real config.json files predate transformers 5: `rope_theta` +
+  `rope_scaling`, Gemma 3's `rope_local_base_freq` and
+  `sliding_window_pattern`, Gemma 2 without `layer_types`, Phi-3's "su";
+  Qwen2 slides from `max_window_layers` on."""
+  from chunkwise.checkpoints.hf_config import hparams_from_config
+
+  base = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=12,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+  )
+  llama = hparams_from_config(
+    dict(
+      base,
+      model_type="llama",
+      rope_theta=5e5,
+      rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=32,
+      ),
+    )
+  )
+  assert llama.rope_base == 5e5 and llama.rope_scaling.kind.value == "llama3"
+  gemma3 = hparams_from_config(
+    dict(
+      base,
+      model_type="gemma3_text",
+      rope_theta=1e6,
+      rope_local_base_freq=1e4,
+      rope_scaling=None,
+      sliding_window=8,
+      sliding_window_pattern=6,
+      query_pre_attn_scalar=16,
+    )
+  )
+  assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+  assert gemma3.rope(0) == (1e4, None) and gemma3.rope(5) == (1e6, None)
+  assert gemma3.qk_norm and gemma3.post_norms and gemma3.embed_scale == 8.0
+  gemma2 = hparams_from_config(
+    dict(base, model_type="gemma2", sliding_window=8, query_pre_attn_scalar=4)
+  )
+  assert gemma2.sliding_layers == tuple(range(0, 12, 2))
+  assert gemma2.query_scale == 0.5 and gemma2.tied_embeddings
+  phi3 = hparams_from_config(
+    dict(
+      base,
+      model_type="phi3",
+      original_max_position_embeddings=32,
+      rope_scaling=dict(
+        type="su", short_factor=[1.0] * 8, long_factor=[2.0] * 8
+      ),
+    )
+  )
+  assert phi3.rope_scaling.kind.value == "longrope"
+  assert phi3.rope_scaling.factor == 4.0  # 128 / 32
+  qwen2 = hparams_from_config(
+    dict(
+      base,
+      model_type="qwen2",
+      use_sliding_window=True,
+      sliding_window=8,
+      max_window_layers=10,
+    )
+  )
+  assert qwen2.sliding_window == 8 and qwen2.sliding_layers == (10, 11)
+  off = hparams_from_config(
+    dict(base, model_type="qwen2", use_sliding_window=False, sliding_window=8)
+  )
+  assert off.sliding_window is None

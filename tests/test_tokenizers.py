@@ -36,11 +36,11 @@ CORPUS = [
 ] * 30
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_model(tmp_path_factory):
-  """A small SentencePiece BPE model trained here (byte fallback on, no
-  normalization, so every string round-trips)."""
-  prefix = str(tmp_path_factory.mktemp("spm") / "bpe")
+_USER_DEFINED = ("<start_of_turn>", "<end_of_turn>")
+
+
+def _train_spm(directory, **options):
+  prefix = str(directory / "bpe")
   spm.SentencePieceTrainer.train(
     sentence_iterator=iter(CORPUS),
     model_prefix=prefix,
@@ -51,8 +51,27 @@ def sentencepiece_model(tmp_path_factory):
     remove_extra_whitespaces=False,
     split_digits=True,
     minloglevel=2,
+    **options,
   )
   return spm.SentencePieceProcessor(model_file=prefix + ".model")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory):
+  """A small SentencePiece BPE model trained here (byte fallback on, no
+  normalization, so every string round-trips)."""
+  return _train_spm(tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="module")
+def gemma_style_model(tmp_path_factory):
+  """SentencePiece as Gemma's: no dummy space prefix, chat-turn markers as
+  user-defined pieces."""
+  return _train_spm(
+    tmp_path_factory.mktemp("gemma-spm"),
+    add_dummy_prefix=False,
+    user_defined_symbols=list(_USER_DEFINED),
+  )
 
 
 def _spm_token_type(sp, i):
@@ -64,10 +83,12 @@ def _spm_token_type(sp, i):
     return gguf_tokenizer.BYTE
   if sp.IsUnused(i):
     return gguf_tokenizer.UNUSED
+  if sp.IdToPiece(i) in _USER_DEFINED:
+    return gguf_tokenizer.USER_DEFINED
   return gguf_tokenizer.NORMAL
 
 
-def _write_spm_gguf(sp, path):
+def _write_spm_gguf(sp, path, add_space_prefix=True):
   """The tokenizer fields llama.cpp's converter writes for a SentencePiece
   model, in a GGUF file with no tensors."""
   n = sp.GetPieceSize()
@@ -79,7 +100,7 @@ def _write_spm_gguf(sp, path):
   writer.add_bos_token_id(sp.bos_id())
   writer.add_eos_token_id(sp.eos_id())
   writer.add_unk_token_id(sp.unk_id())
-  writer.add_add_space_prefix(True)
+  writer.add_add_space_prefix(add_space_prefix)
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
@@ -102,6 +123,26 @@ def test_sentencepiece_gguf_vocab_matches_sentencepiece(
     assert vocab.decode(want) == sp.DecodeIds(want) == text
   # Byte fallback really was exercised.
   assert any(sp.IsByte(i) for i in vocab.encode("🐄"))
+
+
+def test_gemma_style_sentencepiece_gguf_vocab_matches_sentencepiece(
+  gemma_style_model, tmp_path
+):
+  """Gemma 2/3 GGUF files describe their SentencePiece vocabulary without
+  a space prefix, with user-defined turn markers matched whole."""
+  sp = gemma_style_model
+  path = tmp_path / "gemma.gguf"
+  _write_spm_gguf(sp, path, add_space_prefix=False)
+  vocab = cw_gguf.vocab_from_metadata(
+    gguf_file.open_file(path).metadata, str(path)
+  )
+  turn = "<start_of_turn>user\nHello world<end_of_turn>\n"
+  for text in [*STRINGS, turn, "<start_of_turn>model\n12345"]:
+    want = sp.EncodeAsIds(text)
+    assert vocab.encode(text) == want, text
+    assert vocab.decode(want) == sp.DecodeIds(want)
+  assert sp.PieceToId("<start_of_turn>") in vocab.encode(turn)
+  assert vocab.encode(" leading")[0] == sp.EncodeAsIds(" leading")[0]
 
 
 def _pieces(pre_tokenizer, text):
