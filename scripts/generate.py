@@ -58,6 +58,13 @@ _JSON_SCHEMA = flags.DEFINE_string(
   None,
   "Constrain every sample to JSON valid under this schema (text or @file).",
 )
+_SCHEMA_STRICT = flags.DEFINE_bool(
+  "schema_strict",
+  False,
+  "With --json_schema: refuse any keyword generation cannot enforce in full "
+  "(by default such keywords are checked after generation: each record "
+  "says schema_valid and schema_error).",
+)
 _CHOICES = flags.DEFINE_list(
   "choices", None, "Constrain every sample to one of these strings."
 )
@@ -110,6 +117,7 @@ def generate() -> None:
     json_schema=_JSON_SCHEMA.value,
     choices=_CHOICES.value,
     budget_forcing=_BUDGET_FORCING.value,
+    schema_strict=_SCHEMA_STRICT.value,
   )
   cli.report(run_generate(job))
 

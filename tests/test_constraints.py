@@ -187,17 +187,27 @@ def test_stream_equals_generate(tiny):
 
 def test_errors_before_device_work(tiny):
   kwargs = dict(sample_ids=jnp.arange(2), steps=8)
+  # strict=True: only keywords enforced in full (the default rewrites the
+  # rest, see tests/test_schema_rewrite.py).
   with pytest.raises(ValueError, match="keyword 'minimum' at #/properties/a"):
     C.JsonSchema(
-      {"type": "object", "properties": {"a": {"type": "integer", "minimum": 3}}}
+      {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 3}},
+      },
+      strict=True,
     )
   for bad in ("allOf", "oneOf", "multipleOf", "uniqueItems"):
     with pytest.raises(ValueError, match=f"keyword '{bad}'"):
-      C.JsonSchema({bad: []})
+      C.JsonSchema({bad: []}, strict=True)
   with pytest.raises(ValueError, match="additionalProperties=false"):
-    C.JsonSchema({"type": "object", "additionalProperties": True})
+    C.JsonSchema({"type": "object", "additionalProperties": True}, strict=True)
   with pytest.raises(ValueError, match="pattern' together with"):
-    C.JsonSchema({"type": "string", "pattern": "a+", "maxLength": 3})
+    C.JsonSchema(
+      {"type": "string", "pattern": "a+", "maxLength": 3}, strict=True
+    )
+  with pytest.raises(ValueError, match="oneOf must be a non-empty list"):
+    C.JsonSchema({"oneOf": []})
   with pytest.raises(ValueError, match="matches no text"):
     tiny.generate(constraint=C.Regex(r"a[^\x00-\x{10FFFF}]"), **kwargs)
   with pytest.raises(ValueError, match="not a supported regex"):

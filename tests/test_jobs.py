@@ -746,10 +746,17 @@ def test_generate_main_constraints(tmp_path, capsys):
     records = _records(out)
     assert len(records) == 6 and summary["finish_reasons"] == {"stop": 6}
     assert all(valid(r["text"]) for r in records), records
+    # JSON-schema rows are validated after generation, and say so.
+    schema_rows = flag.startswith("--json_schema")
+    assert all(("schema_valid" in r) == schema_rows for r in records)
+    assert all(r["schema_valid"] for r in records if schema_rows)
   out = f"--output={tmp_path / 'bad.jsonl'}"
   for args, message in (
     (["--regex=a", "--choices=a"], "give one of --regex, --json_schema"),
-    (['--json_schema={"type": "integer", "minimum": 1}'], "'minimum'"),
+    (
+      ['--json_schema={"type": "integer", "minimum": 1}', "--schema_strict"],
+      "'minimum'",
+    ),
     (["--regex=(a"], "--regex: the constraint '(a' is not a supported"),
     (["--budget_forcing"], "--budget_forcing needs --regex"),
   ):

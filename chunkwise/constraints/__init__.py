@@ -11,9 +11,12 @@
 Each constraint is compiled once (per vocabulary, stop ids and logits
 width; cached) into token-automaton tables (`tables`), and masks the logits
 inside the device loop (`processor`), with no host round trip per token.
+JSON schemas are rewritten into what the automaton enforces exactly
+(`schema_rewrite`); `JsonSchema.validate` checks each output against the
+original schema, so what the automaton cannot enforce is flagged.
 """
 
-from chunkwise.constraints import schema
+from chunkwise.constraints import json_regex, schema, schema_rewrite
 from chunkwise.constraints.constraint import (
   Choice,
   Constraint,
@@ -27,6 +30,7 @@ from chunkwise.constraints.processor import (
   for_call,
   processor,
 )
+from chunkwise.constraints.schema import Validation
 from chunkwise.constraints.tables import Tables, compile_regex, vocab_of
 
 __all__ = [
@@ -36,11 +40,14 @@ __all__ = [
   "JsonSchema",
   "Regex",
   "Tables",
+  "Validation",
   "compile_regex",
   "compile_rows",
   "escape",
   "for_call",
+  "json_regex",
   "processor",
   "schema",
+  "schema_rewrite",
   "vocab_of",
 ]

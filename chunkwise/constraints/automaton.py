@@ -31,6 +31,7 @@ not seen that key); a reply is {"ok": result} | {"error": message} |
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import struct
@@ -49,15 +50,29 @@ def short(text: str) -> str:
 
 
 def regex_of(kind: str, text: str) -> str:
-  """The regex of a "regex" (itself) or a "schema" (JSON text)."""
+  """The regex of a "regex" (itself), a "schema" (JSON text), or a
+  "spliced_schema" (JSON {"schema": ..., "pieces": {placeholder: regex}}:
+  the schema's regex with each placeholder const replaced by its piece)."""
   if kind == "regex":
     return text
   from outlines_core.json_schema import build_regex_from_schema
 
-  try:
-    return build_regex_from_schema(text)
-  except Exception as e:
-    raise UserError(f"unsupported JSON schema: {e}") from None
+  def build(schema_text: str) -> str:
+    try:
+      return build_regex_from_schema(schema_text)
+    except Exception as e:
+      raise UserError(f"unsupported JSON schema: {e}") from None
+
+  if kind == "schema":
+    return build(text)
+  payload = json.loads(text)
+  regex = build(json.dumps(payload["schema"]))
+  for name, piece in payload["pieces"].items():
+    literal = build(json.dumps({"const": name}))
+    if literal not in regex:
+      raise UserError(f"placeholder {name} is missing from the schema's regex")
+    regex = regex.replace(literal, "(" + piece + ")")
+  return regex
 
 
 def build(

@@ -26,6 +26,7 @@ from contextlib import nullcontext
 
 from chunkwise import untrusted
 from chunkwise.constraints import schema as schema_lib
+from chunkwise.constraints import schema_rewrite
 from chunkwise.constraints import tables as tables_lib
 
 # Characters Rust's regex syntax treats as meta (escaping them is allowed).
@@ -136,8 +137,15 @@ class Choice(Constraint):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JsonSchema(Constraint):
-  """JSON text valid under `schema` (a dict or a JSON string), restricted to
-  the keywords in `schema.ALLOWED` (others raise ValueError).
+  """JSON text valid under `schema` (a dict or a JSON string).
+
+  By default the schema is rewritten into what the token automaton
+  enforces exactly (`schema_rewrite`: annotations dropped, bounded
+  integers and more formats as exact regexes, `allOf` merged, ...); the
+  keywords it cannot enforce are listed in `unenforced` and every output
+  is to be checked with `validate`. With `strict=True` only the keywords
+  in `schema.ALLOWED` are accepted, all enforced in full (others raise
+  ValueError naming them).
 
   The schema is untrusted: nesting deeper than `schema.MAX_DEPTH` is
   refused, and its regex is built in the compile worker under the
@@ -145,13 +153,31 @@ class JsonSchema(Constraint):
   """
 
   schema: str  # canonical JSON
+  strict: bool = False
 
-  def __init__(self, schema: str | Mapping, **limits):
-    parsed = schema_lib.parse(schema, source=limits.get("source"))
-    schema_lib.check(parsed)
+  def __init__(self, schema: str | Mapping, *, strict: bool = False, **limits):
+    source = limits.get("source")
+    parsed = schema_lib.parse(schema, source=source)
+    with untrusted.named(source) if source else nullcontext():
+      if strict:
+        schema_lib.check(parsed)
+      rewritten = None if strict else schema_rewrite.rewrite(parsed)
     # Key order matters: properties are generated in the order given.
     object.__setattr__(self, "schema", json.dumps(parsed))
+    object.__setattr__(self, "strict", bool(strict))
+    object.__setattr__(self, "_rewritten", rewritten)
     Constraint.__init__(self, **limits)
+
+  @property
+  def unenforced(self) -> tuple[str, ...]:
+    """ "path: keyword" of every keyword generation does not enforce (they
+    are checked by `validate`); empty with `strict=True`."""
+    return () if self._rewritten is None else self._rewritten.unenforced
+
+  def validate(self, text: str) -> schema_lib.Validation:
+    """`text` checked against the original schema by a JSON Schema
+    validator of the schema's own draft, formats asserted."""
+    return schema_lib.validate(self.schema, text)
 
   @classmethod
   def from_file(cls, path: str, **limits) -> JsonSchema:
@@ -169,13 +195,22 @@ class JsonSchema(Constraint):
       return cls(text, **limits)
 
   def _text(self) -> tuple[str, str]:
-    return "schema", self.schema
+    r = self._rewritten
+    if r is None:
+      return "schema", self.schema
+    if not r.pieces:
+      return "schema", json.dumps(r.schema)
+    return "spliced_schema", json.dumps(
+      {"schema": r.schema, "pieces": r.pieces}
+    )
 
   def regex(self) -> str:
     self._check_limits()
     with self._named():
+      kind, text = self._text()
       return tables_lib.regex_of_schema(
-        self.schema,
+        text,
+        kind=kind,
         time_limit_s=self.time_limit_s,
         max_compile_mb=self.max_compile_mb,
         what=self.describe(),

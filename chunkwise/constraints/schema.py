@@ -13,6 +13,9 @@ default), so generation cannot run away in whitespace.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,3 +132,50 @@ def check(schema: Any, path: str = "#", depth: int = 0) -> None:
         raise ValueError(f"{where} must map names to schemas, got {value!r}")
       for name, sub in value.items():
         check(sub, f"{where}/{name}", depth + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+  """A generated text checked against a schema: `valid`, and the first
+  error (with its JSON path) where it is not."""
+
+  valid: bool
+  error: str | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def _validators(schema_text: str) -> tuple:
+  """Validators to try in turn: the schema's own draft (`$schema`; 2020-12
+  without one), then draft 7 for undeclared older spellings (a list-valued
+  `items` breaks a 2020-12 validator)."""
+  import jsonschema
+
+  schema = json.loads(schema_text)
+  first = jsonschema.validators.validator_for(
+    schema, default=jsonschema.Draft202012Validator
+  )
+  classes = dict.fromkeys([first, jsonschema.Draft7Validator])
+  return tuple(
+    cls(schema, format_checker=cls.FORMAT_CHECKER) for cls in classes
+  )
+
+
+def validate(schema_text: str, text: str) -> Validation:
+  """`text` against the schema (JSON text) by a validator of the schema's
+  own draft, formats asserted."""
+  try:
+    value = json.loads(text)
+  except ValueError as e:
+    return Validation(False, f"not JSON: {e}")
+  problem = None
+  for validator in _validators(schema_text):
+    try:
+      error = next(iter(validator.iter_errors(value)), None)
+    except Exception as e:  # a schema this draft cannot read
+      problem = e
+      continue
+    if error is None:
+      return Validation(True)
+    path = "".join(f"/{p}" for p in error.absolute_path)
+    return Validation(False, f"#{path}: {error.message}")
+  return Validation(False, f"the validator could not check it: {problem}")

@@ -177,17 +177,18 @@ def compile_regex(
 def regex_of_schema(
   schema: str,
   *,
+  kind: str = "schema",
   time_limit_s: float = 30.0,
   max_compile_mb: float = 4096.0,
   what: str = "the JSON schema",
 ) -> str:
   """The regex outlines-core builds for a JSON schema (text), computed in
   the worker under the same limits as tables; cached."""
-  hit = _regex_cache.get(schema)
+  hit = _regex_cache.get((kind, schema))
   if hit is None:
     hit = worker.run(
       {
-        "kind": "schema",
+        "kind": kind,
         "text": schema,
         "stops": (),
         "width": 0,
@@ -201,13 +202,13 @@ def regex_of_schema(
     )["regex"]
     if len(_regex_cache) >= _CACHE_SIZE:
       _regex_cache.clear()
-    _regex_cache[schema] = hit
+    _regex_cache[(kind, schema)] = hit
   return hit
 
 
 _CACHE_SIZE = 64
 _table_cache: dict[tuple, Tables] = {}
-_regex_cache: dict[str, str] = {}
+_regex_cache: dict[tuple[str, str], str] = {}
 
 
 def clear_cache() -> None:

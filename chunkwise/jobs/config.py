@@ -180,6 +180,9 @@ class GenerateJob(Job):
   # At most one constraint (compiled before any device work):
   regex: str | None = None
   json_schema: str | None = None  # JSON text, or @file
+  # Refuse JSON-schema keywords not enforced in full (else: checked after,
+  # records say schema_valid / schema_error).
+  schema_strict: bool = False
   choices: tuple[str, ...] | None = None
   budget_forcing: bool = False  # close each constrained sample in `steps`
 

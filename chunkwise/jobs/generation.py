@@ -137,18 +137,22 @@ def generate_batch(
     for s in range(num_samples):
       i = b * num_samples + s
       kept, text, stopped = cut_at_stop(model.vocab, tokens[i], stop_strings)
-      records.append(
-        {
-          "id": row.example.id,
-          "sample": s,
-          "text": text,
-          "tokens": kept,
-          "token_logprobs": floats(scores[i][: len(kept)]),
-          "finish_reason": "stop"
-          if stopped or len(tokens[i]) < steps
-          else "length",
-        }
-      )
+      record = {
+        "id": row.example.id,
+        "sample": s,
+        "text": text,
+        "tokens": kept,
+        "token_logprobs": floats(scores[i][: len(kept)]),
+        "finish_reason": "stop"
+        if stopped or len(tokens[i]) < steps
+        else "length",
+      }
+      if isinstance(constraint, constraints.JsonSchema):
+        # What the automaton could not enforce is flagged, never hidden.
+        check = constraint.validate(text)
+        record["schema_valid"] = check.valid
+        record["schema_error"] = check.error
+      records.append(record)
     out.append(records)
   return out
 
@@ -194,9 +198,9 @@ def constraint_of(job: GenerateJob, described):
     if name == "regex":
       c = constraints.Regex(value)
     elif name == "json_schema" and value.startswith("@"):
-      c = constraints.JsonSchema.from_file(value[1:])
+      c = constraints.JsonSchema.from_file(value[1:], strict=job.schema_strict)
     elif name == "json_schema":
-      c = constraints.JsonSchema(value)
+      c = constraints.JsonSchema(value, strict=job.schema_strict)
     else:
       c = constraints.Choice(value)
     eos = list(described.eos_ids)

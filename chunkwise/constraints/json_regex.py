@@ -1,0 +1,141 @@
+"""Regexes for JSON values that outlines-core's schema compiler cannot
+build: bounded integers (exact digit automata) and string formats.
+
+  integer_range(-5, 120)   # -[1-5]|[0-9]|[1-9][0-9]|1[01][0-9]|120
+  integer_range(10, None)  # every integer >= 10
+  FORMATS["ipv4"]          # a quoted JSON string of that format
+
+Integers are spelled as JSON spells them (no leading zeros, "-0" never
+generated); Rust regex syntax, as `Regex` constraints take.
+"""
+
+from __future__ import annotations
+
+
+def _digits_between(lo: str, hi: str) -> list[str]:
+  """Regexes for the decimal strings of one length between lo and hi
+  (inclusive, same length, no sign)."""
+  if lo == hi:
+    return [lo]
+  if len(lo) == 1:
+    return [f"[{lo}-{hi}]"]
+  # Common leading digit: recurse on the rest.
+  if lo[0] == hi[0]:
+    return [lo[0] + r for r in _alternation(_digits_between(lo[1:], hi[1:]))]
+  out = []
+  rest = len(lo) - 1
+  # lo[0] followed by anything >= lo[1:].
+  out += [lo[0] + r for r in _alternation(_digits_between(lo[1:], "9" * rest))]
+  # Whole middle digits.
+  first, last = int(lo[0]) + 1, int(hi[0]) - 1
+  if first <= last:
+    middle = f"{first}" if first == last else f"[{first}-{last}]"
+    out.append(middle + f"[0-9]{{{rest}}}" if rest > 1 else middle + "[0-9]")
+  # hi[0] followed by anything <= hi[1:].
+  out += [hi[0] + r for r in _alternation(_digits_between("0" * rest, hi[1:]))]
+  return out
+
+
+def _alternation(parts: list[str]) -> list[str]:
+  """`parts` as one group when there are several (so a prefix applies to
+  all of them)."""
+  return parts if len(parts) == 1 else ["(" + "|".join(parts) + ")"]
+
+
+def _naturals(lo: int, hi: int | None) -> list[str]:
+  """Regexes of the naturals in [lo, hi] (hi None: unbounded), lo >= 0."""
+  out = []
+  if lo == 0:
+    out.append("0")
+    lo = 1
+  if hi is not None and lo > hi:
+    return out
+  length = len(str(lo))
+  while hi is None or length <= len(str(hi)):
+    top = "9" * length if hi is None or length < len(str(hi)) else str(hi)
+    bottom = str(lo) if length == len(str(lo)) else "1" + "0" * (length - 1)
+    out += _digits_between(bottom, top)
+    if hi is None:
+      # Every longer number.
+      out.append(f"[1-9][0-9]{{{length},}}")
+      break
+    length += 1
+  return out
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+  """A regex of the integers in [lo, hi] as JSON writes them (None: no
+  bound on that side). Raises ValueError for an empty range."""
+  if lo is not None and hi is not None and lo > hi:
+    raise ValueError(f"no integer lies in [{lo}, {hi}]")
+  parts = []
+  # Negative numbers: -n for n in [max(1, -hi), -lo].
+  if lo is None or lo < 0:
+    small = 1 if hi is None or hi >= 0 else -hi
+    big = None if lo is None else -lo
+    parts += ["-" + p for p in _alternation(_naturals(small, big))]
+  if hi is None or hi >= 0:
+    parts += _naturals(0 if lo is None else max(lo, 0), hi)
+  return "(" + "|".join(parts) + ")"
+
+
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_H16 = r"[0-9a-fA-F]{1,4}"
+_IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
+_LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+# RFC 4291 text forms: 8 groups; or k groups, "::" (one or more zero
+# groups), and at most 7 - k more; or the same ending in an IPv4 address in
+# place of the last two groups.
+
+
+def _groups(n: int) -> str:
+  """Exactly n colon-separated groups ("" for none)."""
+  return "" if n == 0 else rf"({_H16}:){{{n - 1}}}{_H16}"
+
+
+def _at_most(n: int) -> str:
+  """Up to n colon-separated groups."""
+  return "" if n == 0 else rf"(({_H16}:){{0,{n - 1}}}{_H16})?"
+
+
+_IPV6 = "|".join(
+  [
+    _groups(8),
+    *(_groups(k) + "::" + _at_most(7 - k) for k in range(0, 8)),
+    rf"({_H16}:){{6}}{_IPV4}",
+    *(_groups(k) + rf"::({_H16}:){{0,{5 - k}}}{_IPV4}" for k in range(0, 6)),
+  ]
+)
+_URI_CHAR = r"([A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{2})"
+# RFC 3339 full-date: ASCII digits, each month's days (February to 28:
+# the 29th only exists in leap years, which a short regex cannot tell).
+_DATE = (
+  r"[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])"
+  r"|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))"
+)
+# RFC 3339 full-time: the offset is required.
+_TIME = (
+  r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?"
+  r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+
+# Formats outlines-core does not build, or builds inexactly (its date
+# takes any Unicode digit, its times an optional offset, its uri non-ASCII
+# characters), as quoted JSON strings. It builds uuid and email itself.
+FORMATS = {
+  "date": f'"{_DATE}"',
+  "time": f'"{_TIME}"',
+  "date-time": f'"{_DATE}T{_TIME}"',
+  "uri": rf'"[a-zA-Z][a-zA-Z0-9+.\-]*:{_URI_CHAR}*"',
+  "ipv4": rf'"{_IPV4}"',
+  "ipv6": rf'"({_IPV6})"',
+  "hostname": rf'"{_LABEL}(\.{_LABEL}){{0,126}}"',
+  # ISO 8601 as RFC 3339's appendix: weeks alone, or date and/or time
+  # parts, each with at least one component.
+  "duration": (
+    r'"P([0-9]+W|([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)'
+    r"(T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S))?"
+    r'|T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S))"'
+  ),
+  "uri-reference": rf'"{_URI_CHAR}*"',
+}

@@ -1,0 +1,322 @@
+"""A real-world JSON schema -> what the token automaton enforces, and what
+is left to check after generation.
+
+  out = rewrite(schema)
+  out.schema       # for outlines-core's regex builder, placeholders in it
+  out.pieces       # placeholder -> our regex of that JSON value
+  out.unenforced   # ("#/properties/tags: uniqueItems", ...) checked after
+
+outlines-core builds exact regexes for a subset of JSON Schema (see
+`schema.ALLOWED`). This pass keeps that subset as it is (so a schema it
+accepted before compiles to the same regex) and rewrites the rest:
+
+* annotations, draft-4 `id`, `x-...` keys and keywords JSON Schema does
+  not define are dropped (validators ignore them too), as are formats
+  nobody asserts (unknown or empty);
+* integers with `minimum` / `maximum` / `exclusive*` (both drafts'
+  spellings) become exact digit automata, and the formats date, time,
+  date-time, uri, uri-reference, ipv4, ipv6, hostname and duration our
+  regexes (`json_regex`; outlines-core's date took any Unicode digit and
+  its times no offset, so outputs could fail the format): each
+  replaces the value's subschema by a const placeholder, spliced back into
+  outlines-core's regex by the compile worker;
+* objects generate their declared properties: `additionalProperties`
+  true / absent / a schema allows what they generate, and required names
+  missing from `properties` are generated from `additionalProperties`
+  (any JSON value where it is absent); `allOf` is merged where the merge
+  is exact (disjoint keys, or equal values); `oneOf` becomes `anyOf`; draft-4
+  tuple `items` become `prefixItems`;
+* what a regex cannot say exactly is dropped and listed in `unenforced`
+  (`oneOf`'s exclusivity, `not`, `if`/`then`/`else`, `uniqueItems`,
+  `contains`, `multipleOf`, number bounds, `patternProperties`,
+  `propertyNames`, `dependencies`, `min/maxProperties`, string lengths
+  beside a `pattern` or a format, ...): every output is validated after
+  generation (`JsonSchema.validate`), so nothing invalid goes unflagged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from chunkwise.constraints import json_regex
+from chunkwise.constraints.schema import ANNOTATIONS, MAX_DEPTH
+
+# Keywords that hold no constraint (beyond schema.ANNOTATIONS).
+_IGNORED = frozenset(
+  {
+    "id",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$anchor",
+    "$dynamicAnchor",
+    "$vocabulary",
+    "contentMediaType",
+    "contentEncoding",
+    "contentSchema",
+  }
+)
+# Dropped here and checked after generation.
+_AFTER = frozenset(
+  {
+    "not",
+    "if",
+    "then",
+    "else",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "multipleOf",
+    "patternProperties",
+    "propertyNames",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "minProperties",
+    "maxProperties",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+  }
+)
+_KEPT = frozenset(
+  {
+    "type",
+    "enum",
+    "const",
+    "required",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "$ref",
+  }
+)
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Formats outlines-core builds itself, exactly.
+_OUTLINES_FORMATS = frozenset({"uuid", "email"})
+PLACEHOLDER = "CWPIECE{}QX"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+  schema: dict
+  pieces: dict[str, str]
+  unenforced: tuple[str, ...]
+
+
+class _Rewriter:
+  def __init__(self):
+    self.pieces: dict[str, str] = {}
+    self.unenforced: list[str] = []
+
+  def piece(self, regex: str) -> dict:
+    name = PLACEHOLDER.format(len(self.pieces))
+    self.pieces[name] = regex
+    return {"const": name}
+
+  def after(self, path: str, keyword: str) -> None:
+    self.unenforced.append(f"{path}: {keyword}")
+
+  def node(self, schema: Any, path: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+      raise ValueError(f"{path}: subschemas nest more than {MAX_DEPTH} levels")
+    if schema is True:
+      return {}
+    if schema is False:
+      raise ValueError(f"{path}: the schema false admits no value")
+    if not isinstance(schema, Mapping):
+      raise ValueError(f"{path}: a schema must be an object, got {schema!r}")
+    schema = dict(schema)
+    if "allOf" in schema:
+      schema = self.merge(schema, path)
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+      where = f"{path}/{key}"
+      if key in ANNOTATIONS or key in _IGNORED or key.startswith("x-"):
+        continue
+      if key == "additionalItems" and isinstance(schema.get("items"), list):
+        continue  # with the tuple, below
+      if key in _AFTER:
+        self.after(path, key)
+      elif key in ("properties", "$defs", "definitions"):
+        if not isinstance(value, Mapping):
+          raise ValueError(f"{where} must map names to schemas")
+        # A property whose schema is false must be absent: not generated
+        # (required() refuses it when it is required).
+        out[key] = {
+          name: self.node(sub, f"{where}/{name}", depth + 1)
+          for name, sub in value.items()
+          if not (key == "properties" and sub is False)
+        }
+      elif key in ("anyOf", "oneOf", "prefixItems"):
+        if not isinstance(value, list) or not value:
+          raise ValueError(f"{where} must be a non-empty list of schemas")
+        subs = [
+          self.node(s, f"{where}/{i}", depth + 1) for i, s in enumerate(value)
+        ]
+        if key == "oneOf":
+          self.after(path, "oneOf (one branch only)")
+          key = "anyOf"
+        out[key] = out.get(key, []) + subs
+      elif key == "items" and value is False:
+        out["maxItems"] = 0
+      elif key == "items":
+        if isinstance(value, list):  # draft-4 tuple
+          out["prefixItems"] = [
+            self.node(s, f"{where}/{i}", depth + 1) for i, s in enumerate(value)
+          ]
+          if schema.get("additionalItems") is False:
+            limit = min(len(value), schema.get("maxItems", len(value)))
+            out["maxItems"] = limit
+          else:
+            self.after(path, "items after the tuple")
+        else:
+          out["items"] = self.node(value, where, depth + 1)
+      elif key == "additionalProperties":
+        if value is False:
+          out[key] = False
+      elif key in _KEPT:
+        out.setdefault(key, value)
+      elif key in _BOUNDS:
+        continue  # below
+      # Keywords JSON Schema does not define: validators ignore them.
+    return self.special(schema, out, path)
+
+  def special(self, schema: dict, out: dict, path: str) -> dict:
+    kind = schema.get("type")
+    bounds = {k: schema[k] for k in _BOUNDS if k in schema}
+    if (
+      kind == "integer" and bounds and "enum" not in out and "const" not in out
+    ):
+      lo, hi = _integer_bounds(schema, path)
+      return self.piece(json_regex.integer_range(lo, hi))
+    if bounds:
+      self.after(path, "/".join(bounds))
+    fmt = out.get("format")
+    if fmt is not None and fmt not in _OUTLINES_FORMATS:
+      del out["format"]
+      if fmt in json_regex.FORMATS and kind in ("string", None):
+        for k in ("minLength", "maxLength", "pattern"):
+          if k in out:
+            self.after(path, f"{k} with format {fmt}")
+        return self.piece(json_regex.FORMATS[fmt])
+    elif fmt is not None:
+      for k in ("minLength", "maxLength", "pattern"):
+        if k in out:
+          self.after(path, f"{k} with format {fmt}")
+          del out[k]
+    if "pattern" in out and ("minLength" in out or "maxLength" in out):
+      self.after(path, "minLength/maxLength with pattern")
+      out.pop("minLength", None)
+      out.pop("maxLength", None)
+    if "properties" in out or "required" in out:
+      self.required(schema, out, path)
+    return out
+
+  def required(self, schema: dict, out: dict, path: str) -> None:
+    required = out.get("required") or []
+    props = out.setdefault("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for name in required:
+      if not isinstance(name, str):
+        raise ValueError(f"{path}/required lists {name!r}, not a name")
+      if name in props:
+        continue
+      if extra is False or (schema.get("properties") or {}).get(name) is False:
+        raise ValueError(
+          f"{path}: required property {name!r} is neither in properties nor "
+          "allowed by additionalProperties=false: no value is valid"
+        )
+      props[name] = (
+        self.node(extra, f"{path}/additionalProperties", 1)
+        if isinstance(extra, Mapping)
+        else {}
+      )
+
+  def merge(self, schema: dict, path: str) -> dict:
+    """`allOf` folded into its parent where every key is disjoint or equal
+    (properties and required are unions)."""
+    parts = schema.pop("allOf")
+    if not isinstance(parts, list):
+      raise ValueError(f"{path}/allOf must be a list of schemas")
+    merged = dict(schema)
+    for i, part in enumerate(parts):
+      if part is True:
+        continue
+      if not isinstance(part, Mapping):
+        raise ValueError(f"{path}/allOf/{i}: a schema must be an object")
+      if "allOf" in part:
+        part = self.merge(dict(part), f"{path}/allOf/{i}")
+      for key, value in part.items():
+        if key in ANNOTATIONS or key in _IGNORED:
+          continue
+        if key == "properties" and key in merged:
+          props = dict(merged[key])
+          for name, sub in value.items():
+            if name in props and props[name] != sub:
+              raise ValueError(
+                f"{path}/allOf/{i}/properties/{name}: differs from another "
+                "branch's; allOf is merged only where the merge is exact"
+              )
+            props[name] = sub
+          merged[key] = props
+        elif key == "required" and key in merged:
+          merged[key] = list(dict.fromkeys([*merged[key], *value]))
+        elif key in merged and merged[key] != value:
+          raise ValueError(
+            f"{path}/allOf/{i}/{key}: differs from another branch's "
+            f"({merged[key]!r} vs {value!r}); allOf is merged only where the "
+            "merge is exact"
+          )
+        else:
+          merged[key] = value
+    return merged
+
+
+def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
+  def number(key):
+    value = schema[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+      raise ValueError(f"{path}/{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+      raise ValueError(f"{path}/{key} must be finite, got {value!r}")
+    return value
+
+  lo = hi = None
+  if "minimum" in schema:
+    m = number("minimum")
+    lo = math.ceil(m)
+    if schema.get("exclusiveMinimum") is True and m == lo:  # draft 4
+      lo += 1
+  if "maximum" in schema:
+    m = number("maximum")
+    hi = math.floor(m)
+    if schema.get("exclusiveMaximum") is True and m == hi:
+      hi -= 1
+  for key in ("exclusiveMinimum", "exclusiveMaximum"):
+    if isinstance(schema.get(key), bool) or key not in schema:
+      continue
+    e = number(key)
+    if key == "exclusiveMinimum":
+      lo = math.floor(e) + 1 if lo is None else max(lo, math.floor(e) + 1)
+    else:
+      hi = math.ceil(e) - 1 if hi is None else min(hi, math.ceil(e) - 1)
+  if lo is not None and hi is not None and lo > hi:
+    raise ValueError(f"{path}: no integer lies between its bounds")
+  return lo, hi
+
+
+def rewrite(schema: Mapping[str, Any]) -> Rewritten:
+  """`schema` (parsed) as outlines-core builds it, our regex pieces, and
+  the keywords checked only after generation; ValueError names what no
+  generation could satisfy or what cannot be merged."""
+  r = _Rewriter()
+  out = r.node(schema, "#", 0)
+  return Rewritten(out, r.pieces, tuple(dict.fromkeys(r.unenforced)))

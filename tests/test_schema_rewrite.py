@@ -1,0 +1,278 @@
+"""Real-world JSON schemas: each keyword family is rewritten into what the
+token automaton enforces, random walks through the compiled tables spell
+only valid instances, what cannot be enforced is flagged by validation
+after generation, and schemas accepted before compile to the same regex."""
+
+import functools
+import ipaddress
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise.constraints import json_regex
+
+C = cw.constraints
+
+
+@pytest.mark.parametrize(
+  "lo, hi",
+  [
+    (-5, 120),
+    (0, 0),
+    (7, 7),
+    (-100, -3),
+    (10, None),
+    (None, -7),
+    (None, 15),
+    (999, 1001),
+    (-1, 1),
+    (123, 98765),
+  ],
+)
+def test_integer_ranges_are_exact(lo, hi):
+  rx = re.compile(json_regex.integer_range(lo, hi))
+  rng = random.Random(0)
+  for n in [
+    *range(-1500, 1500),
+    *(rng.randint(-(10**7), 10**7) for _ in range(2000)),
+  ]:
+    want = (lo is None or n >= lo) and (hi is None or n <= hi)
+    assert bool(rx.fullmatch(str(n))) == want, n
+  for bad in ["-0", "01", "00", "+1", "1.0", ""]:
+    assert not rx.fullmatch(bad), bad
+
+
+def test_ipv6_regex_spells_every_form_and_only_addresses():
+  rx = re.compile(json_regex.FORMATS["ipv6"][1:-1])
+  rng = random.Random(0)
+  masks = [
+    2**128 - 1,
+    0xFFFF,
+    0xFFFFFFFF << 96,
+    (2**128 - 1) ^ (0xFFFF << 64),
+    0,
+  ]
+  for _ in range(2000):
+    a = ipaddress.IPv6Address(rng.getrandbits(128) & rng.choice(masks))
+    assert rx.fullmatch(str(a)) and rx.fullmatch(a.exploded), a
+  for text in ["::ffff:1.2.3.4", "1:2:3:4:5:6:1.2.3.4", "1:2:3:4:5:6:7::"]:
+    assert rx.fullmatch(text)
+  alphabet = "0123456789abcdef:."
+  for _ in range(50_000):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 12)))
+    if rx.fullmatch(text):
+      ipaddress.IPv6Address(text)  # raises if the regex let a non-address in
+
+
+def _walks(constraint, n=60, max_bytes=400, seed=0):
+  """Texts spelled by random walks through the byte-level tables (walks
+  longer than `max_bytes` are dropped: strings can run long)."""
+  t = constraint.compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+  rng = np.random.default_rng(seed)
+  out = []
+  while len(out) < n:
+    s, text = 0, b""
+    while len(text) < max_bytes:
+      allowed = t.allowed(s)
+      # Closing is likelier than a uniform pick, so walks end.
+      tok = (
+        2 if 2 in allowed and rng.random() < 0.3 else int(rng.choice(allowed))
+      )
+      if tok == 2:
+        out.append(text.decode())
+        break
+      text += bytes([tok - 3])
+      s = t.step(s, tok)
+  return out
+
+
+# One schema per keyword family that the automaton enforces in full.
+ENFORCED = {
+  "annotations": {
+    "$schema": "http://json-schema.org/draft-04/schema#",
+    "id": "http://example.com/person",
+    "title": "Person",
+    "description": "someone",
+    "x-order": 3,
+    "type": "object",
+    "properties": {
+      "name": {"type": "string", "maxLength": 6, "examples": ["Al"]},
+      "kind": {"$ref": "#/definitions/kind"},
+    },
+    "required": ["name", "kind"],
+    "additionalProperties": False,
+    "definitions": {"kind": {"enum": ["cat", "dog"], "deprecated": True}},
+  },
+  "integer-bounds": {
+    "type": "object",
+    "properties": {
+      "age": {"type": "integer", "minimum": 0, "maximum": 130},
+      "delta": {"type": "integer", "exclusiveMinimum": -10, "maximum": -2},
+      "old": {"type": "integer", "minimum": 5, "exclusiveMinimum": True},
+    },
+    "required": ["age", "delta", "old"],
+  },
+  "formats": {
+    "type": "array",
+    "prefixItems": [
+      {"type": "string", "format": "ipv4"},
+      {"type": "string", "format": "ipv6"},
+      {"type": "string", "format": "hostname"},
+      {"type": "string", "format": "duration"},
+      {"type": "string", "format": "date"},
+      {"type": "string", "format": "date-time"},
+      {"type": "string", "format": "time"},
+      {"type": "string", "format": ""},
+    ],
+    "minItems": 8,
+    "maxItems": 8,
+  },
+  "open-objects": {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}},
+    "required": ["a", "b"],
+    "additionalProperties": {"type": "integer", "minimum": 1, "maximum": 9},
+  },
+  "allOf-merge": {
+    "allOf": [
+      {"type": "object", "properties": {"a": {"type": "null"}}},
+      {"properties": {"b": {"const": 1}}, "required": ["a", "b"]},
+    ]
+  },
+  "draft4-tuple": {
+    "type": "array",
+    "items": [
+      {"type": "integer", "minimum": 1, "maximum": 3},
+      {"type": "null"},
+    ],
+    "additionalItems": False,
+    "minItems": 2,
+  },
+}
+
+
+@functools.cache
+def _constraint(name):
+  return C.JsonSchema(ENFORCED[name])
+
+
+@pytest.mark.parametrize("name", sorted(ENFORCED))
+def test_enforced_families_spell_only_valid_instances(name):
+  c = _constraint(name)
+  assert c.unenforced == ()
+  texts = _walks(c)
+  for text in texts:
+    check = c.validate(text)
+    assert check.valid, (text, check.error)
+  assert len(set(texts)) > 5  # the walks explore
+
+
+def test_disjoint_one_of_is_generated_as_any_of_and_listed():
+  c = C.JsonSchema(
+    {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}
+  )
+  assert c.unenforced == ("#: oneOf (one branch only)",)
+  for text in _walks(c):
+    assert c.validate(text).valid, text
+
+
+def test_what_is_not_enforced_is_flagged_after_generation():
+  """uniqueItems cannot be a regex: walks spell arrays with repeats, and
+  validation flags exactly those."""
+  c = C.JsonSchema(
+    {
+      "type": "array",
+      "items": {"type": "integer", "minimum": 0, "maximum": 2},
+      "minItems": 2,
+      "maxItems": 4,
+      "uniqueItems": True,
+    }
+  )
+  assert c.unenforced == ("#: uniqueItems",)
+  flagged = 0
+  for text in _walks(c, n=80):
+    values = json.loads(text)
+    check = c.validate(text)
+    assert check.valid == (len(set(values)) == len(values)), text
+    if not check.valid:
+      flagged += 1
+      assert "non-unique" in check.error
+  assert flagged  # some walks repeated a value
+  assert not C.JsonSchema({"type": "integer"}).validate("1.5").valid
+  assert (
+    C.JsonSchema({"type": "integer"}).validate("{").error.startswith("not JSON")
+  )
+
+
+def test_schemas_accepted_before_compile_to_the_same_regex():
+  """Same regex, so the same tokens: the rewrite leaves the strict subset
+  as it was."""
+  for schema in [
+    {
+      "type": "object",
+      "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer"},
+        "id": {"type": "string", "format": "uuid"},
+      },
+      "required": ["name", "age"],
+      "additionalProperties": False,
+    },
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1},
+    {
+      "anyOf": [{"type": "null"}, {"$ref": "#/$defs/x"}],
+      "$defs": {"x": {"const": 2}},
+    },
+  ]:
+    assert (
+      C.JsonSchema(schema).regex() == C.JsonSchema(schema, strict=True).regex()
+    )
+
+
+@pytest.mark.parametrize(
+  "schema, message",
+  [
+    (
+      {"allOf": [{"type": "string"}, {"type": "integer"}]},
+      "allOf/1/type: differs",
+    ),
+    (
+      {"type": "object", "required": ["x"], "additionalProperties": False},
+      "required property 'x' is neither in properties",
+    ),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer lies"),
+    (False, "a JSON schema must be an object"),
+  ],
+)
+def test_what_no_generation_could_satisfy_is_refused(schema, message):
+  with pytest.raises(ValueError, match=message):
+    C.JsonSchema(schema)
+
+
+def test_strict_keeps_the_allow_list():
+  with pytest.raises(ValueError, match="keyword 'uniqueItems' at #"):
+    C.JsonSchema({"type": "array", "uniqueItems": True}, strict=True)
+  with pytest.raises(ValueError, match="keyword 'id' at #"):
+    C.JsonSchema({"id": "x", "type": "null"}, strict=True)
+
+
+def test_false_subschemas_forbid_what_they_guard():
+  """A property whose schema is false must be absent; items false means an
+  empty array; a required property whose schema is false is refused."""
+  from chunkwise.constraints.schema_rewrite import rewrite
+
+  out = rewrite(
+    {
+      "type": "object",
+      "properties": {"a": {"type": "null"}, "gone": False},
+      "required": ["a"],
+    }
+  )
+  assert out.schema["properties"] == {"a": {"type": "null"}}
+  assert rewrite({"type": "array", "items": False}).schema["maxItems"] == 0
+  with pytest.raises(ValueError, match="required property 'gone'"):
+    rewrite({"properties": {"gone": False}, "required": ["gone"]})
