@@ -276,3 +276,31 @@ def test_false_subschemas_forbid_what_they_guard():
   assert rewrite({"type": "array", "items": False}).schema["maxItems"] == 0
   with pytest.raises(ValueError, match="required property 'gone'"):
     rewrite({"properties": {"gone": False}, "required": ["gone"]})
+
+
+def test_all_of_refs_pattern_properties_and_unreachable_pieces():
+  """allOf branches that are only $refs are resolved before merging; a
+  required name that only patternProperties describe is generated from
+  that schema; a rewritten definition nothing reaches is no error."""
+  c = C.JsonSchema(
+    {
+      "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/definitions/b"}],
+      "$defs": {
+        "a": {"type": "object", "properties": {"x": {"type": "null"}}},
+        "unused": {"type": "integer", "minimum": 1},
+        "impossible": {"required": ["y"], "additionalProperties": False},
+      },
+      "definitions": {
+        "b": {
+          "required": ["x", "n_1"],
+          "patternProperties": {"^n_[0-9]$": {"type": "integer", "maximum": 3}},
+        }
+      },
+    }
+  )
+  assert "#/definitions/b: patternProperties" in c.unenforced
+  assert any("impossible: left as written" in u for u in c.unenforced)
+  texts = _walks(c, n=30)
+  for text in texts:
+    assert c.validate(text).valid, text
+  assert all(json.loads(t)["n_1"] <= 3 for t in texts)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,9 +113,32 @@ class Rewritten:
 
 
 class _Rewriter:
-  def __init__(self):
+  def __init__(self, root: Mapping[str, Any]):
+    self.root = root
     self.pieces: dict[str, str] = {}
     self.unenforced: list[str] = []
+
+  def resolve(self, schema: Any, path: str) -> Any:
+    """A subschema that is only a local `$ref` ("#/..."), resolved (for
+    merging `allOf`); anything else unchanged."""
+    seen = 0
+    while (
+      isinstance(schema, Mapping)
+      and set(schema) - ANNOTATIONS == {"$ref"}
+      and isinstance(schema["$ref"], str)
+      and schema["$ref"].startswith("#")
+    ):
+      seen += 1
+      if seen > MAX_DEPTH:
+        raise ValueError(f"{path}: $ref chains more than {MAX_DEPTH} deep")
+      target: Any = self.root
+      for part in schema["$ref"][1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, Mapping) or part not in target:
+          raise ValueError(f"{path}: $ref {schema['$ref']!r} points nowhere")
+        target = target[part]
+      schema = target
+    return schema
 
   def piece(self, regex: str) -> dict:
     name = PLACEHOLDER.format(len(self.pieces))
@@ -151,7 +175,9 @@ class _Rewriter:
         # A property whose schema is false must be absent: not generated
         # (required() refuses it when it is required).
         out[key] = {
-          name: self.node(sub, f"{where}/{name}", depth + 1)
+          name: self.definition(sub, f"{where}/{name}", depth + 1)
+          if key != "properties"
+          else self.node(sub, f"{where}/{name}", depth + 1)
           for name, sub in value.items()
           if not (key == "properties" and sub is False)
         }
@@ -229,6 +255,14 @@ class _Rewriter:
         raise ValueError(f"{path}/required lists {name!r}, not a name")
       if name in props:
         continue
+      matching = [
+        sub
+        for pattern, sub in (schema.get("patternProperties") or {}).items()
+        if isinstance(pattern, str) and _search(pattern, name)
+      ]
+      if matching:
+        props[name] = self.node(matching[0], f"{path}/patternProperties", 1)
+        continue
       if extra is False or (schema.get("properties") or {}).get(name) is False:
         raise ValueError(
           f"{path}: required property {name!r} is neither in properties nor "
@@ -240,6 +274,16 @@ class _Rewriter:
         else {}
       )
 
+  def definition(self, schema: Any, path: str, depth: int) -> Any:
+    """A `$defs` entry rewritten; one no value could satisfy is kept as
+    written (and listed) instead of refusing the schema, since nothing may
+    refer to it: where something does, its outputs are flagged after."""
+    try:
+      return self.node(schema, path, depth)
+    except ValueError as e:
+      self.after(path, f"left as written ({e})")
+      return schema
+
   def merge(self, schema: dict, path: str) -> dict:
     """`allOf` folded into its parent where every key is disjoint or equal
     (properties and required are unions)."""
@@ -248,6 +292,7 @@ class _Rewriter:
       raise ValueError(f"{path}/allOf must be a list of schemas")
     merged = dict(schema)
     for i, part in enumerate(parts):
+      part = self.resolve(part, f"{path}/allOf/{i}")
       if part is True:
         continue
       if not isinstance(part, Mapping):
@@ -278,6 +323,15 @@ class _Rewriter:
         else:
           merged[key] = value
     return merged
+
+
+def _search(pattern: str, name: str) -> bool:
+  """Whether ECMA-262 `pattern` matches somewhere in `name` (Python's re
+  for the common subset; a pattern it cannot read matches nothing)."""
+  try:
+    return re.search(pattern, name) is not None
+  except re.error:
+    return False
 
 
 def _integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
@@ -317,6 +371,6 @@ def rewrite(schema: Mapping[str, Any]) -> Rewritten:
   """`schema` (parsed) as outlines-core builds it, our regex pieces, and
   the keywords checked only after generation; ValueError names what no
   generation could satisfy or what cannot be merged."""
-  r = _Rewriter()
+  r = _Rewriter(schema)
   out = r.node(schema, "#", 0)
   return Rewritten(out, r.pieces, tuple(dict.fromkeys(r.unenforced)))
