@@ -513,6 +513,10 @@ class Format:
   def load(self, path: str):
     raise NotImplementedError
 
+  def warm(self):
+    """Imports and one-time caches the loader needs, before any case is
+    traced (they are not what a case allocates)."""
+
 
 def _copy(src: str, dst: str) -> str:
   if os.path.isdir(src):
@@ -787,6 +791,11 @@ class Schema(Format):
     )
     c.compile(ByteVocabulary(), stop_ids=[2], width=320)
 
+  def warm(self):
+    from chunkwise.constraints import schema
+
+    schema.check_meta(SCHEMAS[0])  # imports jsonschema, loads metaschemas
+
 
 FORMATS = {
   f.name: f
@@ -880,6 +889,7 @@ def run(
     for name in formats:
       start = time.perf_counter()
       fmt = FORMATS[name](root)
+      fmt.warm()
       counts = collections.Counter()
       slowest = 0.0
       for i in cases:

@@ -159,6 +159,7 @@ class JsonSchema(Constraint):
     source = limits.get("source")
     parsed = schema_lib.parse(schema, source=source)
     with untrusted.named(source) if source else nullcontext():
+      schema_lib.check_meta(parsed)
       if strict:
         schema_lib.check(parsed)
       rewritten = None if strict else schema_rewrite.rewrite(parsed)

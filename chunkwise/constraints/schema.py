@@ -134,6 +134,36 @@ def check(schema: Any, path: str = "#", depth: int = 0) -> None:
         check(sub, f"{where}/{name}", depth + 1)
 
 
+def check_meta(schema: Mapping[str, Any]) -> None:
+  """Raises ValueError naming the first keyword whose value no JSON Schema
+  draft allows (`"required": true`, `"minItems": "3"`, ...): the schema
+  must be valid under its own draft's metaschema (`$schema`; 2020-12
+  without one), or under draft 7 or 4 for undeclared older spellings."""
+  import jsonschema
+
+  first = jsonschema.validators.validator_for(
+    schema, default=jsonschema.Draft202012Validator
+  )
+  classes = dict.fromkeys(
+    [first, jsonschema.Draft7Validator, jsonschema.Draft4Validator]
+  )
+  errors = []
+  for cls in classes:
+    # No format checker: `pattern`s are ECMA-262, not Python, regexes.
+    error = jsonschema.exceptions.best_match(
+      cls(cls.META_SCHEMA).iter_errors(schema)
+    )
+    if error is None:
+      return
+    errors.append(error)
+  error = errors[0]
+  path = "".join(f"/{p}" for p in error.absolute_path)
+  raise ValueError(
+    f"#{path}: {error.message} (the schema is not valid JSON Schema: "
+    f"checked against the metaschema of {first.META_SCHEMA['$schema']})"
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Validation:
   """A generated text checked against a schema: `valid`, and the first

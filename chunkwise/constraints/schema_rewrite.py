@@ -226,6 +226,8 @@ class _Rewriter:
     if bounds:
       self.after(path, "/".join(bounds))
     fmt = out.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+      raise ValueError(f"{path}/format must be a string, got {fmt!r}")
     if fmt is not None and fmt not in _OUTLINES_FORMATS:
       del out["format"]
       if fmt in json_regex.FORMATS and kind in ("string", None):
@@ -248,6 +250,8 @@ class _Rewriter:
 
   def required(self, schema: dict, out: dict, path: str) -> None:
     required = out.get("required") or []
+    if not isinstance(required, list):
+      raise ValueError(f"{path}/required must be a list of names")
     props = out.setdefault("properties", {})
     extra = schema.get("additionalProperties", True)
     for name in required:
