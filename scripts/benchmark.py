@@ -52,6 +52,7 @@ from chunkwise.bench import (
   roofline,
   timing,
 )
+from chunkwise.constraints import disk_cache
 from chunkwise.constraints import tables as constraint_tables
 from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
@@ -426,9 +427,10 @@ def _build(name: str, described) -> dict:
   stops = list(described.eos_ids)
   constraint_tables.clear_cache()
   try:
-    t = c.compile(
-      described.vocab, stop_ids=stops, width=described.hparams.vocab
-    )
+    with disk_cache.off():
+      t = c.compile(
+        described.vocab, stop_ids=stops, width=described.hparams.vocab
+      )
   except ValueError as e:
     raise app.UsageError(f"--constraints={name}: {e}") from None
   return {

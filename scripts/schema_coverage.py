@@ -20,6 +20,7 @@ calls, and the most common causes of refusal and of invalid outputs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -31,12 +32,19 @@ import numpy as np
 from absl import app, flags
 
 import chunkwise as cw
+from chunkwise import checkpoints
+from chunkwise.constraints import disk_cache
 
 _DATA = flags.DEFINE_string(
   "data", None, "Directory of schemas.", required=True
 )
-_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model name or path.")
+_MODEL = flags.DEFINE_string(
+  "model", "smollm2-135m", "Model name or path, or random:<preset>."
+)
 _LIMIT = flags.DEFINE_integer("limit", 30, "Schemas per category (name order).")
+_CATEGORIES = flags.DEFINE_list(
+  "categories", None, "Subdirectories to run (default: every one)."
+)
 _STEPS = flags.DEFINE_integer("steps", 256, "Most tokens per output.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Schemas generated per call.")
 _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 30.0, "Compile limit each.")
@@ -45,6 +53,12 @@ _PROMPT_CHARS = flags.DEFINE_integer(
 )
 _STRICT = flags.DEFINE_bool("strict", False, "JsonSchema(strict=True).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON report (optional).")
+_DISK_CACHE = flags.DEFINE_bool(
+  "disk_cache",
+  False,
+  "Read compiled tables from the on-disk cache (default: time every build "
+  "from scratch).",
+)
 
 
 def categories(root: str) -> dict[str, list[str]]:
@@ -71,7 +85,7 @@ def cause(message: str) -> str:
   message = re.sub(r"#[^\s:]*", "#", message)
   message = re.sub(r"'[^']*'", "'…'", message)
   message = re.sub(r"[0-9]+", "N", message)
-  return message[:120]
+  return message[:160]
 
 
 def _prompt(model, text: str) -> list[int]:
@@ -102,11 +116,12 @@ def run_category(model, files: Sequence[str]) -> dict:
       c = cw.constraints.JsonSchema.from_file(
         path, strict=_STRICT.value, time_limit_s=_TIME_LIMIT.value
       )
-      c.compile(
-        model.vocab, stop_ids=list(model.eos_ids), width=model.hparams.vocab
-      )
+      with contextlib.nullcontext() if _DISK_CACHE.value else disk_cache.off():
+        c.compile(
+          model.vocab, stop_ids=list(model.eos_ids), width=model.hparams.vocab
+        )
     except ValueError as e:
-      refusals[cause(str(e))] += 1
+      refusals[cause(str(e).removeprefix(f"{path}: "))] += 1
       outcomes.append({"file": path, "refused": str(e)[:300]})
       continue
     compile_s.append(time.perf_counter() - start)
@@ -156,13 +171,29 @@ def run_category(model, files: Sequence[str]) -> dict:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  model = cw.load(_MODEL.value)
+  name = _MODEL.value
+  if name.startswith(checkpoints.RANDOM):  # random weights, for tests
+    described = checkpoints.describe_random(name)
+    model = cw.InferenceModel.random(
+      described.hparams, seed=0, vocab=described.vocab
+    )
+  else:
+    model = cw.load(name)
   report = {}
   print(
     f"{'category':<18} {'schemas':>7} {'accepted':>9} {'valid':>7} "
     f"{'compile s':>9} {'tok/s':>7}"
   )
-  for name, files in categories(_DATA.value).items():
+  found = categories(_DATA.value)
+  chosen = _CATEGORIES.value or list(found)
+  unknown = sorted(set(chosen) - set(found))
+  if unknown:
+    raise app.UsageError(
+      f"--categories: no schemas in {', '.join(unknown)} under "
+      f"{_DATA.value} (found: {', '.join(found) or 'none'})"
+    )
+  for name in chosen:
+    files = found[name]
     r = run_category(model, files[: _LIMIT.value])
     report[name] = r
     n = r["schemas"]

@@ -24,6 +24,13 @@ os.environ.setdefault(
   os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"),
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Compiled constraint tables likewise (chunkwise/constraints/disk_cache.py),
+# in the checkout rather than the user's ~/.cache; tests of the cache itself
+# point it at a directory of their own.
+os.environ.setdefault(
+  "CHUNKWISE_CONSTRAINT_CACHE",
+  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".constraint_cache"),
+)
 
 import pathlib
 

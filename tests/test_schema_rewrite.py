@@ -151,6 +151,18 @@ ENFORCED = {
       {"properties": {"b": {"const": 1}}, "required": ["a", "b"]},
     ]
   },
+  # A pattern repeating one character class takes the lengths into its
+  # count (any other pattern keeps them for after, see below).
+  "pattern-lengths": {
+    "type": "array",
+    "prefixItems": [
+      {"type": "string", "pattern": "^[a-c_-]+$", "minLength": 2},
+      {"type": "string", "pattern": "[0-9]*", "maxLength": 3},
+      {"type": "string", "pattern": "^x{1,6}$", "minLength": 2, "maxLength": 9},
+    ],
+    "minItems": 3,
+    "maxItems": 3,
+  },
   "draft4-tuple": {
     "type": "array",
     "items": [
@@ -177,6 +189,29 @@ def test_enforced_families_spell_only_valid_instances(name):
     check = c.validate(text)
     assert check.valid, (text, check.error)
   assert len(set(texts)) > 5  # the walks explore
+
+
+def test_patterns_no_automaton_says_are_checked_after():
+  c = C.JsonSchema(
+    {
+      "type": "object",
+      "properties": {
+        "slug": {"type": "string", "pattern": "^(?!-)[a-z-]+$"},
+        "code": {"type": "string", "pattern": "^[A-Z][0-9]+$", "maxLength": 3},
+      },
+      "required": ["slug", "code"],
+      "additionalProperties": False,
+    }
+  )
+  assert c.unenforced == (
+    "#/properties/slug: pattern (lookaround or back-reference)",
+    "#/properties/code: minLength/maxLength with pattern",
+  )
+  assert not c.validate('{"slug": "-a", "code": "A1"}').valid
+  assert not c.validate('{"slug": "a", "code": "A123"}').valid
+  assert c.validate('{"slug": "a-b", "code": "A12"}').valid
+  for text in _walks(c, n=10):
+    json.loads(text)  # the rest is generated as JSON of the right shape
 
 
 def test_disjoint_one_of_is_generated_as_any_of_and_listed():
@@ -338,3 +373,41 @@ def test_all_of_refs_pattern_properties_and_unreachable_pieces():
   for text in texts:
     assert c.validate(text).valid, text
   assert all(json.loads(t)["n_1"] <= 3 for t in texts)
+
+
+def test_recursion_depth_is_the_users():
+  linked = {
+    "$defs": {
+      "node": {
+        "type": "object",
+        "properties": {
+          "v": {"type": "integer", "minimum": 0, "maximum": 9},
+          "next": {"$ref": "#/$defs/node"},
+        },
+        "required": ["v"],
+        "additionalProperties": False,
+      }
+    },
+    "$ref": "#/$defs/node",
+  }
+
+  def depth(value):
+    return 0 if "next" not in value else 1 + depth(value["next"])
+
+  for limit in (0, 1, 2):
+    c = C.JsonSchema(linked, max_recursion_depth=limit)
+    texts = _walks(c, n=40, max_bytes=2000)
+    depths = {depth(json.loads(t)) for t in texts}
+    assert max(depths) <= limit, (limit, depths)
+    if limit:
+      assert max(depths) >= 1  # the walks do recurse
+    for t in texts:
+      assert c.validate(t).valid, t
+  # The default is outlines-core's (3): the same regex as before.
+  assert (
+    C.JsonSchema(linked).regex()
+    == C.JsonSchema(linked, max_recursion_depth=3).regex()
+  )
+  for bad in (-1, 65, 1.5, True):
+    with pytest.raises(ValueError, match="max_recursion_depth must be"):
+      C.JsonSchema(linked, max_recursion_depth=bad)

@@ -31,6 +31,7 @@ not seen that key); a reply is {"ok": result} | {"error": message} |
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import pickle
@@ -51,22 +52,23 @@ def short(text: str) -> str:
 
 def regex_of(kind: str, text: str) -> str:
   """The regex of a "regex" (itself), a "schema" (JSON text), or a
-  "spliced_schema" (JSON {"schema": ..., "pieces": {placeholder: regex}}:
-  the schema's regex with each placeholder const replaced by its piece)."""
+  "spliced_schema" (JSON {"schema": ..., "pieces": {placeholder: regex},
+  "max_recursion_depth": n}: the schema's regex with each placeholder
+  const replaced by its piece)."""
   if kind == "regex":
     return text
   from outlines_core.json_schema import build_regex_from_schema
 
-  def build(schema_text: str) -> str:
+  def build(schema_text: str, depth: int = 3) -> str:
     try:
-      return build_regex_from_schema(schema_text)
+      return build_regex_from_schema(schema_text, None, depth)
     except Exception as e:
       raise UserError(f"unsupported JSON schema: {e}") from None
 
   if kind == "schema":
     return build(text)
   payload = json.loads(text)
-  regex = build(json.dumps(payload["schema"]))
+  regex = build(json.dumps(payload["schema"]), payload["max_recursion_depth"])
   for name, piece in payload["pieces"].items():
     # A piece in a definition nothing reaches is absent: nothing to splice.
     literal = build(json.dumps({"const": name}))
@@ -150,27 +152,30 @@ def count_states(index) -> int:
 
 def tables(transitions, initial, finals, stops, width) -> dict:
   """Dense tables (`tables.Tables`' fields) from outlines' transitions."""
-  raw = sorted(set(transitions) | finals | {initial})
-  raw.remove(initial)
-  raw = [initial, *raw]
-  number = {s: i for i, s in enumerate(raw)}
-  n = len(raw)
-  empty = np.zeros(0, np.int64)
-  src, tok, dst = [empty], [empty], [empty]
-  for s, row in transitions.items():
-    tok.append(np.fromiter(row.keys(), np.int64, len(row)))
-    dst.append(
-      np.fromiter((number[t] for t in row.values()), np.int64, len(row))
-    )
-    src.append(np.full(len(row), number[s], np.int64))
-  src, tok, dst = (np.concatenate(a) for a in (src, tok, dst))
+  raw = np.array(sorted(set(transitions) | finals | {initial}), np.int64)
+  # Dense numbers: the initial state 0, the others in raw order after it.
+  order = np.argsort(raw != initial, kind="stable")
+  number = np.empty(raw.size, np.int64)
+  number[order] = np.arange(raw.size)
+  n = raw.size
+
+  def dense(states):
+    return number[np.searchsorted(raw, states)]
+
+  rows = list(transitions.values())
+  sizes = np.fromiter(map(len, rows), np.int64, len(rows))
+  total = int(sizes.sum())
+  chain = itertools.chain.from_iterable
+  tok = np.fromiter(chain(r.keys() for r in rows), np.int64, total)
+  dst = dense(np.fromiter(chain(r.values() for r in rows), np.int64, total))
+  src = np.repeat(dense(np.fromiter(transitions, np.int64, len(rows))), sizes)
   # outlines' one EOS loop goes with every other stop id (none is text here)
   # and ids past the logits width; each stop id then loops on every final
   # state.
   keep = (tok < width) & ~np.isin(tok, stops)
   src, tok, dst = src[keep], tok[keep], dst[keep]
   final = np.zeros(n, bool)
-  final[[number[s] for s in finals]] = True
+  final[dense(np.array(sorted(finals), np.int64))] = True
   f = np.flatnonzero(final)
   stop_arr = np.asarray(stops, np.int64)
   stop_arr = stop_arr[stop_arr < width]
@@ -189,16 +194,16 @@ def tables(transitions, initial, finals, stops, width) -> dict:
   words = -(-width // 32)
   bits = np.zeros((n, words), np.uint32)
   for lo in range(0, n, 256):  # bounded memory: 256 dense rows at a time
-    dense = next_state[lo : lo + 256][:, token_class] >= 0
-    dense = np.pad(dense, ((0, 0), (0, words * 32 - width)))
-    packed = np.packbits(dense, axis=1, bitorder="little")
+    allowed = next_state[lo : lo + 256][:, token_class] >= 0
+    allowed = np.pad(allowed, ((0, 0), (0, words * 32 - width)))
+    packed = np.packbits(allowed, axis=1, bitorder="little")
     bits[lo : lo + 256] = np.ascontiguousarray(packed).view("<u4")
   return {
     "bits": bits,
     "token_class": token_class.astype(np.int32),
     "next_state": next_state,
     "final": final,
-    "distance": _distance(src, dst, final),
+    "distance": _distance(next_state, final),
   }
 
 
@@ -211,11 +216,7 @@ def _classes(src, tok, dst, n_states, width):
     weight = rng.integers(1, 2**63, n_states, dtype=np.uint64) | np.uint64(1)
     contribution = weight[src] * (dst.astype(np.uint64) + np.uint64(1))
     sig = np.zeros(width, np.uint64)
-    order = np.argsort(tok, kind="stable")
-    t = tok[order]
-    if t.size:
-      starts = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
-      sig[t[starts]] = np.add.reduceat(contribution[order], starts)
+    np.add.at(sig, tok, contribution)  # wraps modulo 2**64
     signatures.append(sig)
   both = np.stack(signatures, axis=1)
   unique, inverse = np.unique(both, axis=0, return_inverse=True)
@@ -225,19 +226,30 @@ def _classes(src, tok, dst, n_states, width):
   return inverse.reshape(-1), unique.shape[0]
 
 
-def _distance(src, dst, final) -> np.ndarray:
-  """Fewest tokens from each state to a final state (BFS backwards)."""
+def _distance(next_state, final) -> np.ndarray:
+  """Fewest tokens from each state to a final state: a breadth-first
+  search backwards from the final states over the class table's edges,
+  each visited once."""
   n = final.shape[0]
   big = np.iinfo(np.int32).max // 2
-  dist = np.where(final, 0, big).astype(np.int64)
-  edges = np.unique(np.stack([src, dst], axis=1), axis=0)
-  for _ in range(n):
-    cand = np.full(n, big, np.int64)
-    np.minimum.at(cand, edges[:, 0], dist[edges[:, 1]] + 1)
-    new = np.minimum(dist, cand)
-    if np.array_equal(new, dist):
-      break
-    dist = new
+  dist = np.full(n, big, np.int64)
+  src, cls = np.nonzero(next_state >= 0)
+  edges = np.unique(next_state[src, cls].astype(np.int64) * n + src)
+  into, out_of = np.divmod(edges, n)  # sorted by the state entered
+  starts = np.searchsorted(into, np.arange(n + 1))
+  frontier = np.flatnonzero(final)
+  dist[frontier] = 0
+  level = 0
+  while frontier.size:
+    level += 1
+    lo, hi = starts[frontier], starts[frontier + 1]
+    # every state with an edge into the frontier
+    counts = hi - lo
+    offsets = np.repeat(lo - np.cumsum(counts) + counts, counts)
+    reached = out_of[np.arange(counts.sum()) + offsets]
+    reached = np.unique(reached[dist[reached] == big])
+    dist[reached] = level
+    frontier = reached
   return dist.astype(np.int32)
 
 

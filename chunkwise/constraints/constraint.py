@@ -147,6 +147,9 @@ class JsonSchema(Constraint):
   in `schema.ALLOWED` are accepted, all enforced in full (others raise
   ValueError naming them).
 
+  A `$ref` that refers back to itself is unrolled `max_recursion_depth`
+  times (deeper values are not generated).
+
   The schema is untrusted: nesting deeper than `schema.MAX_DEPTH` is
   refused, and its regex is built in the compile worker under the
   constraint's limits (see `worker.py`).
@@ -154,8 +157,26 @@ class JsonSchema(Constraint):
 
   schema: str  # canonical JSON
   strict: bool = False
+  max_recursion_depth: int = 3
 
-  def __init__(self, schema: str | Mapping, *, strict: bool = False, **limits):
+  def __init__(
+    self,
+    schema: str | Mapping,
+    *,
+    strict: bool = False,
+    max_recursion_depth: int = 3,
+    **limits,
+  ):
+    depth = max_recursion_depth
+    if (
+      isinstance(depth, bool)
+      or not isinstance(depth, int)
+      or not 0 <= depth <= schema_lib.MAX_DEPTH
+    ):
+      raise ValueError(
+        "max_recursion_depth must be an integer from 0 to "
+        f"{schema_lib.MAX_DEPTH}, got {depth!r}"
+      )
     source = limits.get("source")
     parsed = schema_lib.parse(schema, source=source)
     with untrusted.named(source) if source else nullcontext():
@@ -166,6 +187,7 @@ class JsonSchema(Constraint):
     # Key order matters: properties are generated in the order given.
     object.__setattr__(self, "schema", json.dumps(parsed))
     object.__setattr__(self, "strict", bool(strict))
+    object.__setattr__(self, "max_recursion_depth", depth)
     object.__setattr__(self, "_rewritten", rewritten)
     Constraint.__init__(self, **limits)
 
@@ -197,12 +219,16 @@ class JsonSchema(Constraint):
 
   def _text(self) -> tuple[str, str]:
     r = self._rewritten
-    if r is None:
-      return "schema", self.schema
-    if not r.pieces:
-      return "schema", json.dumps(r.schema)
+    schema = json.loads(self.schema) if r is None else r.schema
+    pieces = {} if r is None else r.pieces
+    if not pieces and self.max_recursion_depth == 3:  # outlines' default
+      return "schema", self.schema if r is None else json.dumps(r.schema)
     return "spliced_schema", json.dumps(
-      {"schema": r.schema, "pieces": r.pieces}
+      {
+        "schema": schema,
+        "pieces": pieces,
+        "max_recursion_depth": self.max_recursion_depth,
+      }
     )
 
   def regex(self) -> str:

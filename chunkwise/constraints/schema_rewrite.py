@@ -25,12 +25,14 @@ accepted before compiles to the same regex) and rewrites the rest:
   missing from `properties` are generated from `additionalProperties`
   (any JSON value where it is absent); `allOf` is merged where the merge
   is exact (disjoint keys, or equal values); `oneOf` becomes `anyOf`; draft-4
-  tuple `items` become `prefixItems`;
+  tuple `items` become `prefixItems`; a `pattern` that repeats one
+  character (class) takes `minLength` / `maxLength` into its count;
 * what a regex cannot say exactly is dropped and listed in `unenforced`
   (`oneOf`'s exclusivity, `not`, `if`/`then`/`else`, `uniqueItems`,
   `contains`, `multipleOf`, number bounds, `patternProperties`,
   `propertyNames`, `dependencies`, `min/maxProperties`, string lengths
-  beside a `pattern` or a format, ...): every output is validated after
+  beside any other `pattern` or a format, patterns with lookarounds or
+  back-references, ...): every output is validated after
   generation (`JsonSchema.validate`), so nothing invalid goes unflagged.
 """
 
@@ -240,10 +242,17 @@ class _Rewriter:
         if k in out:
           self.after(path, f"{k} with format {fmt}")
           del out[k]
+    if "pattern" in out and _NOT_REGULAR.search(str(out["pattern"])):
+      # Lookarounds and back-references: no automaton says them.
+      self.after(path, "pattern (lookaround or back-reference)")
+      del out["pattern"]
     if "pattern" in out and ("minLength" in out or "maxLength" in out):
-      self.after(path, "minLength/maxLength with pattern")
-      out.pop("minLength", None)
-      out.pop("maxLength", None)
+      lengths = (out.pop("minLength", None), out.pop("maxLength", None))
+      both = _repeat_with_lengths(out["pattern"], *lengths)
+      if both is None:
+        self.after(path, "minLength/maxLength with pattern")
+      else:
+        out["pattern"] = both
     if "properties" in out or "required" in out:
       self.required(schema, out, path)
     return out
@@ -327,6 +336,39 @@ class _Rewriter:
         else:
           merged[key] = value
     return merged
+
+
+_NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+# One character (class) repeated: ^[a-z0-9_-]+$, \d{3,}, .*, x{2}, ...
+_REPEAT = re.compile(
+  r"\^?(?P<atom>\[(?:\\.|[^\]\\\[])+\]|\\[dwsDWS]|\.|[^\\\[\](){}|*+?.^$])"
+  r"(?P<count>[*+?]|\{(?P<lo>\d+)(?P<comma>,(?P<hi>\d*))?\})?\$?"
+)
+
+
+def _repeat_with_lengths(pattern: str, lo: int | None, hi: int | None):
+  """A pattern that repeats one character class, with its count narrowed
+  to the string lengths (every string it matches satisfies both); None
+  for any other pattern, or when no count satisfies both."""
+  m = _REPEAT.fullmatch(pattern)
+  if m is None:
+    return None
+  count = m["count"]
+  if count is None:
+    low, high = 1, 1
+  elif count in "*+?":
+    low, high = (1 if count == "+" else 0), (1 if count == "?" else None)
+  else:
+    low = int(m["lo"])
+    high = None if m["comma"] and not m["hi"] else int(m["hi"] or m["lo"])
+  anchored = pattern.startswith("^") and pattern.endswith("$")
+  if not anchored and count is not None and count not in "*+":
+    return None  # a search for a bounded run: longer strings match too
+  low = max(low, lo or 0)
+  high = hi if high is None else high if hi is None else min(high, hi)
+  if high is not None and low > high:
+    return None
+  return f"^{m['atom']}{{{low},{'' if high is None else high}}}$"
 
 
 def _search(pattern: str, name: str) -> bool:

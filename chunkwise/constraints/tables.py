@@ -12,7 +12,8 @@ classes, packed bits, distances) runs in a worker process (`worker.py`)
 under real limits: `time_limit_s` kills it, `max_compile_mb` caps its
 memory, and the state count is checked against `max_table_mb` before the
 tables are built out. Results are cached by (constraint, vocabulary bytes,
-stop ids, width).
+stop ids, width) in memory and on disk (`disk_cache.py`: reused across
+processes and runs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from chunkwise.constraints import worker
+from chunkwise.constraints import disk_cache, worker
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -153,20 +154,24 @@ def compile_regex(
   hit = _table_cache.get(key)
   if hit is not None:
     return hit
-  out = worker.run(
-    {
-      "kind": kind,
-      "text": regex,
-      "stops": stops,
-      "width": int(width),
-      "max_table_mb": float(max_table_mb),
-    },
-    vocab_key=vocab.key,
-    vocab=vocab.entries,
-    time_limit_s=float(time_limit_s),
-    max_compile_mb=float(max_compile_mb),
-    what=what or f"the constraint {_short(regex)}",
-  )
+  on_disk = disk_cache.key(*key)
+  out = disk_cache.load(on_disk)
+  if out is None:
+    out = worker.run(
+      {
+        "kind": kind,
+        "text": regex,
+        "stops": stops,
+        "width": int(width),
+        "max_table_mb": float(max_table_mb),
+      },
+      vocab_key=vocab.key,
+      vocab=vocab.entries,
+      time_limit_s=float(time_limit_s),
+      max_compile_mb=float(max_compile_mb),
+      what=what or f"the constraint {_short(regex)}",
+    )
+    disk_cache.store(on_disk, out)
   tables = Tables(**out)
   while len(_table_cache) >= _CACHE_SIZE:
     _table_cache.pop(next(iter(_table_cache)))

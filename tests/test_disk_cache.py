@@ -1,0 +1,133 @@
+"""Compiled constraint tables on disk: reused across processes, never read
+when damaged or built by other code."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise import constraints as C
+from chunkwise.constraints import disk_cache, tables, worker
+
+REGEX = r"(cat|dog)s? [0-9]{1,3}"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("CHUNKWISE_CONSTRAINT_CACHE", str(tmp_path))
+  tables.clear_cache()
+  yield tmp_path
+  tables.clear_cache()
+
+
+def _compile():
+  return C.Regex(REGEX).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+
+
+def _no_worker(monkeypatch):
+  def refuse(*args, **kwargs):
+    raise AssertionError("the worker was asked to build a cached table")
+
+  monkeypatch.setattr(worker, "run", refuse)
+
+
+def _same(a, b):
+  assert a.regex == b.regex
+  for name in disk_cache.FIELDS:
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_a_second_process_reads_what_the_first_built(cache_dir):
+  built = _compile()
+  (entry,) = cache_dir.glob("*.npz")
+  script = textwrap.dedent(f"""
+    import chunkwise as cw
+    from chunkwise import constraints as C
+    from chunkwise.constraints import worker
+    t = C.Regex({REGEX!r}).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+    print(worker.pid(), t.states, t.classes)
+  """)
+  env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  # No compile worker was started: the tables came from the file.
+  assert out == ["None", str(built.states), str(built.classes)]
+  assert list(cache_dir.glob("*.npz")) == [entry]
+
+
+def test_entries_are_read_back_exactly(cache_dir, monkeypatch):
+  built = _compile()
+  tables.clear_cache()  # memory only
+  _no_worker(monkeypatch)
+  _same(_compile(), built)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "inconsistent", "not npz"])
+def test_a_damaged_entry_is_rebuilt(cache_dir, damage):
+  built = _compile()
+  (entry,) = cache_dir.glob("*.npz")
+  if damage == "truncated":
+    entry.write_bytes(entry.read_bytes()[:300])
+  elif damage == "not npz":
+    entry.write_bytes(b"\x80\x04 a pickle, say")
+  else:
+    with np.load(entry) as f:
+      arrays = dict(f)
+    arrays["next_state"] = arrays["next_state"] + 1000
+    with open(entry, "wb") as f:
+      np.savez(f, **arrays)
+  assert disk_cache.load(entry.stem) is None
+  tables.clear_cache()
+  _same(_compile(), built)
+  assert disk_cache.load(entry.stem) is not None  # rewritten whole
+
+
+def test_other_code_or_limits_miss(cache_dir, monkeypatch):
+  _compile()
+  (entry,) = cache_dir.glob("*.npz")
+  key = entry.stem
+  vocab = tables.cached_vocab(cw.ByteVocabulary(), [2], 320)
+  assert disk_cache.key("regex", REGEX, vocab.key, (2,), 320, 256.0) == key
+  assert disk_cache.key("regex", REGEX, "other", (2,), 320, 256.0) != key
+  assert disk_cache.key("regex", REGEX, vocab.key, (2, 3), 320, 256.0) != key
+  assert disk_cache.key("regex", REGEX, vocab.key, (2,), 320, 128.0) != key
+  monkeypatch.setattr(disk_cache, "_code_version", lambda: "next release")
+  assert disk_cache.key("regex", REGEX, vocab.key, (2,), 320, 256.0) != key
+
+
+def test_off_and_pruning(cache_dir, monkeypatch):
+  with disk_cache.off():
+    _compile()
+  assert not list(cache_dir.glob("*"))
+  monkeypatch.setenv("CHUNKWISE_CONSTRAINT_CACHE", "off")
+  tables.clear_cache()
+  _compile()
+  assert not list(cache_dir.glob("*"))
+  monkeypatch.setenv("CHUNKWISE_CONSTRAINT_CACHE", str(cache_dir))
+  tables.clear_cache()
+  _compile()
+  (first,) = cache_dir.glob("*.npz")
+  os.utime(first, (1, 1))  # oldest
+  monkeypatch.setattr(disk_cache, "MAX_BYTES", first.stat().st_size + 1)
+  C.Regex("[xyz]+").compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+  (left,) = cache_dir.glob("*.npz")
+  assert left != first
+  assert not list(cache_dir.glob("*.partial"))
+
+
+def test_an_unwritable_directory_means_no_cache(tmp_path, monkeypatch):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  monkeypatch.setenv("CHUNKWISE_CONSTRAINT_CACHE", str(blocker / "sub"))
+  tables.clear_cache()
+  assert _compile().states > 0
+  tables.clear_cache()
