@@ -163,6 +163,36 @@ ENFORCED = {
     "minItems": 3,
     "maxItems": 3,
   },
+  # Values without a type: any JSON value where nothing is said (a
+  # property's `{}` once made outlines-core's object regex accept `{"a":
+  # true` and refuse `{"a": 1}`), the type of the keywords used otherwise;
+  # type lists beside our pieces become one branch per type.
+  "untyped-values": {
+    "type": "object",
+    "properties": {
+      "any": {"description": "no type"},
+      "slug": {"pattern": "^[a-z]{1,4}$"},
+      "pair": {"prefixItems": [{}, {"const": 1}], "minItems": 2, "maxItems": 2},
+      "when": {"type": ["string", "null"], "format": "date"},
+      "n": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+      "either": {"maxLength": 2, "maxItems": 1},
+    },
+    "required": ["any", "slug", "pair", "when", "n", "either", "extra"],
+  },
+  # Shorthands read as ECMA-262's ASCII; `.` and negated classes stay
+  # inside the JSON string (outlines-core once spelled `"a"b"` for `a.b`).
+  "pattern-classes": {
+    "type": "array",
+    "prefixItems": [
+      {"type": "string", "pattern": "^\\w{2}\\.\\d$"},
+      {"type": "string", "pattern": "^a.b$"},
+      {"type": "string", "pattern": "^[^x]{1,3}$"},
+      {"type": "string", "pattern": "^[ -~]{2}$"},
+      {"type": "string", "pattern": "^\\S\\s[\\d-]$"},
+    ],
+    "minItems": 5,
+    "maxItems": 5,
+  },
   "draft4-tuple": {
     "type": "array",
     "items": [
@@ -411,3 +441,31 @@ def test_recursion_depth_is_the_users():
   for bad in (-1, 65, 1.5, True):
     with pytest.raises(ValueError, match="max_recursion_depth must be"):
       C.JsonSchema(linked, max_recursion_depth=bad)
+
+
+@pytest.mark.parametrize(
+  "pattern",
+  [r"^\w+\.\d$", r"^a.b$", r"^[^x]+$", r"^[ -~]+$", r"^\S\s\D\W$", r"[\]\-^]"],
+)
+def test_string_patterns_match_a_subset_inside_json_strings(pattern):
+  translated = json_regex.string_pattern(pattern)
+  assert translated is not None
+  rng = random.Random(0)
+  alphabet = 'abx.9_ -"\\\t\x85é]^\u2028'
+  matched = 0
+  for _ in range(20_000):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+    if re.fullmatch(translated, text):
+      matched += 1
+      # Every string the translation spells matches the pattern and needs
+      # no JSON escape.
+      assert re.search(pattern, text), (pattern, translated, text)
+      assert json.dumps(text, ensure_ascii=False)[1:-1] == text, text
+  assert matched > 5
+
+
+@pytest.mark.parametrize(
+  "pattern", ['a"b', r"a\\b", r"\bword", r"[\W]", r"\u00e9", "[]a]", "[a"]
+)
+def test_string_patterns_that_need_json_escapes_are_kept(pattern):
+  assert json_regex.string_pattern(pattern) is None

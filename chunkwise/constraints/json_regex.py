@@ -139,3 +139,135 @@ FORMATS = {
   ),
   "uri-reference": rf'"{_URI_CHAR}*"',
 }
+
+
+# Characters a JSON string holds only escaped (outlines-core's string body
+# excludes the same), as the inside of a regex class.
+_ESCAPED_IN_JSON = r'"\\\x00-\x1F\x7F-\x9F'
+_CLASS_SHORTHANDS = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
+# \D, \W, \S as printable ASCII outside 0-9, the word characters and space
+# (ASCII only, so the subset holds under Python's Unicode classes too).
+_NEGATED_SHORTHANDS = {
+  "D": r" !#-/:-\[\]-~",
+  "W": r" !#-/:-@\[\]^`{-~",
+  "S": r"!#-\[\]-~",
+}
+# Escapes that stand for the character itself in both dialects.
+_LITERAL_ESCAPES = frozenset(".-^$*+?()[]{}|/")
+
+
+def string_pattern(pattern: str) -> str | None:
+  """An ECMA-262 `pattern` as a regex over the characters of a JSON string
+  body, matching a subset of what `pattern` matches under ECMA-262 and
+  under Python's `re` (the validator's): `\\d`, `\\w` are ASCII (a far
+  smaller automaton than Unicode's), `\\s` is a space, `\\D`, `\\W`, `\\S`
+  printable ASCII, and `.`, negated classes and class ranges never match a
+  character JSON must escape (outlines-core put them in the string as is:
+  `"a"b"` for `^a.b$`). None where a literal quote, backslash or control
+  character, another escape or a nested class would need more: the caller
+  keeps the pattern (checked after generation).
+  """
+  out = []
+  i, n = 0, len(pattern)
+  while i < n:
+    c = pattern[i]
+    if c == "\\":
+      e = pattern[i + 1 : i + 2]
+      if e in _CLASS_SHORTHANDS:
+        out.append(f"[{_CLASS_SHORTHANDS[e]}]")
+      elif e in _NEGATED_SHORTHANDS:
+        out.append(f"[{_NEGATED_SHORTHANDS[e]}]")
+      elif e and e in _LITERAL_ESCAPES:
+        out.append(c + e)
+      else:
+        return None
+      i += 2
+    elif c == "[":
+      end, body = _class(pattern, i)
+      if body is None:
+        return None
+      out.append(body)
+      i = end
+    elif c == ".":  # line separators: ECMA-262's `.` skips them
+      out.append(f"[^{_ESCAPED_IN_JSON}\u2028\u2029]")
+      i += 1
+    elif c == '"' or ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
+      return None
+    else:
+      out.append(c)
+      i += 1
+  return "".join(out)
+
+
+def _class(pattern: str, start: int) -> tuple[int, str | None]:
+  """The class opening at `start`: (index after it, its translation or
+  None). A positive class loses the characters JSON must escape."""
+  i = start + 1
+  negated = pattern[i : i + 1] == "^"
+  i += negated
+  if pattern[i : i + 1] == "]":
+    return i, None  # ECMA-262's empty class
+  shorthands: list[str] = []
+  spans: list[list[int]] = []  # [lo, hi] code points
+  while i < len(pattern) and pattern[i] != "]":
+    c = pattern[i]
+    if c == "[":
+      return i, None  # nested classes: Rust syntax only
+    if c == "\\":
+      e = pattern[i + 1 : i + 2]
+      if e in _CLASS_SHORTHANDS:
+        shorthands.append(_CLASS_SHORTHANDS[e])
+        i += 2
+        continue
+      if not (e and e in _LITERAL_ESCAPES):
+        return i, None
+      c, i = e, i + 1
+    if (
+      c == "-"
+      and spans
+      and pattern[i - 1 : i] != "\\"
+      and i + 1 < len(pattern)
+      and pattern[i + 1] != "]"
+    ):
+      hi = pattern[i + 1]
+      if hi in "\\[":
+        return i, None
+      spans[-1][1] = ord(hi)
+      i += 2
+      continue
+    spans.append([ord(c), ord(c)])
+    i += 1
+  if i >= len(pattern):
+    return i, None  # unclosed
+  if any(lo > hi for lo, hi in spans):
+    return i, None
+  if not negated:
+    spans = [part for span in spans for part in _outside_escaped(*span)]
+  body = "".join(shorthands) + "".join(
+    _member(lo) if lo == hi else f"{_member(lo)}-{_member(hi)}"
+    for lo, hi in spans
+  )
+  if negated:
+    return i + 1, f"[^{body}{_ESCAPED_IN_JSON}]"
+  return i + 1, f"[{body}]" if body else None
+
+
+# Code points a JSON string holds only escaped.
+_ESCAPED_SPANS = ((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x9F))
+
+
+def _outside_escaped(lo: int, hi: int) -> list[tuple[int, int]]:
+  """lo..hi without the code points JSON must escape."""
+  out = []
+  for a, b in _ESCAPED_SPANS:
+    if lo < a:
+      out.append((lo, min(hi, a - 1)))
+    lo = max(lo, b + 1)
+    if lo > hi:
+      return out
+  return [*out, (lo, hi)]
+
+
+def _member(code: int) -> str:
+  c = chr(code)
+  return "\\" + c if c in "]\\^-[" else c

@@ -1,4 +1,4 @@
-"""A real-world JSON schema -> what the token automaton enforces, and what
+r"""A real-world JSON schema -> what the token automaton enforces, and what
 is left to check after generation.
 
   out = rewrite(schema)
@@ -27,6 +27,11 @@ accepted before compiles to the same regex) and rewrites the rest:
   is exact (disjoint keys, or equal values); `oneOf` becomes `anyOf`; draft-4
   tuple `items` become `prefixItems`; a `pattern` that repeats one
   character (class) takes `minLength` / `maxLength` into its count;
+  patterns read `\d`, `\w` as ASCII (as ECMA-262 does) and `\s` as a
+  space, and their `.` and negated classes skip what JSON strings escape
+  (`json_regex.string_pattern`); a value without a type generates the type
+  its keywords apply to, and a property or tuple item without any
+  constraint generates any JSON value;
 * what a regex cannot say exactly is dropped and listed in `unenforced`
   (`oneOf`'s exclusivity, `not`, `if`/`then`/`else`, `uniqueItems`,
   `contains`, `multipleOf`, number bounds, `patternProperties`,
@@ -102,6 +107,15 @@ _KEPT = frozenset(
   }
 )
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Keywords that apply to values of one type only, as kept in the output.
+_FAMILIES = {
+  "string": frozenset({"pattern", "minLength", "maxLength", "format"}),
+  "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
+  "object": frozenset({"properties", "required", "additionalProperties"}),
+}
+_FAMILY_KEYS = frozenset().union(*_FAMILIES.values())
+# Keywords that decide a value's type themselves.
+_TYPED = frozenset({"type", "enum", "const", "$ref", "anyOf"})
 # Formats outlines-core builds itself, exactly.
 _OUTLINES_FORMATS = frozenset({"uuid", "email"})
 PLACEHOLDER = "CWPIECE{}QX"
@@ -179,7 +193,7 @@ class _Rewriter:
         out[key] = {
           name: self.definition(sub, f"{where}/{name}", depth + 1)
           if key != "properties"
-          else self.node(sub, f"{where}/{name}", depth + 1)
+          else _value(self.node(sub, f"{where}/{name}", depth + 1))
           for name, sub in value.items()
           if not (key == "properties" and sub is False)
         }
@@ -189,6 +203,8 @@ class _Rewriter:
         subs = [
           self.node(s, f"{where}/{i}", depth + 1) for i, s in enumerate(value)
         ]
+        if key == "prefixItems":
+          subs = [_value(sub) for sub in subs]
         if key == "oneOf":
           self.after(path, "oneOf (one branch only)")
           key = "anyOf"
@@ -198,7 +214,8 @@ class _Rewriter:
       elif key == "items":
         if isinstance(value, list):  # draft-4 tuple
           out["prefixItems"] = [
-            self.node(s, f"{where}/{i}", depth + 1) for i, s in enumerate(value)
+            _value(self.node(s, f"{where}/{i}", depth + 1))
+            for i, s in enumerate(value)
           ]
           if schema.get("additionalItems") is False:
             limit = min(len(value), schema.get("maxItems", len(value)))
@@ -220,6 +237,20 @@ class _Rewriter:
   def special(self, schema: dict, out: dict, path: str) -> dict:
     kind = schema.get("type")
     bounds = {k: schema[k] for k in _BOUNDS if k in schema}
+    if kind is None and not _TYPED.intersection(out):
+      # outlines-core reads these keywords only beside a type; they apply
+      # only to values of their type, so generating that type is exact.
+      kinds = [k for k, keys in _FAMILIES.items() if keys.intersection(out)]
+      if len(kinds) == 1:
+        kind = out["type"] = kinds[0]
+      elif kinds:
+        return self.by_type(schema, out, path, kinds)
+    if isinstance(kind, list) and (
+      ("integer" in kind and bounds)
+      or ("string" in kind and out.get("format") in json_regex.FORMATS)
+    ):
+      # Our pieces stand for one type: one branch per type.
+      return self.by_type(schema, out, path, kind)
     if (
       kind == "integer" and bounds and "enum" not in out and "const" not in out
     ):
@@ -246,6 +277,11 @@ class _Rewriter:
       # Lookarounds and back-references: no automaton says them.
       self.after(path, "pattern (lookaround or back-reference)")
       del out["pattern"]
+    if "pattern" in out:
+      # ASCII shorthands; `.` and negated classes kept inside JSON strings.
+      out["pattern"] = (
+        json_regex.string_pattern(out["pattern"]) or out["pattern"]
+      )
     if "pattern" in out and ("minLength" in out or "maxLength" in out):
       lengths = (out.pop("minLength", None), out.pop("maxLength", None))
       both = _repeat_with_lengths(out["pattern"], *lengths)
@@ -256,6 +292,20 @@ class _Rewriter:
     if "properties" in out or "required" in out:
       self.required(schema, out, path)
     return out
+
+  def by_type(self, schema: dict, out: dict, path: str, kinds) -> dict:
+    """`anyOf` of one branch per type in `kinds`, each with the keywords
+    that apply to its type."""
+    branches = []
+    for kind in kinds:
+      own = _FAMILIES.get(kind, frozenset())
+      part = {k: v for k, v in out.items() if k in own or k not in _FAMILY_KEYS}
+      part["type"] = kind
+      sub = {**schema, "type": kind}
+      if kind not in ("integer", "number"):  # bounds apply to numbers only
+        sub = {k: v for k, v in sub.items() if k not in _BOUNDS}
+      branches.append(self.special(sub, part, path))
+    return {"anyOf": branches}
 
   def required(self, schema: dict, out: dict, path: str) -> None:
     required = out.get("required") or []
@@ -274,14 +324,16 @@ class _Rewriter:
         if isinstance(pattern, str) and _search(pattern, name)
       ]
       if matching:
-        props[name] = self.node(matching[0], f"{path}/patternProperties", 1)
+        props[name] = _value(
+          self.node(matching[0], f"{path}/patternProperties", 1)
+        )
         continue
       if extra is False or (schema.get("properties") or {}).get(name) is False:
         raise ValueError(
           f"{path}: required property {name!r} is neither in properties nor "
           "allowed by additionalProperties=false: no value is valid"
         )
-      props[name] = (
+      props[name] = _value(
         self.node(extra, f"{path}/additionalProperties", 1)
         if isinstance(extra, Mapping)
         else {}
@@ -336,6 +388,21 @@ class _Rewriter:
         else:
           merged[key] = value
     return merged
+
+
+# Any JSON value, as a property's or tuple item's schema: outlines-core
+# writes `{}` there as an alternation without parentheses, so an object's
+# regex matched `{"a": true` or a bare `null` and not `{"a": 1}`.
+_ANY = {
+  "anyOf": [
+    {"type": t}
+    for t in ("string", "number", "boolean", "null", "object", "array")
+  ]
+}
+
+
+def _value(schema: Any) -> Any:
+  return dict(_ANY) if schema == {} else schema
 
 
 _NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
