@@ -176,8 +176,22 @@ ENFORCED = {
       "when": {"type": ["string", "null"], "format": "date"},
       "n": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
       "either": {"maxLength": 2, "maxItems": 1},
+      "open": {"type": "object"},
+      "list": {"type": "array", "items": {}},
+      "ints": {"type": "object", "additionalProperties": {"type": "integer"}},
+      # Object keywords on an array apply to nothing.
+      "tags": {
+        "type": "array",
+        "items": {"type": "boolean"},
+        "required": ["x"],
+        "additionalProperties": False,
+      },
+      "none": {"type": "object", "additionalProperties": False},
     },
-    "required": ["any", "slug", "pair", "when", "n", "either", "extra"],
+    "required": [
+      *("any", "slug", "pair", "when", "n", "either", "extra"),
+      *("open", "list", "ints", "tags", "none"),
+    ],
   },
   # Shorthands read as ECMA-262's ASCII; `.` and negated classes stay
   # inside the JSON string (outlines-core once spelled `"a"b"` for `a.b`).
@@ -398,7 +412,7 @@ def test_all_of_refs_pattern_properties_and_unreachable_pieces():
     }
   )
   assert "#/definitions/b: patternProperties" in c.unenforced
-  assert any("impossible: left as written" in u for u in c.unenforced)
+  assert any("impossible: generated as any value" in u for u in c.unenforced)
   texts = _walks(c, n=30)
   for text in texts:
     assert c.validate(text).valid, text
@@ -469,3 +483,18 @@ def test_string_patterns_match_a_subset_inside_json_strings(pattern):
 )
 def test_string_patterns_that_need_json_escapes_are_kept(pattern):
   assert json_regex.string_pattern(pattern) is None
+
+
+def test_long_length_bounds_are_checked_after():
+  from chunkwise.constraints.schema_rewrite import LONG_BOUND
+
+  long = C.JsonSchema(
+    {"type": "array", "items": {"type": "string", "maxLength": LONG_BOUND}}
+  )
+  assert long.unenforced == (
+    f"#/items: maxLength {LONG_BOUND} (long: checked after)",
+  )
+  assert str(LONG_BOUND) not in long.regex()
+  assert not long.validate(json.dumps(["x" * (LONG_BOUND + 1)])).valid
+  short = C.JsonSchema({"type": "string", "maxLength": LONG_BOUND - 1})
+  assert short.unenforced == () and f"{LONG_BOUND - 1}}}" in short.regex()

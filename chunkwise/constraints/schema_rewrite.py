@@ -30,12 +30,17 @@ accepted before compiles to the same regex) and rewrites the rest:
   patterns read `\d`, `\w` as ASCII (as ECMA-262 does) and `\s` as a
   space, and their `.` and negated classes skip what JSON strings escape
   (`json_regex.string_pattern`); a value without a type generates the type
-  its keywords apply to, and a property or tuple item without any
-  constraint generates any JSON value;
-* what a regex cannot say exactly is dropped and listed in `unenforced`
-  (`oneOf`'s exclusivity, `not`, `if`/`then`/`else`, `uniqueItems`,
-  `contains`, `multipleOf`, number bounds, `patternProperties`,
-  `propertyNames`, `dependencies`, `min/maxProperties`, string lengths
+  its keywords apply to, and a value that may be anything (a property,
+  item or object value without constraints, an object without properties,
+  an array without items) generates any JSON value one level deep
+  (scalars, arrays and objects of scalars);
+* what a regex cannot say exactly, or only at a cost out of proportion,
+  is dropped and listed in `unenforced` (`oneOf`'s exclusivity, `not`,
+  `if`/`then`/`else`, `uniqueItems`, `maxLength` / `maxItems` of 100 or
+  more (`LONG_BOUND`: a state per character, copied per optional
+  property, for a bound outputs rarely reach), `contains`, `multipleOf`,
+  number bounds, `patternProperties`, `propertyNames`, `dependencies`,
+  `min/maxProperties`, string lengths
   beside any other `pattern` or a format, patterns with lookarounds or
   back-references, ...): every output is validated after
   generation (`JsonSchema.validate`), so nothing invalid goes unflagged.
@@ -43,6 +48,7 @@ accepted before compiles to the same regex) and rewrites the rest:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -106,7 +112,21 @@ _KEPT = frozenset(
     "$ref",
   }
 )
+# maxLength / maxItems from which the bound is checked after generation.
+LONG_BOUND = 100
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Every keyword the rewrite reads (others are annotations or unknown).
+_KNOWN = (
+  _AFTER
+  | _KEPT
+  | frozenset(_BOUNDS)
+  | frozenset(
+    {
+      *("properties", "$defs", "definitions", "anyOf", "oneOf", "allOf"),
+      *("prefixItems", "items", "additionalProperties"),
+    }
+  )
+)
 # Keywords that apply to values of one type only, as kept in the output.
 _FAMILIES = {
   "string": frozenset({"pattern", "minLength", "maxLength", "format"}),
@@ -223,10 +243,14 @@ class _Rewriter:
           else:
             self.after(path, "items after the tuple")
         else:
-          out["items"] = self.node(value, where, depth + 1)
+          out["items"] = _value(self.node(value, where, depth + 1))
       elif key == "additionalProperties":
         if value is False:
           out[key] = False
+        elif not schema.get("properties") and not schema.get(
+          "patternProperties"
+        ):  # the values of an object without declared properties
+          out[key] = _value(self.node(value, where, depth + 1))
       elif key in _KEPT:
         out.setdefault(key, value)
       elif key in _BOUNDS:
@@ -245,6 +269,12 @@ class _Rewriter:
         kind = out["type"] = kinds[0]
       elif kinds:
         return self.by_type(schema, out, path, kinds)
+    if isinstance(kind, str):
+      # Keywords of another type's family do not apply to this one.
+      for other, keys in _FAMILIES.items():
+        if other != kind:
+          for key in keys.intersection(out):
+            del out[key]
     if isinstance(kind, list) and (
       ("integer" in kind and bounds)
       or ("string" in kind and out.get("format") in json_regex.FORMATS)
@@ -258,6 +288,11 @@ class _Rewriter:
       return self.piece(json_regex.integer_range(lo, hi))
     if bounds:
       self.after(path, "/".join(bounds))
+    for key in ("maxLength", "maxItems"):
+      # One automaton state per character or item, copied per optional
+      # property: a sanity bound this long is checked after instead.
+      if isinstance(out.get(key), int) and out[key] >= LONG_BOUND:
+        self.after(path, f"{key} {out.pop(key)} (long: checked after)")
     fmt = out.get("format")
     if fmt is not None and not isinstance(fmt, str):
       raise ValueError(f"{path}/format must be a string, got {fmt!r}")
@@ -291,6 +326,13 @@ class _Rewriter:
         out["pattern"] = both
     if "properties" in out or "required" in out:
       self.required(schema, out, path)
+    elif out.get("type") == "object" and "additionalProperties" not in out:
+      out["additionalProperties"] = copy.deepcopy(_ANY)
+    elif out.get("additionalProperties") is False:
+      out["properties"] = {}  # the empty object (outlines-core reads false
+      # as a schema for the values where no properties are declared)
+    if out.get("type") == "array" and not {"items", "prefixItems"} & set(out):
+      out["items"] = copy.deepcopy(_ANY)
     return out
 
   def by_type(self, schema: dict, out: dict, path: str, kinds) -> dict:
@@ -340,14 +382,15 @@ class _Rewriter:
       )
 
   def definition(self, schema: Any, path: str, depth: int) -> Any:
-    """A `$defs` entry rewritten; one no value could satisfy is kept as
-    written (and listed) instead of refusing the schema, since nothing may
-    refer to it: where something does, its outputs are flagged after."""
+    """A `$defs` entry rewritten; one that cannot be (no value satisfies
+    it, or an allOf that does not merge) is generated as any value (and
+    listed) instead of refusing the schema, since nothing may refer to it:
+    where something does, its outputs are flagged after."""
     try:
       return self.node(schema, path, depth)
     except ValueError as e:
-      self.after(path, f"left as written ({e})")
-      return schema
+      self.after(path, f"generated as any value ({e})")
+      return copy.deepcopy(_ANY)
 
   def merge(self, schema: dict, path: str) -> dict:
     """`allOf` folded into its parent where every key is disjoint or equal
@@ -365,8 +408,8 @@ class _Rewriter:
       if "allOf" in part:
         part = self.merge(dict(part), f"{path}/allOf/{i}")
       for key, value in part.items():
-        if key in ANNOTATIONS or key in _IGNORED:
-          continue
+        if key not in _KNOWN or key in _IGNORED:
+          continue  # annotations, x- and unknown keys: dropped below
         if key == "properties" and key in merged:
           props = dict(merged[key])
           for name, sub in value.items():
@@ -390,19 +433,25 @@ class _Rewriter:
     return merged
 
 
-# Any JSON value, as a property's or tuple item's schema: outlines-core
-# writes `{}` there as an alternation without parentheses, so an object's
-# regex matched `{"a": true` or a bare `null` and not `{"a": 1}`.
+# Any JSON value, as a property's or tuple item's schema, one level deep
+# (scalars, or arrays and objects of scalars): outlines-core writes `{}`
+# there as an alternation without parentheses, so an object's regex matched
+# `{"a": true` or a bare `null` and not `{"a": 1}`; and its nested any-value
+# regex is 19x larger, copied once per optional property.
+_SCALARS = {
+  "anyOf": [{"type": t} for t in ("string", "number", "boolean", "null")]
+}
 _ANY = {
   "anyOf": [
-    {"type": t}
-    for t in ("string", "number", "boolean", "null", "object", "array")
+    *_SCALARS["anyOf"],
+    {"type": "array", "items": _SCALARS},
+    {"type": "object", "additionalProperties": _SCALARS},
   ]
 }
 
 
 def _value(schema: Any) -> Any:
-  return dict(_ANY) if schema == {} else schema
+  return copy.deepcopy(_ANY) if schema == {} else schema
 
 
 _NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
