@@ -207,6 +207,18 @@ ENFORCED = {
     "minItems": 5,
     "maxItems": 5,
   },
+  # A union beside properties: each branch is merged with them (an enum
+  # beside a type keeps the values the type accepts).
+  "union-beside-properties": {
+    "type": "object",
+    "properties": {"kind": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["kind"],
+    "additionalProperties": False,
+    "anyOf": [
+      {"properties": {"kind": {"const": "a"}, "n": {"enum": [1, 2, "x"]}}},
+      {"properties": {"kind": {"enum": ["b", "c", 3]}}, "required": ["n"]},
+    ],
+  },
   "draft4-tuple": {
     "type": "array",
     "items": [

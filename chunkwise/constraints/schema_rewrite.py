@@ -127,6 +127,10 @@ _KNOWN = (
     }
   )
 )
+# Keywords beside anyOf / oneOf that constrain its values.
+_CONSTRAINING = (_KNOWN - {"anyOf", "oneOf", "$defs", "definitions"}) | {
+  "allOf"
+}
 # Keywords that apply to values of one type only, as kept in the output.
 _FAMILIES = {
   "string": frozenset({"pattern", "minLength", "maxLength", "format"}),
@@ -196,6 +200,11 @@ class _Rewriter:
     schema = dict(schema)
     if "allOf" in schema:
       schema = self.merge(schema, path)
+    union = [k for k in ("anyOf", "oneOf") if isinstance(schema.get(k), list)]
+    if len(union) == 1 and _CONSTRAINING.intersection(schema):
+      distributed = self.distribute(schema, union[0], path, depth)
+      if distributed is not None:
+        return distributed
     out: dict[str, Any] = {}
     for key, value in schema.items():
       where = f"{path}/{key}"
@@ -381,6 +390,33 @@ class _Rewriter:
         else {}
       )
 
+  def distribute(self, schema: dict, key: str, path: str, depth: int):
+    """`{properties: P, oneOf: [A, B]}` as `anyOf: [P and A, P and B]`,
+    each branch merged as `allOf` is (so each branch's values meet the
+    keywords beside the union too); None, with nothing recorded, where a
+    branch does not merge exactly (the union is then generated beside
+    them, as outlines-core reads it, and checked after)."""
+    beside = {
+      k: v for k, v in schema.items() if k not in (key, "$defs", "definitions")
+    }
+    saved = (len(self.unenforced), dict(self.pieces))
+    try:
+      out = self.node(
+        {
+          **{k: schema[k] for k in ("$defs", "definitions") if k in schema},
+          "anyOf": [{"allOf": [beside, branch]} for branch in schema[key]],
+        },
+        path,
+        depth,
+      )
+    except ValueError:
+      del self.unenforced[saved[0] :]
+      self.pieces = saved[1]
+      return None
+    if key == "oneOf":
+      self.after(path, "oneOf (one branch only)")
+    return out
+
   def definition(self, schema: Any, path: str, depth: int) -> Any:
     """A `$defs` entry rewritten; one that cannot be (no value satisfies
     it, or an allOf that does not merge) is generated as any value (and
@@ -414,10 +450,13 @@ class _Rewriter:
           props = dict(merged[key])
           for name, sub in value.items():
             if name in props and props[name] != sub:
-              raise ValueError(
-                f"{path}/allOf/{i}/properties/{name}: differs from another "
-                "branch's; allOf is merged only where the merge is exact"
-              )
+              both = _conjoin(props[name], sub)
+              if both is None:
+                raise ValueError(
+                  f"{path}/allOf/{i}/properties/{name}: differs from another "
+                  "branch's; allOf is merged only where the merge is exact"
+                )
+              sub = both
             props[name] = sub
           merged[key] = props
         elif key == "required" and key in merged:
@@ -485,6 +524,29 @@ def _repeat_with_lengths(pattern: str, lo: int | None, hi: int | None):
   if high is not None and low > high:
     return None
   return f"^{m['atom']}{{{low},{'' if high is None else high}}}$"
+
+
+def _conjoin(a: Any, b: Any) -> Any:
+  """A schema exactly equal to `a` and `b` where one lists its values
+  (`enum` / `const`) and the other has no `$ref`: the values the other
+  accepts; else None."""
+  import jsonschema
+
+  for values, other in ((a, b), (b, a)):
+    if not isinstance(values, Mapping) or "$ref" in str(other):
+      continue
+    if set(values) - ANNOTATIONS not in ({"enum"}, {"const"}):
+      continue
+    listed = values["enum"] if "enum" in values else [values["const"]]
+    if not isinstance(listed, list):
+      return None
+    try:
+      check = jsonschema.Draft202012Validator(other)
+      kept = [v for v in listed if check.is_valid(v)]
+    except jsonschema.exceptions.SchemaError:
+      return None
+    return {"enum": kept} if kept else None
+  return None
 
 
 def _search(pattern: str, name: str) -> bool:
