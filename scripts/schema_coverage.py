@@ -45,7 +45,12 @@ _LIMIT = flags.DEFINE_integer("limit", 30, "Schemas per category (name order).")
 _CATEGORIES = flags.DEFINE_list(
   "categories", None, "Subdirectories to run (default: every one)."
 )
-_STEPS = flags.DEFINE_integer("steps", 256, "Most tokens per output.")
+_STEPS = flags.DEFINE_integer(
+  "steps",
+  256,
+  "Most tokens per output (more for a batch where a schema's shortest "
+  "output needs more).",
+)
 _BATCH = flags.DEFINE_integer("batch", 8, "Schemas generated per call.")
 _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 30.0, "Compile limit each.")
 _PROMPT_CHARS = flags.DEFINE_integer(
@@ -117,7 +122,7 @@ def run_category(model, files: Sequence[str]) -> dict:
         path, strict=_STRICT.value, time_limit_s=_TIME_LIMIT.value
       )
       with contextlib.nullcontext() if _DISK_CACHE.value else disk_cache.off():
-        c.compile(
+        table = c.compile(
           model.vocab, stop_ids=list(model.eos_ids), width=model.hparams.vocab
         )
     except ValueError as e:
@@ -126,27 +131,31 @@ def run_category(model, files: Sequence[str]) -> dict:
       continue
     compile_s.append(time.perf_counter() - start)
     with open(path, encoding="utf-8") as f:
-      accepted.append((c, f.read()))
+      # Tokens its shortest output needs, and a stop.
+      accepted.append((c, f.read(), int(table.distance[0]) + 1))
   valid = 0
   tokens = 0
   decode_s = 0.0
   for i in range(0, len(accepted), _BATCH.value):
     group = accepted[i : i + _BATCH.value]
-    prompts = cw.Chunk.from_lists([_prompt(model, text) for _, text in group])
+    prompts = cw.Chunk.from_lists(
+      [_prompt(model, text) for _, text, _ in group]
+    )
     start = time.perf_counter()
     prefix = model.prefill(prompts)
     out, _ = model.generate(
       [prefix],
       sample_ids=np.arange(len(group)),
-      steps=_STEPS.value,
+      # Room for the longest of the shortest outputs, and some.
+      steps=max(_STEPS.value, max(need for _, _, need in group) + 32),
       sampling=cw.Sampling(temperature=0.0),
-      constraint=[c for c, _ in group],
+      constraint=[c for c, _, _ in group],
       budget_forcing=True,
     )
     lengths = np.asarray(out.lengths)
     decode_s += time.perf_counter() - start
     tokens += int(lengths.sum())
-    for row, (c, _) in enumerate(group):
+    for row, (c, _, _) in enumerate(group):
       ids = np.asarray(out.tokens[row, : lengths[row]]).tolist()
       text = model.vocab.decode(ids)
       check = c.validate(text)
