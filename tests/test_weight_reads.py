@@ -93,9 +93,9 @@ def test_the_checker_sees_copies():
 
 @pytest.mark.parametrize("layout", ["reference", "ws_2d"])
 def test_generate_writes_its_kv_buffer_in_place(layout):
-  """The decode loop's K/V buffer ([layers, batch, steps, ...]) is
-  written in place: no step copies it (written after the reads of the
-  same step, XLA copied it twice a step)."""
+  """The decode loop's K/V buffer (per layer [batch, kv_heads, steps,
+  head_dim]) is written in place: no step copies it (written after the
+  reads of the same step, XLA copied it twice a step)."""
   h = cw.configs.get("tiny")
   mesh = None if layout == "reference" else make_mesh((2, 2, 2))
   model = cw.InferenceModel.random(h, seed=0, mesh=mesh, layout=layout)
@@ -108,16 +108,16 @@ def test_generate_writes_its_kv_buffer_in_place(layout):
     i
     for instrs in hlo.parse(text).computations.values()
     for i in instrs
-    if _is_kv_buffer(i.shape, h.layers, steps)
+    if _is_kv_buffer(i.shape, h.head_dim, steps)
   ]
   assert [i for i in buffers if i.op == "copy"] == []
   writes = [i for i in buffers if i.op in ("dynamic-update-slice", "fusion")]
   assert writes  # the pattern matches the buffer's shape
 
 
-def _is_kv_buffer(shape: str, layers: int, steps: int) -> bool:
+def _is_kv_buffer(shape: str, head_dim: int, steps: int) -> bool:
   dims = re.fullmatch(r"[a-z]+\d*\[([\d,]*)\]\{[\d,]*\}", shape)
   if dims is None:
     return False
   d = [int(x) for x in dims.group(1).split(",") if x]
-  return len(d) == 5 and d[0] == layers and d[2] == steps
+  return len(d) == 4 and d[2] == steps and d[3] == head_dim

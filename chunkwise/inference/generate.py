@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn
-from chunkwise.inference.kv_cache import KVCache, total_lengths
+from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
@@ -80,16 +80,16 @@ class LoopState:
   scores: jax.Array  # f32[batch, steps]
   top_ids: jax.Array  # int32[batch, steps, n]
   top_logprobs: jax.Array  # f32[batch, steps, n]
-  cache: KVCache  # generated K/V; lengths = tokens kept per row
+  cache: LayerKV  # generated K/V; lengths = tokens kept per row
   next_logits: jax.Array  # f32[batch, vocab]
   done: jax.Array  # bool[batch]
   processor_states: tuple = ()  # one per-row state per processor
 
   @classmethod
-  def axes(cls, processor_states: tuple = ()) -> LoopState:
+  def axes(cls, layers: int, processor_states: tuple = ()) -> LoopState:
     """Small per-row buffers (processor states too) are replicated; the KV
-    buffer and the logits are split like any KV cache and next-token
-    logits."""
+    buffer (of `layers` arrays) and the logits are split like any KV cache
+    and next-token logits."""
     rows = P(ax.BATCH, ax.TIME)
     top = P(ax.BATCH, ax.TIME, ax.TOP_N)
     return cls(
@@ -98,7 +98,7 @@ class LoopState:
       scores=rows,
       top_ids=top,
       top_logprobs=top,
-      cache=KVCache.axes(),
+      cache=LayerKV.axes(layers),
       next_logits=P(ax.LOGITS_BATCH, ax.LOGITS_VOCAB),
       done=P(ax.BATCH),
       processor_states=_replicated(processor_states),
@@ -134,12 +134,7 @@ def init(
     lengths=jnp.ones((batch,), jnp.int32),
   )
   kv = jax.eval_shape(infer, weights, tuple(caches), step_chunk).kv_cache.k
-  shape = (kv.shape[0], kv.shape[1], steps, *kv.shape[3:])
-  cache = KVCache(
-    k=jnp.zeros(shape, kv.dtype),
-    v=jnp.zeros(shape, kv.dtype),
-    lengths=jnp.zeros((batch,), jnp.int32),
-  )
+  cache = LayerKV.zeros(kv, steps, batch)
   return LoopState(
     step=jnp.zeros((), jnp.int32),
     tokens=jnp.zeros((batch, steps), jnp.int32),
@@ -237,12 +232,7 @@ def _write_pending(state: LoopState, pending) -> LoopState:
   twice a step (the K/V of a step are computed in each layer before its
   attention reads the buffer)."""
   at = jnp.maximum(state.step - 1, 0)
-  k, v = pending
-  cache = state.cache.replace(
-    k=lax.dynamic_update_slice_in_dim(state.cache.k, k, at, axis=2),
-    v=lax.dynamic_update_slice_in_dim(state.cache.v, v, at, axis=2),
-  )
-  return state.replace(cache=cache)
+  return state.replace(cache=state.cache.write(*pending, at))
 
 
 def run(
@@ -270,11 +260,7 @@ def run(
 
   # Nothing is pending on entry: column step - 1 is already written (or,
   # at step 0, about to be), so its own contents are written back.
-  at = jnp.maximum(state.step - 1, 0)
-  pending = (
-    lax.dynamic_slice_in_dim(state.cache.k, at, 1, axis=2),
-    lax.dynamic_slice_in_dim(state.cache.v, at, 1, axis=2),
-  )
+  pending = state.cache.read(jnp.maximum(state.step - 1, 0), 1)
   return _write_pending(*lax.while_loop(cond, body, (state, pending)))
 
 
@@ -301,11 +287,7 @@ def segment(
 ) -> tuple[Chunk, ChunkResult]:
   """Columns [begin, end) of the state as a (Chunk, ChunkResult) pair."""
   lengths = jnp.clip(state.cache.lengths - begin, 0, end - begin)
-  cache = KVCache(
-    k=state.cache.k[:, :, begin:end],
-    v=state.cache.v[:, :, begin:end],
-    lengths=lengths,
-  )
+  cache = state.cache.cache(begin, end, lengths)
   chunk = Chunk(tokens=state.tokens[:, begin:end], lengths=lengths)
   result = ChunkResult(
     per_token_scores=state.scores[:, begin:end],

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.kv_cache import KVCache, total_lengths
+from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.results import FullChunkResult
 from chunkwise.models import forward
-from chunkwise.models.attention import attend
+from chunkwise.models.attention import PrefixLayer, attend
 
 # infer(weights, prefix caches, chunk) -> FullChunkResult
 InferFn = Callable[[Any, Sequence[KVCache], Chunk], FullChunkResult]
@@ -34,6 +34,14 @@ def positions_of(prefix: Sequence[KVCache], chunk: Chunk) -> jax.Array:
   """int32[batch, time]: absolute position of every token of `chunk`."""
   start = total_lengths([c.lengths for c in prefix], chunk.batch)
   return start[:, None] + jnp.arange(chunk.time, dtype=jnp.int32)[None, :]
+
+
+def layer_pieces(
+  prefix: Sequence[KVCache | LayerKV], layers: int
+) -> list[list[PrefixLayer]]:
+  """Per layer, what attention reads of each prefix cache (a `KVCache`'s
+  layer slice, or a `LayerKV` buffer's own array)."""
+  return [[c.layer(i) for c in prefix] for i in range(layers)]
 
 
 def transformer_infer(
@@ -47,22 +55,13 @@ def transformer_infer(
 ) -> FullChunkResult:
   """Runs the Transformer over `chunk`, attending to `prefix` caches."""
   prefix = tuple(prefix)
-  lengths = [c.lengths for c in prefix]
-
-  def attend_layer(q, k, v, per_layer, options):
-    layer_prefix = [
-      (pk, pv, n) for (pk, pv), n in zip(per_layer, lengths, strict=True)
-    ]
-    return attend(q, k, v, layer_prefix, options)
-
-  per_layer = tuple((c.k, c.v) for c in prefix)
   logits, (k, v) = forward(
     hparams,
     weights,
     chunk.tokens,
     positions_of(prefix, chunk),
-    attend_layer,
-    per_layer,
+    attend,
+    layer_pieces(prefix, hparams.layers),
     dtype=compute_dtype,
   )
   cache = KVCache(

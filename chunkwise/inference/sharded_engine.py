@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 from chunkwise.configs import HParams
 from chunkwise.inference import generate, prefill
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.infer import positions_of
-from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.infer import layer_pieces, positions_of
+from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
 from chunkwise.models import Weights, fused, quantized, sharded_forward
@@ -69,12 +69,22 @@ def sharded_infer(
   n, i = plan.size(plan.attn_batch), ops.index(plan.attn_batch)
   local = []
   for cache, b in zip(prefix, batches, strict=True):
-    k, v = cache.k, cache.v
+    cache = cache.replace(lengths=ops.local_rows(cache.lengths, n, i))
     if b % n:  # replicated rows: keep the one this block reads
-      k, v = (ops.local_rows(a, n, i, axis=1) for a in (k, v))
-    local.append((k, v, ops.local_rows(cache.lengths, n, i)))
+      axis = 0 if isinstance(cache, LayerKV) else 1  # rows
+      rows = lambda a, axis=axis: ops.local_rows(a, n, i, axis=axis)
+      cache = cache.replace(
+        k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v)
+      )
+    local.append(cache)
   logits, (k, v) = sharded_forward.forward(
-    plan, hparams, weights, chunk.tokens, positions, local, compute_dtype
+    plan,
+    hparams,
+    weights,
+    chunk.tokens,
+    positions,
+    layer_pieces(local, hparams.layers),
+    compute_dtype,
   )
   cache = KVCache(
     k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths
@@ -282,7 +292,7 @@ class ShardedEngine:
       ("init", plan, steps, top_n, bos_id, prev is not None),
       per_device,
       (self._weight_specs, cache_specs, prev_spec),
-      resolve_tree(generate.LoopState.axes(), plan.rules()),
+      resolve_tree(generate.LoopState.axes(self.hparams.layers), plan.rules()),
     )
     return program(self.weights, caches, prev)
 
@@ -299,7 +309,9 @@ class ShardedEngine:
     )
     # Processor states join the state on the host: place them too.
     state, state_spec = self._place(
-      state, generate.LoopState.axes(state.processor_states), rules
+      state,
+      generate.LoopState.axes(self.hparams.layers, state.processor_states),
+      rules,
     )
     program = self._program(
       (

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from chunkwise.configs import HParams
 
@@ -54,9 +55,33 @@ class Options(NamedTuple):
 
 PLAIN = Options()
 
-# (k, v, lengths): one layer of a prefix cache.
-#   k, v: [b, S, kv_heads, head_dim]; lengths: int32[b].
-PrefixLayer = tuple[jax.Array, jax.Array, jax.Array]
+
+class PrefixLayer(NamedTuple):
+  """One layer of a prefix cache: k, v [b, S, kv_heads, head_dim] (a
+  `KVCache`'s order), or [b, kv_heads, S, head_dim] where `heads_major`
+  (the generate loop's buffer, laid out for attention: read in place,
+  where a cache in its own order is transposed every time it is read);
+  lengths int32[b]."""
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+  heads_major: bool = False
+
+  @property
+  def width(self) -> int:
+    """Slots per row (S)."""
+    return self.k.shape[2 if self.heads_major else 1]
+
+  def heads(self, first, count: int) -> PrefixLayer:
+    """K/V heads [first, first + count) (`first` may be traced)."""
+    axis = 1 if self.heads_major else 2
+    if self.k.shape[axis] == count:
+      return self
+    k, v = (
+      lax.dynamic_slice_in_dim(a, first, count, axis) for a in (self.k, self.v)
+    )
+    return self._replace(k=k, v=v)
 
 
 def _attend_piece(
@@ -67,12 +92,13 @@ def _attend_piece(
   *,
   softcap: float | None = None,
   rows_see_a_key: bool = False,
+  heads_major: bool = False,
 ) -> tuple[jax.Array, ...]:
   """Unnormalised attention of q to one piece of context.
 
   Args:
     q: f32[b, r, T, kv_heads, group, D], pre-scaled.
-    k, v: [b, S, kv_heads, D].
+    k, v: [b, S, kv_heads, D], or [b, kv_heads, S, D] if `heads_major`.
     mask: bool, broadcastable to [b, r, T, kv_heads, group, S].
     rows_see_a_key: every query row has at least one unmasked key (causal
       attention within a chunk), so masked logits need no second select:
@@ -87,10 +113,14 @@ def _attend_piece(
   # made the logits [kv_heads, S, rows] and transposed them twice a layer
   # (a quarter of a 512-token prefill).
   qh = jnp.moveaxis(q, 3, 1)  # [b, kv_heads, r, T, group, D]
-  kh = jnp.transpose(k.astype(jnp.float32), (0, 2, 3, 1))  # [b, kv, D, S]
-  vh = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))  # [b, kv, S, D]
+  if heads_major:  # read in place
+    vh = v.astype(jnp.float32)
+    logits = jnp.einsum("bkrtgd,bksd->bkrtgs", qh, k.astype(jnp.float32))
+  else:
+    kh = jnp.transpose(k.astype(jnp.float32), (0, 2, 3, 1))  # [b, kv, D, S]
+    vh = jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3))  # [b, kv, S, D]
+    logits = jnp.einsum("bkrtgd,bkds->bkrtgs", qh, kh)
   mask = jnp.moveaxis(mask, 3, 1)
-  logits = jnp.einsum("bkrtgd,bkds->bkrtgs", qh, kh)
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   logits = jnp.where(mask, logits, _MASKED)
@@ -172,11 +202,13 @@ def attend(
   Args:
     q: [B, T, heads, D] queries (RoPE applied, not scaled).
     k, v: [B, T, kv_heads, D] the chunk's keys and values.
-    prefix: one (k, v, lengths) per prefix cache, batches dividing B.
+    prefix: one `PrefixLayer` (or (k, v, lengths)) per prefix cache,
+      batches dividing B.
     options: the layer's `Options`.
   Returns:
     f32[B, T, heads, D].
   """
+  prefix = [PrefixLayer(*p) for p in prefix]
   batch, time, heads, dim = q.shape
   kv_heads = k.shape[2]
   group = heads // kv_heads
@@ -187,16 +219,17 @@ def attend(
   if window is not None:
     # Each piece's first slot's position, per query row.
     starts, start = [], jnp.zeros((batch,), jnp.int32)
-    for _, _, lengths in prefix:
+    for piece in prefix:
       starts.append(start)
-      start = start + _repeat_rows(lengths, batch)
+      start = start + _repeat_rows(piece.lengths, batch)
     q_positions = start[:, None] + jnp.arange(time)  # [B, T]
 
   pieces = []
-  for i, (pk, pv, lengths) in enumerate(prefix):
-    if pk.shape[1] == 0:  # a zero-width prefix holds nothing to attend to
+  for i, piece in enumerate(prefix):
+    lengths, width = piece.lengths, piece.width
+    if width == 0:  # a zero-width prefix holds nothing to attend to
       continue
-    b, width = pk.shape[:2]
+    b = piece.k.shape[0]
     # [b, S] -> [b, 1, 1, 1, 1, S]
     mask = jnp.arange(width)[None, :] < lengths[:, None]
     mask = mask[:, None, None, None, None, :]
@@ -206,10 +239,11 @@ def attend(
       mask = mask & near.reshape(b, batch // b, time, 1, 1, width)
     m, s, o = _attend_piece(
       q.reshape(b, batch // b, *q.shape[1:]),
-      pk,
-      pv,
+      piece.k,
+      piece.v,
       mask,
       softcap=options.softcap,
+      heads_major=piece.heads_major,
     )
     pieces.append(
       (

@@ -1,14 +1,14 @@
 """The whole model on one device's shards: embed, layers, unembed.
 
   logits, (k, v) = forward(plan, hparams, weights, tokens, positions,
-                           prefix, dtype)
+                           per_layer, dtype)
 
 `plan.kind` picks the per-device layer code (`weight_stationary` for ws_1d
 and ws_2d, `weight_gathered` for wg). Inputs: the weights' local shards
 (`fused.ShuffledWeights` where the plan's collectives need them),
 token ids and absolute positions [B, T] of every row (replicated), and per
-prefix cache (k, v, lengths) cut to this device's attention rows, k/v with
-the stacked layer axis first. Outputs: logits split as `plan.logits_batch`
+layer the prefix caches' `attention.PrefixLayer`s cut to this device's
+attention rows. Outputs: logits split as `plan.logits_batch`
 / `plan.logits_vocab` say, and the chunk's (k, v) [layers, rows, T, heads,
 D] split like the KV cache.
 """
@@ -43,19 +43,16 @@ def forward(
   weights: Weights,
   tokens: jax.Array,
   positions: jax.Array,
-  prefix,
+  per_layer,
   dtype,
 ):
   mod = layers_module(plan)
   weights = fused.unwrap(plan, weights)
   x = mod.embed(plan, hparams, weights, tokens, dtype)
-  lengths = [n for _, _, n in prefix]
   sites = transformer.sites(hparams, positions)
 
-  def step(i, x, w, kv):
-    layer_prefix = [(k, v, n) for (k, v), n in zip(kv, lengths, strict=True)]
-    return mod.layer(plan, hparams, w, x, positions, layer_prefix, sites[i])
+  def step(i, x, w, pieces):
+    return mod.layer(plan, hparams, w, x, positions, pieces, sites[i])
 
-  per_layer = tuple((k, v) for k, v, _ in prefix)
   x, kv = transformer.run_layers(step, x, weights.layers, per_layer)
   return mod.unembed(plan, hparams, weights, x), kv

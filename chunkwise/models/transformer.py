@@ -220,8 +220,8 @@ def forward(
     tokens: int32[B, T].
     positions: int32[B, T], absolute positions (for RoPE).
     attend: see `AttendFn`.
-    per_layer: a pytree whose leaves have a leading `layers` axis (e.g. the
-      prefix KV caches); `attend` gets layer i's slice.
+    per_layer: one entry per layer (e.g. its pieces of the prefix KV
+      caches), or None; `attend` gets layer i's entry.
     dtype: activation dtype of the residual stream.
   Returns:
     logits f32[B, T, vocab] and (k, v), each [layers, B, T, kv_heads,
@@ -238,13 +238,13 @@ def forward(
 
 
 def run_layers(step, x, layers, per_layer):
-  """`x, kv_i = step(i, x, layers[i], per_layer[i])` for every layer in turn,
-  unrolled: each layer's weights are arrays of their own, read in place
-  by its matmuls (a scan over stacked weights copies every slice first).
-  Returns the final x and the layers' (k, v) stacked on a leading axis."""
+  """`x, kv_i = step(i, x, layers[i], per_layer[i])` for every layer in turn
+  (`per_layer` None: None), unrolled: each layer's weights are arrays of
+  their own, read in place by its matmuls (a scan over stacked weights
+  copies every slice first). Returns the final x and the layers' (k, v)
+  stacked on a leading axis."""
   kvs = []
   for i, w in enumerate(layers):
-    extra = jax.tree.map(lambda a, i=i: a[i], per_layer)
-    x, kv = step(i, x, w, extra)
+    x, kv = step(i, x, w, None if per_layer is None else per_layer[i])
     kvs.append(kv)
   return x, jax.tree.map(lambda *a: jnp.stack(a), *kvs)

@@ -25,8 +25,9 @@ activations are gathered before a matmul and reduce-scattered after it.
   elsewhere) and the result is reduced like a layer's output. Unembedding:
   xn @ table [V.YZ, E.X] -psum_scatter x on vocab-> logits [B, T, V.YZX].
 
-`prefix` holds, per prefix cache, this layer's (k, v, lengths) already cut
-to this device's attention rows (see `inference.sharded_engine`).
+`prefix` holds, per prefix cache, this layer's `attention.PrefixLayer`
+already cut to this device's attention rows (see
+`inference.sharded_engine`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from jax import lax
 from chunkwise.configs import Block, HParams
 from chunkwise.models import fused
 from chunkwise.models import shard_ops as ops
-from chunkwise.models.attention import Options, attend
+from chunkwise.models.attention import Options, PrefixLayer, attend
 from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
 from chunkwise.models.transformer import (
@@ -156,7 +157,7 @@ def heads_attention(
     k, v: the chunk's keys and values for this device's attention rows:
       [B, T, kvh, D] with K/V heads split over `plan.cache_heads` (by head),
       or [B/na, T, kv_heads, D] (by batch over `plan.attn_batch`).
-    prefix: per prefix cache (k, v, lengths), rows and heads like k, v.
+    prefix: per prefix cache its `PrefixLayer`, rows and heads like k, v.
   Returns:
     f32[B, T, hq, D].
   """
@@ -188,7 +189,7 @@ def heads_attention(
         return a
       return lax.dynamic_slice_in_dim(a, first, count, axis=2)
 
-    layer_prefix = [(select(pk), select(pv), n) for pk, pv, n in prefix]
+    layer_prefix = [PrefixLayer(*p).heads(first, count) for p in prefix]
     outs.append(
       attend(
         q[:, :, j * width : (j + 1) * width],
