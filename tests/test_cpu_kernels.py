@@ -41,6 +41,10 @@ CASES = [
   ("bte,ef->btf", (1, 1, 600), (600, 32), (0,), 24),  # /channel: 600 > 256
   ("bte,ef->btf", (16, 1, 32), (32, 2070), (0,), 16),  # int8: column blocks
   ("bte,ve->btv", (1, 1, 600), (5, 600), (1,), 24),
+  # AVX-512 blocks: 4 x 4 n-major with x-row, table-row and input tails;
+  # 16-column k-major with an input and a column tail
+  ("bte,ve->btv", (6, 1, 40), (11, 40), (1,), 20),
+  ("bte,ef->btf", (5, 1, 30), (30, 50), (0,), 15),
 ]
 
 
