@@ -406,7 +406,8 @@ def test_false_subschemas_forbid_what_they_guard():
 def test_all_of_refs_pattern_properties_and_unreachable_pieces():
   """allOf branches that are only $refs are resolved before merging; a
   required name that only patternProperties describe is generated from
-  that schema; a rewritten definition nothing reaches is no error."""
+  that schema; a definition nothing reaches is not rewritten (no error,
+  nothing listed)."""
   c = C.JsonSchema(
     {
       "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/definitions/b"}],
@@ -423,12 +424,71 @@ def test_all_of_refs_pattern_properties_and_unreachable_pieces():
       },
     }
   )
-  assert "#/definitions/b: patternProperties" in c.unenforced
-  assert any("impossible: generated as any value" in u for u in c.unenforced)
+  # (listed where it applies: b is merged into the root)
+  assert "#: patternProperties" in c.unenforced
+  assert not any("impossible" in u or "unused" in u for u in c.unenforced)
   texts = _walks(c, n=30)
   for text in texts:
     assert c.validate(text).valid, text
   assert all(json.loads(t)["n_1"] <= 3 for t in texts)
+
+
+def test_recursion_is_unrolled_here_and_keeps_required_values():
+  """$refs are inlined by the rewrite, a recursive one unrolled
+  max_recursion_depth times: where the recursion runs out, union branches
+  and optional properties are left out and arrays end, but a required
+  property is still generated (outlines-core dropped a required property
+  whose value recursed, and generated {})."""
+  tree = {
+    "$defs": {
+      "value": {
+        "oneOf": [
+          {"type": "integer", "minimum": 0, "maximum": 9},
+          {"type": "array", "items": {"$ref": "#/$defs/value"}},
+          {"$ref": "#/$defs/box"},
+        ]
+      },
+      "box": {
+        "type": "object",
+        "properties": {"in": {"$ref": "#/$defs/value"}},
+        "additionalProperties": False,
+      },
+      "unused": {"$ref": "#/$defs/nowhere"},
+    },
+    "type": "object",
+    "properties": {"id": {"$ref": "#/$defs/value"}},
+    "required": ["id"],
+    "additionalProperties": False,
+  }
+
+  def nesting(value):
+    if isinstance(value, list):
+      return 1 + max(map(nesting, value), default=0)
+    if isinstance(value, dict):
+      return 1 + max(map(nesting, value.values()), default=0)
+    return 0
+
+  for limit in (0, 1, 2):
+    c = C.JsonSchema(tree, max_recursion_depth=limit)
+    assert "$ref" not in json.dumps(c._rewritten.schema)
+    texts = _walks(c, n=40, max_bytes=2000)
+    for t in texts:
+      assert c.validate(t).valid, t
+      assert nesting(json.loads(t)["id"]) <= limit + 1, (limit, t)
+    assert not re.fullmatch(c.regex(), "{}")
+  # A recursion with no way out at its depth: nothing to generate.
+  endless = {
+    "$defs": {
+      "n": {
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/n"}},
+        "required": ["n"],
+      }
+    },
+    "$ref": "#/$defs/n",
+  }
+  with pytest.raises(ValueError, match="max_recursion_depth=3"):
+    C.JsonSchema(endless)
 
 
 def test_recursion_depth_is_the_users():
@@ -498,7 +558,7 @@ def test_string_patterns_that_need_json_escapes_are_kept(pattern):
 
 
 def test_long_length_bounds_are_checked_after():
-  from chunkwise.constraints.schema_rewrite import LONG_BOUND
+  from chunkwise.constraints.schema_values import LONG_BOUND
 
   long = C.JsonSchema(
     {"type": "array", "items": {"type": "string", "maxLength": LONG_BOUND}}
@@ -510,3 +570,39 @@ def test_long_length_bounds_are_checked_after():
   assert not long.validate(json.dumps(["x" * (LONG_BOUND + 1)])).valid
   short = C.JsonSchema({"type": "string", "maxLength": LONG_BOUND - 1})
   assert short.unenforced == () and f"{LONG_BOUND - 1}}}" in short.regex()
+
+
+def test_a_schema_past_its_limits_is_compiled_again_narrowed():
+  """An automaton that runs past a compile limit is built again with
+  fewer optional properties per object (and the first one required where
+  none is): fewer outputs, each still valid, and `narrowed` says what
+  was left out. Strict schemas are not narrowed."""
+  props = {f"field_{i}": {"type": "string", "maxLength": 12} for i in range(16)}
+  schema = {
+    "type": "object",
+    "properties": props,
+    "additionalProperties": False,
+  }
+  # The full automaton needs ~0.084 MB of mask bits at width 320; kept to
+  # 8 optional properties, ~0.042.
+  c = C.JsonSchema(schema, max_table_mb=0.06)
+  assert c.narrowed == ()
+  texts = _walks(c, n=30)
+  assert c.narrowed == (
+    "#: 8 optional properties after the first 8 not generated",
+    "#: field_0 always generated",
+  )
+  for text in texts:
+    value = json.loads(text)
+    assert c.validate(text).valid, text
+    assert "field_0" in value and set(value) <= {f"field_{i}" for i in range(8)}
+  assert max(len(json.loads(t)) for t in texts) > 1
+  with pytest.raises(ValueError, match=r"max_table_mb=0\.06"):
+    C.JsonSchema(schema, max_table_mb=0.06, strict=True).compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )
+  # Past the limit even at the narrowest try: the full schema's error.
+  with pytest.raises(ValueError, match="needs 2210 automaton states"):
+    C.JsonSchema(schema, max_table_mb=0.005).compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 from chunkwise import untrusted
 from chunkwise.constraints import schema as schema_lib
-from chunkwise.constraints import schema_rewrite
+from chunkwise.constraints import schema_rewrite, worker
 from chunkwise.constraints import tables as tables_lib
 
 # Characters Rust's regex syntax treats as meta (escaping them is allowed).
@@ -135,6 +135,14 @@ class Choice(Constraint):
     return "(" + "|".join(escape(c) for c in self.choices) + ")"
 
 
+# Optional properties kept per object by each narrower try of
+# `JsonSchema.compile`.
+NARROWER = (8, 4, 2)
+# (schema, vocabulary, limits) -> the narrowing level that compiled, so a
+# schema is not tried in full again in this process.
+_narrowing: dict = {}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JsonSchema(Constraint):
   """JSON text valid under `schema` (a dict or a JSON string).
@@ -183,7 +191,7 @@ class JsonSchema(Constraint):
       schema_lib.check_meta(parsed)
       if strict:
         schema_lib.check(parsed)
-      rewritten = None if strict else schema_rewrite.rewrite(parsed)
+      rewritten = None if strict else schema_rewrite.rewrite(parsed, depth)
     # Key order matters: properties are generated in the order given.
     object.__setattr__(self, "schema", json.dumps(parsed))
     object.__setattr__(self, "strict", bool(strict))
@@ -191,11 +199,80 @@ class JsonSchema(Constraint):
     object.__setattr__(self, "_rewritten", rewritten)
     Constraint.__init__(self, **limits)
 
+  def compile(
+    self, vocabulary, *, stop_ids: Sequence[int], width: int
+  ) -> tables_lib.Tables:
+    """As `Constraint.compile`; a schema whose automaton runs past a limit
+    (`time_limit_s`, `max_compile_mb`, `max_table_mb`) is compiled again
+    narrowed, keeping the first `NARROWER[i]` optional properties of each
+    object (and one declared property required where none is), each try
+    within half of `time_limit_s`; `narrowed` then says what was left out.
+    Every output is still valid: fewer are possible. Not with
+    `strict=True`."""
+    self._check_limits()
+    vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
+    memo = (
+      self.schema,
+      self.strict,
+      self.max_recursion_depth,
+      vocab.key,
+      tuple(stop_ids),
+      width,
+      self.max_table_mb,
+      self.time_limit_s,
+      self.max_compile_mb,
+    )
+    # Strict schemas compile as written or not at all.
+    last = 0 if self._rewritten is None else len(NARROWER)
+    first_error = None
+    for level in range(_narrowing.get(memo, 0), last + 1):
+      rewritten = (
+        self._rewritten
+        if not level
+        else schema_rewrite.rewrite(
+          json.loads(self.schema), self.max_recursion_depth, NARROWER[level - 1]
+        )
+      )
+      kind, text = self._text_of(rewritten)
+      try:
+        with self._named():
+          tables = tables_lib.compile_regex(
+            text,
+            vocab,
+            stop_ids=stop_ids,
+            width=width,
+            max_table_mb=self.max_table_mb,
+            time_limit_s=self.time_limit_s / (2 if level else 1),
+            max_compile_mb=self.max_compile_mb,
+            kind=kind,
+            what=self.describe(),
+          )
+      except worker.LimitError as e:
+        first_error = first_error or e
+        continue
+      _narrowing[memo] = level
+      object.__setattr__(self, "_used", rewritten)
+      return tables
+    raise first_error
+
+  @property
+  def _active(self):
+    """The rewrite in use: narrowed once `compile` had to, else the full
+    one (None with `strict=True`)."""
+    return getattr(self, "_used", None) or self._rewritten
+
   @property
   def unenforced(self) -> tuple[str, ...]:
     """ "path: keyword" of every keyword generation does not enforce (they
     are checked by `validate`); empty with `strict=True`."""
-    return () if self._rewritten is None else self._rewritten.unenforced
+    return () if self._active is None else self._active.unenforced
+
+  @property
+  def narrowed(self) -> tuple[str, ...]:
+    """ "path: what" of every place where generation produces fewer values
+    than the schema allows (all of them valid) because its full automaton
+    ran past a compile limit (see `compile`); empty until then."""
+    return () if self._active is None else self._active.narrowed
 
   def validate(self, text: str) -> schema_lib.Validation:
     """`text` checked against the original schema by a JSON Schema
@@ -218,7 +295,9 @@ class JsonSchema(Constraint):
       return cls(text, **limits)
 
   def _text(self) -> tuple[str, str]:
-    r = self._rewritten
+    return self._text_of(self._active)
+
+  def _text_of(self, r) -> tuple[str, str]:
     schema = json.loads(self.schema) if r is None else r.schema
     pieces = {} if r is None else r.pieces
     if not pieces and self.max_recursion_depth == 3:  # outlines' default

@@ -1,15 +1,21 @@
-"""Regexes for JSON values that outlines-core's schema compiler cannot
+r"""Regexes for JSON values that outlines-core's schema compiler cannot
 build: bounded integers (exact digit automata) and string formats.
 
   integer_range(-5, 120)   # -[1-5]|[0-9]|[1-9][0-9]|1[01][0-9]|120
   integer_range(10, None)  # every integer >= 10
+  integer_bounds(schema, path)           # (lo, hi) of minimum, maximum, ...
   FORMATS["ipv4"]          # a quoted JSON string of that format
+  string_pattern(r"^\w+$")               # a pattern kept inside JSON strings
+  repeat_with_lengths("^[a-z]+$", 2, 8)  # "^[a-z]{2,8}$"
 
 Integers are spelled as JSON spells them (no leading zeros, "-0" never
 generated); Rust regex syntax, as `Regex` constraints take.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 
 def _digits_between(lo: str, hi: str) -> list[str]:
@@ -271,3 +277,69 @@ def _outside_escaped(lo: int, hi: int) -> list[tuple[int, int]]:
 def _member(code: int) -> str:
   c = chr(code)
   return "\\" + c if c in "]\\^-[" else c
+
+
+NOT_REGULAR = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+# One character (class) repeated: ^[a-z0-9_-]+$, \d{3,}, .*, x{2}, ...
+_REPEAT = re.compile(
+  r"\^?(?P<atom>\[(?:\\.|[^\]\\\[])+\]|\\[dwsDWS]|\.|[^\\\[\](){}|*+?.^$])"
+  r"(?P<count>[*+?]|\{(?P<lo>\d+)(?P<comma>,(?P<hi>\d*))?\})?\$?"
+)
+
+
+def repeat_with_lengths(pattern: str, lo: int | None, hi: int | None):
+  """A pattern that repeats one character class, with its count narrowed
+  to the string lengths (every string it matches satisfies both); None
+  for any other pattern, or when no count satisfies both."""
+  m = _REPEAT.fullmatch(pattern)
+  if m is None:
+    return None
+  count = m["count"]
+  if count is None:
+    low, high = 1, 1
+  elif count in "*+?":
+    low, high = (1 if count == "+" else 0), (1 if count == "?" else None)
+  else:
+    low = int(m["lo"])
+    high = None if m["comma"] and not m["hi"] else int(m["hi"] or m["lo"])
+  anchored = pattern.startswith("^") and pattern.endswith("$")
+  if not anchored and count is not None and count not in "*+":
+    return None  # a search for a bounded run: longer strings match too
+  low = max(low, lo or 0)
+  high = hi if high is None else high if hi is None else min(high, hi)
+  if high is not None and low > high:
+    return None
+  return f"^{m['atom']}{{{low},{'' if high is None else high}}}$"
+
+
+def integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
+  def number(key):
+    value = schema[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+      raise ValueError(f"{path}/{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+      raise ValueError(f"{path}/{key} must be finite, got {value!r}")
+    return value
+
+  lo = hi = None
+  if "minimum" in schema:
+    m = number("minimum")
+    lo = math.ceil(m)
+    if schema.get("exclusiveMinimum") is True and m == lo:  # draft 4
+      lo += 1
+  if "maximum" in schema:
+    m = number("maximum")
+    hi = math.floor(m)
+    if schema.get("exclusiveMaximum") is True and m == hi:
+      hi -= 1
+  for key in ("exclusiveMinimum", "exclusiveMaximum"):
+    if isinstance(schema.get(key), bool) or key not in schema:
+      continue
+    e = number(key)
+    if key == "exclusiveMinimum":
+      lo = math.floor(e) + 1 if lo is None else max(lo, math.floor(e) + 1)
+    else:
+      hi = math.ceil(e) - 1 if hi is None else min(hi, math.ceil(e) - 1)
+  if lo is not None and hi is not None and lo > hi:
+    raise ValueError(f"{path}: no integer lies between its bounds")
+  return lo, hi

@@ -99,6 +99,11 @@ def _read_reply(p: _Process, deadline: float):
         return None
 
 
+class LimitError(ValueError):
+  """The compile ran past one of its limits (time_limit_s,
+  max_compile_mb, max_table_mb)."""
+
+
 def run(
   request: dict,
   *,
@@ -112,8 +117,9 @@ def run(
   to the worker and returns its result.
 
   Raises:
-    ValueError: the constraint cannot be compiled, or it ran past
-      `time_limit_s` or `max_compile_mb` (`what` names it).
+    LimitError: it ran past `time_limit_s`, `max_compile_mb` or
+      `max_table_mb` (`what` names it).
+    ValueError: the constraint cannot be compiled.
   """
   global _current
   with _lock:
@@ -144,23 +150,25 @@ def run(
       p.kill()
       _current = None
       if reply is _TIMEOUT:
-        raise ValueError(
+        raise LimitError(
           f"compiling {what} took over {time_limit_s:g} s (time_limit_s); "
           "it was stopped. Simplify it (fewer or shorter repetitions, "
           "smaller maxLength / maxItems) or raise the limit"
         )
       code, tail = p.proc.returncode, p.tail.strip()
       if "memory allocation" in tail or code == -signal.SIGABRT:
-        raise ValueError(_memory_message(what, max_compile_mb))
+        raise LimitError(_memory_message(what, max_compile_mb))
       raise ValueError(
         f"compiling {what} crashed the compiler process (exit code {code})"
         + (f": {tail.splitlines()[-1]}" if tail else "")
       )
   if "error" in reply:
-    raise ValueError(reply["error"])
+    # (the table-size check runs in the worker: its message names it)
+    kind = LimitError if "max_table_mb=" in reply["error"] else ValueError
+    raise kind(reply["error"])
   if "memory" in reply:
     _shutdown_after_memory_error()
-    raise ValueError(_memory_message(what, max_compile_mb))
+    raise LimitError(_memory_message(what, max_compile_mb))
   return reply["ok"]
 
 
