@@ -606,3 +606,35 @@ def test_a_schema_past_its_limits_is_compiled_again_narrowed():
     C.JsonSchema(schema, max_table_mb=0.005).compile(
       cw.ByteVocabulary(), stop_ids=[2], width=320
     )
+
+
+def test_pattern_values_and_min_properties_are_generated():
+  """An object described only by one patternProperties schema generates
+  that schema's values (any key is then valid); minProperties makes the
+  first declared properties always generated until it is met."""
+  services = C.JsonSchema(
+    {
+      "type": "object",
+      "properties": {
+        "services": {
+          "type": "object",
+          "patternProperties": {"^[a-z]+$": {"type": "integer", "maximum": 5}},
+        },
+        "labels": {
+          "type": "object",
+          "properties": {"a": {"type": "null"}, "b": {"type": "boolean"}},
+          "minProperties": 1,
+        },
+      },
+      "required": ["services", "labels"],
+    }
+  )
+  assert "#/properties/labels: minProperties" not in services.unenforced
+  assert services.narrowed == ("#/properties/labels: a always generated",)
+  texts = _walks(services, n=40, max_bytes=1000)
+  for text in texts:
+    assert services.validate(text).valid, text
+    value = json.loads(text)
+    assert all(v <= 5 for v in value["services"].values())
+    assert "a" in value["labels"]
+  assert any(json.loads(t)["services"] for t in texts)

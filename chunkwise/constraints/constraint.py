@@ -270,8 +270,10 @@ class JsonSchema(Constraint):
   @property
   def narrowed(self) -> tuple[str, ...]:
     """ "path: what" of every place where generation produces fewer values
-    than the schema allows (all of them valid) because its full automaton
-    ran past a compile limit (see `compile`); empty until then."""
+    than the schema allows (all of them valid): objects whose
+    `minProperties` is met by always generating their first declared
+    properties, and, once `compile` had to narrow the schema to stay
+    within its limits, what that left out."""
     return () if self._active is None else self._active.narrowed
 
   def validate(self, text: str) -> schema_lib.Validation:

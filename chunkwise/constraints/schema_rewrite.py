@@ -148,6 +148,13 @@ class _Rewriter(sv.ValueKeywords):
         continue  # with the tuple, below
       if key in sv.AFTER:
         self.after(path, key)
+        if key == "patternProperties" and _one_pattern(schema):
+          # The values of an object whose keys one pattern describes:
+          # generated from its schema, which makes every key valid (keys
+          # it does not match are allowed by additionalProperties).
+          (sub,) = value.values()
+          extra = self.optional(self.value, sub, f"{where}/*", depth + 1)
+          out["additionalProperties"] = False if extra is _NEVER else extra
       elif key in ("$defs", "definitions"):
         continue  # read where a $ref inlines them
       elif key == "properties":
@@ -250,22 +257,22 @@ class _Rewriter(sv.ValueKeywords):
         if isinstance(extra, Mapping)
         else {}
       )
-    if self.keep is not None:
-      self.narrow(schema, out, path)
+    self.narrow(schema, out, path)
 
   def narrow(self, schema: dict, out: dict, path: str) -> None:
-    """Only the first `keep` optional properties are generated, and some
-    declared ones are made required, first first: until `minProperties`
-    of them are, and one where none is. Both shrink what outlines-core
-    builds: its index holds a state per string value in which nearly every
-    token is allowed (Kubernetes and GitHub schemas ran past 4 GB), and it
-    writes an object with no required property as one alternative per
-    first property present (its regex grows with the square of their
-    number, and copies of copies when they nest)."""
+    """Declared properties made required, first first, until
+    `minProperties` of them are (its outputs would otherwise be flagged
+    after). With `keep`, also: only the first `keep` optional properties
+    are generated, and one is required where none is. Both shrink what
+    outlines-core builds: its index holds a state per string value in
+    which nearly every token is allowed (Kubernetes and GitHub schemas ran
+    past 4 GB), and it writes an object with no required property as one
+    alternative per first property present (its regex grows with the
+    square of their number, and copies of copies when they nest)."""
     props = out["properties"]
     required = [n for n in out.get("required") or [] if n in props]
     optional = [n for n in props if n not in required]
-    if len(optional) > self.keep:
+    if self.keep is not None and len(optional) > self.keep:
       dropped = optional[self.keep :]
       for name in dropped:
         del props[name]
@@ -277,7 +284,8 @@ class _Rewriter(sv.ValueKeywords):
     least = (
       least if isinstance(least, int) and not isinstance(least, bool) else 0
     )
-    need = max(least, 1 if not required and props else 0)
+    anchor = self.keep is not None and not required and props
+    need = max(least, 1 if anchor else 0)
     added = [n for n in props if n not in required][
       : max(0, need - len(required))
     ]
@@ -375,6 +383,18 @@ class _Rewriter(sv.ValueKeywords):
 
 # The value of `optional` where there is none.
 _NEVER = object()
+
+
+def _one_pattern(schema: dict) -> bool:
+  """An object whose declared keys are one `patternProperties` pattern
+  and whose other keys are allowed with any value."""
+  patterns = schema.get("patternProperties")
+  return (
+    isinstance(patterns, Mapping)
+    and len(patterns) == 1
+    and not schema.get("properties")
+    and schema.get("additionalProperties", True) in (True, {})
+  )
 
 
 def _search(pattern: str, name: str) -> bool:
