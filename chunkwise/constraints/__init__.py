@@ -28,6 +28,7 @@ from chunkwise.constraints.processor import (
   ConstraintProcessor,
   compile_rows,
   for_call,
+  for_rows,
   processor,
 )
 from chunkwise.constraints.schema import Validation
@@ -45,6 +46,7 @@ __all__ = [
   "compile_rows",
   "escape",
   "for_call",
+  "for_rows",
   "json_regex",
   "processor",
   "schema",

@@ -83,16 +83,17 @@ class ConstraintProcessor(LogitsProcessor):
     g, s = state
     allowed = self.allowed(g, s, logits.shape[-1])
     if self.force:
-      is_stop = info.stop_mask(logits.shape[-1])
+      is_stop = info.stop_rows(logits.shape[-1])
 
       def closing(allowed):
         nxt = self.next_states(g, s)
         far = self.distance[self.state_offset[g][:, None] + jnp.maximum(nxt, 0)]
-        fits = (far + 2 <= info.remaining) | is_stop[None, :]
+        fits = (far + 2 <= info.remaining_rows()) | is_stop
         return allowed & (fits | (g == 0)[:, None])
 
+      # Only a shortcut: with more columns left, every token fits.
       allowed = lax.cond(
-        info.remaining <= self.max_distance + 2,
+        jnp.min(info.remaining) <= self.max_distance + 2,
         closing,
         lambda a: a,
         allowed,
@@ -236,4 +237,54 @@ def for_call(
           f"{t.regex[:60]!r}, whose shortest match needs "
           f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
         )
+  return processor(grammar, tables, width=width, force=budget_forcing)
+
+
+def for_rows(
+  constraints: Sequence[Constraint | None],
+  *,
+  stop_ids: Sequence[Sequence[int]],
+  steps: Sequence[int],
+  has_prefix: Sequence[bool],
+  vocabulary,
+  width: int,
+  budget_forcing: bool = False,
+) -> ConstraintProcessor | None:
+  """`for_call` with one constraint (or None), stop set, step budget and
+  prefix flag per row (continuous batching's requests): each constraint
+  is compiled with its row's stop ids; None when no row has one.
+
+  Raises ValueError naming the row whose entry is not a Constraint or
+  whose `steps` cannot hold its shortest match and a stop.
+  """
+  if all(c is None for c in constraints):
+    if budget_forcing:
+      raise ValueError("budget_forcing=True needs a constraint")
+    return None
+  grammar, tables, seen = [], [], {}
+  for i, c in enumerate(constraints):
+    if c is None:
+      grammar.append(0)
+      continue
+    try:
+      (_,), (t,) = compile_rows(
+        [c],
+        batch=1,
+        vocabulary=vocabulary,
+        stop_ids=list(stop_ids[i]),
+        width=width,
+      )
+    except ValueError as e:
+      raise ValueError(f"requests[{i}].constraint: {e}") from e
+    room = steps[i] - (0 if has_prefix[i] else 1)
+    if budget_forcing and int(t.distance[0]) + 1 > room:
+      raise ValueError(
+        f"budget_forcing: requests[{i}] has steps={steps[i]}, too few for "
+        f"its constraint {t.regex[:60]!r}, whose shortest match needs "
+        f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
+      )
+    if id(t) not in seen:
+      seen[id(t)] = len(tables) + 1
+      tables.append(t)
+    grammar.append(seen[id(t)])
   return processor(grammar, tables, width=width, force=budget_forcing)

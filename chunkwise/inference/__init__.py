@@ -3,6 +3,7 @@
 
 from chunkwise.inference.attention import attend
 from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.continuous import Request, RequestResult
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.model import InferenceModel
@@ -29,6 +30,8 @@ __all__ = [
   "InferFn",
   "InferenceModel",
   "KVCache",
+  "Request",
+  "RequestResult",
   "Sampling",
   "Vocabulary",
   "attend",

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
@@ -92,6 +93,30 @@ class Engine(Protocol):
     """`generate.run` up to column `stop_at` (the state is donated)."""
     ...
 
+  def slot_init(
+    self,
+    caches: Sequence[KVCache],
+    *,
+    slots: int,
+    capacity: int,
+    steps: int,
+    top_n: int,
+    vocab: int,
+  ) -> slots_lib.SlotState:
+    """`slots.init`: every slot free, after the shared prefix `caches`."""
+    ...
+
+  def slot_run(
+    self,
+    caches: Sequence[KVCache],
+    state: slots_lib.SlotState,
+    inputs: slots_lib.SlotInputs,
+    max_steps: jax.Array,
+    until_free: jax.Array,
+  ) -> slots_lib.SlotState:
+    """`slots.run` (the state is donated)."""
+    ...
+
 
 class ReferenceEngine:
   """The reference layout: the per-device functions jitted, no mesh."""
@@ -111,6 +136,11 @@ class ReferenceEngine:
     )
     # The loop state is donated: segments of generate_stream reuse buffers.
     self._run = jax.jit(traced(generate.run), donate_argnames=("state",))
+    self._slot_init = jax.jit(
+      traced(slots_lib.init),
+      static_argnames=("slots", "capacity", "steps", "top_n", "vocab"),
+    )
+    self._slot_run = jax.jit(traced(slots_lib.run), donate_argnames=("state",))
 
   def plain_weights(self):
     return self.weights
@@ -130,6 +160,14 @@ class ReferenceEngine:
 
   def run(self, caches, state, inputs, stop_at):
     return self._run(self.weights, caches, state, inputs, stop_at)
+
+  def slot_init(self, caches, **static):
+    return self._slot_init(self.weights, caches, **static)
+
+  def slot_run(self, caches, state, inputs, max_steps, until_free):
+    return self._slot_run(
+      self.weights, caches, state, inputs, max_steps, until_free
+    )
 
 
 def make_engines(

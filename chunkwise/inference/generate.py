@@ -170,28 +170,15 @@ def _step(
     remaining=state.tokens.shape[1] - i,
     stop_ids=inputs.stop_ids,
   )
-  token, score, top_ids, top_logprobs = shards.sample(
+  (token, score, top_ids, top_logprobs), stop, keep, processor_states = draw(
+    shards,
     state.next_logits,
-    inputs.sampling,
-    inputs.sample_ids,
+    inputs,
     positions,
     state.top_ids.shape[-1],
-    inputs.processors,
     state.processor_states,
     info,
-  )
-  # Position 0 always holds BOS (the only token the BOS distribution allows):
-  # it starts a sequence and never stops one, even where BOS is also EOS.
-  stop = jnp.any(token[:, None] == inputs.stop_ids[None, :], axis=-1)
-  stop &= positions > 0
-  keep = live & ~stop
-  processor_states = keep_rows(
-    keep & (positions > 0),
-    tuple(
-      p.update(s, token, info)
-      for p, s in zip(inputs.processors, state.processor_states, strict=True)
-    ),
-    state.processor_states,
+    live,
   )
 
   chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
@@ -220,6 +207,50 @@ def _step(
     processor_states=processor_states,
   )
   return step_state, (full.kv_cache.k, full.kv_cache.v)
+
+
+def draw(
+  shards: LogitsShards,
+  next_logits: jax.Array,
+  inputs,
+  positions: jax.Array,
+  top_n: int,
+  processor_states: tuple,
+  info: StepInfo,
+  live: jax.Array,
+):
+  """A step's tokens for every row, and what they stop (shared by this loop
+  and `slots`'s). `inputs` has the rows' sample_ids, sampling, processors.
+
+  Returns ((token, score, top_ids, top_logprobs), stop, keep, processor
+  states): `stop` where the token is a stop id (of `info.stop_ids`, shared
+  or per row), `keep` where a live row keeps its token.
+  """
+  token, score, top_ids, top_logprobs = shards.sample(
+    next_logits,
+    inputs.sampling,
+    inputs.sample_ids,
+    positions,
+    top_n,
+    inputs.processors,
+    processor_states,
+    info,
+  )
+  stop_ids = info.stop_ids
+  stop_ids = stop_ids if stop_ids.ndim == 2 else stop_ids[None, :]
+  # Position 0 always holds BOS (the only token the BOS distribution allows):
+  # it starts a sequence and never stops one, even where BOS is also EOS.
+  stop = jnp.any(token[:, None] == stop_ids, axis=-1) & (positions > 0)
+  keep = live & ~stop
+  processor_states = keep_rows(
+    keep & (positions > 0),
+    tuple(
+      p.update(s, token, info)
+      for p, s in zip(inputs.processors, processor_states, strict=True)
+    ),
+    processor_states,
+  )
+  return (token, score, top_ids, top_logprobs), stop, keep, processor_states
 
 
 def _write_pending(state: LoopState, pending) -> LoopState:

@@ -158,11 +158,11 @@ class LogitsShards:
         return x
       return lax.dynamic_slice_in_dim(x, first, count)
 
-    keys = token_keys(sampling.seed, mine(sample_ids), mine(positions))
-    mine_sampling = jax.tree.map(mine, sampling)
+    mine_sampling = jax.tree.map(mine, sampling)  # seeds too, when per row
+    keys = token_keys(mine_sampling.seed, mine(sample_ids), mine(positions))
     drawn_from = whole
     if processors:
-      local = info.replace(generated=mine(info.generated))
+      local = info.for_rows(mine)
       for processor, state in zip(processors, states, strict=True):
         drawn_from = processor.apply(
           jax.tree.map(mine, state), drawn_from, local

@@ -12,6 +12,7 @@ engine of its phase (`engine.py`), which owns the compiled programs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from chunkwise import memory
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, generate
+from chunkwise.inference import checks, continuous, generate
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import (
   make_engines,
@@ -291,6 +292,74 @@ class InferenceModel:
     caches, state, inputs = self._start(prefix, locals())
     return generate.finish(
       self._generate_engine.run(caches, state, inputs, jnp.int32(steps))
+    )
+
+  def generate_many(
+    self,
+    requests: Sequence[continuous.Request],
+    *,
+    slots: int,
+    prefix: Sequence[ChunkResult] = (),
+    top_n: int = 0,
+    processors: Sequence[processors_lib.LogitsProcessor] = (),
+    budget_forcing: bool = False,
+    every: int = 64,
+    progress: bool = False,
+  ) -> Iterator[continuous.RequestResult]:
+    """Generates every request through `slots` rows (continuous batching):
+    a finished row's slot takes the next waiting request.
+
+    Args:
+      requests: `cw.Request`s (prompt continuing `prefix`, sample id,
+        steps, sampling, stop ids, constraint).
+      slots: rows decoded side by side (a multiple of the layout's
+        attention batch split on a mesh).
+      prefix: ChunkResults of batch 1 that every request continues, read
+        in place by every slot (e.g. a few-shot prompt).
+      top_n: alternatives to return per generated position.
+      processors: applied to every request (their state restarts with
+        each request).
+      budget_forcing: close every constrained request within its steps.
+      every: most decode steps between two looks from the host (a slot
+        that finishes also ends the run early).
+      progress: show a progress bar (process 0).
+    Yields:
+      `cw.RequestResult`s as requests finish. Each equals what `generate`
+      gives for that request alone (DESIGN.md §4): same tokens, same
+      scores up to float rounding. Everything is validated before any
+      device work (ValueError names the request).
+    """
+    split = (
+      1
+      if self._mesh is None
+      else math.prod(
+        int(self._mesh.shape[a]) for a in self.generate_layout.attn_batch.axes
+      )
+    )
+    call, prefix, slots, top_n = continuous.check_many(
+      self._hparams,
+      requests,
+      slots_n=slots,
+      prefix=prefix,
+      top_n=top_n,
+      processors=processors,
+      budget_forcing=budget_forcing,
+      eos_ids=self._eos_ids,
+      vocabulary=self._vocab,
+      batch_split=split,
+    )
+    every = checks.check_count("every", every, minimum=1)
+    return continuous.run_many(
+      call,
+      prefix,
+      prefill_engine=self._prefill_engine,
+      generate_engine=self._generate_engine,
+      hparams=self._hparams,
+      slots_n=slots,
+      top_n=top_n,
+      bos_id=self._bos_id,
+      every=every,
+      progress=progress,
     )
 
   def generate_stream(

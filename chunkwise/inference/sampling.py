@@ -111,13 +111,15 @@ def token_keys(
   seed: jax.Array, sample_ids: jax.Array, positions: jax.Array
 ) -> jax.Array:
   """The RNG contract: key[i] = fold_in(fold_in(key(seed), sample_ids[i]),
-  positions[i]). Typed keys, shape [batch]."""
-  base = jax.random.key(seed)
+  positions[i]). `seed` is one for all rows or one per row (continuous
+  batching); typed keys, shape [batch]."""
 
-  def one(sample_id, position):
+  def one(seed, sample_id, position):
+    base = jax.random.key(seed)
     return jax.random.fold_in(jax.random.fold_in(base, sample_id), position)
 
-  return jax.vmap(one)(sample_ids, positions)
+  seeds = jnp.broadcast_to(seed, jnp.shape(sample_ids))
+  return jax.vmap(one)(seeds, sample_ids, positions)
 
 
 def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import HParams
 from chunkwise.inference import generate, prefill
+from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import layer_pieces, positions_of
 from chunkwise.inference.kv_cache import KVCache, LayerKV
@@ -298,31 +299,94 @@ class ShardedEngine:
 
   def run(self, caches, state, inputs, stop_at):
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
-    (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
-    rules = plan.rules()
-    inputs, inputs_spec = self._place(
-      inputs, generate.LoopInputs.axes(inputs.processors), rules
-    )
-    stop_at, stop_spec = self._place(stop_at, P(), rules)
     per_device = functools.partial(
       generate.run, self._infer(plan), shards=self._shards(plan)
     )
-    # Processor states join the state on the host: place them too.
-    state, state_spec = self._place(
+    return self._loop(
+      "run",
+      plan,
+      per_device,
+      caches,
       state,
       generate.LoopState.axes(self.hparams.layers, state.processor_states),
-      rules,
+      inputs,
+      generate.LoopInputs.axes(inputs.processors),
+      stop_at,
+    )
+
+  def slot_init(self, caches, *, slots: int, capacity, steps, top_n, vocab):
+    plan = self.plan(slots, [c.batch for c in caches])
+    (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
+    per_device = functools.partial(
+      slots_lib.init,
+      self._infer(plan),
+      slots=slots,
+      capacity=capacity,
+      steps=steps,
+      top_n=top_n,
+      vocab=vocab,
+      shards=self._shards(plan),
     )
     program = self._program(
+      ("slot_init", plan, capacity, steps, top_n),
+      per_device,
+      (self._weight_specs, cache_specs),
+      resolve_tree(slots_lib.SlotState.axes(self.hparams.layers), plan.rules()),
+    )
+    return program(self.weights, caches)
+
+  def slot_run(self, caches, state, inputs, max_steps, until_free):
+    plan = self.plan(state.slots, [c.batch for c in caches])
+    n, i = plan.size(plan.attn_batch), plan.attn_batch
+    per_device = functools.partial(
+      slots_lib.run,
+      self._infer(plan),
+      shards=self._shards(plan),
+      kv_rows=lambda x: ops.local_rows(x, n, ops.index(i)),
+    )
+    return self._loop(
+      "slot_run",
+      plan,
+      per_device,
+      caches,
+      state,
+      slots_lib.SlotState.axes(self.hparams.layers, state.processor_states),
+      inputs,
+      slots_lib.SlotInputs.axes(inputs.processors),
+      max_steps,
+      until_free,
+    )
+
+  def _loop(
+    self,
+    name,
+    plan,
+    per_device,
+    caches,
+    state,
+    state_axes,
+    inputs,
+    inputs_axes,
+    *scalars,
+  ):
+    """Runs a loop program `per_device(weights, caches, state, inputs,
+    *scalars)` that returns the state (donated)."""
+    (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
+    rules = plan.rules()
+    inputs, inputs_spec = self._place(inputs, inputs_axes, rules)
+    scalars, scalar_specs = self._place(scalars, (P(),) * len(scalars), rules)
+    # Processor states join the state on the host: place them too.
+    state, state_spec = self._place(state, state_axes, rules)
+    program = self._program(
       (
-        "run",
+        name,
         plan,
         jax.tree.structure(inputs.processors),
         jax.tree.structure(state.processor_states),
       ),
       per_device,
-      (self._weight_specs, cache_specs, state_spec, inputs_spec, stop_spec),
+      (self._weight_specs, cache_specs, state_spec, inputs_spec, *scalar_specs),
       state_spec,
       donate_argnums=(2,),
     )
-    return program(self.weights, caches, state, inputs, stop_at)
+    return program(self.weights, caches, state, inputs, *scalars)

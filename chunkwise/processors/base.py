@@ -45,10 +45,16 @@ class StepInfo:
   Attributes:
     generated: int32[rows]: tokens each row has generated (and kept) so far
       in this call.
-    remaining: int32[]: columns left in this call's buffer, this one
-      included (a row that has not stopped after `remaining` more tokens
-      ends with finish_reason "length").
-    stop_ids: int32[n]: the ids that end a row (EOS and `stop_ids`).
+    remaining: int32[] or int32[rows]: columns left in this call's buffer
+      (or each row's budget), this one included (a row that has not stopped
+      after `remaining` more tokens ends with finish_reason "length").
+    stop_ids: int32[n] or int32[rows, n]: the ids that end a row (EOS and
+      `stop_ids`); per row in continuous batching, where each request has
+      its own (padded with ids >= vocab, which match no token).
+
+  `generate` passes the shared forms, `generate_many` the per-row ones; a
+  processor reads them through `remaining_rows` and `stop_rows`, which
+  broadcast against [rows, vocab] either way.
   """
 
   generated: jax.Array
@@ -56,8 +62,35 @@ class StepInfo:
   stop_ids: jax.Array
 
   def stop_mask(self, vocab: int) -> jax.Array:
-    """bool[vocab]: True at the stop ids."""
-    return jnp.zeros(vocab, bool).at[self.stop_ids].set(True)
+    """bool[vocab] (shared stop ids) or bool[rows, vocab] (per row): True
+    at the stop ids."""
+    if self.stop_ids.ndim == 1:
+      return jnp.zeros(vocab, bool).at[self.stop_ids].set(True)
+    rows = jnp.arange(self.stop_ids.shape[0])[:, None]
+    return (
+      jnp.zeros((self.stop_ids.shape[0], vocab), bool)
+      .at[rows, self.stop_ids]
+      .set(True, mode="drop")
+    )
+
+  def stop_rows(self, vocab: int) -> jax.Array:
+    """bool[1 or rows, vocab]: `stop_mask` shaped to broadcast over rows."""
+    mask = self.stop_mask(vocab)
+    return mask[None, :] if mask.ndim == 1 else mask
+
+  def remaining_rows(self) -> jax.Array:
+    """`remaining` shaped to broadcast against [rows, vocab]."""
+    return self.remaining[:, None] if self.remaining.ndim else self.remaining
+
+  def for_rows(self, rows) -> StepInfo:
+    """The info of some rows: `rows` maps a per-row array to those rows."""
+    return self.replace(
+      generated=rows(self.generated),
+      remaining=rows(self.remaining) if self.remaining.ndim else self.remaining,
+      stop_ids=rows(self.stop_ids)
+      if self.stop_ids.ndim == 2
+      else self.stop_ids,
+    )
 
 
 class LogitsProcessor(struct.PyTreeNode):
@@ -115,9 +148,17 @@ def as_tuple(processors) -> tuple:
 
 
 def check(
-  processors: Sequence[LogitsProcessor], *, batch: int, vocab: int, n_stop: int
+  processors: Sequence[LogitsProcessor],
+  *,
+  batch: int,
+  vocab: int,
+  n_stop: int,
+  per_row: bool = False,
 ) -> tuple[tuple[LogitsProcessor, ...], tuple[Any, ...]]:
   """Validates processors on the host; returns (processors, init states).
+
+  With `per_row`, they are traced with per-row `remaining` and `stop_ids`
+  (`StepInfo`), as continuous batching runs them.
 
   Raises ValueError naming a processor that is not a `LogitsProcessor`,
   whose state has the wrong leading axis, or whose `apply` / `update` cannot
@@ -143,8 +184,10 @@ def check(
         )
     info = StepInfo(
       generated=jax.ShapeDtypeStruct((batch,), jnp.int32),
-      remaining=jax.ShapeDtypeStruct((), jnp.int32),
-      stop_ids=jax.ShapeDtypeStruct((n_stop,), jnp.int32),
+      remaining=jax.ShapeDtypeStruct((batch,) if per_row else (), jnp.int32),
+      stop_ids=jax.ShapeDtypeStruct(
+        (batch, n_stop) if per_row else (n_stop,), jnp.int32
+      ),
     )
     logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)

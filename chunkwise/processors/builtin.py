@@ -79,10 +79,10 @@ class TokenAllow(LogitsProcessor):
     _check_range("allow_tokens", np.asarray(self.ids), vocab)
 
   def apply(self, state, logits, info):
-    allowed = jnp.zeros(logits.shape[-1], bool).at[self.ids].set(True)
+    allowed = jnp.zeros(logits.shape[-1], bool).at[self.ids].set(True)[None]
     if self.stops:
-      allowed |= info.stop_mask(logits.shape[-1])
-    return jnp.where(allowed[None, :], logits, -jnp.inf)
+      allowed = allowed | info.stop_rows(logits.shape[-1])
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 class LogitBias(LogitsProcessor):
@@ -174,7 +174,7 @@ class MinTokens(LogitsProcessor):
   def apply(self, state, logits, info):
     (count,) = state
     early = (info.generated < count)[:, None]
-    is_stop = info.stop_mask(logits.shape[-1])[None, :]
+    is_stop = info.stop_rows(logits.shape[-1])
     return jnp.where(early & is_stop, -jnp.inf, logits)
 
 
