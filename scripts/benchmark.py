@@ -44,6 +44,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from chunkwise import checkpoints, constraints, memory, partitioning
+from chunkwise.bench import continuous as bench_continuous
 from chunkwise.bench import (
   machine,
   profile,
@@ -140,6 +141,24 @@ _CONSTRAINTS = flags.DEFINE_list(
   "Also time greedy decode under these constraints (names from "
   "CONSTRAINTS: choice, integer, date, json, text) at every decode batch, "
   "and report each one's table build time and size.",
+)
+
+_CONTINUOUS = flags.DEFINE_bool(
+  "continuous",
+  False,
+  "Also compare continuous batching (generate_many) with static batches "
+  "on a long-tailed workload of --continuous_requests requests (80% with "
+  "budgets of 8-32 tokens, 20% of --continuous_long), at --slots rows, "
+  "for the first --weights configuration; see chunkwise/bench/continuous.py.",
+)
+_CONTINUOUS_REQUESTS = flags.DEFINE_integer(
+  "continuous_requests", 256, "Requests of the --continuous workload."
+)
+_CONTINUOUS_LONG = flags.DEFINE_integer(
+  "continuous_long", 256, "Budget of the long 20% of --continuous requests."
+)
+_SLOTS = flags.DEFINE_integer(
+  "slots", 16, "Batch width of --continuous (slots, and static batches)."
 )
 
 # Named constraints: the acceptance set, plus free text (any
@@ -283,7 +302,21 @@ def run(argv: Sequence[str]) -> None:
       vocab, [_PROMPT.value], is_first_chunk=True, bos_id=bos_id
     ).tokens[0]
   ).tolist()
-  longest = max([*prefill_lengths, len(prompt) + _STEPS.value])
+  if _CONTINUOUS.value:
+    for name, flag in (
+      ("continuous_requests", _CONTINUOUS_REQUESTS),
+      ("continuous_long", _CONTINUOUS_LONG),
+      ("slots", _SLOTS),
+    ):
+      if flag.value < 1:
+        raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+  longest = max(
+    [
+      *prefill_lengths,
+      len(prompt) + _STEPS.value,
+      len(prompt) + 8 + (_CONTINUOUS_LONG.value if _CONTINUOUS.value else 0),
+    ]
+  )
   if longest > h.max_len:
     raise app.UsageError(
       f"{longest} tokens (longest prefill, or prompt + --steps) exceed the "
@@ -368,6 +401,17 @@ def run(argv: Sequence[str]) -> None:
       point = timing.prefill(model, ids, _RUNS.value)
       prefill.append(roofline.prefill_row(point, h, limits.peak(*ours)))
       logging.info("%s prefill: %s", config["name"], prefill[-1])
+    if i == 0 and _CONTINUOUS.value:
+      requests = bench_continuous.workload(
+        model,
+        _CONTINUOUS_REQUESTS.value,
+        long=_CONTINUOUS_LONG.value,
+        seed=_SEED.value,
+      )
+      config["continuous"] = bench_continuous.compare(
+        model, prompt, requests, slots=_SLOTS.value, runs=_RUNS.value
+      )
+      logging.info("%s continuous: %s", config["name"], config["continuous"])
     profiles = {}
     for b in profile_batches:
       profiles[str(b)] = profile.measure(
@@ -419,6 +463,9 @@ def run(argv: Sequence[str]) -> None:
   print(report.table(result))
   if named:
     print(report.constraint_table(result))
+  for config in results:
+    if "continuous" in config:
+      print(bench_continuous.table(config["continuous"]))
 
 
 def _build(name: str, described) -> dict:

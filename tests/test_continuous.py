@@ -159,6 +159,16 @@ def test_arrival_order_and_neighbours_do_not_matter(tiny, mixed):
     i: cw.RequestResult(**{**g.__dict__, "index": i}) for i, g in got.items()
   }
   _check(got, want, "reversed and mixed")
+  # With the same slots, bit-identical (what resumed batch jobs rely on).
+  alone = {
+    r.index: r
+    for r in tiny.generate_many(requests, slots=4, prefix=prefix, **kwargs)
+  }
+  for i, g in got.items():
+    for field in ("tokens", "per_token_scores", "top_ids", "top_logprobs"):
+      np.testing.assert_array_equal(
+        getattr(g, field), getattr(alone[i], field), err_msg=f"{i} {field}"
+      )
 
 
 def test_without_prefix_prompts_start_with_bos(tiny):

@@ -6,9 +6,10 @@
 
 The host side of `slots`: validates every request before any device work,
 then keeps the slots full. Free slots take the next waiting requests in
-order: their prompts are prefilled together after the shared prefix (rows
-padded to a power of two, columns to a power of two of at least 8, so few
-programs compile) and put into the slots (`slots.admit`); the slots then
+order: their prompts are prefilled after the shared prefix, up to four at
+once (always four rows, columns padded to a power of two of at least 8,
+so few programs compile and no prompt's K/V depend on its neighbours')
+and put into the slots (`slots.admit`); the slots then
 decode on device until one of them finishes (or `every` steps pass), the
 host collects what finished, and so on. Results are yielded as requests
 finish (in request order among those finishing together).
@@ -16,16 +17,18 @@ finish (in request order among those finishing together).
 The contract: a request's tokens equal, and its scores match (to float
 rounding), `generate(prefix + [prefill(its prompt)], sample_ids=[its id],
 steps=its steps, ...)` run alone, whatever the slots, the order and the
-other requests. The schedule depends only on the requests (never on
-timing), so every process of a multi-host run makes the same one.
+other requests. For a given number of slots its results are bit-identical
+whatever the order and the other requests (every program's shapes are the
+same; rows never mix), which batch jobs rely on to resume. The schedule
+depends only on the requests (never on timing), so every process of a
+multi-host run makes the same one.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +44,10 @@ from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 
+# Default capacities are rounded up to a multiple of this, so calls whose
+# longest request differs a little share their compiled programs.
+CAPACITY_STEP = 64
+ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
@@ -100,12 +107,29 @@ class _Checked:
   processors: tuple
   processor_states: tuple  # leading axis: requests
   start: int  # tokens of the shared prefix
-  capacity: int  # K/V columns a slot needs
-  most_steps: int
+  capacity: int  # K/V (and result) columns of a slot
 
 
 def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def prompt_bucket(length: int) -> int:
+  """Columns a prompt of `length` tokens is padded to when prefilled."""
+  return _bucket(length, 8)
+
+
+def _need(prompt: int, steps: int) -> int:
+  return max(prompt_bucket(prompt), prompt + steps)
+
+
+def _round_up(n: int) -> int:
+  return -(-n // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def default_capacity(requests: Sequence[Request]) -> int:
+  """`generate_many`'s default capacity for `requests`."""
+  return _round_up(max(_need(len(r.tokens), r.steps) for r in requests))
 
 
 def _as_request(i: int, r) -> Request:
@@ -126,6 +150,7 @@ def check_many(
   eos_ids: Sequence[int],
   vocabulary,
   batch_split: int,
+  capacity: int | None = None,
 ) -> tuple[_Checked, tuple[ChunkResult, ...], int, int]:
   """Validates a `generate_many` call on the host (constraints compiled,
   processors traced); raises ValueError naming the first bad request or
@@ -217,10 +242,17 @@ def check_many(
     },
     seed=np.array([r.sampling.for_batch(1).seed for r in requests], np.uint32),
   )
-  capacity = max(
-    max(_bucket(p.size, 8), p.size + int(s))
-    for p, s in zip(prompts, steps, strict=True)
-  )
+  needs = [_need(p.size, int(s)) for p, s in zip(prompts, steps, strict=True)]
+  if capacity is None:
+    capacity = _round_up(max(needs))
+  capacity = checks.check_count("capacity", capacity, minimum=1)
+  for i, need in enumerate(needs):
+    if need > capacity:
+      raise ValueError(
+        f"requests[{i}] needs {need} columns (prompt {prompts[i].size}, "
+        f"padded to {prompt_bucket(prompts[i].size)}, + steps {steps[i]}), "
+        f"over the slot capacity={capacity}"
+      )
   call = _Checked(
     prompts=prompts,
     sample_ids=np.array([r.sample_id for r in requests], np.int32),
@@ -231,7 +263,6 @@ def check_many(
     processor_states=states,
     start=start,
     capacity=capacity,
-    most_steps=int(steps.max()),
   )
   return call, prefix, n_slots, top_n
 
@@ -239,14 +270,23 @@ def check_many(
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
-@functools.cache
-def _admit_program(shardings):
-  return jax.jit(slots.admit, donate_argnums=0, out_shardings=shardings)
+_ADMIT: dict = {}  # one admission program per placement of the slots
+
+
+def admit_programs() -> int:
+  """Admission programs compiled so far (for benchmarks)."""
+  return sum(p._cache_size() for p in _ADMIT.values())
 
 
 def _admit(state, prompts, at, lengths, rows):
   shardings = jax.tree.map(lambda x: x.sharding, state)
-  return _admit_program(shardings)(state, prompts, at, lengths, rows)
+  key = jax.tree.flatten(shardings)
+  key = (tuple(key[0]), key[1])
+  if key not in _ADMIT:
+    _ADMIT[key] = jax.jit(
+      slots.admit, donate_argnums=0, out_shardings=shardings
+    )
+  return _ADMIT[key](state, prompts, at, lengths, rows)
 
 
 def run_many(
@@ -261,15 +301,19 @@ def run_many(
   bos_id: int,
   every: int,
   progress: bool = False,
+  trace: Callable[[str, list[int]], None] | None = None,
 ) -> Iterator[RequestResult]:
-  """The scheduler (module docstring) over a validated call."""
+  """The scheduler (module docstring) over a validated call; `trace` (for
+  benchmarks) is told ("first_token", requests) at the host sync after the
+  segment that computed their first tokens, and ("steps", [k]) after each
+  segment of k decode steps."""
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
   state = generate_engine.slot_init(
     caches,
     slots=slots_n,
     capacity=call.capacity,
-    steps=call.most_steps,
+    steps=call.capacity,
     top_n=top_n,
     vocab=hparams.vocab,
   )
@@ -285,6 +329,7 @@ def run_many(
     )
   )
   occupant = np.full(slots_n, -1)
+  before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
   bar = _progress_bar(n, progress)
   try:
@@ -303,6 +348,9 @@ def run_many(
           bos_id,
         )
         occupant[free[: len(take)]] = take
+        before[free[: len(take)]] = 0
+      else:
+        take = []
       inputs = _inputs(call, occupant)
       state = generate_engine.slot_run(
         caches, state, inputs, jnp.int32(every), jnp.bool_(True)
@@ -310,6 +358,12 @@ def run_many(
       done, stopped, generated = jax.device_get(
         (state.done, state.stopped, state.generated)
       )
+      if trace is not None:
+        if take:
+          trace("first_token", take)
+        ran = np.where(occupant >= 0, generated - before, 0)
+        trace("steps", [int(ran.max(initial=0))])
+        before = generated.copy()
       finished = np.flatnonzero(done & (occupant >= 0))
       if not finished.size:
         continue
@@ -332,25 +386,44 @@ def run_many(
     bar.close()
 
 
+def admit_rows(slots_n: int) -> int:
+  """Rows of every admission prefill: a fixed width, so that a prompt's
+  K/V never depend on the prompts admitted with it (matmuls of the same
+  shape round each row alike), only on the call's slots."""
+  return min(ADMIT_ROWS, slots_n)
+
+
 def _prefill_into(call, state, take, at, caches, prev, engine, bos_id):
-  """Prefills requests `take` after the shared prefix, into slots `at`."""
-  rows = min(_bucket(len(take), 1), state.slots)
-  rows = max(rows, len(take))
-  lengths = np.zeros(rows, np.int32)
-  lengths[: len(take)] = [call.prompts[i].size for i in take]
-  time = _bucket(int(lengths.max()), 8)
-  tokens = np.zeros((rows, time), np.int32)
-  for j, i in enumerate(take):
-    tokens[j, : lengths[j]] = call.prompts[i]
-  result = engine.prefill(
-    caches, prev, Chunk(tokens=tokens, lengths=lengths), top_n=0, bos_id=bos_id
-  )
-  slots_at = np.full(rows, state.slots, np.int32)
-  slots_at[: len(take)] = at
-  index = np.zeros(rows, np.int64)
-  index[: len(take)] = take
-  processor_rows = jax.tree.map(lambda s: s[index], call.processor_states)
-  return _admit(state, result, slots_at, lengths, processor_rows)
+  """Prefills requests `take` after the shared prefix and puts them into
+  slots `at`: one prefill of `admit_rows` rows per group of prompts of the
+  same length bucket."""
+  rows = admit_rows(state.slots)
+  groups: dict[int, list[tuple[int, int]]] = {}
+  for i, slot in zip(take, at, strict=True):
+    groups.setdefault(prompt_bucket(call.prompts[i].size), []).append((i, slot))
+  for time, group in sorted(groups.items()):
+    for lo in range(0, len(group), rows):
+      part = group[lo : lo + rows]
+      lengths = np.zeros(rows, np.int32)
+      tokens = np.zeros((rows, time), np.int32)
+      slots_at = np.full(rows, state.slots, np.int32)  # padding: dropped
+      index = np.zeros(rows, np.int64)
+      for j, (i, slot) in enumerate(part):
+        lengths[j] = call.prompts[i].size
+        tokens[j, : lengths[j]] = call.prompts[i]
+        slots_at[j], index[j] = slot, i
+      result = engine.prefill(
+        caches,
+        prev,
+        Chunk(tokens=tokens, lengths=lengths),
+        top_n=0,
+        bos_id=bos_id,
+      )
+      processor_rows = jax.tree.map(
+        lambda s, index=index: s[index], call.processor_states
+      )
+      state = _admit(state, result, slots_at, lengths, processor_rows)
+  return state
 
 
 def _inputs(call: _Checked, occupant: np.ndarray) -> slots.SlotInputs:

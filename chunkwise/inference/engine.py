@@ -308,6 +308,13 @@ def stream(
     yield generate.segment(state, begin, end)
 
 
+def compiled_programs(engine: Engine) -> int:
+  """How many programs `engine` has compiled so far (its jitted functions'
+  cache sizes; for benchmarks)."""
+  fns = [*vars(engine).values(), *getattr(engine, "_programs", {}).values()]
+  return sum(f._cache_size() for f in fns if hasattr(f, "_cache_size"))
+
+
 def shuffle_tag(layout: Layout, mesh) -> fused.ShuffleTag:
   """The `ShuffledWeights.tag` that `layout` on `mesh` reads."""
   sizes = tuple((a, int(mesh.shape[a])) for a in mesh.axis_names)

@@ -162,6 +162,12 @@ class InferenceModel:
     return self._prefill_engine.result_shardings(batch)
 
   @property
+  def engines(self) -> tuple:
+    """The (prefill, generate) engines (one object when the phases share a
+    layout)."""
+    return self._prefill_engine, self._generate_engine
+
+  @property
   def precision(self) -> str:
     """Of every matmul and einsum ("highest", "high" or "default")."""
     return self._precision
@@ -304,7 +310,9 @@ class InferenceModel:
     processors: Sequence[processors_lib.LogitsProcessor] = (),
     budget_forcing: bool = False,
     every: int = 64,
+    capacity: int | None = None,
     progress: bool = False,
+    trace=None,
   ) -> Iterator[continuous.RequestResult]:
     """Generates every request through `slots` rows (continuous batching):
     a finished row's slot takes the next waiting request.
@@ -322,7 +330,13 @@ class InferenceModel:
       budget_forcing: close every constrained request within its steps.
       every: most decode steps between two looks from the host (a slot
         that finishes also ends the run early).
+      capacity: columns of each slot's K/V and result buffers: at least
+        any request's prompt (padded to a power of two, at least 8) plus
+        its steps. Default: what the longest request needs, rounded up to
+        a multiple of 64; programs compile once per capacity.
       progress: show a progress bar (process 0).
+      trace: for benchmarks, a callable told ("first_token", request
+        indices) when their first tokens have been computed.
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -347,6 +361,7 @@ class InferenceModel:
       eos_ids=self._eos_ids,
       vocabulary=self._vocab,
       batch_split=split,
+      capacity=capacity,
     )
     every = checks.check_count("every", every, minimum=1)
     return continuous.run_many(
@@ -360,6 +375,7 @@ class InferenceModel:
       bos_id=self._bos_id,
       every=every,
       progress=progress,
+      trace=trace,
     )
 
   def generate_stream(

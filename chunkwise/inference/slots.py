@@ -140,7 +140,7 @@ def init(
     scores=jnp.zeros((slots, steps), jnp.float32),
     top_ids=jnp.zeros((slots, steps, top_n), jnp.int32),
     top_logprobs=jnp.zeros((slots, steps, top_n), jnp.float32),
-    next_logits=jnp.zeros_like(logits),
+    next_logits=jnp.zeros(logits.shape, jnp.float32),  # not weak-typed
     done=jnp.ones((slots,), bool),
     stopped=jnp.zeros((slots,), bool),
   )
