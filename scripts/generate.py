@@ -15,8 +15,14 @@ chunkwise/constraints); --budget_forcing closes each sample within --steps.
 Input (see chunkwise/jobs/examples.py): JSON lines {"id", "prompt"}
 ("text" works too), or plain text, one prompt per line, its id the line
 number. A prompt is the start of a sequence (after BOS), or continues
---shared_prefix, which is prefilled once for the whole job. Each prompt is
-prefilled once and its --num_samples rows attend to its KV cache.
+--shared_prefix, which is prefilled once for the whole job and read in
+place by every sample. Samples run with continuous batching: --slots rows
+decode side by side and a finished sample's row takes the next waiting
+one, so long samples do not hold short ones back; --static_batching runs
+batches of --batch_size prompts (each prefilled once, its --num_samples
+rows attending to its KV cache) until their last sample stops. --stream
+prints the first prompt's first sample when it finishes (as it grows
+with --static_batching).
 
 Output: one JSON line per sample: id, sample, text, tokens, token_logprobs
 (raw log-probs), finish_reason ("stop": a stop id, EOS included, or a
@@ -74,6 +80,21 @@ _BUDGET_FORCING = flags.DEFINE_bool(
   "With a constraint: steer each sample to close (and stop) within --steps.",
 )
 
+_SLOTS = flags.DEFINE_integer(
+  "slots",
+  None,
+  "Continuous batching (the default): samples decode in this many rows "
+  "(default: --batch_size), a finished sample's row taking the next one.",
+  lower_bound=1,
+)
+_STATIC_BATCHING = flags.DEFINE_bool(
+  "static_batching",
+  False,
+  "Run batches of --batch_size prompts until their last sample stops "
+  "(before continuous batching, the only way; --stream then prints the "
+  "first sample as it grows, not when it finishes).",
+)
+
 
 def stop_strings() -> list[str]:
   """--stop values, with backslash escapes (\\n, \\t) decoded."""
@@ -118,6 +139,8 @@ def generate() -> None:
     choices=_CHOICES.value,
     budget_forcing=_BUDGET_FORCING.value,
     schema_strict=_SCHEMA_STRICT.value,
+    slots=_SLOTS.value,
+    static_batching=_STATIC_BATCHING.value,
   )
   cli.report(run_generate(job))
 

@@ -170,7 +170,7 @@ def compare(
   prefix = [model.prefill(chunk)]
   requests = list(requests)
   longest = max(r.steps for r in requests)
-  capacity = continuous_lib.default_capacity(requests)
+  capacity = continuous_lib.slot_capacity(requests)
   before = _programs(model)
   # Warm-up: the static program, and every admission size (a power of two
   # up to `slots`: a call of k requests admits k at once).

@@ -3,7 +3,11 @@
 
 from chunkwise.inference.attention import attend
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.continuous import Request, RequestResult
+from chunkwise.inference.continuous import (
+  Request,
+  RequestResult,
+  slot_capacity,
+)
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.model import InferenceModel
@@ -40,5 +44,6 @@ __all__ = [
   "eos_id_of",
   "eos_ids_of",
   "random_model_vocab",
+  "slot_capacity",
   "transformer_infer",
 ]

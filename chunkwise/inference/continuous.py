@@ -43,6 +43,7 @@ from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.partitioning.placement import put
 
 # Default capacities are rounded up to a multiple of this, so calls whose
 # longest request differs a little share their compiled programs.
@@ -127,7 +128,7 @@ def _round_up(n: int) -> int:
   return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
-def default_capacity(requests: Sequence[Request]) -> int:
+def slot_capacity(requests: Sequence[Request]) -> int:
   """`generate_many`'s default capacity for `requests`."""
   return _round_up(max(_need(len(r.tokens), r.steps) for r in requests))
 
@@ -273,12 +274,23 @@ _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 _ADMIT: dict = {}  # one admission program per placement of the slots
 
 
+def _replicated_like(state: slots.SlotState, tree):
+  """Host arrays placed where the slots' small per-row arrays are: on a
+  mesh replicated over every device (of every process)."""
+  where = state.done.sharding
+  if not isinstance(where, jax.sharding.NamedSharding):
+    return jax.tree.map(lambda x: jax.device_put(x, where), tree)
+  where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(lambda x: put(x, where), tree)
+
+
 def admit_programs() -> int:
   """Admission programs compiled so far (for benchmarks)."""
   return sum(p._cache_size() for p in _ADMIT.values())
 
 
 def _admit(state, prompts, at, lengths, rows):
+  at, lengths, rows = _replicated_like(state, (at, lengths, rows))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   key = jax.tree.flatten(shardings)
   key = (tuple(key[0]), key[1])
@@ -317,15 +329,13 @@ def run_many(
     top_n=top_n,
     vocab=hparams.vocab,
   )
-  # Free slots hold request 0's initial processor states, replicated
-  # where the slots' small per-row arrays are.
-  where = state.done.sharding
-  if isinstance(where, jax.sharding.NamedSharding):
-    where = jax.sharding.NamedSharding(where.mesh, jax.sharding.PartitionSpec())
+  # Free slots hold request 0's initial processor states.
   state = state.replace(
-    processor_states=jax.tree.map(
-      lambda s: jax.device_put(np.repeat(s[:1], slots_n, axis=0), where),
-      call.processor_states,
+    processor_states=_replicated_like(
+      state,
+      jax.tree.map(
+        lambda s: np.repeat(s[:1], slots_n, axis=0), call.processor_states
+      ),
     )
   )
   occupant = np.full(slots_n, -1)

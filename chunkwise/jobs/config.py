@@ -123,7 +123,8 @@ class Job:
   max_line_bytes: int = examples.MAX_LINE_BYTES
   max_json_depth: int = examples.MAX_JSON_DEPTH
   progress: bool = True  # a progress bar on process 0
-  batch_delay_s: float = 0.0  # sleep after each batch (throttling)
+  batch_delay_s: float = 0.0  # sleep after each batch or, with continuous
+  # batching, each finished sample (throttling)
   multihost: MultiHost = MultiHost()
 
   def __post_init__(self):
@@ -185,10 +186,17 @@ class GenerateJob(Job):
   schema_strict: bool = False
   choices: tuple[str, ...] | None = None
   budget_forcing: bool = False  # close each constrained sample in `steps`
+  # Continuous batching (`generate_many`): samples decode in `slots` rows
+  # (None: batch_size), a finished one's row taking the next sample.
+  # `static_batching` runs batches of prompts to their end instead.
+  slots: int | None = None
+  static_batching: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     _positive("num_samples", self.num_samples)
+    if self.slots is not None:
+      _positive("slots", self.slots)
     _positive("steps", self.steps)
     if not isinstance(self.sampling, Sampling):
       raise ValueError(

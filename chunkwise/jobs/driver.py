@@ -32,7 +32,7 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from absl import logging
 
@@ -265,11 +265,20 @@ def _plan_digest(plan, setup: Setup) -> bytes:
   return digest.digest()
 
 
+# (model, prefix, [(example, sample index), ...]) -> (position, records)
+# as they finish, in any order.
+RunItems = Callable[
+  [InferenceModel, list, list[tuple[examples.Prepared, int]]],
+  Iterator[tuple[int, list[dict]]],
+]
+
+
 def run(
   setup: Setup,
   *,
   keys: Callable[[examples.Prepared], list[str]],
-  run_batch: RunBatch,
+  run_batch: RunBatch | None = None,
+  run_items: RunItems | None = None,
   reserved: int = 0,
   record_key: Callable[[dict], str] = output.record_id,
   settings: dict | None = None,
@@ -277,7 +286,12 @@ def run(
   """Steps 3 to 5 (module docstring). `keys(p)` are the output keys of
   example p's records; `run_batch(model, prefix, rows, batch)` gives
   each row's records (None for padding rows); `settings` (the options that
-  change results) must match those of the run that began the output."""
+  change results) must match those of the run that began the output.
+
+  Continuous batching gives `run_items` instead: every record not yet in
+  the output (one per key, e.g. per sample) is one item, all handed over
+  at once; it yields (item position, records) as they finish, and the
+  process numbered position % processes writes them."""
   job = setup.job
   m = job.model
   settings = {
@@ -322,6 +336,10 @@ def run(
   _agree(error)
   done = out.done
   finished = [all(k in done for k in keys(p)) for p in setup.prepared]
+  if run_items is not None:
+    return _run_items(
+      setup, out, done, finished, keys, run_items, process, processes
+    )
   # The whole job's plan, less its finished batches: a resumed job runs
   # each batch with the rows it had at first, so its values are
   # bit-identical to an uninterrupted run's.
@@ -373,6 +391,63 @@ def run(
   seconds = time.perf_counter() - start if batches else 0.0
   multihost.barrier("chunkwise-job-written")
   order = [k for p in setup.prepared for k in keys(p)]
+  try:
+    out.finish(order)
+  except (output.OutputError, OSError) as e:
+    error = str(e)
+  _agree(error)
+  return Run(out, todo, len(setup.prepared) - len(todo), seconds, process)
+
+
+def _run_items(
+  setup, out, done, finished, keys, run_items, process, processes
+) -> Run:
+  """`run` with continuous batching (see `run`)."""
+  job = setup.job
+  items = [
+    (i, s)
+    for i, p in enumerate(setup.prepared)
+    if not finished[i]
+    for s, k in enumerate(keys(p))
+    if k not in done
+  ]
+  todo = sorted({i for i, _ in items})
+  multihost.same_everywhere(
+    _plan_digest(items, setup),
+    "the processes planned different work: give every process the same "
+    "input and flags, and put --output on a filesystem every process sees",
+    raise_as=JobError,
+  )
+  logging.info(
+    "%d examples: %d records to run (%d examples), %d examples already in %s",
+    len(setup.prepared),
+    len(items),
+    len(todo),
+    len(setup.prepared) - len(todo),
+    out.path,
+  )
+  try:
+    model = load_model(job, setup.described) if items else None
+    prefix = []
+    if items and setup.prefix_tokens:
+      prefix = [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+    start = time.perf_counter()  # compiles count, loading does not
+    with _progress(len(items), process, "sample", job.progress) as bar:
+      if items:
+        work = [(setup.prepared[i], s) for i, s in items]
+        for position, records in run_items(model, prefix, work):
+          if position % processes == process:
+            out.append(records)
+          bar.update(1)
+          if job.batch_delay_s:
+            time.sleep(job.batch_delay_s)
+  except ValueError as e:
+    logging.exception("the job stopped")
+    raise JobError(str(e)) from None
+  seconds = time.perf_counter() - start if items else 0.0
+  multihost.barrier("chunkwise-job-written")
+  order = [k for p in setup.prepared for k in keys(p)]
+  error = None
   try:
     out.finish(order)
   except (output.OutputError, OSError) as e:

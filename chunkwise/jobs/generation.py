@@ -1,7 +1,10 @@
 """Generation jobs: `run_generate` runs a whole `GenerateJob`;
-`generate_batch` samples one batch (prefill the prompts, generate
-`num_samples` rows per prompt from their shared KV caches, one record per
-sample).
+`generate_items` runs every sample through continuous batching
+(`InferenceModel.generate_many`: `slots` rows, a finished sample's row
+taking the next one), the default; with `static_batching`,
+`generate_batch` samples one batch at a time (prefill the prompts,
+generate `num_samples` rows per prompt from their shared KV caches, one
+record per sample).
 
   summary = run_generate(GenerateJob(input="prompts.txt", output="s.jsonl",
                                      num_samples=4, steps=64))
@@ -30,7 +33,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from chunkwise import constraints
-from chunkwise.inference import ChunkResult, InferenceModel, Sampling
+from chunkwise.inference import (
+  ChunkResult,
+  InferenceModel,
+  Request,
+  Sampling,
+  slot_capacity,
+)
 from chunkwise.jobs import driver, examples
 from chunkwise.jobs.config import GenerateJob
 from chunkwise.jobs.examples import Prepared, id_key
@@ -136,25 +145,102 @@ def generate_batch(
     records = []
     for s in range(num_samples):
       i = b * num_samples + s
-      kept, text, stopped = cut_at_stop(model.vocab, tokens[i], stop_strings)
-      record = {
-        "id": row.example.id,
-        "sample": s,
-        "text": text,
-        "tokens": kept,
-        "token_logprobs": floats(scores[i][: len(kept)]),
-        "finish_reason": "stop"
-        if stopped or len(tokens[i]) < steps
-        else "length",
-      }
-      if isinstance(constraint, constraints.JsonSchema):
-        # What the automaton could not enforce is flagged, never hidden.
-        check = constraint.validate(text)
-        record["schema_valid"] = check.valid
-        record["schema_error"] = check.error
-      records.append(record)
+      records.append(
+        _record(
+          model.vocab,
+          row,
+          s,
+          tokens[i],
+          scores[i],
+          stopped=len(tokens[i]) < steps,
+          stop_strings=stop_strings,
+          constraint=constraint,
+        )
+      )
     out.append(records)
   return out
+
+
+def _record(
+  vocab,
+  row: Prepared,
+  s: int,
+  tokens,
+  scores,
+  *,
+  stopped,
+  stop_strings,
+  constraint,
+) -> dict:
+  """Sample `s` of `row`: its tokens and scores cut at a stop string."""
+  kept, text, cut = cut_at_stop(vocab, list(tokens), stop_strings)
+  record = {
+    "id": row.example.id,
+    "sample": s,
+    "text": text,
+    "tokens": kept,
+    "token_logprobs": floats(np.asarray(scores)[: len(kept)]),
+    "finish_reason": "stop" if cut or stopped else "length",
+  }
+  if isinstance(constraint, constraints.JsonSchema):
+    # What the automaton could not enforce is flagged, never hidden.
+    check = constraint.validate(text)
+    record["schema_valid"] = check.valid
+    record["schema_error"] = check.error
+  return record
+
+
+def generate_items(
+  model: InferenceModel,
+  prefix: Sequence[ChunkResult],
+  work: Sequence[tuple[Prepared, int]],
+  *,
+  slots: int,
+  capacity: int,
+  steps: int,
+  sampling: Sampling,
+  stop_ids: Sequence[int] = (),
+  stop_strings: Sequence[str] = (),
+  constraint=None,
+  budget_forcing: bool = False,
+  stream: tuple[object, Callable[[str], None]] | None = None,
+):
+  """Continuous batching: every (prompt, sample index) of `work` through
+  `model.generate_many` in `slots` rows; yields (position in `work`,
+  [record]) as samples finish. `stream=(example id, emit)` passes that
+  example's first sample to `emit` when it finishes."""
+  requests = [
+    Request(
+      tokens=p.tokens,
+      sample_id=sample_id(p.example.id, s),
+      steps=steps,
+      sampling=sampling,
+      stop_ids=tuple(stop_ids),
+      constraint=constraint,
+    )
+    for p, s in work
+  ]
+  for r in model.generate_many(
+    requests,
+    slots=slots,
+    prefix=prefix,
+    budget_forcing=budget_forcing,
+    capacity=capacity,
+  ):
+    row, s = work[r.index]
+    record = _record(
+      model.vocab,
+      row,
+      s,
+      r.tokens.tolist(),
+      r.per_token_scores,
+      stopped=r.finish_reason == "stop",
+      stop_strings=stop_strings,
+      constraint=constraint,
+    )
+    if stream is not None and s == 0 and row.example.id == stream[0]:
+      stream[1](record["text"] + "\n")
+    yield r.index, [record]
 
 
 def encode(described, prefix: list[int], example: examples.Example):
@@ -289,14 +375,40 @@ def run_generate(
       shown("\n")
     return out
 
+  slots = job.slots or job.batch_size
+  capacity = slot_capacity(
+    [Request(tokens=p.tokens, sample_id=0, steps=steps) for p in setup.prepared]
+  )
+
+  def run_items(model, prefix, work):
+    return generate_items(
+      model,
+      prefix,
+      work,
+      slots=slots,
+      capacity=capacity,
+      steps=steps,
+      sampling=job.sampling,
+      stop_ids=list(job.stop_ids),
+      stop_strings=list(job.stop),
+      constraint=constrain,
+      budget_forcing=job.budget_forcing,
+      stream=(first, shown) if job.stream else None,
+    )
+
+  continuous = not job.static_batching
   sampling = job.sampling
   run = driver.run(
     setup,
     keys=lambda p: [id_key([p.example.id, s]) for s in range(job.num_samples)],
-    run_batch=run_batch,
+    run_batch=None if continuous else run_batch,
+    run_items=run_items if continuous else None,
     reserved=steps,
     record_key=record_key,
     settings={
+      # Absent with static batching, so its outputs begun before
+      # continuous batching still resume.
+      **({"slots": slots} if continuous else {}),
       "script": "generate",
       "num_samples": job.num_samples,
       "steps": steps,
