@@ -638,3 +638,34 @@ def test_pattern_values_and_min_properties_are_generated():
     assert all(v <= 5 for v in value["services"].values())
     assert "a" in value["labels"]
   assert any(json.loads(t)["services"] for t in texts)
+
+
+def test_half_anchored_patterns_and_unsatisfiable_pattern_values():
+  """`^X` (or `X$`) is read as a full match of X, not kept with its lone
+  anchor (which spelled nothing); pattern values no value satisfies leave
+  the object without extra keys instead of refusing the schema."""
+  schema = C.JsonSchema(
+    {
+      "type": "object",
+      "properties": {
+        "net": {"type": "string", "pattern": r"^\d+\.\d+/\d+"},
+        "unit": {"type": "string", "pattern": "[a-z]+s$"},
+        "results": {
+          "type": "object",
+          "patternProperties": {
+            r"^\d+$": {
+              "type": "object",
+              "properties": {"score": {"type": "integer"}},
+              "required": ["score", "rating"],
+              "additionalProperties": False,
+            }
+          },
+        },
+      },
+      "required": ["net", "unit", "results"],
+    }
+  )
+  texts = _walks(schema, n=30, max_bytes=400)
+  for text in texts:
+    assert schema.validate(text).valid, text
+    assert json.loads(text)["results"] == {}

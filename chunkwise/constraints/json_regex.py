@@ -202,7 +202,23 @@ def string_pattern(pattern: str) -> str | None:
     else:
       out.append(c)
       i += 1
-  return "".join(out)
+  return _anchored("".join(out))
+
+
+def _anchored(body: str) -> str:
+  """`^body$`. A pattern anchored at one end only (`^X`: strings that
+  start with X) is read as anchored at both (the strings X matches, a
+  subset): its lone anchor, left inside the JSON string, matched nothing;
+  one anchored at neither end was already read as a full match."""
+  start = body.startswith("^")
+  end = body.endswith("$") and not body.endswith("\\$")
+  if start and end:
+    return body
+  if start:
+    return body + "$"
+  if end:
+    return "^" + body
+  return body
 
 
 def _class(pattern: str, start: int) -> tuple[int, str | None]:

@@ -153,7 +153,12 @@ class _Rewriter(sv.ValueKeywords):
           # generated from its schema, which makes every key valid (keys
           # it does not match are allowed by additionalProperties).
           (sub,) = value.values()
-          extra = self.optional(self.value, sub, f"{where}/*", depth + 1)
+          try:
+            extra = self.optional(self.value, sub, f"{where}/*", depth + 1)
+          except ValueError:
+            # Values it cannot generate (e.g. no value is valid): no keys,
+            # which every pattern allows.
+            extra = _NEVER
           out["additionalProperties"] = False if extra is _NEVER else extra
       elif key in ("$defs", "definitions"):
         continue  # read where a $ref inlines them
