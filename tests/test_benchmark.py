@@ -268,11 +268,24 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--matmul_size=128",
     "--profile_batches=3",
     "--constraints=choice",
+    "--continuous",
+    "--continuous_requests=12",
+    "--continuous_long=16",
+    "--slots=3",
     f"--output={out}",
     f"--plot={png}",
   )
   assert result.returncode == 0, result.stderr
   data = json.loads(out.read_text())
+  # Continuous batching: both modes kept the same tokens (the contract),
+  # continuous with fuller slots.
+  both = data["configs"][0]["continuous"]
+  assert both["workload"]["requests"] == 12
+  assert both["static"]["tokens"] == both["continuous"]["tokens"] > 0
+  assert 0 < both["static"]["occupancy"] <= both["continuous"]["occupancy"]
+  assert both["continuous"]["occupancy"] <= 1
+  assert both["programs_compiled"] > 0 and both["speedup"] > 0
+  assert "continuous / static" in result.stdout
   assert data["machine"]["bandwidth_gb_s"] > 0
   # Ours (f32 at "highest") and transformers' bf16 matmuls.
   peaks = data["machine"]["peak_matmul_gflop_s"]

@@ -11,16 +11,16 @@ lengths, not the model, make the tail). Both modes generate exactly the
 same tokens (the `generate_many` contract); what differs is the time:
 
   static:     batches of `slots` requests in order, each one
-              `generate_stream` (8-step segments) run until its longest
-              budget; a request is done when the segment holding its last
-              token returns;
+              `generate_stream` (8-step segments) run until every row has
+              stopped or used its budget; a request is done when the
+              segment holding its last token returns;
   continuous: `generate_many(requests, slots=slots)`; a request is done
               when it is yielded.
 
-Per mode: tokens/s (tokens kept, i.e. budgets), time to first token and
-latency percentiles over requests (all submitted at time 0; each time is
-the host's first look after the event), slot occupancy (kept tokens per
-slot-step) and the programs compiled (prefill and decode cache sizes).
+Per mode: tokens/s (tokens kept: up to a stop id or the budget), time to
+first token and latency percentiles over requests (all submitted at time
+0; each time is the host's first look after the event), slot occupancy
+(kept tokens per slot-step) and the programs compiled.
 """
 
 from __future__ import annotations
@@ -79,20 +79,22 @@ def run_static(
   model, prefix, requests, slots: int, steps: int, batches=None
 ) -> dict:
   """Batches in order, each streamed with one program of `steps` columns
-  and left once its longest budget is covered (as a batch whose rows all
-  stopped at EOS would end)."""
-  width = max(len(r.tokens) for r in requests)  # one prefill program
+  (8-column segments) and left once every row has stopped or used its
+  budget (a row's tokens past its budget are not counted)."""
+  longest = max(len(r.tokens) for r in requests)  # one prefill program
   start = time.perf_counter()
   first, done, tokens, ran = {}, {}, 0, 0
   starts = range(0, len(requests), slots)
   for lo in starts[:batches]:
     batch = requests[lo : lo + slots]
     lengths = np.array([len(r.tokens) for r in batch], np.int32)
-    ids = np.zeros((len(batch), width), np.int32)
+    ids = np.zeros((len(batch), longest), np.int32)
     for j, r in enumerate(batch):
       ids[j, : lengths[j]] = r.tokens
     tasks = model.prefill(Chunk(tokens=ids, lengths=lengths), prefix=prefix)
     budgets = np.array([r.steps for r in batch])
+    got = np.zeros(len(batch), np.int64)  # tokens kept (up to the budget)
+    ended = np.zeros(len(batch), bool)  # at a stop id or its budget
     column = 0
     for piece, _ in model.generate_stream(
       [*prefix, tasks],
@@ -104,16 +106,21 @@ def run_static(
       ),
       every=8,
     ):
-      np.asarray(piece.lengths)  # waits for the segment
+      kept = np.asarray(piece.lengths)  # waits for the segment
       now = time.perf_counter() - start
-      column += piece.tokens.shape[1]
+      width = piece.tokens.shape[1]
+      column += width
       for j in range(len(batch)):
         first.setdefault(lo + j, now)
-        if lo + j not in done and column >= budgets[j]:
+        if ended[j]:
+          continue
+        got[j] = min(got[j] + kept[j], budgets[j])
+        if kept[j] < width or got[j] >= budgets[j]:
+          ended[j] = True
           done[lo + j] = now
-      if column >= budgets.max():
+      if ended.all():
         break
-    tokens += int(budgets.sum())
+    tokens += int(got.sum())
     ran += column
   total = time.perf_counter() - start
   return _summary("static", total, tokens, ran * slots, first, done)
