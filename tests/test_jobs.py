@@ -611,6 +611,23 @@ def _job(name, args, env=None, **kwargs):
 
 
 @pytest.mark.slow
+def _whole_then_killed(name, args, whole, cut, *, lines: int, delay: float):
+  """Runs job `name` whole into `whole`, then again (throttled by `delay`)
+  into `cut`, SIGKILLed once `cut` holds `lines` lines; returns the lines
+  it holds then."""
+  job = _job(name, [*args, f"--output={whole}"])
+  assert job.wait(timeout=300) == 0, job.stdout.read().decode()[-3000:]
+  job = _job(name, [*args, f"--output={cut}", f"--batch_delay_s={delay}"])
+  deadline = time.monotonic() + 300
+  while not cut.exists() or cut.read_bytes().count(b"\n") < lines:
+    assert job.poll() is None, job.stdout.read().decode()[-3000:]
+    assert time.monotonic() < deadline
+    time.sleep(0.05)
+  job.send_signal(signal.SIGKILL)
+  job.wait()
+  return cut.read_bytes().count(b"\n")
+
+
 def test_killed_scoring_job_resumes(tmp_path):
   texts = [
     {"id": f"t{i}", "text": "word " * (i % 7 + 1) + str(i)} for i in range(40)
@@ -624,17 +641,7 @@ def test_killed_scoring_job_resumes(tmp_path):
     "--top_n=2",
   ]
   whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-  job = _job("score", [*args, f"--output={whole}"])
-  assert job.wait(timeout=300) == 0, job.stdout.read().decode()[-3000:]
-  job = _job("score", [*args, f"--output={cut}", "--batch_delay_s=0.3"])
-  deadline = time.monotonic() + 300
-  while not cut.exists() or cut.read_bytes().count(b"\n") < 6:
-    assert job.poll() is None, job.stdout.read().decode()[-3000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-  job.send_signal(signal.SIGKILL)
-  job.wait()
-  written = cut.read_bytes().count(b"\n")
+  written = _whole_then_killed("score", args, whole, cut, lines=6, delay=0.3)
   assert 6 <= written < len(texts)
   with open(cut, "ab") as f:
     f.write(b'{"id": "t3", "num_tok')  # as if killed inside a write
@@ -668,17 +675,7 @@ def test_killed_continuous_generation_resumes(tmp_path):
     "--progress=false",
   ]
   whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-  job = _job("generate", [*args, f"--output={whole}"])
-  assert job.wait(timeout=300) == 0, job.stdout.read().decode()[-3000:]
-  job = _job("generate", [*args, f"--output={cut}", "--batch_delay_s=0.2"])
-  deadline = time.monotonic() + 300
-  while not cut.exists() or cut.read_bytes().count(b"\n") < 8:
-    assert job.poll() is None, job.stdout.read().decode()[-3000:]
-    assert time.monotonic() < deadline
-    time.sleep(0.05)
-  job.send_signal(signal.SIGKILL)
-  job.wait()
-  written = cut.read_bytes().count(b"\n")
+  written = _whole_then_killed("generate", args, whole, cut, lines=8, delay=0.2)
   assert 8 <= written < 2 * len(prompts)
   job = _job("generate", [*args, f"--output={cut}"])
   log = job.communicate(timeout=300)[0].decode()

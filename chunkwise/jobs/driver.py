@@ -371,10 +371,7 @@ def run(
     out.path,
   )
   try:
-    model = load_model(job, setup.described) if batches else None
-    prefix = []
-    if batches and setup.prefix_tokens:
-      prefix = [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+    model, prefix = _model_and_prefix(setup) if batches else (None, [])
     start = time.perf_counter()  # compiles count, loading does not
     with _progress(len(todo), process, "example", job.progress) as bar:
       for batch in batches:
@@ -389,8 +386,24 @@ def run(
     logging.exception("the job stopped")
     raise JobError(str(e)) from None
   seconds = time.perf_counter() - start if batches else 0.0
+  return _finish(setup, out, keys, todo, seconds, process)
+
+
+def _model_and_prefix(setup: Setup):
+  """The job's model, loaded, and its shared prefix prefilled once ([]
+  without one)."""
+  model = load_model(setup.job, setup.described)
+  if not setup.prefix_tokens:
+    return model, []
+  return model, [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+
+
+def _finish(setup, out, keys, todo, seconds, process) -> Run:
+  """Step 5 once every process has written: the output finished in input
+  order (process 0 merges the shards)."""
   multihost.barrier("chunkwise-job-written")
   order = [k for p in setup.prepared for k in keys(p)]
+  error = None
   try:
     out.finish(order)
   except (output.OutputError, OSError) as e:
@@ -427,10 +440,7 @@ def _run_items(
     out.path,
   )
   try:
-    model = load_model(job, setup.described) if items else None
-    prefix = []
-    if items and setup.prefix_tokens:
-      prefix = [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+    model, prefix = _model_and_prefix(setup) if items else (None, [])
     start = time.perf_counter()  # compiles count, loading does not
     with _progress(len(items), process, "sample", job.progress) as bar:
       if items:
@@ -445,15 +455,7 @@ def _run_items(
     logging.exception("the job stopped")
     raise JobError(str(e)) from None
   seconds = time.perf_counter() - start if items else 0.0
-  multihost.barrier("chunkwise-job-written")
-  order = [k for p in setup.prepared for k in keys(p)]
-  error = None
-  try:
-    out.finish(order)
-  except (output.OutputError, OSError) as e:
-    error = str(e)
-  _agree(error)
-  return Run(out, todo, len(setup.prepared) - len(todo), seconds, process)
+  return _finish(setup, out, keys, todo, seconds, process)
 
 
 def summary(setup: Setup, run: Run, *, new_tokens: int, **totals) -> dict:
