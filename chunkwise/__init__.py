@@ -17,6 +17,7 @@ from chunkwise import (
   constraints,
   models,
   partitioning,
+  planner,
   processors,
 )
 from chunkwise.checkpoints import (
@@ -64,6 +65,7 @@ __all__ = [
   "load_result",
   "models",
   "partitioning",
+  "planner",
   "processors",
   "save",
 ]

@@ -30,6 +30,7 @@ FLOORS = {
   "constraints": 2,
   "memory": 2,
   "models": 3,
+  "planner": 4,  # above models (it reads fused.needs_shuffle), below inference
   "inference": 5,
   "checkpoints": 6,
   "bench": 6,

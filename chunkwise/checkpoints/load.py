@@ -32,6 +32,7 @@ from chunkwise.inference import (
 )
 from chunkwise.models.quantized import Quantization
 from chunkwise.partitioning.placement import check_placement
+from chunkwise.planner import choice as planner_choice
 
 # name -> (import package, file inside it, PyPI distribution)
 EMBEDDED = {
@@ -190,7 +191,10 @@ def load(
     quantize: "int8": symmetric int8 with per-group scales for every
       matmul weight and the embedding (`models.quantized`); None: as
       stored.
-    mesh, layout: where and how to shard (None: one device, reference).
+    mesh, layout: where and how to shard (None: one device, reference);
+      "auto" plans the layouts for `mesh` (`chunkwise.planner`) from the
+      checkpoint's shapes and `workload=` (a `planner.Workload`), and
+      logs the choice.
     vocab: replaces the checkpoint's vocabulary.
     **model_kwargs: passed to `InferenceModel` (`prefill_layout`,
       `generate_layout`, `cache_dtype`, `compute_dtype`, `precision`,
@@ -207,6 +211,25 @@ def load(
       f"of {', '.join(WEIGHT_DTYPES)}"
     )
   quantize = Quantization.of(quantize)
+  if planner_choice.is_auto(
+    layout,
+    model_kwargs.get("prefill_layout"),
+    model_kwargs.get("generate_layout"),
+  ):
+    layout, pre, gen, _ = planner_choice.resolve(
+      describe(name_or_path).hparams,
+      mesh,
+      layout,
+      model_kwargs.get("prefill_layout"),
+      model_kwargs.get("generate_layout"),
+      workload=model_kwargs.pop("workload", None),
+      weights="int8"
+      if quantize is Quantization.INT8
+      else "f32"
+      if dtype is None or jnp.dtype(dtype).name == "float32"
+      else "bf16",
+    )
+    model_kwargs.update(prefill_layout=pre, generate_layout=gen)
   phases = check_placement(
     mesh,
     layout,

@@ -40,6 +40,7 @@ from chunkwise.inference.vocabularies import (
 from chunkwise.models import Weights, init_random
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.placement import check_placement
+from chunkwise.planner import choice as planner_choice
 from chunkwise.precision import resolve as resolve_precision
 
 
@@ -60,7 +61,11 @@ class InferenceModel:
     layout: a `Layout` or its string ("ws_2d/yz"); None is the reference
       layout (replicated). `prefill_layout` / `generate_layout` override it
       per phase (e.g. a weight-gathered prefill feeding a ws_2d generate);
-      results made in one layout are resharded for the other.
+      results made in one layout are resharded for the other. "auto" (for
+      either) asks `chunkwise.planner` for the fastest layouts on `mesh`
+      for `workload`; the choice is logged and kept in `layout_choice`.
+    workload: a `planner.Workload` (rows per call, prompt and generated
+      tokens) that "auto" plans for; None: `planner.Workload()`.
     cache_dtype: dtype of KV caches (f32 or bf16).
     compute_dtype: dtype of the residual stream (f32 or bf16); attention
       softmax, norms and logits are always computed in f32.
@@ -93,10 +98,22 @@ class InferenceModel:
     compute_dtype=jnp.float32,
     precision: str | None = None,
     infer_fn: InferFn | None = None,
+    workload=None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._precision = resolve_precision(precision, compute_dtype)
+    layout, prefill_layout, generate_layout, self._choice = (
+      planner_choice.resolve(
+        hparams,
+        mesh,
+        layout,
+        prefill_layout,
+        generate_layout,
+        workload=workload,
+        weights=planner_choice.weights_name(weights),
+      )
+    )
     phases = check_placement(
       mesh, layout, prefill_layout, generate_layout, hparams
     )
@@ -185,6 +202,12 @@ class InferenceModel:
   def mesh(self):
     """The device mesh (None: JAX's default device)."""
     return self._mesh
+
+  @property
+  def layout_choice(self):
+    """The planner's `Choice` when a layout was "auto" (print it for the
+    ranked table), else None."""
+    return self._choice
 
   @property
   def layout(self) -> Layout:

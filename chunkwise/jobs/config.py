@@ -67,7 +67,8 @@ class ModelConfig:
 
   name: str = "smollm2-135m"  # a preset name, a .gguf file, a checkpoint
   # directory, or random:<preset>
-  layout: Layout = dataclasses.field(default_factory=Layout)  # or a string
+  layout: Layout | str = dataclasses.field(default_factory=Layout)  # or a
+  # string; "auto": the planner's choice for the mesh and the job's batch
   mesh: tuple[int, int, int] | None = None  # or "2x2x2"; None: 1x1x<all
   # devices> for a sharded layout
   dtype: WeightDtype | None = None
@@ -77,7 +78,10 @@ class ModelConfig:
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"model name must be a non-empty string: {self.name!r}")
-    _set(self, "layout", Layout.parse(self.layout))
+    if not (isinstance(self.layout, str) and self.layout.lower() == "auto"):
+      _set(self, "layout", Layout.parse(self.layout))
+    else:
+      _set(self, "layout", "auto")
     if isinstance(self.mesh, str):
       _set(self, "mesh", parse_mesh(self.mesh))
     if self.dtype is not None:

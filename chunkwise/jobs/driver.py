@@ -41,6 +41,7 @@ from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.jobs import batching, examples, output
 from chunkwise.jobs.config import Job, Quantization
 from chunkwise.partitioning import LayoutKind, multihost
+from chunkwise.planner import choice as planner_choice
 
 
 class JobError(ValueError):
@@ -195,10 +196,12 @@ def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
 
   m = job.model
   shape = m.mesh
-  if shape is None and m.layout.kind is not LayoutKind.REFERENCE:
+  auto = m.layout == "auto"
+  if shape is None and (auto or m.layout.kind is not LayoutKind.REFERENCE):
     shape = (1, 1, jax.device_count())
   mesh = None if shape is None else partitioning.make_mesh(shape)
   dtype = None if m.dtype is None else m.dtype.value
+  extra = {"workload": _workload(job, described)} if auto else {}
   if m.name.startswith(checkpoints.RANDOM):
     return InferenceModel.random(
       described.hparams,
@@ -208,6 +211,7 @@ def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
       vocab=described.vocab,
       dtype=dtype or "float32",
       precision=m.precision,
+      **extra,
     )
   return checkpoints.load(
     m.name,
@@ -216,6 +220,17 @@ def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
     mesh=mesh,
     layout=m.layout,
     precision=m.precision,
+    **extra,
+  )
+
+
+def _workload(job: Job, described) -> planner_choice.Workload:
+  """What `--layout=auto` plans for: the job's batch, its longest
+  allowed prompt (max_len, else 512) and its steps (0 when scoring)."""
+  steps = getattr(job, "steps", 0)
+  prompt = job.max_len or min(512, described.hparams.max_len - steps - 1)
+  return planner_choice.Workload(
+    batch=job.batch_size, prefill_len=max(1, prompt), generate_len=steps
   )
 
 
