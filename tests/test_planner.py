@@ -2,6 +2,7 @@
 `layout="auto"` running on the 8-device mesh."""
 
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -268,3 +269,36 @@ def test_auto_layout_runs_and_matches_the_reference(tiny, cpu_devices):
     )
   with pytest.raises(ValueError, match=r"Workload\.batch must be an integer"):
     choice.Workload(batch=0)
+
+
+def test_jobs_run_with_auto_layout(tmp_path, cpu_devices, caplog):
+  """`--layout=auto` in a job: the planner picks for the 2x2x2 mesh and
+  the job's batch, logs it, and the scores are the reference layout's."""
+  import json
+  import logging
+
+  from chunkwise import jobs
+
+  texts = ["The cat sat on the mat.", "Dogs bark.", "One two three.", "Hi"]
+  path = tmp_path / "in.txt"
+  path.write_text("\n".join(texts) + "\n")
+  outputs = {}
+  for layout, mesh in (("auto", "2x2x2"), ("reference", None)):
+    job = jobs.ScoreJob(
+      input=str(path),
+      output=str(tmp_path / f"{layout}.jsonl"),
+      input_format="text",
+      model=jobs.ModelConfig(name="random:tiny", layout=layout, mesh=mesh),
+      batch_size=4,
+      progress=False,
+    )
+    with caplog.at_level(logging.INFO, logger="chunkwise.planner"):
+      jobs.run_score(job)
+    lines = pathlib.Path(job.output).read_text().splitlines()
+    outputs[layout] = [json.loads(line) for line in lines]
+  assert "layout=auto on cpu-host, batch 4" in caplog.text
+  assert jobs.ModelConfig(layout="AUTO").layout == "auto"
+  for a, b in zip(outputs["auto"], outputs["reference"], strict=True):
+    np.testing.assert_allclose(
+      a["token_logprobs"], b["token_logprobs"], atol=1e-4
+    )

@@ -57,6 +57,19 @@ class Limits:
       )
     return self.peaks[key]
 
+  def hardware(self, dtype="float32", precision="highest"):
+    """This device as the planner's `Hardware` ("this machine"): the
+    measured bandwidth and matmul peak at (`dtype`, `precision`), the
+    memory `chunkwise.memory` says is free, no links."""
+    from chunkwise import memory, planner
+
+    return planner.measured(
+      f"this machine ({jax.devices()[0].device_kind})",
+      flops=self.peak(dtype, precision),
+      hbm_bytes=memory.free_bytes(),
+      hbm_bandwidth=self.bandwidth,
+    )
+
   def describe(self) -> dict:
     device = jax.devices()[0]
     return {

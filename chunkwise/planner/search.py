@@ -175,6 +175,7 @@ def plan(
   act_dtype: str = "bf16",
   all_logits: bool = True,
   overheads: Overheads = FITTED,
+  pad_heads: bool = False,
   limit: int | None = 20,
 ) -> list[Candidate]:
   """Ranked candidates (see the module docstring) for serving `batch`
@@ -182,8 +183,15 @@ def plan(
   `chips` chips of `hardware` (a name in `HARDWARE` or a `Hardware`);
   `mesh_shape` fixes the mesh (else every shape is tried). Raises
   ValueError for bad arguments, or when no layout can run the model on
-  any mesh of `chips` (each layout's reason named)."""
+  any mesh of `chips` (each layout's reason named). `pad_heads` plans
+  for the model with its query heads padded with zero heads to a
+  multiple of `chips`, as the paper padded PaLM 540B's 48 heads to 64 (the
+  layouts that split heads over every chip then run it; MFU still counts
+  the real parameters)."""
   hw = _check(hparams, hardware, chips, batch, prefill_len, generate_len)
+  params = hparams.num_params()
+  if pad_heads and hparams.heads % chips:
+    hparams = hparams.replace(heads=-(-hparams.heads // chips) * chips)
   weights = {"bfloat16": "bf16", "float32": "f32"}.get(weights, weights)
   costs.dtype_bytes(weights)
   shapes = [tuple(mesh_shape)] if mesh_shape is not None else mesh_shapes(chips)
@@ -231,8 +239,8 @@ def plan(
       except ValueError as e:
         reasons[name.split("/")[0]] = str(e)
         continue
-      pre.append(p)
-      gen.append(g)
+      pre.append(dataclasses.replace(p, params=params))
+      gen.append(dataclasses.replace(g, params=params))
     for p, g in itertools.product(pre, gen):
       out.append(_candidate(shape, p, g, generate_len, hw))
   if not out:
