@@ -18,6 +18,13 @@ this device's attention rows and runs `models.sharded_forward`; prefill
 scores and the generate loop samples through `logits.LogitsShards`, so
 prefill and generate are the same code as the reference engine's
 (`engine.ReferenceEngine`).
+
+An engine of abstract weights (`jax.ShapeDtypeStruct` leaves) runs
+nothing: its methods take abstract inputs too and return their outputs'
+shapes, placed as a real call would place them (`ShapeDtypeStruct`s that
+carry the shardings), and nothing is allocated. `bench.simulate` drives
+the engine that way to compile its programs at model size without the
+weights.
 """
 
 from __future__ import annotations
@@ -128,6 +135,9 @@ class ShardedEngine:
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
     self._programs: dict = {}
+    self._abstract = any(
+      isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(weights)
+    )
     # Where weights live depends on the layout only, never on a call.
     plan = self.plan(1)
     shuffled = isinstance(weights, fused.ShuffledWeights)
@@ -147,9 +157,7 @@ class ShardedEngine:
       specs = fused.ShuffledWeights(
         fused.shuffled_specs(plan, specs, plain), tag=weights.tag
       )
-    self.weights = jax.tree.map(
-      lambda x, s: put(x, NamedSharding(self.mesh, s)), weights, specs
-    )
+    self.weights = jax.tree.map(self._put, weights, specs)
     self._weight_specs = specs
     if want is not None and not shuffled:
       # Reordered and cut once here; every program then reads the pieces
@@ -163,7 +171,7 @@ class ShardedEngine:
         (self._weight_specs,),
         shuffled_specs,
       )
-      self.weights = shuffle(self.weights)
+      self.weights = self._call(shuffle, (self.weights,), shuffled_specs)
       self._weight_specs = shuffled_specs
 
   def plain_weights(self) -> Weights:
@@ -177,7 +185,7 @@ class ShardedEngine:
       (self._weight_specs,),
       self._plain_specs,
     )
-    return unshuffle(self.weights)
+    return self._call(unshuffle, (self.weights,), self._plain_specs)
 
   def result_shardings(self, batch: int) -> ChunkResult:
     """Where `prefill` of a batch of `batch` rows puts its ChunkResult."""
@@ -198,10 +206,22 @@ class ShardedEngine:
     """`tree` placed with the shardings its `logical` specs resolve to;
     returns (placed tree, mesh specs)."""
     specs = resolve_tree(logical, rules)
-    placed = jax.tree.map(
-      lambda x, s: put(x, NamedSharding(self.mesh, s)), tree, specs
-    )
-    return placed, specs
+    return jax.tree.map(self._put, tree, specs), specs
+
+  def _put(self, x, spec: P):
+    """`x` placed with mesh `spec`; an abstract `x` (a ShapeDtypeStruct)
+    becomes one that carries the sharding, and nothing is allocated."""
+    sharding = NamedSharding(self.mesh, spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return put(x, sharding)
+
+  def _call(self, program, args: tuple, out_specs):
+    """`program(*args)`; with abstract weights, the outputs' shapes placed
+    by `out_specs`, and nothing runs (see the module docstring)."""
+    if not self._abstract:
+      return program(*args)
+    return jax.tree.map(self._put, jax.eval_shape(program, *args), out_specs)
 
   def _shards(self, plan: Plan) -> LogitsShards:
     return LogitsShards(
@@ -265,13 +285,14 @@ class ShardedEngine:
       prev_split=prev_split,
     )
 
+    out_specs = resolve_tree(ChunkResult.axes(), rules)
     program = self._program(
       ("prefill", plan, top_n, bos_id, prev is not None),
       per_device,
       (self._weight_specs, cache_specs, prev_spec, chunk_spec),
-      resolve_tree(ChunkResult.axes(), rules),
+      out_specs,
     )
-    return program(self.weights, caches, prev, chunk)
+    return self._call(program, (self.weights, caches, prev, chunk), out_specs)
 
   def init(self, caches, prev, *, batch, steps, top_n, vocab, bos_id):
     plan = self.plan(batch, [c.batch for c in caches])
@@ -289,13 +310,16 @@ class ShardedEngine:
       shards=self._shards(plan),
       prev_split=prev_split,
     )
+    out_specs = resolve_tree(
+      generate.LoopState.axes(self.hparams.layers), plan.rules()
+    )
     program = self._program(
       ("init", plan, steps, top_n, bos_id, prev is not None),
       per_device,
       (self._weight_specs, cache_specs, prev_spec),
-      resolve_tree(generate.LoopState.axes(self.hparams.layers), plan.rules()),
+      out_specs,
     )
-    return program(self.weights, caches, prev)
+    return self._call(program, (self.weights, caches, prev), out_specs)
 
   def run(self, caches, state, inputs, stop_at):
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
@@ -327,13 +351,16 @@ class ShardedEngine:
       vocab=vocab,
       shards=self._shards(plan),
     )
+    out_specs = resolve_tree(
+      slots_lib.SlotState.axes(self.hparams.layers), plan.rules()
+    )
     program = self._program(
       ("slot_init", plan, capacity, steps, top_n),
       per_device,
       (self._weight_specs, cache_specs),
-      resolve_tree(slots_lib.SlotState.axes(self.hparams.layers), plan.rules()),
+      out_specs,
     )
-    return program(self.weights, caches)
+    return self._call(program, (self.weights, caches), out_specs)
 
   def slot_run(self, caches, state, inputs, max_steps, until_free):
     plan = self.plan(state.slots, [c.batch for c in caches])
@@ -389,4 +416,6 @@ class ShardedEngine:
       state_spec,
       donate_argnums=(2,),
     )
-    return program(self.weights, caches, state, inputs, *scalars)
+    return self._call(
+      program, (self.weights, caches, state, inputs, *scalars), state_spec
+    )

@@ -79,7 +79,7 @@ class Overheads:
 FITTED = Overheads(
   eta_max=0.67,
   rows_half=32.0,
-  eta_hbm=0.825,
+  eta_hbm=0.875,
   overlap=0.0,
   hop_s=5e-6,
   layer_s=30e-6,

@@ -378,6 +378,28 @@ def _layer_collectives(s: Sharding, m: Shapes, tokens: float, ab: int, wb):
   return out
 
 
+# int8 weights carry an f32 scale per group of at most 128 inputs
+# (`models.quantized`).
+INT8_GROUP = 128
+
+
+def weight_bytes_per_value(name) -> float:
+  """Bytes a stored weight value takes: int8 counts its group scales."""
+  size = dtype_bytes(name)
+  return size + 4 / INT8_GROUP if size == 1 else float(size)
+
+
+def _kv_weight_split(s: Sharding, m: Shapes) -> int:
+  """Ways the K/V projection weights are split among chips."""
+  sizes = dict(s.sizes)
+  if s.family is Family.REFERENCE:
+    return 1
+  if s.family is Family.WS_1D:
+    return s.chips if m.Hkv % s.chips == 0 else 1
+  yz = sizes["y"] * sizes["z"]
+  return sizes["x"] * (yz if m.Hkv % yz == 0 else 1)
+
+
 def _kv_split(s: Sharding, m: Shapes) -> int:
   """Ways the K/V cache is divided among chips."""
   if s.family is Family.REFERENCE:
@@ -433,7 +455,7 @@ def estimate(
   sizes = dict(s.sizes)
   n = s.chips
   wb, cb, ab = (
-    dtype_bytes(weights),
+    weight_bytes_per_value(weights),
     dtype_bytes(cache_dtype),
     dtype_bytes(act_dtype),
   )
@@ -447,7 +469,11 @@ def estimate(
   N = s.size(s.family.gathered) if s.family.gathered else 1
   # Work of one layer.
   layer_flops = (2 * T * m.layer_params + 4 * T * C * m.H * m.K) / n
-  weight_reads = m.layer_params * wb * N / n
+  # K/V projections whose heads do not divide the head shards are kept
+  # whole on every head shard (chunkwise and the paper alike).
+  kv_weights = m.E * m.kv_width * wb
+  kv_extra = kv_weights * (1 / _kv_weight_split(s, m) - 1 / n)
+  weight_reads = m.layer_params * wb * N / n + (0 if N > 1 else kv_extra)
   kv_reads = B * (C + (L if phase is Phase.PREFILL else 0)) * m.kv_width * cb
   act_traffic = 2 * ab * T * (2 * m.E + m.in_width + m.out_width) / n
   layer_hbm = weight_reads + kv_reads / kv_split + act_traffic
@@ -468,12 +494,16 @@ def estimate(
   head_hbm = m.V * m.E * wb / n + 4 * logit_rows * m.V / n
   # Memory held.
   total_weights = m.layers * m.layer_params + m.V * m.E
-  weight_bytes = total_weights * wb / n
+  weight_bytes = total_weights * wb / n + m.layers * kv_extra
   kv_bytes = m.layers * B * C_max * m.kv_width * cb / kv_split
   activation_bytes = (
     ab * T * (2 * m.E + m.in_width) / n + 4 * logit_rows * m.V / n
   )
   gathered = 2 * m.largest_matrix * wb * N / n if s.family.gathered else 0.0
+  if s.family.gathered and s.layout is not None:
+    # chunkwise's weight-gathered layout gathers the whole embedding
+    # table to embed and unembed its rows.
+    gathered += m.V * m.E * wb
   est = Estimate(
     phase=phase,
     sharding=s,
