@@ -90,7 +90,8 @@ class ModelFlags:
       flags.DEFINE_string,
       "layout",
       "reference",
-      "Layout, e.g. ws_2d/yz/latency (see README).",
+      "Layout, e.g. ws_2d/yz/latency, or auto: the planner's choice for the "
+      "mesh and --batch_size (see README).",
     )
     self.mesh = _define(
       flags.DEFINE_string,
