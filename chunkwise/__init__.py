@@ -23,6 +23,7 @@ from chunkwise import (
 from chunkwise.checkpoints import (
   TokenizerVocabulary,
   load,
+  load_adapter,
   load_result,
   save,
 )
@@ -62,6 +63,7 @@ __all__ = [
   "configs",
   "constraints",
   "load",
+  "load_adapter",
   "load_result",
   "models",
   "partitioning",

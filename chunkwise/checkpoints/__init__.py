@@ -1,9 +1,11 @@
 """Real checkpoints: GGUF and Hugging Face import, tokenizers, sandboxed
-chat templates, `load`, and chunkwise's own Orbax checkpoints of models and
-results (`save`, `load_result`). Every file read here is untrusted (see
-`chunkwise.untrusted` and the README's Security section)."""
+chat templates, `load`, chunkwise's own Orbax checkpoints of models and
+results (`save`, `load_result`), and PEFT LoRA adapters (`load_adapter`).
+Every file read here is untrusted (see `chunkwise.untrusted` and the
+README's Security section)."""
 
 from chunkwise.checkpoints import (
+  adapters,
   chat_template,
   gguf,
   gguf_file,
@@ -13,6 +15,7 @@ from chunkwise.checkpoints import (
   safetensors,
   store,
 )
+from chunkwise.checkpoints.adapters import load_adapter
 from chunkwise.checkpoints.chat_template import ChatTemplate, ChatTemplateError
 from chunkwise.checkpoints.hf_tensors import Imported
 from chunkwise.checkpoints.load import (
@@ -35,6 +38,7 @@ __all__ = [
   "Description",
   "Imported",
   "TokenizerVocabulary",
+  "adapters",
   "chat_template",
   "describe",
   "describe_random",
@@ -45,6 +49,7 @@ __all__ = [
   "hf_config",
   "hf_tensors",
   "load",
+  "load_adapter",
   "load_result",
   "safetensors",
   "save",

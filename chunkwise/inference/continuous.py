@@ -38,6 +38,7 @@ import numpy as np
 from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
+from chunkwise.inference import adapters as adapters_lib
 from chunkwise.inference import checks, slots
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import Engine, prefix_inputs
@@ -66,6 +67,8 @@ class Request:
     sampling: scalar settings (`Sampling()`: temperature 1, seed 0).
     stop_ids: ids that end it, besides the model's EOS.
     constraint: a `chunkwise.constraints` Regex / JsonSchema / Choice.
+    adapter: the LoRA adapter it runs (`model.with_adapters`); None: the
+      base model.
   """
 
   tokens: Sequence[int]
@@ -74,6 +77,7 @@ class Request:
   sampling: Sampling = dataclasses.field(default_factory=Sampling)
   stop_ids: Sequence[int] = ()
   constraint: Any = None
+  adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +113,7 @@ class _Checked:
   processor_states: tuple  # leading axis: requests
   start: int  # tokens of the shared prefix
   capacity: int  # K/V (and result) columns of a slot
+  adapter_ids: np.ndarray | None = None  # int32[n]: stack index, -1 base
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -152,6 +157,7 @@ def check_many(
   vocabulary,
   batch_split: int,
   capacity: int | None = None,
+  adapter_names: Sequence[str] = (),
 ) -> tuple[_Checked, tuple[ChunkResult, ...], int, int]:
   """Validates a `generate_many` call on the host (constraints compiled,
   processors traced); raises ValueError naming the first bad request or
@@ -179,6 +185,14 @@ def check_many(
       f"results must have batch 1, got batches {[p.batch for p in prefix]}"
     )
   start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
+  names, adapter_ids = adapters_lib.rows_of(
+    [r.adapter for r in requests], len(requests), tuple(adapter_names)
+  )
+  for i, name in enumerate(names):
+    try:
+      adapters_lib.check_prefix(prefix, [name])
+    except ValueError as e:
+      raise ValueError(f"requests[{i}]: {e}") from None
   prompts, stops, seen = [], [], {}
   for i, r in enumerate(requests):
     what = f"requests[{i}]"
@@ -264,6 +278,7 @@ def check_many(
     processor_states=states,
     start=start,
     capacity=capacity,
+    adapter_ids=adapter_ids,
   )
   return call, prefix, n_slots, top_n
 
@@ -314,11 +329,17 @@ def run_many(
   every: int,
   progress: bool = False,
   trace: Callable[[str, list[int]], None] | None = None,
+  served=None,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
   segment that computed their first tokens, and ("steps", [k]) after each
-  segment of k decode steps."""
+  segment of k decode steps. `served` (an `adapters.AdapterSet`) runs
+  each request's adapter."""
+
+  def adapters_of(engine, ids):
+    return None if served is None else served.call(engine, ids)
+
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
   state = generate_engine.slot_init(
@@ -356,14 +377,21 @@ def run_many(
           prev,
           prefill_engine,
           bos_id,
+          adapters_of,
         )
         occupant[free[: len(take)]] = take
         before[free[: len(take)]] = 0
       else:
         take = []
       inputs = _inputs(call, occupant)
+      ids = np.where(occupant >= 0, call.adapter_ids[occupant], -1)
       state = generate_engine.slot_run(
-        caches, state, inputs, jnp.int32(every), jnp.bool_(True)
+        caches,
+        state,
+        inputs,
+        jnp.int32(every),
+        jnp.bool_(True),
+        adapters=adapters_of(generate_engine, ids.astype(np.int32)),
       )
       done, stopped, generated = jax.device_get(
         (state.done, state.stopped, state.generated)
@@ -403,7 +431,9 @@ def admit_rows(slots_n: int) -> int:
   return min(ADMIT_ROWS, slots_n)
 
 
-def _prefill_into(call, state, take, at, caches, prev, engine, bos_id):
+def _prefill_into(
+  call, state, take, at, caches, prev, engine, bos_id, adapters_of
+):
   """Prefills requests `take` after the shared prefix and puts them into
   slots `at`: one prefill of `admit_rows` rows per group of prompts of the
   same length bucket."""
@@ -422,12 +452,14 @@ def _prefill_into(call, state, take, at, caches, prev, engine, bos_id):
         lengths[j] = call.prompts[i].size
         tokens[j, : lengths[j]] = call.prompts[i]
         slots_at[j], index[j] = slot, i
+      ids = np.where(lengths > 0, call.adapter_ids[index], -1)
       result = engine.prefill(
         caches,
         prev,
         Chunk(tokens=tokens, lengths=lengths),
         top_n=0,
         bos_id=bos_id,
+        adapters=adapters_of(engine, ids.astype(np.int32)),
       )
       processor_rows = jax.tree.map(
         lambda s, index=index: s[index], call.processor_states

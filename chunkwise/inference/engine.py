@@ -33,7 +33,7 @@ from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sharded_engine import ShardedEngine
-from chunkwise.models import Weights, check_shapes, fused
+from chunkwise.models import Weights, check_shapes, fused, lora
 from chunkwise.partitioning import Layout, LayoutKind
 from chunkwise.precision import with_precision
 
@@ -150,23 +150,38 @@ class ReferenceEngine:
     del batch
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-  def prefill(self, caches, prev, chunk, *, top_n, bos_id):
+  def place_adapters(self, stacks):
+    """LoRA stacks (`lora.stack`) on JAX's default device."""
+    return jax.device_put(stacks)
+
+  def _weights(self, adapters):
+    """The programs' weights: with adapters (placed stacks, each row's
+    adapter), `lora.Adapted`."""
+    if adapters is None:
+      return self.weights
+    stacks, ids = adapters
+    batch = lora.AdapterBatch(stacks, jnp.asarray(ids, jnp.int32))
+    return lora.Adapted(self.weights, batch)
+
+  def prefill(self, caches, prev, chunk, *, top_n, bos_id, adapters=None):
     return self._prefill(
-      self.weights, caches, prev, chunk, top_n=top_n, bos_id=bos_id
+      self._weights(adapters), caches, prev, chunk, top_n=top_n, bos_id=bos_id
     )
 
-  def init(self, caches, prev, **static):
-    return self._init(self.weights, caches, prev, **static)
+  def init(self, caches, prev, adapters=None, **static):
+    return self._init(self._weights(adapters), caches, prev, **static)
 
-  def run(self, caches, state, inputs, stop_at):
-    return self._run(self.weights, caches, state, inputs, stop_at)
+  def run(self, caches, state, inputs, stop_at, adapters=None):
+    return self._run(self._weights(adapters), caches, state, inputs, stop_at)
 
-  def slot_init(self, caches, **static):
-    return self._slot_init(self.weights, caches, **static)
+  def slot_init(self, caches, adapters=None, **static):
+    return self._slot_init(self._weights(adapters), caches, **static)
 
-  def slot_run(self, caches, state, inputs, max_steps, until_free):
+  def slot_run(
+    self, caches, state, inputs, max_steps, until_free, adapters=None
+  ):
     return self._slot_run(
-      self.weights, caches, state, inputs, max_steps, until_free
+      self._weights(adapters), caches, state, inputs, max_steps, until_free
     )
 
 
@@ -250,7 +265,7 @@ def prefix_inputs(prefix: Sequence[ChunkResult]):
 
 # Arguments of the generate methods that `checks.check_generate` does not
 # take.
-_NOT_CHECKED = ("self", "prefix", "every")
+_NOT_CHECKED = ("self", "prefix", "every", "adapters")
 
 
 def start_loop(
@@ -262,6 +277,7 @@ def start_loop(
   eos_ids: tuple[int, ...],
   bos_id: int,
   vocabulary,
+  adapters=None,
 ):
   """Validates a generate call (`checks.check_generate` of `args`, the
   generate method's `locals()`: constraints compiled, processors traced)
@@ -283,6 +299,7 @@ def start_loop(
     top_n=call.top_n,
     vocab=hparams.vocab,
     bos_id=bos_id,
+    adapters=adapters,
   )
   state = state.replace(
     processor_states=jax.tree.map(jnp.asarray, call.processor_states)
@@ -294,7 +311,7 @@ def start_loop(
 
 
 def stream(
-  engine: Engine, caches, state, inputs, steps: int, every: int
+  engine: Engine, caches, state, inputs, steps: int, every: int, adapters=None
 ) -> Iterator[tuple[Chunk, ChunkResult]]:
   """Runs the loop in segments of `every` columns, yielding each segment
   (`generate.segment`). Once every row has stopped, nothing more runs: the
@@ -303,7 +320,7 @@ def stream(
   for begin in range(0, steps, every):
     end = min(begin + every, steps)
     if not done:
-      state = engine.run(caches, state, inputs, jnp.int32(end))
+      state = engine.run(caches, state, inputs, jnp.int32(end), adapters)
       done = bool(jnp.all(state.done))
     yield generate.segment(state, begin, end)
 

@@ -12,16 +12,24 @@ engine of its phase (`engine.py`), which owns the compiled programs.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from chunkwise import memory
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, continuous, generate
+from chunkwise.inference.adapters import (
+  AdapterSet,
+  check_prefix,
+  rows_of,
+  tagged,
+)
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import (
   make_engines,
@@ -125,6 +133,7 @@ class InferenceModel:
     )
     self._mesh = mesh
     self._layouts = phases
+    self._served = None  # adapters.AdapterSet (with_adapters)
     self._prefill_engine, self._generate_engine = make_engines(
       hparams,
       weights,
@@ -236,8 +245,44 @@ class InferenceModel:
     """Every id that stops `generate` (besides its `stop_ids`)."""
     return self._eos_ids
 
+  def with_adapters(self, adapters) -> InferenceModel:
+    """This model serving LoRA `adapters` ({name: `cw.load_adapter(...)`})
+    besides itself: `prefill`, `generate`, `generate_stream` take
+    `adapters=` (a name, or one name or None per row; None is this base
+    model) and `generate_many` each `Request.adapter`. Rows of different
+    adapters share a batch and one compiled program per batch shape; the
+    base weights and compiled programs are shared with this model (the
+    adapters' stacks, [n, ...] per layer and target split like their base
+    weight, come on top). ValueError, before placing anything, for an
+    adapter that does not fit the model."""
+    served = AdapterSet.make(
+      self._hparams, adapters, (self._prefill_engine, self._generate_engine)
+    )
+    model = copy.copy(self)
+    model._served = served
+    return model
+
+  @property
+  def adapters(self) -> dict:
+    """The LoRA adapters served ({name: Adapter}; empty without)."""
+    return {} if self._served is None else dict(self._served.adapters)
+
+  def _rows(self, adapters, batch: int, prefix: Sequence[ChunkResult]):
+    """(per-row adapter names, int32 ids), checked against `prefix`."""
+    known = () if self._served is None else self._served.names
+    names, ids = rows_of(adapters, batch, known)
+    check_prefix(prefix, names)
+    return names, ids
+
+  def _adapters_for(self, engine, ids):
+    return None if self._served is None else self._served.call(engine, ids)
+
   def prefill(
-    self, chunk: Chunk, prefix: Sequence[ChunkResult] = (), top_n: int = 0
+    self,
+    chunk: Chunk,
+    prefix: Sequence[ChunkResult] = (),
+    top_n: int = 0,
+    adapters=None,
   ) -> ChunkResult:
     """Runs `chunk` after `prefix` and scores each of its tokens.
 
@@ -246,16 +291,19 @@ class InferenceModel:
       prefix: earlier results of the same sequences, oldest first; batch
         sizes must divide each other and the chunk's batch.
       top_n: how many most likely alternatives to return per position.
+      adapters: the LoRA adapter of every row (a name), or of each row (a
+        name or None), or None: the base model (`with_adapters`).
     Returns:
-      A ChunkResult usable as a prefix of later calls. A chunk of zero
-      columns (e.g. one half of `split_at(0)`) runs nothing: its result only
-      carries the next-token logits over.
+      A ChunkResult usable as a prefix of later calls (by rows of the same
+      adapters). A chunk of zero columns (e.g. one half of `split_at(0)`)
+      runs nothing: its result only carries the next-token logits over.
     """
     h = self._hparams
     chunk, prefix, top_n = checks.check_prefill(h, chunk, prefix, top_n)
+    names, ids = self._rows(adapters, chunk.batch, prefix)
     caches, prev = prefix_inputs(prefix)
     if chunk.time == 0:
-      return ChunkResult.empty(
+      result = ChunkResult.empty(
         h,
         prev,
         batch=chunk.batch,
@@ -263,12 +311,26 @@ class InferenceModel:
         cache_dtype=self._cache_dtype,
         bos_id=self._bos_id,
       )
-    return self._prefill_engine.prefill(
-      caches, prev, chunk, top_n=top_n, bos_id=self._bos_id
+      return tagged(result, names)
+    engine = self._prefill_engine
+    result = engine.prefill(
+      caches,
+      prev,
+      chunk,
+      top_n=top_n,
+      bos_id=self._bos_id,
+      adapters=self._adapters_for(engine, ids),
     )
+    return tagged(result, names)
 
   def _start(self, prefix, args: dict):
-    return start_loop(
+    """(caches, state, inputs, engine adapters, per-row names) of a
+    validated generate call."""
+    shape = np.shape(args["sample_ids"])
+    batch = shape[0] if len(shape) == 1 else 1  # else check_generate raises
+    names, ids = self._rows(args["adapters"], batch, prefix)
+    on = self._adapters_for(self._generate_engine, ids)
+    caches, state, inputs = start_loop(
       self._generate_engine,
       self._hparams,
       prefix,
@@ -276,7 +338,9 @@ class InferenceModel:
       eos_ids=self._eos_ids,
       bos_id=self._bos_id,
       vocabulary=self._vocab,
+      adapters=on,
     )
+    return caches, state, inputs, on, names
 
   def generate(
     self,
@@ -290,6 +354,7 @@ class InferenceModel:
     processors: Sequence[processors_lib.LogitsProcessor] = (),
     constraint=None,
     budget_forcing: bool = False,
+    adapters=None,
   ) -> tuple[Chunk, ChunkResult]:
     """Samples up to `steps` tokens per row after `prefix`.
 
@@ -311,6 +376,8 @@ class InferenceModel:
         allows only a stop stops.
       budget_forcing: close every constrained row within `steps` (output
         steers to the shortest completion as columns run out).
+      adapters: the LoRA adapter of every row or of each row (see
+        `prefill`); None: the base model.
     Returns:
       (Chunk of the generated tokens, its ChunkResult); a row stops at its
       first stop id, which is written after the row's last token but not
@@ -318,10 +385,12 @@ class InferenceModel:
       Scores and top-n are always those of the raw logits, whatever the
       processors and constraints did (DESIGN.md §4.1).
     """
-    caches, state, inputs = self._start(prefix, locals())
-    return generate.finish(
-      self._generate_engine.run(caches, state, inputs, jnp.int32(steps))
+    caches, state, inputs, on, names = self._start(prefix, locals())
+    engine = self._generate_engine
+    tokens, result = generate.finish(
+      engine.run(caches, state, inputs, jnp.int32(steps), adapters=on)
     )
+    return tokens, tagged(result, names)
 
   def generate_many(
     self,
@@ -385,6 +454,7 @@ class InferenceModel:
       vocabulary=self._vocab,
       batch_split=split,
       capacity=capacity,
+      adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
     return continuous.run_many(
@@ -399,6 +469,7 @@ class InferenceModel:
       every=every,
       progress=progress,
       trace=trace,
+      served=self._served,
     )
 
   def generate_stream(
@@ -414,6 +485,7 @@ class InferenceModel:
     processors: Sequence[processors_lib.LogitsProcessor] = (),
     constraint=None,
     budget_forcing: bool = False,
+    adapters=None,
   ) -> Iterator[tuple[Chunk, ChunkResult]]:
     """Like `generate`, yielding (Chunk, ChunkResult) segments of `every`
     steps (the last may be shorter) as they are produced; their
@@ -421,5 +493,8 @@ class InferenceModel:
     every row has stopped, nothing more runs: the remaining segments are
     empty (all lengths 0). Each segment is a valid prefix for later calls."""
     every = checks.check_count("every", every, minimum=1)
-    caches, state, inputs = self._start(prefix, locals())
-    return stream(self._generate_engine, caches, state, inputs, steps, every)
+    caches, state, inputs, on, names = self._start(prefix, locals())
+    segments = stream(
+      self._generate_engine, caches, state, inputs, steps, every, adapters=on
+    )
+    return ((tokens, tagged(r, names)) for tokens, r in segments)

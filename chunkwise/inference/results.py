@@ -44,6 +44,9 @@ class ChunkResult:
   top_logprobs: jax.Array  # f32[batch, time, n]
   next_token_logits: jax.Array  # f32[batch, vocab]
   kv_cache: KVCache
+  # The LoRA adapter each row ran (None: every row the base model); not
+  # an array: a prefix serves only rows of its own adapter.
+  adapters: tuple | None = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def axes(cls) -> ChunkResult:
@@ -340,4 +343,20 @@ def concat_results(results: Sequence[ChunkResult]) -> ChunkResult:
   """
   results = tuple(results)
   _check_concat(results)
-  return _concat(results)
+  batch = results[-1].batch
+  tagged = [r for r in results if r.adapters is not None]
+  rows = {_rows_adapters(r, batch) for r in tagged}
+  if len(rows) > 1 or (tagged and len(tagged) != len(results)):
+    raise ValueError(
+      "concat_results: the results ran different adapters per row ("
+      + "; ".join(str(r.adapters) for r in results)
+      + "); only results of the same rows' adapters can be merged"
+    )
+  merged = _concat(tuple(r.replace(adapters=None) for r in results))
+  return merged.replace(adapters=rows.pop() if rows else None)
+
+
+def _rows_adapters(result: ChunkResult, batch: int) -> tuple:
+  """A result's per-row adapters repeated to `batch` rows."""
+  k = batch // result.batch
+  return tuple(a for a in result.adapters for _ in range(k))

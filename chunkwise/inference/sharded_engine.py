@@ -33,6 +33,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,7 +45,7 @@ from chunkwise.inference.infer import layer_pieces, positions_of
 from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
-from chunkwise.models import Weights, fused, quantized, sharded_forward
+from chunkwise.models import Weights, fused, lora, quantized, sharded_forward
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
@@ -187,6 +188,31 @@ class ShardedEngine:
     )
     return self._call(unshuffle, (self.weights,), self._plain_specs)
 
+  def place_adapters(self, stacks):
+    """LoRA stacks (`lora.stack`) placed like their base weights (the
+    adapter and rank axes replicated)."""
+    specs = self._adapter_specs(tuple(stacks[0].a), len(stacks))
+    return jax.tree.map(self._put, stacks, specs)
+
+  def _adapter_specs(self, targets: tuple[str, ...], layers: int):
+    one = lora.LayerLoRA.axes(targets).replace(ids=None)
+    return resolve_tree((one,) * layers, self.plan(1).rules())
+
+  def _weights(self, adapters):
+    """(the programs' weights argument, its specs, a program-key part):
+    with adapters (placed stacks, each row's adapter), `lora.Adapted`."""
+    if adapters is None:
+      return self.weights, self._weight_specs, None
+    stacks, ids = adapters
+    targets = tuple(stacks[0].a)
+    specs = self._adapter_specs(targets, len(stacks))
+    ids = self._put(jnp.asarray(ids, jnp.int32), P())
+    return (
+      lora.Adapted(self.weights, lora.AdapterBatch(stacks, ids)),
+      lora.Adapted(self._weight_specs, lora.AdapterBatch(specs, P())),
+      targets,
+    )
+
   def result_shardings(self, batch: int) -> ChunkResult:
     """Where `prefill` of a batch of `batch` rows puts its ChunkResult."""
     return named(
@@ -269,8 +295,11 @@ class ShardedEngine:
       )
     return self._programs[key]
 
-  def prefill(self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int):
+  def prefill(
+    self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int, adapters=None
+  ):
     plan = self.plan(chunk.batch, [c.batch for c in caches])
+    weights, weight_specs, adapter_key = self._weights(adapters)
     (caches, prev), (cache_specs, prev_spec), prev_split = self._prefix_args(
       plan, caches, prev
     )
@@ -287,15 +316,18 @@ class ShardedEngine:
 
     out_specs = resolve_tree(ChunkResult.axes(), rules)
     program = self._program(
-      ("prefill", plan, top_n, bos_id, prev is not None),
+      ("prefill", plan, top_n, bos_id, prev is not None, adapter_key),
       per_device,
-      (self._weight_specs, cache_specs, prev_spec, chunk_spec),
+      (weight_specs, cache_specs, prev_spec, chunk_spec),
       out_specs,
     )
-    return self._call(program, (self.weights, caches, prev, chunk), out_specs)
+    return self._call(program, (weights, caches, prev, chunk), out_specs)
 
-  def init(self, caches, prev, *, batch, steps, top_n, vocab, bos_id):
+  def init(
+    self, caches, prev, *, batch, steps, top_n, vocab, bos_id, adapters=None
+  ):
     plan = self.plan(batch, [c.batch for c in caches])
+    weights, weight_specs, adapter_key = self._weights(adapters)
     (caches, prev), (cache_specs, prev_spec), prev_split = self._prefix_args(
       plan, caches, prev
     )
@@ -314,14 +346,14 @@ class ShardedEngine:
       generate.LoopState.axes(self.hparams.layers), plan.rules()
     )
     program = self._program(
-      ("init", plan, steps, top_n, bos_id, prev is not None),
+      ("init", plan, steps, top_n, bos_id, prev is not None, adapter_key),
       per_device,
-      (self._weight_specs, cache_specs, prev_spec),
+      (weight_specs, cache_specs, prev_spec),
       out_specs,
     )
-    return self._call(program, (self.weights, caches, prev), out_specs)
+    return self._call(program, (weights, caches, prev), out_specs)
 
-  def run(self, caches, state, inputs, stop_at):
+  def run(self, caches, state, inputs, stop_at, adapters=None):
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
     per_device = functools.partial(
       generate.run, self._infer(plan), shards=self._shards(plan)
@@ -336,10 +368,14 @@ class ShardedEngine:
       inputs,
       generate.LoopInputs.axes(inputs.processors),
       stop_at,
+      adapters=adapters,
     )
 
-  def slot_init(self, caches, *, slots: int, capacity, steps, top_n, vocab):
+  def slot_init(
+    self, caches, *, slots: int, capacity, steps, top_n, vocab, adapters=None
+  ):
     plan = self.plan(slots, [c.batch for c in caches])
+    weights, weight_specs, adapter_key = self._weights(adapters)
     (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
     per_device = functools.partial(
       slots_lib.init,
@@ -355,14 +391,16 @@ class ShardedEngine:
       slots_lib.SlotState.axes(self.hparams.layers), plan.rules()
     )
     program = self._program(
-      ("slot_init", plan, capacity, steps, top_n),
+      ("slot_init", plan, capacity, steps, top_n, adapter_key),
       per_device,
-      (self._weight_specs, cache_specs),
+      (weight_specs, cache_specs),
       out_specs,
     )
-    return self._call(program, (self.weights, caches), out_specs)
+    return self._call(program, (weights, caches), out_specs)
 
-  def slot_run(self, caches, state, inputs, max_steps, until_free):
+  def slot_run(
+    self, caches, state, inputs, max_steps, until_free, adapters=None
+  ):
     plan = self.plan(state.slots, [c.batch for c in caches])
     n, i = plan.size(plan.attn_batch), plan.attn_batch
     per_device = functools.partial(
@@ -382,6 +420,7 @@ class ShardedEngine:
       slots_lib.SlotInputs.axes(inputs.processors),
       max_steps,
       until_free,
+      adapters=adapters,
     )
 
   def _loop(
@@ -395,10 +434,12 @@ class ShardedEngine:
     inputs,
     inputs_axes,
     *scalars,
+    adapters=None,
   ):
     """Runs a loop program `per_device(weights, caches, state, inputs,
     *scalars)` that returns the state (donated)."""
     (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
+    weights, weight_specs, adapter_key = self._weights(adapters)
     rules = plan.rules()
     inputs, inputs_spec = self._place(inputs, inputs_axes, rules)
     scalars, scalar_specs = self._place(scalars, (P(),) * len(scalars), rules)
@@ -410,12 +451,13 @@ class ShardedEngine:
         plan,
         jax.tree.structure(inputs.processors),
         jax.tree.structure(state.processor_states),
+        adapter_key,
       ),
       per_device,
-      (self._weight_specs, cache_specs, state_spec, inputs_spec, *scalar_specs),
+      (weight_specs, cache_specs, state_spec, inputs_spec, *scalar_specs),
       state_spec,
       donate_argnums=(2,),
     )
     return self._call(
-      program, (self.weights, caches, state, inputs, *scalars), state_spec
+      program, (weights, caches, state, inputs, *scalars), state_spec
     )

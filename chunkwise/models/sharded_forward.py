@@ -20,6 +20,7 @@ import jax
 from chunkwise.configs import HParams
 from chunkwise.models import (
   fused,
+  lora,
   transformer,
   weight_gathered,
   weight_stationary,
@@ -47,7 +48,8 @@ def forward(
   dtype,
 ):
   mod = layers_module(plan)
-  weights = fused.unwrap(plan, weights)
+  weights, adapters = lora.unwrap(weights)
+  weights = lora.attach(fused.unwrap(plan, weights), adapters)
   x = mod.embed(plan, hparams, weights, tokens, dtype)
   sites = transformer.sites(hparams, positions)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Activation, Block, HParams
-from chunkwise.models import rope
+from chunkwise.models import lora, rope
 from chunkwise.models.attention import Options
 from chunkwise.models.matmul import weight_matmul
 from chunkwise.models.quantized import take_rows
@@ -67,11 +67,17 @@ def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
   return x if bias is None else x + bias.astype(x.dtype)
 
 
+def _project(mm, eq: str, x: jax.Array, w: Layer, name: str) -> jax.Array:
+  """`mm(eq, x, w.<name>)` plus the LoRA adapters' delta (`w.lora`)."""
+  return lora.add(mm(eq, x, getattr(w, name)), lora.delta(eq, x, w.lora, name))
+
+
 def mlp(hparams: HParams, w: Layer, x: jax.Array, mm=_mm) -> jax.Array:
   """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed]."""
-  gate = mm("bte,ef->btf", x, w.gate)
-  up = mm("bte,ef->btf", x, w.up)
-  return mm("btf,fe->bte", _activation(hparams.activation, gate) * up, w.down)
+  gate = _project(mm, "bte,ef->btf", x, w, "gate")
+  up = _project(mm, "bte,ef->btf", x, w, "up")
+  hidden = _activation(hparams.activation, gate) * up
+  return _project(mm, "btf,fe->bte", hidden, w, "down")
 
 
 def attention(
@@ -89,12 +95,12 @@ def attention(
   Returns the attention branch [B, T, embed] and this chunk's (k, v), each
   [B, T, kv_heads, head_dim], for the caller to cache.
   """
-  q = _bias(mm("bte,ehd->bthd", x, w.q), w.q_bias)
-  k = _bias(mm("bte,ehd->bthd", x, w.k), w.k_bias)
-  v = _bias(mm("bte,ehd->bthd", x, w.v), w.v_bias)
+  q = _bias(_project(mm, "bte,ehd->bthd", x, w, "q"), w.q_bias)
+  k = _bias(_project(mm, "bte,ehd->bthd", x, w, "k"), w.k_bias)
+  v = _bias(_project(mm, "bte,ehd->bthd", x, w, "v"), w.v_bias)
   q, k = position_heads(hparams, w, q, k, positions, positions, site.rotation)
   out = attend(q, k, v, per_layer, site.options)  # [B, T, heads, head_dim]
-  return mm("bthd,hde->bte", out.astype(x.dtype), w.o), (k, v)
+  return _project(mm, "bthd,hde->bte", out.astype(x.dtype), w, "o"), (k, v)
 
 
 def position_heads(
@@ -227,6 +233,8 @@ def forward(
     logits f32[B, T, vocab] and (k, v), each [layers, B, T, kv_heads,
     head_dim], the chunk's keys and values.
   """
+  weights, adapters = lora.unwrap(weights)
+  weights = lora.attach(weights, adapters)
   x = scale_embedded(hparams, embed(weights, tokens, dtype))
   layer_sites = sites(hparams, positions)
 

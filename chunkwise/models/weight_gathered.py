@@ -24,7 +24,7 @@ import jax
 
 from chunkwise import collectives
 from chunkwise.configs import HParams
-from chunkwise.models import fused, transformer
+from chunkwise.models import fused, lora, transformer
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import attend
 from chunkwise.models.quantized import specs_like
@@ -46,7 +46,8 @@ def _whole(plan: Plan, tree, specs):
 def _gathered(plan: Plan, hparams: HParams, weights: Weights, name: str):
   """`weights` with the table `name` gathered whole (only the table the
   caller reads: the others stay sharded)."""
-  spec = getattr(specs_like(Weights.axes(hparams), weights), name)
+  specs = specs_like(Weights.axes(hparams), lora.detach(weights))
+  spec = getattr(specs, name)
   return weights.replace(**{name: _whole(plan, getattr(weights, name), spec)})
 
 
@@ -79,11 +80,13 @@ def layer(
   site: transformer.Site,
 ):
   """One layer on this device's rows; returns (x, (k, v))."""
+  adapters = _adapters(plan, w.lora)  # gathered whole, ids of these rows
+  w = w.replace(lora=None)
   logical = Layer.axes(hparams)
   specs = specs_like(logical, w)
   rows = _rows(plan, positions)
   if plan.collectives is Collectives.XLA:
-    whole = _whole(plan, w, specs)
+    whole = _whole(plan, w, specs).replace(lora=adapters)
     return transformer.block(hparams, whole, x, rows, attend, prefix, site)
   rules = plan.rules()
   streamed = {}
@@ -93,7 +96,7 @@ def layer(
     streamed[name] = _Streamed(getattr(w, name), axes)
   small = w.replace(**{name: None for name in _MATRICES})
   small_specs = specs.replace(**{name: None for name in _MATRICES})
-  local = _whole(plan, small, small_specs).replace(**streamed)
+  local = _whole(plan, small, small_specs).replace(**streamed, lora=adapters)
   variant = plan.collectives
 
   def mm(eq, x, w: _Streamed):
@@ -108,6 +111,16 @@ def layer(
 
 
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _adapters(plan: Plan, lo):
+  """A layer's LoRA stacks gathered whole (they are small) and the ids of
+  this device's rows; None without adapters."""
+  if lo is None:
+    return None
+  specs = lora.LayerLoRA.axes(tuple(lo.a)).replace(ids=None)
+  stacks = _whole(plan, lo.replace(ids=None), specs)
+  return stacks.replace(ids=_rows(plan, lo.ids))
 
 
 @dataclasses.dataclass(frozen=True)

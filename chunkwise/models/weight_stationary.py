@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.configs import Block, HParams
-from chunkwise.models import fused
+from chunkwise.models import fused, lora
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import Options, PrefixLayer, attend
 from chunkwise.models.matmul import weight_matmul
@@ -214,12 +214,14 @@ def attention(
 ):
   """xn [B, T, E.embed] -> ([B, T, E.embed]{head axes unreduced}, (k, v))."""
   embed_axes = plan.embed_axes
-  q = _matmul(plan, "q", "bte,ehd->bthd", xn, w.q)  # [B, T, H.q_axes]
+  q = _matmul(plan, "q", "bte,ehd->bthd", xn, w.q, w.lora)  # [B, T, H.q_axes]
   if w.q_bias is not None:
     n = plan.size(embed_axes)
     q = _bias(q, ops.block(w.q_bias, n, ops.index(embed_axes), axis=0))
   wk, wv, bk, bv = w.k, w.v, w.k_bias, w.v_bias
   rows, row_positions = xn, positions
+  lo = w.lora
+  row_ids = None if lo is None else lo.ids
   # Attention split by batch: this device's rows with every K/V head. The
   # embed contraction is split over embed_axes, so rows are first cut over
   # the other attention axes (equal along embed_axes), then over the
@@ -241,13 +243,29 @@ def attention(
     )
     if bk is not None:
       bk, bv = (ops.all_gather(a, plan.kv_axes, axis=0) for a in (bk, bv))
+    if lo is not None:
+      row_ids = ops.local_rows(lo.ids, plan.size(outer), ops.index(outer))
+      lo = lo.replace(
+        b={
+          t: ops.all_gather(b, plan.kv_axes, axis=2) if t in ("k", "v") else b
+          for t, b in lo.b.items()
+        }
+      )
 
-  def project(w, bias):
-    out = ops.psum(_mm("bte,ehd->bthd", rows, w), embed_axes)
+  def project(w, bias, name):
+    eq = "bte,ehd->bthd"
+    out = _mm(eq, rows, w)
+    if lo is not None and name in lo.a:
+      # The adapters' rank is small: reduce x @ A before expanding.
+      xa = ops.psum(lora.project(eq, rows, lo.a[name]), embed_axes)
+      d = lora.expand(eq, xa, lo.b[name], row_ids)
+      out = ops.psum(out, embed_axes) + d.astype(out.dtype)
+    else:
+      out = ops.psum(out, embed_axes)
     out = ops.block(out, plan.size(inner), ops.index(inner), axis=0)
     return _bias(out, bias)
 
-  k, v = project(wk, bk), project(wv, bv)
+  k, v = project(wk, bk, "k"), project(wv, bv, "v")
   q, k = position_heads(
     hparams, w, q, k, positions, row_positions, site.rotation
   )
@@ -255,24 +273,58 @@ def attention(
   out = out.astype(xn.dtype)
   # all-gather embed_axes on heads, then @ o (ws_2d); @ o, then
   # reduce-scatter on embed (ws_1d)
-  return _matmul(plan, "o", "bthd,hde->bte", out, w.o), (k, v)
+  o_eq = "bthd,hde->bte"
+  delta = _lora_out(plan, o_eq, out, w.lora, "o")
+  return _matmul(plan, "o", o_eq, out, w.o), (k, v), delta
 
 
-def mlp(plan: Plan, hparams: HParams, w: Layer, xn: jax.Array) -> jax.Array:
+def mlp(plan: Plan, hparams: HParams, w: Layer, xn: jax.Array):
   """xn [B, T, E.embed] -> [B, T, E.embed]{head axes unreduced} (ws_2d)
-  or [B, T, E.XYZ] (ws_1d, embed scattered by the fused matmul)."""
-  gate = _matmul(plan, "gate", "bte,ef->btf", xn, w.gate)
-  up = _matmul(plan, "up", "bte,ef->btf", xn, w.up)
+  or [B, T, E.XYZ] (ws_1d, embed scattered by the fused matmul), and the
+  adapters' delta of `down` in the residual's layout (or None)."""
+  gate = _matmul(plan, "gate", "bte,ef->btf", xn, w.gate, w.lora)
+  up = _matmul(plan, "up", "bte,ef->btf", xn, w.up, w.lora)
   hidden = _activation(hparams.activation, gate) * up
-  return _matmul(plan, "down", "btf,fe->bte", hidden, w.down)
+  delta = _lora_out(plan, "btf,fe->bte", hidden, w.lora, "down")
+  return _matmul(plan, "down", "btf,fe->bte", hidden, w.down), delta
 
 
-def _matmul(plan: Plan, name: str, eq: str, x: jax.Array, w: jax.Array):
+def _matmul(plan: Plan, name: str, eq: str, x: jax.Array, w, lo=None):
   """The layer's matmul `name`: fused with its collective where the
-  layout fuses it (`fused.FUSED`), else plain."""
+  layout fuses it (`fused.FUSED`), else plain. With adapters `lo`, an
+  input-side projection (q, gate, up: [B, T, E.embed] in, out split over
+  the head axes, then the embed axes) gets their delta: x @ A reduced
+  over the embed axes (rank-sized), @ B's shard, cut like the output."""
   if name in fused.FUSED[plan.kind]:
-    return fused.matmul(plan, name, x, w)
-  return _mm(eq, x, w)
+    out = fused.matmul(plan, name, x, w)
+  else:
+    out = _mm(eq, x, w)
+  if lo is None or name not in lo.a:
+    return out
+  xa = ops.psum(lora.project(eq, x, lo.a[name]), plan.embed_axes)
+  d = lora.expand(eq, xa, lo.b[name], lo.ids)
+  n = plan.size(plan.embed_axes)
+  d = ops.block(d, n, ops.index(plan.embed_axes), axis=2)
+  return out + d.astype(out.dtype)
+
+
+def _lora_out(plan: Plan, eq: str, x: jax.Array, lo, name: str):
+  """The adapters' delta of an output-side projection (o, down) in the
+  residual's layout [B.rb, T, E.re], or None. `x` is split over the head
+  axes, then the embed axes, on its contracted (third) axis, like A's
+  rows once cut over the embed axes; B's columns are split over the
+  embed axes like the projection's output."""
+  if lo is None or name not in lo.a:
+    return None
+  n = plan.size(plan.embed_axes)
+  a = ops.block(lo.a[name], n, ops.index(plan.embed_axes), axis=1)
+  xa = ops.psum(lora.project(eq, x, a), (*plan.head_axes, *plan.embed_axes))
+  d = lora.expand(eq, xa, lo.b[name], lo.ids)  # [B, T, E.embed]
+  rest = _minus(plan.resid_embed, plan.embed_axes)
+  d = ops.block(d, plan.size(rest), ops.index(rest), axis=2)
+  return ops.local_rows(
+    d, plan.size(plan.resid_batch), ops.index(plan.resid_batch)
+  )
 
 
 def layer(
@@ -288,13 +340,15 @@ def layer(
   scattered = fused.scatters_embed(plan)
   if hparams.block == Block.PARALLEL:
     xn = norm(plan, hparams, x, w.attn_norm)
-    attn, kv = attention(plan, hparams, w, xn, positions, prefix, site)
-    out = attn + mlp(plan, hparams, w, xn)
-    return x + reduce(plan, out, scattered), kv
+    attn, kv, d_o = attention(plan, hparams, w, xn, positions, prefix, site)
+    out, d_down = mlp(plan, hparams, w, xn)
+    out = lora.add(lora.add(reduce(plan, attn + out, scattered), d_o), d_down)
+    return x + out, kv
   xn = norm(plan, hparams, x, w.attn_norm)
-  attn, kv = attention(plan, hparams, w, xn, positions, prefix, site)
-  attn = reduce(plan, attn, scattered)
+  attn, kv, d_o = attention(plan, hparams, w, xn, positions, prefix, site)
+  attn = lora.add(reduce(plan, attn, scattered), d_o)
   x = x + residual_norm(plan, hparams, attn, w.post_attn_norm)
   xn = norm(plan, hparams, x, w.mlp_norm)
-  out = reduce(plan, mlp(plan, hparams, w, xn), scattered)
+  out, d_down = mlp(plan, hparams, w, xn)
+  out = lora.add(reduce(plan, out, scattered), d_down)
   return x + residual_norm(plan, hparams, out, w.post_mlp_norm), kv

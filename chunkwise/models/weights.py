@@ -24,6 +24,8 @@ i // (heads // kv_heads), as in Hugging Face's `repeat_kv`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -60,6 +62,9 @@ class Layer:
   # Per-head norms of queries and keys (HParams.qk_norm, Gemma 3).
   q_norm: jax.Array | None = None  # [head_dim]
   k_norm: jax.Array | None = None  # [head_dim]
+  # LoRA adapters (`models.lora.LayerLoRA`): set only inside a forward
+  # pass (`lora.attach`); None in stored and placed weights.
+  lora: Any = None
 
   @classmethod
   def axes(cls, hparams: HParams) -> Layer:

@@ -20,6 +20,8 @@ KV_HEADS = "kv_heads"  # key/value heads of a weight
 HEAD_DIM = "head_dim"  # width of one head
 MLP = "mlp"  # d_ff of a weight
 NORM = "norm"  # d_model of a norm scale
+ADAPTERS = "adapters"  # stacked LoRA adapters (never sharded)
+RANK = "rank"  # a LoRA adapter's rank (never sharded)
 
 # Data crossing the jit boundary. Small per-row data (tokens, lengths,
 # scores, top-n) is replicated; KV caches and logits are sharded.
@@ -41,6 +43,8 @@ ALL = (
   HEAD_DIM,
   MLP,
   NORM,
+  ADAPTERS,
+  RANK,
   BATCH,
   TIME,
   TOP_N,

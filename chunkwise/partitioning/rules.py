@@ -49,6 +49,8 @@ def weight_rules(kind: LayoutKind, *, kv_sharded: bool) -> dict:
     ax.HEAD_DIM: (),
     ax.MLP: heads,
     ax.NORM: (),
+    ax.ADAPTERS: (),
+    ax.RANK: (),
   }
 
 
