@@ -44,6 +44,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from chunkwise import checkpoints, constraints, memory, partitioning
+from chunkwise.bench import adapters as bench_adapters
 from chunkwise.bench import continuous as bench_continuous
 from chunkwise.bench import (
   machine,
@@ -156,6 +157,18 @@ _CONTINUOUS_REQUESTS = flags.DEFINE_integer(
 )
 _CONTINUOUS_LONG = flags.DEFINE_integer(
   "continuous_long", 256, "Budget of the long 20% of --continuous requests."
+)
+_ADAPTERS = flags.DEFINE_integer(
+  "adapters",
+  0,
+  "Also time multi-LoRA decode: this many random rank --adapter_rank "
+  "adapters on every projection, the --adapter_batch rows taking them in "
+  "turn, against the base model's step, side by side (first --weights "
+  "configuration; see chunkwise/bench/adapters.py). 0: off.",
+)
+_ADAPTER_RANK = flags.DEFINE_integer("adapter_rank", 16, "Rank of --adapters.")
+_ADAPTER_BATCH = flags.DEFINE_integer(
+  "adapter_batch", 16, "Decode rows of --adapters."
 )
 _SLOTS = flags.DEFINE_integer(
   "slots", 16, "Batch width of --continuous (slots, and static batches)."
@@ -310,6 +323,13 @@ def run(argv: Sequence[str]) -> None:
     ):
       if flag.value < 1:
         raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+  for name, flag, low in (
+    ("adapters", _ADAPTERS, 0),
+    ("adapter_rank", _ADAPTER_RANK, 1),
+    ("adapter_batch", _ADAPTER_BATCH, 1),
+  ):
+    if flag.value < low:
+      raise app.UsageError(f"--{name} must be >= {low}, got {flag.value}")
   longest = max(
     [
       *prefill_lengths,
@@ -412,6 +432,18 @@ def run(argv: Sequence[str]) -> None:
         model, prompt, requests, slots=_SLOTS.value, runs=_RUNS.value
       )
       logging.info("%s continuous: %s", config["name"], config["continuous"])
+    if i == 0 and _ADAPTERS.value:
+      config["adapters"] = bench_adapters.compare(
+        model,
+        prompt,
+        adapters=_ADAPTERS.value,
+        rank=_ADAPTER_RANK.value,
+        batch=_ADAPTER_BATCH.value,
+        steps=_STEPS.value,
+        runs=_RUNS.value,
+        seed=_SEED.value,
+      )
+      logging.info("%s adapters: %s", config["name"], config["adapters"])
     profiles = {}
     for b in profile_batches:
       profiles[str(b)] = profile.measure(
@@ -466,6 +498,8 @@ def run(argv: Sequence[str]) -> None:
   for config in results:
     if "continuous" in config:
       print(bench_continuous.table(config["continuous"]))
+    if "adapters" in config:
+      print(bench_adapters.table(config["adapters"]))
 
 
 def _build(name: str, described) -> dict:

@@ -7,6 +7,8 @@ many.
       --shared_prefix=@fewshot.txt --stop='\\n' --temperature=0 --stream
   python scripts/generate.py --input=texts.txt --output=people.jsonl \\
       --json_schema=@person.json --budget_forcing --steps=64
+  python scripts/generate.py --input=prompts.txt --output=chat.jsonl \\
+      --adapters=chat=/ad/chat --adapter=chat
 
 Constraints (one of --regex, --json_schema, --choices) are compiled once,
 before any device work, and mask every sample's tokens on device (see
@@ -23,6 +25,11 @@ batches of --batch_size prompts (each prefilled once, its --num_samples
 rows attending to its KV cache) until their last sample stops. --stream
 prints the first prompt's first sample when it finishes (as it grows
 with --static_batching).
+
+LoRA adapters (--adapters, a JSON line's "adapter", --adapter) work as in
+scripts/score.py; samples of different adapters share the slots (with
+--shared_prefix, continuous batching runs each adapter's samples in turn,
+since one shared prefix serves one adapter).
 
 Output: one JSON line per sample: id, sample, text, tokens, token_logprobs
 (raw log-probs), finish_reason ("stop": a stop id, EOS included, or a

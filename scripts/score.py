@@ -5,12 +5,22 @@ on one machine or many.
   python scripts/score.py --model=/ckpt/m8 --input=mc.jsonl \\
       --output=out.jsonl --shared_prefix=@fewshot.txt --top_n=5 \\
       --layout=ws_2d --mesh=2x2x2 --batch_size=16
+  python scripts/score.py --input=mixed.jsonl --output=out.jsonl \\
+      --adapters=math=/ad/math,chat=/ad/chat
 
 Input (see chunkwise/jobs/examples.py): JSON lines {"id", "text"} (every
 token after BOS is scored) or {"id", "context", "continuation"} (only the
 continuation is scored, given the context), or plain text, one example
 per line, its id the line number. With --shared_prefix the text (or
 @file) is prefilled once and every example continues it.
+
+LoRA adapters: --adapters=math=/ad/math,chat=/ad/chat serves PEFT
+adapters besides the base model; a JSON line picks one with "adapter"
+(a name, or null for the base model), and --adapter=name is the choice
+of every example that makes none (every line of a text input). Examples
+of different adapters share batches; the shared prefix is prefilled once
+per adapter used; records name their adapter ("adapter"; absent for the
+base model).
 
 Output: one JSON line per example: id, num_tokens, logprob (the sum,
 natural log), token_logprobs, with --tokens the token ids, with --top_n

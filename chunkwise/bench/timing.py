@@ -141,10 +141,12 @@ def timed_prefill(fn, shape: tuple[int, int], runs: int, sync=None) -> Point:
   )
 
 
-def prompt_prefix(model: InferenceModel, prompt: Sequence[int], batch: int):
-  """`batch` copies of `prompt`, prefilled."""
+def prompt_prefix(
+  model: InferenceModel, prompt: Sequence[int], batch: int, adapters=None
+):
+  """`batch` copies of `prompt`, prefilled (with each row's `adapters`)."""
   ids = np.tile(np.asarray(prompt, np.int32)[None], (batch, 1))
-  return model.prefill(_chunk(ids))
+  return model.prefill(_chunk(ids), adapters=adapters)
 
 
 def greedy(model: InferenceModel, prefix, steps: int, constraint=None):

@@ -4,19 +4,25 @@
   model = cw.load("ckpt/smollm2", mesh=make_mesh((2, 2, 2)), layout="ws_2d")
   cw.save(few_shot, "ckpt/few_shot")              # a prefilled ChunkResult
   few_shot = cw.load_result("ckpt/few_shot", model)
+  cw.save(model.with_adapters({"math": a}), "ckpt/served")
+  cw.load("ckpt/served").adapters                  # {"math": Adapter}
 
 The directory, its description and the save protocol are `manifest.py`'s,
-the arrays `arrays.py`'s, the stored vocabulary `saved_vocab.py`'s, and
-where weights go on a mesh `placed.py`'s; this module says what a model
-and a result store and checks what they restore into. Loading first checks
-the file list (a missing or truncated file is named), then every array's
-shape in Orbax's metadata against what the HParams (or the target model)
-expect, before reading any array data; then it restores each array
+the arrays `arrays.py`'s, the stored vocabulary `saved_vocab.py`'s, the
+served LoRA adapters `saved_adapters.py`'s, and where weights go on a mesh
+`placed.py`'s; this module says what a model and a result store and checks
+what they restore into. Loading first checks the file list (a missing or
+truncated file is named), then every array's shape in Orbax's metadata
+against what the HParams (or the target model) expect, before reading any
+array data; then it restores each array
 straight into the sharding the target mesh and layout give it
 (`ShapeDtypeStruct` targets), so a checkpoint saved from one layout loads
 onto any other, and no host ever holds more than its own shards. Weights
 are saved in plain block order (shuffled weights are reordered back
-first). Only local file systems are supported.
+first). A model serving LoRA adapters (`with_adapters`) stores them
+beside its weights and is restored serving them; a saved result keeps the
+adapter of each of its rows, so a restored prefix still serves only rows
+of its own adapters. Only local file systems are supported.
 """
 
 from __future__ import annotations
@@ -29,7 +35,13 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from chunkwise import untrusted
-from chunkwise.checkpoints import arrays, manifest, placed, saved_vocab
+from chunkwise.checkpoints import (
+  arrays,
+  manifest,
+  placed,
+  saved_adapters,
+  saved_vocab,
+)
 from chunkwise.checkpoints.manifest import META
 from chunkwise.configs import HParams
 from chunkwise.inference import (
@@ -44,8 +56,9 @@ from chunkwise.partitioning.placement import check_placement
 
 
 def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
-  """Saves a model (weights, HParams, vocabulary, BOS/EOS) or a
-  `ChunkResult` (e.g. a prefilled few-shot prefix) as an Orbax checkpoint.
+  """Saves a model (weights, HParams, vocabulary, BOS/EOS, the LoRA
+  adapters it serves) or a `ChunkResult` (e.g. a prefilled few-shot
+  prefix, with its rows' adapters) as an Orbax checkpoint.
 
   Args:
     obj: an `InferenceModel` or a `ChunkResult`.
@@ -73,7 +86,11 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
       "eos_ids": list(obj.eos_ids),
       "vocabulary": vocab,
     }
-    return manifest.write(directory, weights, meta, files, overwrite)
+    tree = weights
+    if obj.adapters:  # beside the weights (absent: none, as before)
+      meta["adapters"], flat = saved_adapters.to_json(obj.adapters)
+      tree = {**arrays.flatten(weights), **flat}
+    return manifest.write(directory, tree, meta, files, overwrite)
   if isinstance(obj, ChunkResult):
     meta = {
       "kind": "result",
@@ -81,6 +98,8 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
       "time": obj.time,
       "top_n": obj.top_n,
     }
+    if obj.adapters is not None:  # each row's adapter name or None
+      meta["adapters"] = list(obj.adapters)
     return manifest.write(directory, obj, meta, {}, overwrite)
   raise ValueError(
     f"save takes an InferenceModel or a ChunkResult, got {type(obj).__name__}"
@@ -165,6 +184,15 @@ def load_model(
     model_kwargs.get("generate_layout"),
     h,
   )
+  legacy = meta["version"] == 1
+  served = saved_adapters.parse(
+    h, meta.get("adapters"), os.path.join(directory, META)
+  )
+  if served and legacy:
+    raise ValueError(
+      f"checkpoint {directory}: format version 1 lists adapters, which "
+      "only later versions store"
+    )
   names = {
     n[: -len(".values")] for n in meta["arrays"] if n.endswith(".values")
   }
@@ -172,6 +200,7 @@ def load_model(
     jnp.dtype(a["dtype"]).name
     for n, a in meta["arrays"].items()
     if not n.endswith((".values", ".scale"))
+    and not saved_adapters.is_adapter_array(n)
   }
   if dtype is None:
     dtype = saved.pop() if len(saved) == 1 else jnp.float32
@@ -180,17 +209,20 @@ def load_model(
       f"checkpoint {directory}: weights of dtype {jnp.dtype(dtype).name}; "
       "expected float32 or bfloat16"
     )
-  legacy = meta["version"] == 1
   template = placed.abstract_weights(
     h, names, jnp.dtype(dtype), stacked=legacy, grouped=meta["version"] >= 3
   )
+  adapter_targets = saved_adapters.templates(h, served)
   arrays.check_arrays(
     directory,
     meta,
-    {n: t.shape for n, t in arrays.flatten(template).items()},
-    f"its {_brief(h)}",
+    {
+      **{n: t.shape for n, t in arrays.flatten(template).items()},
+      **{n: t.shape for n, t in adapter_targets.items()},
+    },
+    f"its {_brief(h)}" + (f" and {len(served)} adapters" if served else ""),
   )
-  manifest.check_bytes(directory, meta, template)
+  manifest.check_bytes(directory, meta, (template, adapter_targets))
   if vocab is None:
     vocab = saved_vocab.read(directory, meta.get("vocabulary"))
   if legacy:
@@ -200,15 +232,24 @@ def load_model(
     )
   else:
     shardings = placed.weight_shardings(h, mesh, phases[0], template)
-    weights = arrays.restore(
-      directory, placed.with_shardings(template, shardings)
+    targets = placed.with_shardings(template, shardings)
+    # One restore of the weights and the adapters' arrays (Orbax restores
+    # a checkpoint's whole tree).
+    restored = arrays.restore(
+      directory, {**arrays.flatten(targets), **adapter_targets}
     )
+    weights = arrays.unflatten(targets, restored)
   if quantized.Quantization.of(quantize) is quantized.Quantization.INT8:
     weights = placed.quantize_placed(h, mesh, phases[0], weights)
   ids = _special_ids(meta)
-  return InferenceModel(
+  model = InferenceModel(
     h, weights, vocab, mesh=mesh, layout=layout, **{**ids, **model_kwargs}
   )
+  if served:
+    model = model.with_adapters(
+      saved_adapters.build(served, restored, directory)
+    )
+  return model
 
 
 def _restore_stacked(directory: str, template: Weights) -> Weights:
@@ -223,7 +264,9 @@ def _restore_stacked(directory: str, template: Weights) -> Weights:
 
 def load_result(directory: str | os.PathLike, model: InferenceModel):
   """A `ChunkResult` saved by `save`, restored where `model`'s prefill puts
-  results (its mesh and layout), KV caches in the model's cache dtype.
+  results (its mesh and layout), KV caches in the model's cache dtype,
+  remembering its rows' adapters (as a prefix it serves only rows of the
+  same adapters, which `model` must then serve).
 
   Raises:
     ValueError: the result does not fit `model` (layers, K/V heads, head
@@ -256,5 +299,23 @@ def load_result(directory: str | os.PathLike, model: InferenceModel):
         f"expected {s.dtype.name}"
       )
   manifest.check_bytes(directory, meta, template)
+  adapters = _result_adapters(meta.get("adapters"), b, directory)
   targets = placed.with_shardings(template, model.result_shardings(b))
-  return arrays.restore(directory, targets)
+  return arrays.restore(directory, targets).replace(adapters=adapters)
+
+
+def _result_adapters(names, batch: int, directory: str) -> tuple | None:
+  """A saved result's per-row adapter names (None: every row the base
+  model, as in results saved before adapters were recorded)."""
+  if names is None:
+    return None
+  if (
+    not isinstance(names, list)
+    or len(names) != batch
+    or not all(n is None or (isinstance(n, str) and n) for n in names)
+  ):
+    raise ValueError(
+      f"{os.path.join(directory, META)}: 'adapters' is not a list of "
+      f"{batch} adapter names or nulls (one per row)"
+    )
+  return None if all(n is None for n in names) else tuple(names)

@@ -34,9 +34,12 @@ class AdapterSet:
   placed: Mapping[int, tuple]  # id(engine) -> its placed stacks
 
   @classmethod
-  def make(cls, hparams: HParams, adapters, engines) -> AdapterSet:
+  def make(
+    cls, hparams: HParams, adapters, engines, dtype=np.float32
+  ) -> AdapterSet:
     """Checks `adapters` ({name: Adapter}) against `hparams` and places
-    their stacks on each engine; ValueError names what does not fit."""
+    their stacks (in `dtype`) on each engine; ValueError names what does
+    not fit."""
     if not isinstance(adapters, Mapping) or not adapters:
       raise ValueError(
         f"adapters must be a non-empty {{name: Adapter}} mapping, got "
@@ -57,7 +60,7 @@ class AdapterSet:
       except ValueError as e:
         raise ValueError(f"adapter {name!r}: {e}") from None
     adapters = fitted
-    stacks = lora.stack(hparams, list(adapters.values()))
+    stacks = lora.stack(hparams, list(adapters.values()), dtype)
     placed = {}
     for engine in engines:
       if id(engine) not in placed:

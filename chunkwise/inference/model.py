@@ -126,6 +126,7 @@ class InferenceModel:
       mesh, layout, prefill_layout, generate_layout, hparams
     )
     self._cache_dtype = jnp.dtype(cache_dtype)
+    self._compute_dtype = jnp.dtype(compute_dtype)
     self._hparams = hparams
     self._vocab = vocab
     self._bos_id, self._eos_ids = special_ids(
@@ -199,6 +200,11 @@ class InferenceModel:
     return self._precision
 
   @property
+  def compute_dtype(self):
+    """The residual stream's dtype (and the adapters' stacks')."""
+    return self._compute_dtype
+
+  @property
   def cache_dtype(self):
     """The KV caches' dtype."""
     return self._cache_dtype
@@ -256,7 +262,10 @@ class InferenceModel:
     weight, come on top). ValueError, before placing anything, for an
     adapter that does not fit the model."""
     served = AdapterSet.make(
-      self._hparams, adapters, (self._prefill_engine, self._generate_engine)
+      self._hparams,
+      adapters,
+      (self._prefill_engine, self._generate_engine),
+      dtype=self._compute_dtype,
     )
     model = copy.copy(self)
     model._served = served

@@ -191,12 +191,13 @@ class ShardedEngine:
   def place_adapters(self, stacks):
     """LoRA stacks (`lora.stack`) placed like their base weights (the
     adapter and rank axes replicated)."""
-    specs = self._adapter_specs(tuple(stacks[0].a), len(stacks))
+    specs = self._adapter_specs(stacks)
     return jax.tree.map(self._put, stacks, specs)
 
-  def _adapter_specs(self, targets: tuple[str, ...], layers: int):
-    one = lora.LayerLoRA.axes(targets).replace(ids=None)
-    return resolve_tree((one,) * layers, self.plan(1).rules())
+  def _adapter_specs(self, stacks):
+    one = lora.LayerLoRA.axes(stacks[0].targets, stacks[0].rank)
+    one = one.replace(ids=None)
+    return resolve_tree((one,) * len(stacks), self.plan(1).rules())
 
   def _weights(self, adapters):
     """(the programs' weights argument, its specs, a program-key part):
@@ -204,8 +205,8 @@ class ShardedEngine:
     if adapters is None:
       return self.weights, self._weight_specs, None
     stacks, ids = adapters
-    targets = tuple(stacks[0].a)
-    specs = self._adapter_specs(targets, len(stacks))
+    targets = (stacks[0].targets, stacks[0].rank)
+    specs = self._adapter_specs(stacks)
     ids = self._put(jnp.asarray(ids, jnp.int32), P())
     return (
       lora.Adapted(self.weights, lora.AdapterBatch(stacks, ids)),

@@ -14,11 +14,20 @@ scripts/generate.py (which only parse flags into these configs).
   device calls and records.
 - `examples`: reading and checking input lines (`file:line: reason`).
 - `batching`: length-bucketed batches, the same on every process.
+- `adapters`: LoRA adapters (`--adapters`, per-example "adapter"), read
+  before any device work; the shared prefix once per adapter.
 - `output`: resumable JSON-lines output, shards merged at the end.
 - `cli`: the scripts' absl flag groups, parsed into the configs.
 """
 
-from chunkwise.jobs import batching, examples, generation, output, scoring
+from chunkwise.jobs import (
+  adapters,
+  batching,
+  examples,
+  generation,
+  output,
+  scoring,
+)
 from chunkwise.jobs.config import (
   GenerateJob,
   InputFormat,
@@ -43,6 +52,7 @@ __all__ = [
   "Quantization",
   "ScoreJob",
   "WeightDtype",
+  "adapters",
   "batching",
   "examples",
   "generation",

@@ -76,7 +76,8 @@ _VALIDATED: set[tuple[str, str]] = set()
 
 
 class ModelFlags:
-  """--model, --layout, --mesh, --dtype, --quantize, --precision."""
+  """--model, --layout, --mesh, --dtype, --quantize, --precision,
+  --adapters."""
 
   def __init__(self):
     self.model = _define(
@@ -122,6 +123,18 @@ class ModelFlags:
       "Matmul precision (default: highest for f32, whose default is TF32 "
       "on GPUs; see chunkwise.precision).",
     )
+    self.adapters = _define(
+      flags.DEFINE_string,
+      "adapters",
+      "",
+      "LoRA adapters to serve besides the base model: name=path[,name=path"
+      "...], each path a PEFT directory (adapter_config.json, "
+      "adapter_model.safetensors). A JSON-lines example runs the one its "
+      '"adapter" field names (null: the base model; absent: --adapter); '
+      "examples of different adapters share batches. Read and checked "
+      "before any device work; <output>.job.json records their checksums, "
+      "so resuming with other adapter files is refused.",
+    )
 
   def config(self) -> ModelConfig:
     return ModelConfig(
@@ -131,6 +144,7 @@ class ModelFlags:
       dtype=self.dtype.value,
       quantize=self.quantize.value,
       precision=self.precision.value,
+      adapters=self.adapters.value,
     )
 
 
@@ -178,7 +192,16 @@ class JobFlags:
       flags.DEFINE_string,
       "shared_prefix",
       "",
-      "Text (or @file) prefilled once as the start of every example.",
+      "Text (or @file) prefilled once as the start of every example (once "
+      "per LoRA adapter the examples run).",
+    )
+    self.adapter = _define(
+      flags.DEFINE_string,
+      "adapter",
+      None,
+      "The LoRA adapter (a name from --adapters) of every example that names "
+      'none: each line of a text input, each JSON line without an "adapter" '
+      "field. Default: the base model.",
     )
     self.skip_bad_lines = _define(
       flags.DEFINE_bool,
@@ -260,6 +283,7 @@ class JobFlags:
       batch_size=self.batch_size.value,
       max_len=self.max_len.value,
       shared_prefix=self.shared_prefix.value,
+      adapter=self.adapter.value or None,
       skip_bad_lines=self.skip_bad_lines.value,
       max_line_bytes=self.max_line_bytes.value,
       max_json_depth=self.max_json_depth.value,

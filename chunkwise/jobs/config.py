@@ -6,6 +6,8 @@
                                        # summary as scripts/score.py
   job = GenerateJob(input="prompts.txt", output="samples.jsonl", steps=32,
                     sampling=Sampling(temperature=0.7), num_samples=4)
+  job = ScoreJob(input="mixed.jsonl", output="out.jsonl", adapter="math",
+                 model=ModelConfig(adapters={"math": "/ad/math"}))
 
 Strings are accepted where an enum or a `Layout` is expected ("int8",
 "ws_2d/yz") and converted, or refused with a ValueError naming the value.
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
+from collections.abc import Mapping
 from typing import ClassVar
 
 from chunkwise.inference import Sampling
+from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
 from chunkwise.models.quantized import Quantization
 from chunkwise.partitioning import Layout, parse_mesh
@@ -74,10 +79,17 @@ class ModelConfig:
   dtype: WeightDtype | None = None
   quantize: Quantization = Quantization.NONE
   precision: str | None = None  # "highest", "high", "default"
+  # LoRA adapters served besides the base model: {name: PEFT directory}
+  # (or "name=path,name2=path2"); examples pick one by name.
+  adapters: Mapping[str, str] = dataclasses.field(
+    default_factory=lambda: types.MappingProxyType({})
+  )
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"model name must be a non-empty string: {self.name!r}")
+    named = adapters_lib.parse(self.adapters)
+    _set(self, "adapters", types.MappingProxyType(named))
     if not (isinstance(self.layout, str) and self.layout.lower() == "auto"):
       _set(self, "layout", Layout.parse(self.layout))
     else:
@@ -123,6 +135,9 @@ class Job:
   max_len: int | None = None  # tokens, shared prefix included (None: the
   # model's)
   shared_prefix: str = ""  # text (or @file) prefilled once for every example
+  # (once per adapter the examples run)
+  adapter: str | None = None  # of the examples that name none (a text
+  # input's: all); one of model.adapters; None: the base model
   skip_bad_lines: bool = False  # log, count and skip them instead of stopping
   max_line_bytes: int = examples.MAX_LINE_BYTES
   max_json_depth: int = examples.MAX_JSON_DEPTH
@@ -148,6 +163,11 @@ class Job:
       _positive("max_len", self.max_len)
     if self.batch_delay_s < 0:
       raise ValueError(f"batch_delay_s={self.batch_delay_s} must be >= 0")
+    if self.adapter is not None and self.adapter not in self.model.adapters:
+      served = ", ".join(map(repr, self.model.adapters)) or "none"
+      raise ValueError(
+        f"--adapter={self.adapter!r} is not one of --adapters ({served})"
+      )
 
 
 def _positive(name: str, value) -> None:

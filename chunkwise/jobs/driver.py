@@ -9,9 +9,10 @@ output file of another job stop it before any device work:
   3. `jax.distributed` started (multi-host), the output opened and its
      done ids skipped (`output`); every process plans the same batches
      (`batching`), checked equal across processes;
-  4. the model loaded onto the mesh, the shared prefix prefilled once,
-     the batches run and written as they finish, with a progress bar on
-     process 0;
+  4. the model loaded onto the mesh (serving the LoRA adapters, read in
+     step 1), the shared prefix prefilled once (per adapter the examples
+     run, see `adapters`), the batches run and written as they finish,
+     with a progress bar on process 0;
   5. the output finished (shards merged, input order) and a summary.
 
 Every failure raises `JobError` with one line that names the bad value;
@@ -37,9 +38,11 @@ from collections.abc import Callable, Iterator
 from absl import logging
 
 from chunkwise import checkpoints, memory, partitioning
-from chunkwise.inference import Chunk, InferenceModel
+from chunkwise.inference import InferenceModel
+from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import batching, examples, output
 from chunkwise.jobs.config import Job, Quantization
+from chunkwise.models import lora
 from chunkwise.partitioning import LayoutKind, multihost
 from chunkwise.planner import choice as planner_choice
 
@@ -90,6 +93,7 @@ class Setup:
   prepared: list[examples.Prepared]
   prefix_tokens: list[int]  # the shared prefix's row (BOS first) or []
   max_len: int
+  adapters: dict[str, lora.Adapter] = dataclasses.field(default_factory=dict)
 
 
 def setup(
@@ -101,6 +105,7 @@ def setup(
   try:
     described = describe_model(job.model.name)
     prefix_text = text_or_file("shared_prefix", job.shared_prefix)
+    loaded = adapters_lib.load(job.model.adapters, described.hparams)
   except (ValueError, FileNotFoundError) as e:
     raise JobError(str(e)) from None
   h = described.hparams
@@ -138,6 +143,8 @@ def setup(
       skip_bad=job.skip_bad_lines,
       max_line_bytes=job.max_line_bytes,
       max_depth=job.max_json_depth,
+      adapters=tuple(loaded),
+      adapter=job.adapter,
     )
     prepared = examples.prepare(
       found,
@@ -151,7 +158,7 @@ def setup(
       logging.warning("skipped %s", message)
   except (examples.InputError, FileNotFoundError) as e:
     raise JobError(str(e)) from None
-  return Setup(job, described, found, prepared, prefix_tokens, max_len)
+  return Setup(job, described, found, prepared, prefix_tokens, max_len, loaded)
 
 
 def start_processes(job: Job) -> tuple[int, int]:
@@ -275,15 +282,24 @@ def _agree(error: str | None) -> None:
 
 def _plan_digest(plan, setup: Setup) -> bytes:
   digest = hashlib.sha256(repr(plan).encode())
+  # The adapters' contents too: processes reading different files under
+  # the same names would write different numbers.
+  digest.update(repr(adapters_lib.checksums(setup.adapters)).encode())
   for p in setup.prepared:
-    digest.update(repr((p.example.id, p.tokens, p.scored_from)).encode())
+    digest.update(
+      repr((p.example.id, p.tokens, p.scored_from, p.example.adapter)).encode()
+    )
   return digest.digest()
 
 
-# (model, prefix, [(example, sample index), ...]) -> (position, records)
-# as they finish, in any order.
+# (model, shared prefix, [(example, sample index), ...]) -> (position,
+# records) as they finish, in any order.
 RunItems = Callable[
-  [InferenceModel, list, list[tuple[examples.Prepared, int]]],
+  [
+    InferenceModel,
+    adapters_lib.SharedPrefix,
+    list[tuple[examples.Prepared, int]],
+  ],
   Iterator[tuple[int, list[dict]]],
 ]
 
@@ -300,13 +316,15 @@ def run(
 ) -> Run:
   """Steps 3 to 5 (module docstring). `keys(p)` are the output keys of
   example p's records; `run_batch(model, prefix, rows, batch)` gives
-  each row's records (None for padding rows); `settings` (the options that
+  each row's records (None for padding rows; `prefix` is the shared
+  prefix list for the rows' adapters); `settings` (the options that
   change results) must match those of the run that began the output.
 
   Continuous batching gives `run_items` instead: every record not yet in
   the output (one per key, e.g. per sample) is one item, all handed over
-  at once; it yields (item position, records) as they finish, and the
-  process numbered position % processes writes them."""
+  at once with the `adapters.SharedPrefix`; it yields (item position,
+  records) as they finish, and the process numbered position % processes
+  writes them."""
   job = setup.job
   m = job.model
   settings = {
@@ -318,6 +336,12 @@ def run(
     "quantize": m.quantize.value,
     # Absent when unset, so outputs begun before the option still resume.
     **({"precision": m.precision} if m.precision else {}),
+    **(
+      {"adapters": adapters_lib.checksums(setup.adapters)}
+      if setup.adapters
+      else {}
+    ),
+    **({"adapter": job.adapter} if job.adapter is not None else {}),
     **(settings or {}),
   }
   size = job.batch_size
@@ -386,11 +410,16 @@ def run(
     out.path,
   )
   try:
-    model, prefix = _model_and_prefix(setup) if batches else (None, [])
+    rows_of = [
+      [None if i is None else setup.prepared[i] for i in b.indices]
+      for b in batches
+    ]
+    names = {n for rows in rows_of for n in adapters_lib.of_rows(rows)}
+    model, shared = _model_and_prefix(setup, names) if batches else (None, None)
     start = time.perf_counter()  # compiles count, loading does not
     with _progress(len(todo), process, "example", job.progress) as bar:
-      for batch in batches:
-        rows = [None if i is None else setup.prepared[i] for i in batch.indices]
+      for batch, rows in zip(batches, rows_of, strict=True):
+        prefix = shared.rows(adapters_lib.of_rows(rows))
         records = run_batch(model, prefix, rows, batch)
         mine = batching.owned(batch, process, processes)
         out.append([r for b in mine for r in records[b]])
@@ -404,13 +433,15 @@ def run(
   return _finish(setup, out, keys, todo, seconds, process)
 
 
-def _model_and_prefix(setup: Setup):
-  """The job's model, loaded, and its shared prefix prefilled once ([]
-  without one)."""
+def _model_and_prefix(setup: Setup, names):
+  """The job's model, loaded (serving the job's adapters), and its shared
+  prefix prefilled once per adapter of `names` (None: the base model)."""
   model = load_model(setup.job, setup.described)
-  if not setup.prefix_tokens:
-    return model, []
-  return model, [model.prefill(Chunk.from_lists([setup.prefix_tokens]))]
+  if setup.adapters:
+    model = model.with_adapters(setup.adapters)
+  return model, adapters_lib.SharedPrefix.prefill(
+    model, setup.prefix_tokens, names
+  )
 
 
 def _finish(setup, out, keys, todo, seconds, process) -> Run:
@@ -455,7 +486,8 @@ def _run_items(
     out.path,
   )
   try:
-    model, prefix = _model_and_prefix(setup) if items else (None, [])
+    names = {setup.prepared[i].example.adapter for i, _ in items}
+    model, prefix = _model_and_prefix(setup, names) if items else (None, None)
     start = time.perf_counter()  # compiles count, loading does not
     with _progress(len(items), process, "sample", job.progress) as bar:
       if items:

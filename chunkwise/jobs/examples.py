@@ -12,6 +12,10 @@ else is plain text):
 - JSON lines, generation: {"id", "prompt"} ("text" is accepted too).
 - Plain text: one example per line, its id the line number (from 1).
 
+A JSON line may name its LoRA adapter: "adapter": a name the job serves
+(`read(adapters=...)`), or null for the base model; a line without the
+field, and every plain-text line, runs the job's default (`adapter=`).
+
 Ids are strings or integers, unique in the file; they are data only
 (never part of a file name). A bad line (invalid JSON or UTF-8, a missing
 or mistyped field, an empty text, a duplicate id, an unpaired surrogate,
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from chunkwise import untrusted
@@ -52,12 +56,14 @@ class Example:
   line: the line number (from 1), for messages.
   text: scored text, continuation or prompt.
   context: conditioning text that is not scored ("" if none).
+  adapter: the LoRA adapter it runs (None: the base model).
   """
 
   id: int | str
   line: int
   text: str
   context: str = ""
+  adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +137,36 @@ def _check_text(value: str, what: str) -> None:
     ) from None
 
 
-def _from_json(text: str, line: int, kind: str, max_depth: int) -> Example:
+def _adapter(record: dict, known, default: str | None) -> str | None:
+  """The line's "adapter": a served name, null (the base model), or
+  `default` when the field is absent."""
+  if "adapter" not in record:
+    return default
+  name = record["adapter"]
+  if name is None:
+    return None
+  if not isinstance(name, str):
+    raise ValueError(
+      f"field 'adapter' is {type(name).__name__} {_brief(name)}, expected "
+      "a name or null"
+    )
+  if name not in known:
+    served = ", ".join(map(repr, known)) if known else "none"
+    raise ValueError(
+      f"id {_brief(record['id'])} names adapter {_brief(name)}, which "
+      f"--adapters does not give (it gives {served})"
+    )
+  return name
+
+
+def _from_json(
+  text: str,
+  line: int,
+  kind: str,
+  max_depth: int,
+  known: tuple[str, ...] = (),
+  default: str | None = None,
+) -> Example:
   try:
     record = json.loads(text)
   except json.JSONDecodeError as e:
@@ -152,17 +187,19 @@ def _from_json(text: str, line: int, kind: str, max_depth: int) -> Example:
     raise ValueError(f"id {_brief(ident)} is not a string or an integer")
   if isinstance(ident, str):
     _check_text(ident, "id")
+  adapter = _adapter(record, known, default)
   if kind == GENERATE:
     name = "prompt" if "prompt" in record or "text" not in record else "text"
-    return Example(ident, line, _field(record, name))
+    return Example(ident, line, _field(record, name), adapter=adapter)
   if "continuation" in record or "context" in record:
     return Example(
       ident,
       line,
       _field(record, "continuation"),
       _field(record, "context", required=False),
+      adapter,
     )
-  return Example(ident, line, _field(record, "text"))
+  return Example(ident, line, _field(record, "text"), adapter=adapter)
 
 
 def _lines(f, max_bytes: int):
@@ -190,8 +227,12 @@ def read(
   skip_bad: bool = False,
   max_line_bytes: int = MAX_LINE_BYTES,
   max_depth: int = MAX_JSON_DEPTH,
+  adapters: Sequence[str] = (),
+  adapter: str | None = None,
 ) -> Examples:
-  """Reads every example of `path` (see the module docstring).
+  """Reads every example of `path` (see the module docstring). A JSON
+  line may name one of `adapters` (another name is a bad line); the
+  others run `adapter` (None: the base model).
 
   Raises:
     FileNotFoundError: no such file.
@@ -201,6 +242,9 @@ def read(
   if kind not in (SCORE, GENERATE):
     raise ValueError(f"kind {kind!r}: expected {SCORE!r} or {GENERATE!r}")
   json_lines = _is_json(path, fmt)
+  known = tuple(adapters)
+  if adapter is not None and adapter not in known:
+    raise ValueError(f"default adapter {adapter!r} is not one of {known}")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no input file {path}")
   found = Examples(path, [], [])
@@ -221,9 +265,9 @@ def read(
         if not text.strip():
           raise ValueError("empty line" if json_lines else "empty text")
         if json_lines:
-          example = _from_json(text, number, kind, max_depth)
+          example = _from_json(text, number, kind, max_depth, known, adapter)
         else:
-          example = Example(number, number, text)
+          example = Example(number, number, text, adapter=adapter)
         key = id_key(example.id)
         if key in first_line:
           raise ValueError(

@@ -11,13 +11,20 @@ record per sample).
   records = generate_batch(model, rows, time=32, num_samples=4, steps=64,
                            sampling=cw.Sampling(temperature=0.7), ...)
 
-A record holds `id`, `sample` (0 .. num_samples-1), `text`, `tokens`,
+A record holds `id`, `adapter` (the LoRA adapter's name; absent for the
+base model), `sample` (0 .. num_samples-1), `text`, `tokens`,
 `token_logprobs` (raw log-probs of the sampled tokens) and `finish_reason`:
 "stop" when the row produced a stop id (EOS, `stop_ids`) or a stop string,
 "length" when it ran all `steps`. A stop string is cut off the text;
 `tokens` then end with the token that completed it (the device loop stops
 on ids only, so a row runs on past a stop string; its extra tokens are
 dropped).
+
+Rows of different adapters share batches (each row runs its example's
+adapter). Continuous batching continues one batch-1 shared prefix in
+every slot, so with `--shared_prefix` the samples of each adapter run in
+turn (one `generate_many` each, in the order the adapters first appear);
+without one, all in one.
 
 Each sample's id for the RNG contract (DESIGN.md §4.5) is a hash of its
 example id and sample index: its tokens depend on neither the batch it
@@ -40,7 +47,7 @@ from chunkwise.inference import (
   Sampling,
   slot_capacity,
 )
-from chunkwise.jobs import driver, examples
+from chunkwise.jobs import adapters, driver, examples
 from chunkwise.jobs.config import GenerateJob
 from chunkwise.jobs.examples import Prepared, id_key
 from chunkwise.jobs.scoring import chunk_of, floats
@@ -114,13 +121,17 @@ def generate_batch(
   rows, which repeat the first row). `stream=(i, emit)` passes the text of
   row i's first sample to `emit` as it is generated; `constraint` (one
   `chunkwise.constraints` Constraint for every row) and `budget_forcing`
-  go to `generate`."""
+  go to `generate`. Each row runs its example's adapter; `prefix` must
+  have been computed with them."""
   fill = rows[0]
   pad_id = int(getattr(model.vocab, "pad_id", 0) or 0)
   prompts = chunk_of(
     [(fill if r is None else r).tokens for r in rows], time, pad_id
   )
-  prompt = model.prefill(prompts, prefix=prefix)
+  names = adapters.of_rows(rows)
+  prompt = model.prefill(
+    prompts, prefix=prefix, adapters=adapters.call_arg(names)
+  )
   ids = [
     sample_id((fill if r is None else r).example.id, s)
     for r in rows
@@ -136,6 +147,7 @@ def generate_batch(
     stop_ids=stop_ids,
     constraint=constraint,
     budget_forcing=budget_forcing,
+    adapters=adapters.call_arg([n for n in names for _ in range(num_samples)]),
   )
   out: list[list[dict] | None] = []
   for b, row in enumerate(rows):
@@ -176,6 +188,7 @@ def _record(
   kept, text, cut = cut_at_stop(vocab, list(tokens), stop_strings)
   record = {
     "id": row.example.id,
+    **adapters.record_field(row),
     "sample": s,
     "text": text,
     "tokens": kept,
@@ -192,7 +205,7 @@ def _record(
 
 def generate_items(
   model: InferenceModel,
-  prefix: Sequence[ChunkResult],
+  prefix: adapters.SharedPrefix | Sequence[ChunkResult],
   work: Sequence[tuple[Prepared, int]],
   *,
   slots: int,
@@ -206,41 +219,73 @@ def generate_items(
   stream: tuple[object, Callable[[str], None]] | None = None,
 ):
   """Continuous batching: every (prompt, sample index) of `work` through
-  `model.generate_many` in `slots` rows; yields (position in `work`,
-  [record]) as samples finish. `stream=(example id, emit)` passes that
-  example's first sample to `emit` when it finishes."""
-  requests = [
-    Request(
-      tokens=p.tokens,
-      sample_id=sample_id(p.example.id, s),
-      steps=steps,
-      sampling=sampling,
-      stop_ids=tuple(stop_ids),
-      constraint=constraint,
-    )
-    for p, s in work
-  ]
-  for r in model.generate_many(
-    requests,
-    slots=slots,
-    prefix=prefix,
-    budget_forcing=budget_forcing,
-    capacity=capacity,
-  ):
-    row, s = work[r.index]
-    record = _record(
-      model.vocab,
-      row,
-      s,
-      r.tokens.tolist(),
-      r.per_token_scores,
-      stopped=r.finish_reason == "stop",
-      stop_strings=stop_strings,
-      constraint=constraint,
-    )
-    if stream is not None and s == 0 and row.example.id == stream[0]:
-      stream[1](record["text"] + "\n")
-    yield r.index, [record]
+  `model.generate_many` in `slots` rows, each running its example's
+  adapter; yields (position in `work`, [record]) as samples finish.
+  `prefix` is the job's `adapters.SharedPrefix` (or a prefix list every
+  request continues); `stream=(example id, emit)` passes that example's
+  first sample to `emit` when it finishes."""
+  for group, prefix_list in _groups(prefix, work):
+    requests = [
+      Request(
+        tokens=work[i][0].tokens,
+        sample_id=sample_id(work[i][0].example.id, work[i][1]),
+        steps=steps,
+        sampling=sampling,
+        stop_ids=tuple(stop_ids),
+        constraint=constraint,
+        adapter=work[i][0].example.adapter,
+      )
+      for i in group
+    ]
+    for r in model.generate_many(
+      requests,
+      slots=slots,
+      prefix=prefix_list,
+      budget_forcing=budget_forcing,
+      capacity=capacity,
+    ):
+      position = group[r.index]
+      yield (
+        position,
+        [
+          _item_record(
+            model, work[position], r, stop_strings, constraint, stream
+          )
+        ],
+      )
+
+
+def _groups(prefix, work):
+  """[(positions in `work`, prefix list)] of `generate_items`' calls: one
+  for all without a shared prefix (or with a plain list), else one per
+  adapter (a batch-1 prefix serves only its own adapter), in the order
+  the adapters first appear in `work`."""
+  if not isinstance(prefix, adapters.SharedPrefix):
+    return [(list(range(len(work))), list(prefix))]
+  if not prefix.results:
+    return [(list(range(len(work))), [])]
+  groups: dict[str | None, list[int]] = {}
+  for i, (row, _) in enumerate(work):
+    groups.setdefault(row.example.adapter, []).append(i)
+  return [(group, prefix.rows([name])) for name, group in groups.items()]
+
+
+def _item_record(model, item, r, stop_strings, constraint, stream) -> dict:
+  """The record of `generate_items`' request result `r` of `item`."""
+  row, s = item
+  record = _record(
+    model.vocab,
+    row,
+    s,
+    r.tokens.tolist(),
+    r.per_token_scores,
+    stopped=r.finish_reason == "stop",
+    stop_strings=stop_strings,
+    constraint=constraint,
+  )
+  if stream is not None and s == 0 and row.example.id == stream[0]:
+    stream[1](record["text"] + "\n")
+  return record
 
 
 def encode(described, prefix: list[int], example: examples.Example):

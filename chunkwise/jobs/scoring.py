@@ -4,7 +4,8 @@ one batch (prefill, then one record per row).
   summary = run_score(ScoreJob(input="texts.jsonl", output="out.jsonl"))
   records = score_batch(model, rows, time=64, prefix=shared, top_n=5)
 
-A record holds `id`, `num_tokens` (scored tokens), `logprob` (their sum,
+A record holds `id`, `adapter` (the LoRA adapter's name; absent for the
+base model), `num_tokens` (scored tokens), `logprob` (their sum,
 natural log), `token_logprobs`, and optionally `tokens` (ids) and `top_n`
 (`ids`, `logprobs` and decoded `tokens` of the n most likely tokens at
 each scored position). Scores are the model's raw log-probs (DESIGN.md
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from chunkwise.inference import Chunk, ChunkResult, InferenceModel
-from chunkwise.jobs import driver, examples
+from chunkwise.jobs import adapters, driver, examples
 from chunkwise.jobs.config import ScoreJob
 from chunkwise.jobs.examples import Prepared
 
@@ -49,13 +50,19 @@ def score_batch(
   with_tokens: bool = False,
 ) -> list[dict | None]:
   """One record per row of `rows` (None for padding rows, which repeat
-  the first row so every batch has the same shape)."""
+  the first row so every batch has the same shape). Each row runs its
+  example's adapter; `prefix` must have been computed with them."""
   fill = rows[0].tokens
   pad_id = int(getattr(model.vocab, "pad_id", 0) or 0)
   chunk = chunk_of(
     [fill if r is None else r.tokens for r in rows], time, pad_id
   )
-  result = model.prefill(chunk, prefix=prefix, top_n=top_n)
+  result = model.prefill(
+    chunk,
+    prefix=prefix,
+    top_n=top_n,
+    adapters=adapters.call_arg(adapters.of_rows(rows)),
+  )
   scores = np.asarray(result.per_token_scores)
   top_ids = np.asarray(result.top_ids)
   top_logprobs = np.asarray(result.top_logprobs)
@@ -68,6 +75,7 @@ def score_batch(
     values = scores[b, span]
     record = {
       "id": row.example.id,
+      **adapters.record_field(row),
       "num_tokens": len(values),
       "logprob": float(np.sum(values, dtype=np.float64)),
       "token_logprobs": floats(values),

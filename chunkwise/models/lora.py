@@ -4,10 +4,12 @@ An `Adapter` holds, per layer and per target matrix, A [inputs..., r] and
 B [r, outputs...] in the base weight's own axis order, with the scale
 (alpha / r, or alpha / sqrt(r) for rsLoRA) folded into B: the adapted
 weight is W + A @ B (`merged`). `stack` puts several adapters side by
-side, [n, ...] per target (ranks padded with zeros to the largest, n
-padded with zero adapters to a power of two so one more adapter does not
-recompile), and an `AdapterBatch` pairs the stacks with each row's
-adapter (`ids`, -1 for the base model).
+side (ranks padded with zeros to the largest, n padded with zero
+adapters to a power of two so one more adapter does not recompile): A
+[inputs..., n, r] concatenated on r over the targets that read the same
+input (`GROUPS`: q/k/v, gate/up), B [n, r, outputs...] per target; an
+`AdapterBatch` pairs the stacks with each row's adapter (`ids`, -1 for
+the base model).
 
 The forward passes see a layer's stacks and the rows' ids as
 `Layer.lora` (`attach`), and add to each targeted projection
@@ -19,8 +21,11 @@ computed for every adapter at once and masked, not gathered per row
 reading every adapter's small A and B once is cheaper than copying them
 per row). A row of the base model gets an exact zero.
 
-  `delta(eq, x, lora, name)`            one projection, plain arrays
-  `project` / `expand`                  its two halves, for sharded layers
+  `deltas(lora, group, x)`        a group's deltas, plain arrays
+  `project` / `expand`            the halves, for sharded layers (x @ A
+                                  is reduced over split inputs between)
+Both matmuls go through `models.matmul.weight_matmul` (the CPU kernel at
+decode sizes: A's inputs and B's n·r lead their arrays).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import HParams
+from chunkwise.models.matmul import weight_matmul
 from chunkwise.partitioning import axes as ax
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -172,26 +178,58 @@ def merged(weight: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
   return weight + np.tensordot(a, b, axes=([-1], [0])).astype(weight.dtype)
 
 
+# Targets whose A read the same input, stacked side by side (one x @ A
+# for the group; `a` is keyed by group, `b` by target).
+GROUPS = {
+  "qkv": ("q", "k", "v"),
+  "gate_up": ("gate", "up"),
+  "o": ("o",),
+  "down": ("down",),
+}
+GROUP_OF = {t: g for g, ts in GROUPS.items() for t in ts}
+# Each target's base projection (`transformer`'s einsums).
+EQS = {
+  "q": "bte,ehd->bthd",
+  "k": "bte,ehd->bthd",
+  "v": "bte,ehd->bthd",
+  "o": "bthd,hde->bte",
+  "gate": "bte,ef->btf",
+  "up": "bte,ef->btf",
+  "down": "btf,fe->bte",
+}
+
+
 @struct.dataclass
 class LayerLoRA:
-  """One layer's stacked adapters, as the forward pass reads them."""
+  """One layer's stacked adapters, as the forward pass reads them:
+  a[group] [inputs..., n, r · targets in the group], b[target] [n, r,
+  outputs...], ids int32[rows] (-1: the base model)."""
 
-  a: dict  # target -> [n, inputs..., r]
-  b: dict  # target -> [n, r, outputs...]
-  ids: jax.Array | None = None  # int32[rows]: adapter of each row, -1 base
+  a: dict
+  b: dict
+  ids: jax.Array | None = None
+  targets: tuple = struct.field(pytree_node=False, default=())
+  rank: int = struct.field(pytree_node=False, default=0)
 
-  @property
-  def count(self) -> int:
-    return next(iter(self.a.values())).shape[0]
+  def members(self, group: str) -> tuple[str, ...]:
+    return tuple(t for t in GROUPS[group] if t in self.targets)
 
   @staticmethod
-  def axes(targets: Sequence[str]) -> LayerLoRA:
-    """Logical specs (the stacks split like their base weight, the
-    adapter and rank axes replicated; ids replicated)."""
+  def axes(targets: Sequence[str], rank: int) -> LayerLoRA:
+    """Logical specs (A split like its base weight's inputs, B like its
+    outputs, the adapter and rank axes replicated; ids replicated)."""
+    targets = tuple(targets)
+    groups = {GROUP_OF[t] for t in targets}
     return LayerLoRA(
-      a={t: P(ax.ADAPTERS, *_IO[t][0], ax.RANK) for t in targets},
+      a={
+        g: P(*_IO[GROUPS[g][0]][0], ax.ADAPTERS, ax.RANK)
+        for g in GROUPS
+        if g in groups
+      },
       b={t: P(ax.ADAPTERS, ax.RANK, *_IO[t][1]) for t in targets},
       ids=P(),
+      targets=targets,
+      rank=rank,
     )
 
 
@@ -203,8 +241,8 @@ class AdapterBatch:
   ids: jax.Array  # int32[rows]
 
   @staticmethod
-  def axes(targets: Sequence[str], layers: int) -> AdapterBatch:
-    one = LayerLoRA.axes(targets).replace(ids=None)
+  def axes(targets: Sequence[str], rank: int, layers: int) -> AdapterBatch:
+    one = LayerLoRA.axes(targets, rank).replace(ids=None)
     return AdapterBatch(layers=(one,) * layers, ids=P())
 
 
@@ -232,26 +270,31 @@ def bucket(count: int) -> int:
 def stack(
   hparams: HParams, adapters: Sequence[Adapter], dtype=jnp.float32
 ) -> tuple[LayerLoRA, ...]:
-  """Host stacks [bucket(len(adapters)), ...] per layer and target (the
-  union of the adapters' targets; ranks padded to the largest)."""
+  """Stacks per layer (see `LayerLoRA`) of `bucket(len(adapters))`
+  adapters: the union of the adapters' targets, ranks padded with zeros
+  to the largest, missing adapters and targets zero."""
   targets = tuple(t for t in TARGETS if any(t in a.targets for a in adapters))
   rank = max(a.rank for a in adapters)
   n = bucket(len(adapters))
   out = []
   for i in range(hparams.layers):
-    a_stacks, b_stacks = {}, {}
+    a_parts, b_stacks = {}, {}
     for t in targets:
       sa, sb = shapes(hparams, t, rank)
-      a_all = np.zeros((n, *sa), np.float32)
+      a_all = np.zeros((*sa[:-1], n, rank), np.float32)
       b_all = np.zeros((n, *sb), np.float32)
       for j, adapter in enumerate(adapters):
         if t in adapter.layers[i]:
           a, b = adapter.layers[i][t]
-          a_all[j, ..., : adapter.rank] = a
+          a_all[..., j, : adapter.rank] = a
           b_all[j, : adapter.rank] = b
-      a_stacks[t] = jnp.asarray(a_all, dtype)
+      a_parts.setdefault(GROUP_OF[t], []).append(a_all)
       b_stacks[t] = jnp.asarray(b_all, dtype)
-    out.append(LayerLoRA(a=a_stacks, b=b_stacks))
+    a_stacks = {
+      g: jnp.asarray(np.concatenate(parts, axis=-1), dtype)
+      for g, parts in a_parts.items()
+    }
+    out.append(LayerLoRA(a=a_stacks, b=b_stacks, targets=targets, rank=rank))
   return tuple(out)
 
 
@@ -286,31 +329,43 @@ def _split(eq: str):
   return x, contract, keep, produce, out
 
 
-def project(eq: str, x: jax.Array, a: jax.Array) -> jax.Array:
-  """x @ A for every adapter: [keep..., n, r] (`eq` is the base
-  projection's einsum)."""
-  xs, contract, keep, _, _ = _split(eq)
-  return jnp.einsum(f"{xs},n{contract}r->{keep}nr", x, a.astype(x.dtype))
+def project(lo: LayerLoRA | None, group: str, x: jax.Array):
+  """x @ A of every adapter of `group` (x: the group's input, rows
+  first): [rows, ..., n, r · members], or None without that group."""
+  if lo is None or group not in lo.a:
+    return None
+  xs, contract, keep, _, _ = _split(EQS[GROUPS[group][0]])
+  return weight_matmul(f"{xs},{contract}nr->{keep}nr", x, lo.a[group])
 
 
-def expand(eq: str, xa: jax.Array, b: jax.Array, ids: jax.Array) -> jax.Array:
-  """(x @ A) masked to each row's adapter, @ B: the projection's delta
-  (rows are the first axis of `xa`)."""
-  _, _, keep, produce, out = _split(eq)
+def masked(xa, ids: jax.Array):
+  """`xa` ([rows, ..., n, r]) zero outside each row's own adapter (all of
+  it for a row of the base model, id -1)."""
+  if xa is None:
+    return None
   n = xa.shape[-2]
   mask = (ids[:, None] == jnp.arange(n)[None, :]).astype(xa.dtype)
-  mask = mask.reshape(mask.shape[0], *(1,) * (len(keep) - 1), n, 1)
-  return jnp.einsum(
-    f"{keep}nr,nr{produce}->{out}", xa * mask, b.astype(xa.dtype)
-  )
+  return xa * mask.reshape(mask.shape[0], *(1,) * (xa.ndim - 3), n, 1)
 
 
-def delta(eq: str, x: jax.Array, lora, name: str):
-  """The adapters' delta to projection `name` (`eq`: its einsum), or None
-  when the layer has no adapters or none targets it."""
-  if lora is None or name not in lora.a:
+def expand(lo: LayerLoRA, target: str, xa) -> jax.Array | None:
+  """`target`'s delta from its group's `xa` (`project`, reduced where the
+  input was split, then `masked`): its rank slice @ B."""
+  if xa is None or target not in lo.b:
     return None
-  return expand(eq, project(eq, x, lora.a[name]), lora.b[name], lora.ids)
+  i = lo.members(GROUP_OF[target]).index(target)
+  xa = xa[..., i * lo.rank : (i + 1) * lo.rank]
+  _, _, keep, produce, out = _split(EQS[target])
+  return weight_matmul(f"{keep}nr,nr{produce}->{out}", xa, lo.b[target])
+
+
+def deltas(lo: LayerLoRA | None, group: str, x: jax.Array) -> dict:
+  """{target: delta} of every adapted target of `group` (plain arrays:
+  one device, or this device's rows with the stacks whole)."""
+  xa = masked(project(lo, group, x), None if lo is None else lo.ids)
+  if xa is None:
+    return {}
+  return {t: expand(lo, t, xa) for t in lo.members(group)}
 
 
 def add(y: jax.Array, d) -> jax.Array:

@@ -67,17 +67,15 @@ def _bias(x: jax.Array, bias: jax.Array | None) -> jax.Array:
   return x if bias is None else x + bias.astype(x.dtype)
 
 
-def _project(mm, eq: str, x: jax.Array, w: Layer, name: str) -> jax.Array:
-  """`mm(eq, x, w.<name>)` plus the LoRA adapters' delta (`w.lora`)."""
-  return lora.add(mm(eq, x, getattr(w, name)), lora.delta(eq, x, w.lora, name))
-
-
 def mlp(hparams: HParams, w: Layer, x: jax.Array, mm=_mm) -> jax.Array:
-  """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed]."""
-  gate = _project(mm, "bte,ef->btf", x, w, "gate")
-  up = _project(mm, "bte,ef->btf", x, w, "up")
+  """Gated MLP: (act(x @ gate) * (x @ up)) @ down. x: [B, T, embed].
+  LoRA adapters (`w.lora`) add their deltas to each projection."""
+  d = lora.deltas(w.lora, "gate_up", x)
+  gate = lora.add(mm("bte,ef->btf", x, w.gate), d.get("gate"))
+  up = lora.add(mm("bte,ef->btf", x, w.up), d.get("up"))
   hidden = _activation(hparams.activation, gate) * up
-  return _project(mm, "btf,fe->bte", hidden, w, "down")
+  d = lora.deltas(w.lora, "down", hidden)
+  return lora.add(mm("btf,fe->bte", hidden, w.down), d.get("down"))
 
 
 def attention(
@@ -95,12 +93,14 @@ def attention(
   Returns the attention branch [B, T, embed] and this chunk's (k, v), each
   [B, T, kv_heads, head_dim], for the caller to cache.
   """
-  q = _bias(_project(mm, "bte,ehd->bthd", x, w, "q"), w.q_bias)
-  k = _bias(_project(mm, "bte,ehd->bthd", x, w, "k"), w.k_bias)
-  v = _bias(_project(mm, "bte,ehd->bthd", x, w, "v"), w.v_bias)
+  d = lora.deltas(w.lora, "qkv", x)
+  q = _bias(lora.add(mm("bte,ehd->bthd", x, w.q), d.get("q")), w.q_bias)
+  k = _bias(lora.add(mm("bte,ehd->bthd", x, w.k), d.get("k")), w.k_bias)
+  v = _bias(lora.add(mm("bte,ehd->bthd", x, w.v), d.get("v")), w.v_bias)
   q, k = position_heads(hparams, w, q, k, positions, positions, site.rotation)
-  out = attend(q, k, v, per_layer, site.options)  # [B, T, heads, head_dim]
-  return _project(mm, "bthd,hde->bte", out.astype(x.dtype), w, "o"), (k, v)
+  out = attend(q, k, v, per_layer, site.options).astype(x.dtype)
+  d = lora.deltas(w.lora, "o", out)  # out: [B, T, heads, head_dim]
+  return lora.add(mm("bthd,hde->bte", out, w.o), d.get("o")), (k, v)
 
 
 def position_heads(

@@ -118,7 +118,7 @@ def _adapters(plan: Plan, lo):
   this device's rows; None without adapters."""
   if lo is None:
     return None
-  specs = lora.LayerLoRA.axes(tuple(lo.a)).replace(ids=None)
+  specs = lora.LayerLoRA.axes(lo.targets, lo.rank).replace(ids=None)
   stacks = _whole(plan, lo.replace(ids=None), specs)
   return stacks.replace(ids=_rows(plan, lo.ids))
 

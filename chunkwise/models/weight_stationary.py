@@ -214,14 +214,18 @@ def attention(
 ):
   """xn [B, T, E.embed] -> ([B, T, E.embed]{head axes unreduced}, (k, v))."""
   embed_axes = plan.embed_axes
-  q = _matmul(plan, "q", "bte,ehd->bthd", xn, w.q, w.lora)  # [B, T, H.q_axes]
+  lo = w.lora
+  # The adapters' x @ A of q, k and v at once, reduced over the embed
+  # axes while it is rank-sized.
+  xa = _reduced(lora.project(lo, "qkv", xn), embed_axes)
+  xa = lora.masked(xa, None if lo is None else lo.ids)
+  q = _matmul(plan, "q", "bte,ehd->bthd", xn, w.q, lo, xa)  # [B, T, H.q_axes]
   if w.q_bias is not None:
     n = plan.size(embed_axes)
     q = _bias(q, ops.block(w.q_bias, n, ops.index(embed_axes), axis=0))
   wk, wv, bk, bv = w.k, w.v, w.k_bias, w.v_bias
   rows, row_positions = xn, positions
-  lo = w.lora
-  row_ids = None if lo is None else lo.ids
+  row_xa = xa  # masked by row already: cut with the rows
   # Attention split by batch: this device's rows with every K/V head. The
   # embed contraction is split over embed_axes, so rows are first cut over
   # the other attention axes (equal along embed_axes), then over the
@@ -244,7 +248,8 @@ def attention(
     if bk is not None:
       bk, bv = (ops.all_gather(a, plan.kv_axes, axis=0) for a in (bk, bv))
     if lo is not None:
-      row_ids = ops.local_rows(lo.ids, plan.size(outer), ops.index(outer))
+      if xa is not None:
+        row_xa = ops.local_rows(xa, plan.size(outer), ops.index(outer))
       lo = lo.replace(
         b={
           t: ops.all_gather(b, plan.kv_axes, axis=2) if t in ("k", "v") else b
@@ -253,15 +258,9 @@ def attention(
       )
 
   def project(w, bias, name):
-    eq = "bte,ehd->bthd"
-    out = _mm(eq, rows, w)
-    if lo is not None and name in lo.a:
-      # The adapters' rank is small: reduce x @ A before expanding.
-      xa = ops.psum(lora.project(eq, rows, lo.a[name]), embed_axes)
-      d = lora.expand(eq, xa, lo.b[name], row_ids)
-      out = ops.psum(out, embed_axes) + d.astype(out.dtype)
-    else:
-      out = ops.psum(out, embed_axes)
+    out = ops.psum(_mm("bte,ehd->bthd", rows, w), embed_axes)
+    if lo is not None:
+      out = lora.add(out, lora.expand(lo, name, row_xa))
     out = ops.block(out, plan.size(inner), ops.index(inner), axis=0)
     return _bias(out, bias)
 
@@ -273,42 +272,48 @@ def attention(
   out = out.astype(xn.dtype)
   # all-gather embed_axes on heads, then @ o (ws_2d); @ o, then
   # reduce-scatter on embed (ws_1d)
-  o_eq = "bthd,hde->bte"
-  delta = _lora_out(plan, o_eq, out, w.lora, "o")
-  return _matmul(plan, "o", o_eq, out, w.o), (k, v), delta
+  delta = _lora_out(plan, out, lo, "o")
+  return _matmul(plan, "o", "bthd,hde->bte", out, w.o), (k, v), delta
 
 
 def mlp(plan: Plan, hparams: HParams, w: Layer, xn: jax.Array):
   """xn [B, T, E.embed] -> [B, T, E.embed]{head axes unreduced} (ws_2d)
   or [B, T, E.XYZ] (ws_1d, embed scattered by the fused matmul), and the
   adapters' delta of `down` in the residual's layout (or None)."""
-  gate = _matmul(plan, "gate", "bte,ef->btf", xn, w.gate, w.lora)
-  up = _matmul(plan, "up", "bte,ef->btf", xn, w.up, w.lora)
+  lo = w.lora
+  xa = _reduced(lora.project(lo, "gate_up", xn), plan.embed_axes)
+  xa = lora.masked(xa, None if lo is None else lo.ids)
+  gate = _matmul(plan, "gate", "bte,ef->btf", xn, w.gate, lo, xa)
+  up = _matmul(plan, "up", "bte,ef->btf", xn, w.up, lo, xa)
   hidden = _activation(hparams.activation, gate) * up
-  delta = _lora_out(plan, "btf,fe->bte", hidden, w.lora, "down")
+  delta = _lora_out(plan, hidden, lo, "down")
   return _matmul(plan, "down", "btf,fe->bte", hidden, w.down), delta
 
 
-def _matmul(plan: Plan, name: str, eq: str, x: jax.Array, w, lo=None):
+def _matmul(plan: Plan, name: str, eq: str, x: jax.Array, w, lo=None, xa=None):
   """The layer's matmul `name`: fused with its collective where the
-  layout fuses it (`fused.FUSED`), else plain. With adapters `lo`, an
-  input-side projection (q, gate, up: [B, T, E.embed] in, out split over
-  the head axes, then the embed axes) gets their delta: x @ A reduced
-  over the embed axes (rank-sized), @ B's shard, cut like the output."""
+  layout fuses it (`fused.FUSED`), else plain. An input-side projection
+  (q, gate, up: [B, T, E.embed] in, out split over the head axes, then
+  the embed axes) adds the adapters' delta from its group's `xa` (x @ A
+  already reduced over the embed axes): @ B's shard, cut like the
+  output."""
   if name in fused.FUSED[plan.kind]:
     out = fused.matmul(plan, name, x, w)
   else:
     out = _mm(eq, x, w)
-  if lo is None or name not in lo.a:
+  d = None if lo is None else lora.expand(lo, name, xa)
+  if d is None:
     return out
-  xa = ops.psum(lora.project(eq, x, lo.a[name]), plan.embed_axes)
-  d = lora.expand(eq, xa, lo.b[name], lo.ids)
   n = plan.size(plan.embed_axes)
   d = ops.block(d, n, ops.index(plan.embed_axes), axis=2)
   return out + d.astype(out.dtype)
 
 
-def _lora_out(plan: Plan, eq: str, x: jax.Array, lo, name: str):
+def _reduced(xa, axes):
+  return None if xa is None else ops.psum(xa, axes)
+
+
+def _lora_out(plan: Plan, x: jax.Array, lo, name: str):
   """The adapters' delta of an output-side projection (o, down) in the
   residual's layout [B.rb, T, E.re], or None. `x` is split over the head
   axes, then the embed axes, on its contracted (third) axis, like A's
@@ -317,9 +322,10 @@ def _lora_out(plan: Plan, eq: str, x: jax.Array, lo, name: str):
   if lo is None or name not in lo.a:
     return None
   n = plan.size(plan.embed_axes)
-  a = ops.block(lo.a[name], n, ops.index(plan.embed_axes), axis=1)
-  xa = ops.psum(lora.project(eq, x, a), (*plan.head_axes, *plan.embed_axes))
-  d = lora.expand(eq, xa, lo.b[name], lo.ids)  # [B, T, E.embed]
+  a = ops.block(lo.a[name], n, ops.index(plan.embed_axes), axis=0)
+  xa = lora.project(lo.replace(a={name: a}), name, x)
+  xa = ops.psum(xa, (*plan.head_axes, *plan.embed_axes))
+  d = lora.expand(lo, name, lora.masked(xa, lo.ids))  # [B, T, E.embed]
   rest = _minus(plan.resid_embed, plan.embed_axes)
   d = ops.block(d, plan.size(rest), ops.index(rest), axis=2)
   return ops.local_rows(
