@@ -130,6 +130,8 @@ def check_prefix(prefix: Sequence[ChunkResult], names: Sequence) -> None:
   batch / prefix batch)."""
   batch = len(names)
   for i, p in enumerate(prefix):
+    if not batch or batch % p.batch:
+      continue  # the call's own checks name the bad prefix batch
     made = names_of(p)
     k = batch // p.batch
     for r, name in enumerate(names):
