@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from chunkwise.bench import report
+
 GiB = 1 << 30
 
 # (key of `held`, label, colour).
@@ -116,15 +118,7 @@ def pareto_png(panels, path: str, title: str) -> None:
     for family, points in curves.items():
       xs = [p.latency_s * 1e3 for p in points]
       ys = [p.cost * 1e3 for p in points]
-      ax.plot(xs, ys, marker="o", label=family)
-      for p, x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(
-          str(p.batch),
-          (x, y),
-          fontsize=7,
-          xytext=(3, 3),
-          textcoords="offset points",
-        )
+      report.batch_curve(ax, xs, ys, [p.batch for p in points], family)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("latency (ms)")

@@ -111,6 +111,16 @@ def table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def batch_curve(ax, xs, ys, batches, label: str, style: str = "-o") -> None:
+  """One curve on matplotlib axes `ax`, each point labelled with its
+  batch size (the benchmark's and the planner's pictures)."""
+  ax.plot(xs, ys, style, label=label)
+  for batch, x, y in zip(batches, xs, ys, strict=True):
+    ax.annotate(
+      str(batch), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+    )
+
+
 def plot(path: str, result: dict) -> None:
   """Latency per decode step against throughput, one curve per config."""
   import matplotlib
@@ -126,15 +136,7 @@ def plot(path: str, result: dict) -> None:
     xs = [r["tokens_per_s"] for r in rows]
     ys = [r["ms_per_step"] for r in rows]
     style = "-o" if c["kind"] == "chunkwise" else "--s"
-    ax.plot(xs, ys, style, label=c["name"])
-    for r, x, y in zip(rows, xs, ys, strict=True):
-      ax.annotate(
-        str(r["batch"]),
-        (x, y),
-        fontsize=7,
-        xytext=(3, 3),
-        textcoords="offset points",
-      )
+    batch_curve(ax, xs, ys, [r["batch"] for r in rows], c["name"], style)
   ax.set_xscale("log")
   ax.set_yscale("log")
   ax.set_xlabel("throughput (generated tokens/s, all rows)")
