@@ -2,8 +2,8 @@
 
 A package may import only packages above it:
 configs -> collectives, processors -> partitioning, constraints -> models
--> inference -> checkpoints, bench -> jobs; checkpoints and jobs use only
-the names `chunkwise.inference` exports. The single-module helpers
+-> inference -> checkpoints, bench -> jobs, serving; checkpoints, jobs and
+serving use only the names `chunkwise.inference` exports. The single-module helpers
 (contract, untrusted, precision, memory, cpu_kernels) import nothing
 above the floor they serve; `contract` (activation times weight in the
 weight's own order) imports nothing at all, like `configs`.
@@ -35,8 +35,9 @@ FLOORS = {
   "checkpoints": 6,
   "bench": 6,
   "jobs": 7,
+  "serving": 7,  # beside jobs: neither imports the other
 }
-PUBLIC_ONLY = ("checkpoints", "jobs")
+PUBLIC_ONLY = ("checkpoints", "jobs", "serving")
 
 
 def _package(module: str) -> str | None:

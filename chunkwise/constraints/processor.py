@@ -161,7 +161,8 @@ def processor(
   force: bool = False,
 ) -> ConstraintProcessor:
   """Concatenates `tables` (grammar i + 1) behind the unconstrained grammar
-  0, padded to power-of-two buckets."""
+  0, padded to power-of-two buckets; a None entry leaves its grammar id
+  unused (no row may be in it)."""
   words = -(-width // 32)
   n_grammars = _bucket(len(tables) + 1, 2)
   state_offset = np.zeros(n_grammars, np.int32)
@@ -170,7 +171,10 @@ def processor(
   token_class = np.zeros((n_grammars, width), np.int32)
   s_total, n_total = 1, 1  # grammar 0: one state, one class, next = 0
   for i, t in enumerate(tables, start=1):
-    state_offset[i], class_offset[i], classes[i] = s_total, n_total, t.classes
+    state_offset[i], class_offset[i] = s_total, n_total
+    if t is None:  # a free grammar id (no row uses it)
+      continue
+    classes[i] = t.classes
     token_class[i] = t.token_class
     s_total += t.states
     n_total += t.next_state.size
@@ -178,13 +182,17 @@ def processor(
   distance = np.zeros(bits.shape[0], np.int32)
   next_state = np.zeros(_bucket(n_total, 64), np.int32)
   for i, t in enumerate(tables, start=1):
+    if t is None:
+      continue
     lo = state_offset[i]
     bits[lo : lo + t.states] = t.bits
     distance[lo : lo + t.states] = t.distance
     next_state[class_offset[i] : class_offset[i] + t.next_state.size] = (
       t.next_state.reshape(-1)
     )
-  max_distance = max((int(t.distance.max()) for t in tables), default=0)
+  max_distance = max(
+    (int(t.distance.max()) for t in tables if t is not None), default=0
+  )
   return ConstraintProcessor(
     bits=bits,
     distance=distance,

@@ -10,6 +10,7 @@ from chunkwise.inference.continuous import (
 )
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.live import LiveSlots, Prepared, SlotUpdate
 from chunkwise.inference.model import InferenceModel
 from chunkwise.inference.results import (
   ChunkResult,
@@ -34,9 +35,12 @@ __all__ = [
   "InferFn",
   "InferenceModel",
   "KVCache",
+  "LiveSlots",
+  "Prepared",
   "Request",
   "RequestResult",
   "Sampling",
+  "SlotUpdate",
   "Vocabulary",
   "attend",
   "bos_id_of",

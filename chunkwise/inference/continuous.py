@@ -52,6 +52,7 @@ CAPACITY_STEP = 64
 ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,7 +126,7 @@ def prompt_bucket(length: int) -> int:
   return _bucket(length, 8)
 
 
-def _need(prompt: int, steps: int) -> int:
+def columns_needed(prompt: int, steps: int) -> int:
   return max(prompt_bucket(prompt), prompt + steps)
 
 
@@ -135,13 +136,56 @@ def _round_up(n: int) -> int:
 
 def slot_capacity(requests: Sequence[Request]) -> int:
   """`generate_many`'s default capacity for `requests`."""
-  return _round_up(max(_need(len(r.tokens), r.steps) for r in requests))
+  return _round_up(
+    max(columns_needed(len(r.tokens), r.steps) for r in requests)
+  )
 
 
 def _as_request(i: int, r) -> Request:
   if not isinstance(r, Request):
     raise ValueError(f"requests[{i}] must be a chunkwise Request, got {r!r}")
   return r
+
+
+def check_request(
+  hparams: HParams,
+  r: Request,
+  what: str,
+  *,
+  start: int,
+  has_prefix: bool,
+  eos_ids: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray]:
+  """Validates one request after a shared prefix of `start` tokens;
+  returns (its prompt ids, its stop ids with the EOS ids, sorted). Raises
+  ValueError naming `what` and the bad field."""
+  h = hparams
+  tokens = checks.check_ids(f"{what}.tokens", r.tokens, h, vocab=True)
+  if not has_prefix and tokens.size == 0:
+    raise ValueError(
+      f"{what}.tokens is empty: without a prefix a prompt starts with BOS"
+    )
+  checks.check_ids(f"{what}.sample_id", [r.sample_id], h, vocab=False)
+  steps = checks.check_count(f"{what}.steps", r.steps, minimum=1)
+  total = start + tokens.size + steps
+  if total > h.max_len:
+    raise ValueError(
+      f"{what} needs {total} positions (prefix {start} + prompt "
+      f"{tokens.size} + steps {steps}), over the slot capacity, the "
+      f"model's max_len={h.max_len}"
+    )
+  if not isinstance(r.sampling, Sampling):
+    raise ValueError(
+      f"{what}.sampling must be a chunkwise Sampling, got {r.sampling!r}"
+    )
+  try:
+    r.sampling.for_batch(1)
+  except ValueError as e:
+    raise ValueError(f"{what}: {e}") from e
+  if any(np.ndim(getattr(r.sampling, f)) for f in SAMPLING_FIELDS):
+    raise ValueError(f"{what}.sampling must hold scalars (one request)")
+  stop = checks.check_ids(f"{what}.stop_ids", r.stop_ids, h, vocab=True)
+  return tokens, np.unique(np.append(stop, eos_ids)).astype(np.int32)
 
 
 def check_many(
@@ -196,38 +240,17 @@ def check_many(
   prompts, stops, seen = [], [], {}
   for i, r in enumerate(requests):
     what = f"requests[{i}]"
-    tokens = checks.check_ids(f"{what}.tokens", r.tokens, h, vocab=True)
-    if not prefix and tokens.size == 0:
+    tokens, stop = check_request(
+      h, r, what, start=start, has_prefix=bool(prefix), eos_ids=eos_ids
+    )
+    sid = int(r.sample_id)
+    if sid in seen:
       raise ValueError(
-        f"{what}.tokens is empty: without a prefix a prompt starts with BOS"
+        f"{what}.sample_id={sid} is already used by "
+        f"requests[{seen[sid]}]: sample ids are unique within a call"
       )
-    sid = checks.check_ids(f"{what}.sample_id", [r.sample_id], h, vocab=False)
-    if int(sid[0]) in seen:
-      raise ValueError(
-        f"{what}.sample_id={int(sid[0])} is already used by "
-        f"requests[{seen[int(sid[0])]}]: sample ids are unique within a call"
-      )
-    seen[int(sid[0])] = i
-    steps = checks.check_count(f"{what}.steps", r.steps, minimum=1)
-    total = start + tokens.size + steps
-    if total > h.max_len:
-      raise ValueError(
-        f"{what} needs {total} positions (prefix {start} + prompt "
-        f"{tokens.size} + steps {steps}), over the slot capacity, the "
-        f"model's max_len={h.max_len}"
-      )
-    if not isinstance(r.sampling, Sampling):
-      raise ValueError(
-        f"{what}.sampling must be a chunkwise Sampling, got {r.sampling!r}"
-      )
-    try:
-      r.sampling.for_batch(1)
-    except ValueError as e:
-      raise ValueError(f"{what}: {e}") from e
-    if any(np.ndim(getattr(r.sampling, f)) for f in _SAMPLING_FIELDS):
-      raise ValueError(f"{what}.sampling must hold scalars (one request)")
-    stop = checks.check_ids(f"{what}.stop_ids", r.stop_ids, h, vocab=True)
-    stops.append(np.unique(np.append(stop, eos_ids)).astype(np.int32))
+    seen[sid] = i
+    stops.append(stop)
     prompts.append(tokens)
   n = len(requests)
   width = max(1, max(s.size for s in stops))
@@ -253,11 +276,13 @@ def check_many(
   sampling = Sampling(
     **{
       f: np.array([getattr(r.sampling.for_batch(1), f)[0] for r in requests])
-      for f in _SAMPLING_FIELDS
+      for f in SAMPLING_FIELDS
     },
     seed=np.array([r.sampling.for_batch(1).seed for r in requests], np.uint32),
   )
-  needs = [_need(p.size, int(s)) for p, s in zip(prompts, steps, strict=True)]
+  needs = [
+    columns_needed(p.size, int(s)) for p, s in zip(prompts, steps, strict=True)
+  ]
   if capacity is None:
     capacity = _round_up(max(needs))
   capacity = checks.check_count("capacity", capacity, minimum=1)
@@ -283,13 +308,10 @@ def check_many(
   return call, prefix, n_slots, top_n
 
 
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
-
-
 _ADMIT: dict = {}  # one admission program per placement of the slots
 
 
-def _replicated_like(state: slots.SlotState, tree):
+def replicated_like(state: slots.SlotState, tree):
   """Host arrays placed where the slots' small per-row arrays are: on a
   mesh replicated over every device (of every process)."""
   where = state.done.sharding
@@ -305,7 +327,7 @@ def admit_programs() -> int:
 
 
 def _admit(state, prompts, at, lengths, rows):
-  at, lengths, rows = _replicated_like(state, (at, lengths, rows))
+  at, lengths, rows = replicated_like(state, (at, lengths, rows))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   key = jax.tree.flatten(shardings)
   key = (tuple(key[0]), key[1])
@@ -352,7 +374,7 @@ def run_many(
   )
   # Free slots hold request 0's initial processor states.
   state = state.replace(
-    processor_states=_replicated_like(
+    processor_states=replicated_like(
       state,
       jax.tree.map(
         lambda s: np.repeat(s[:1], slots_n, axis=0), call.processor_states
@@ -368,11 +390,19 @@ def run_many(
       free = np.flatnonzero(occupant < 0)
       if waiting and free.size:
         take = [waiting.popleft() for _ in range(min(free.size, len(waiting)))]
-        state = _prefill_into(
-          call,
+        state = prefill_into(
           state,
-          take,
-          free[: len(take)],
+          [
+            Admission(
+              prompt=call.prompts[i],
+              adapter_id=int(call.adapter_ids[i]),
+              slot=int(slot),
+              processor_state=jax.tree.map(
+                lambda s, i=i: s[i : i + 1], call.processor_states
+              ),
+            )
+            for i, slot in zip(take, free[: len(take)], strict=True)
+          ],
           caches,
           prev,
           prefill_engine,
@@ -431,39 +461,57 @@ def admit_rows(slots_n: int) -> int:
   return min(ADMIT_ROWS, slots_n)
 
 
-def _prefill_into(
-  call, state, take, at, caches, prev, engine, bos_id, adapters_of
-):
-  """Prefills requests `take` after the shared prefix and puts them into
-  slots `at`: one prefill of `admit_rows` rows per group of prompts of the
-  same length bucket."""
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """One prompt going into a free slot: its ids (after the shared prefix),
+  its adapter's stack index (-1: base), its slot, and each processor's
+  initial state for it (leading axis 1)."""
+
+  prompt: np.ndarray
+  adapter_id: int
+  slot: int
+  processor_state: tuple
+
+
+def prefill_into(
+  state: slots.SlotState,
+  admissions: Sequence[Admission],
+  caches,
+  prev,
+  engine: Engine,
+  bos_id: int,
+  adapters_of,
+) -> slots.SlotState:
+  """Prefills `admissions` after the shared prefix and puts them into
+  their slots: one prefill of `admit_rows` rows per group of prompts of
+  the same length bucket."""
   rows = admit_rows(state.slots)
-  groups: dict[int, list[tuple[int, int]]] = {}
-  for i, slot in zip(take, at, strict=True):
-    groups.setdefault(prompt_bucket(call.prompts[i].size), []).append((i, slot))
+  groups: dict[int, list[Admission]] = {}
+  for a in admissions:
+    groups.setdefault(prompt_bucket(a.prompt.size), []).append(a)
   for time, group in sorted(groups.items()):
     for lo in range(0, len(group), rows):
       part = group[lo : lo + rows]
       lengths = np.zeros(rows, np.int32)
       tokens = np.zeros((rows, time), np.int32)
       slots_at = np.full(rows, state.slots, np.int32)  # padding: dropped
-      index = np.zeros(rows, np.int64)
-      for j, (i, slot) in enumerate(part):
-        lengths[j] = call.prompts[i].size
-        tokens[j, : lengths[j]] = call.prompts[i]
-        slots_at[j], index[j] = slot, i
-      ids = np.where(lengths > 0, call.adapter_ids[index], -1)
+      ids = np.full(rows, -1, np.int32)
+      for j, a in enumerate(part):
+        lengths[j] = a.prompt.size
+        tokens[j, : lengths[j]] = a.prompt
+        slots_at[j], ids[j] = a.slot, a.adapter_id
+      ids = np.where(lengths > 0, ids, -1).astype(np.int32)
       result = engine.prefill(
         caches,
         prev,
         Chunk(tokens=tokens, lengths=lengths),
         top_n=0,
         bos_id=bos_id,
-        adapters=adapters_of(engine, ids.astype(np.int32)),
+        adapters=adapters_of(engine, ids),
       )
-      processor_rows = jax.tree.map(
-        lambda s, index=index: s[index], call.processor_states
-      )
+      # Padding rows repeat the first admission's states (never used).
+      fill = [part[min(j, len(part) - 1)].processor_state for j in range(rows)]
+      processor_rows = jax.tree.map(lambda *s: np.concatenate(s, axis=0), *fill)
       state = _admit(state, result, slots_at, lengths, processor_rows)
   return state
 

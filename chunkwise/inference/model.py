@@ -23,7 +23,7 @@ import numpy as np
 from chunkwise import memory
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, continuous, generate
+from chunkwise.inference import checks, continuous, generate, live
 from chunkwise.inference.adapters import (
   AdapterSet,
   check_prefix,
@@ -401,6 +401,72 @@ class InferenceModel:
     )
     return tokens, tagged(result, names)
 
+  def _batch_split(self) -> int:
+    """Rows the generate layout splits attention's batch into."""
+    if self._mesh is None:
+      return 1
+    return math.prod(
+      int(self._mesh.shape[a]) for a in self.generate_layout.attn_batch.axes
+    )
+
+  def live_slots(
+    self,
+    *,
+    slots: int,
+    capacity: int,
+    top_n: int = 0,
+    every: int = 8,
+    processors: Sequence[processors_lib.LogitsProcessor] = (),
+    prefix: Sequence[ChunkResult] = (),
+    stop_width: int = live.STOP_WIDTH,
+  ) -> live.LiveSlots:
+    """An always-on continuous-batching loop (`inference/live.py`): add
+    requests at any time, `step` it, get each request's tokens as they are
+    produced. Each request's tokens and scores are those of `generate` run
+    alone on it.
+
+    Args:
+      slots: rows decoded side by side (a multiple of the layout's
+        attention batch split on a mesh).
+      capacity: columns of each slot (prompt padded to a power of two, at
+        least 8, plus steps); at most `max_len`.
+      top_n: alternatives computed per generated token (requests read the
+        first n they want).
+      every: most decode steps per `step` (a request that finishes ends a
+        step early).
+      processors: run for every request; each may bring its own instances
+        (e.g. its penalties) to `prepare`.
+      prefix: ChunkResults of batch 1 every request continues.
+      stop_width: most stop ids (EOS included) of one request.
+    """
+    n, capacity, top_n, every, stop_width, processors, prefix = live.check_live(
+      self._hparams,
+      slots_n=slots,
+      capacity=capacity,
+      top_n=top_n,
+      every=every,
+      stop_width=stop_width,
+      processors=processors,
+      prefix=prefix,
+      batch_split=self._batch_split(),
+    )
+    return live.LiveSlots(
+      hparams=self._hparams,
+      prefill_engine=self._prefill_engine,
+      generate_engine=self._generate_engine,
+      vocabulary=self._vocab,
+      eos_ids=self._eos_ids,
+      bos_id=self._bos_id,
+      served=self._served,
+      slots_n=n,
+      capacity=capacity,
+      top_n=top_n,
+      every=every,
+      processors=processors,
+      prefix=prefix,
+      stop_width=stop_width,
+    )
+
   def generate_many(
     self,
     requests: Sequence[continuous.Request],
@@ -444,13 +510,7 @@ class InferenceModel:
       scores up to float rounding. Everything is validated before any
       device work (ValueError names the request).
     """
-    split = (
-      1
-      if self._mesh is None
-      else math.prod(
-        int(self._mesh.shape[a]) for a in self.generate_layout.attn_batch.axes
-      )
-    )
+    split = self._batch_split()
     call, prefix, slots, top_n = continuous.check_many(
       self._hparams,
       requests,

@@ -319,3 +319,22 @@ def run(
     cond, body, (state, (zeros, zeros, nowhere), jnp.int32(0))
   )
   return state.replace(cache=_write_rows(state.cache, *pending))
+
+
+def window(state: SlotState, start: jax.Array, width: int):
+  """(tokens, scores, top_ids, top_logprobs) of columns [start[b], start[b]
+  + width) of each slot's result buffers (clamped to the last column): what
+  a live loop hands back after a segment (a global program)."""
+  last = state.tokens.shape[1] - 1
+  cols = jnp.minimum(start[:, None] + jnp.arange(width)[None, :], last)
+
+  def take(buffer):
+    index = cols.reshape(cols.shape + (1,) * (buffer.ndim - 2))
+    return jnp.take_along_axis(buffer, index, axis=1)
+
+  return (
+    take(state.tokens),
+    take(state.scores),
+    take(state.top_ids),
+    take(state.top_logprobs),
+  )

@@ -38,7 +38,7 @@ from chunkwise.jobs.config import (
   ScoreJob,
   WeightDtype,
 )
-from chunkwise.jobs.driver import JobError
+from chunkwise.jobs.driver import JobError, load_served
 from chunkwise.jobs.generation import run_generate
 from chunkwise.jobs.scoring import run_score
 
@@ -56,6 +56,7 @@ __all__ = [
   "batching",
   "examples",
   "generation",
+  "load_served",
   "output",
   "run_generate",
   "run_score",

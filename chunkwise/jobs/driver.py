@@ -41,7 +41,7 @@ from chunkwise import checkpoints, memory, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import batching, examples, output
-from chunkwise.jobs.config import Job, Quantization
+from chunkwise.jobs.config import Job, ModelConfig, Quantization
 from chunkwise.models import lora
 from chunkwise.partitioning import LayoutKind, multihost
 from chunkwise.planner import choice as planner_choice
@@ -199,16 +199,25 @@ def check_fits(job: Job, described: checkpoints.Description) -> None:
 
 def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
   """Step 4's model on the mesh the config names."""
+  auto = job.model.layout == "auto"
+  workload = _workload(job, described) if auto else None
+  return load_configured(job.model, described, workload=workload)
+
+
+def load_configured(
+  m: ModelConfig, described: checkpoints.Description, *, workload=None
+) -> InferenceModel:
+  """The model `m` names, on the mesh it names (`workload`: what
+  `layout="auto"` plans for)."""
   import jax
 
-  m = job.model
   shape = m.mesh
   auto = m.layout == "auto"
   if shape is None and (auto or m.layout.kind is not LayoutKind.REFERENCE):
     shape = (1, 1, jax.device_count())
   mesh = None if shape is None else partitioning.make_mesh(shape)
   dtype = None if m.dtype is None else m.dtype.value
-  extra = {"workload": _workload(job, described)} if auto else {}
+  extra = {"workload": workload} if auto and workload is not None else {}
   if m.name.startswith(checkpoints.RANDOM):
     return InferenceModel.random(
       described.hparams,
@@ -229,6 +238,20 @@ def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
     precision=m.precision,
     **extra,
   )
+
+
+def load_served(m: ModelConfig) -> InferenceModel:
+  """The model `m` names with its adapters (what a server runs); raises
+  ValueError / FileNotFoundError for a bad name, file or adapter, before
+  placing anything."""
+  described = describe_model(m.name)
+  loaded = adapters_lib.load(m.adapters, described.hparams)
+  if m.name.startswith(checkpoints.RANDOM) and m.quantize is not (
+    Quantization.NONE
+  ):
+    raise ValueError("--quantize applies to checkpoints, not random:")
+  model = load_configured(m, described)
+  return model.with_adapters(loaded) if loaded else model
 
 
 def _workload(job: Job, described) -> planner_choice.Workload:

@@ -1,0 +1,552 @@
+"""Live slots: continuous batching for requests that arrive at any time.
+
+  loop = model.live_slots(slots=16, capacity=1024, top_n=5)
+  ready = loop.prepare(cw.Request(tokens=ids, sample_id=0, steps=64))
+  loop.add("a", ready)              # takes a free slot at the next step
+  while loop.busy:
+    for u in loop.step():           # admit, decode up to `every` steps
+      print(u.key, u.tokens, u.finish_reason)   # new tokens, as produced
+  loop.cancel("a")                  # frees its slot at the next step
+
+`generate_many` knows its requests up front; a server does not. This loop
+keeps the same device state (`slots.SlotState`) and programs, but takes
+requests one by one (`prepare` validates one on the host, any thread, and
+compiles its constraint; `add` queues it), and each `step` hands back the
+tokens every running request produced in that segment, not only finished
+requests. A request's tokens and scores are those of `generate` run alone
+on it (DESIGN.md §4.11), whatever runs beside it: every step is
+`generate`'s step row by row, and the programs' shapes never change with
+the traffic (fixed slots, capacity, top-n, stop-id width, processors).
+
+Processors are fixed per loop (`processors=`, e.g. `penalties()`): each
+request may bring its own instances of the same processors in the same
+order whose loop form (`for_loop()`) is the loop's, so only their state
+differs (a request's repetition penalty and prompt, say). Constraints are
+the loop's own processor: the distinct tables of the running requests
+keep stable grammar ids and are concatenated again when the set changes
+(a new table bucket size compiles a new program, once).
+
+`add`, `cancel` and `step` are for one thread; the schedule depends only
+on the order of those calls, so processes of a multi-host run that make
+the same calls stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from chunkwise import constraints as constraints_lib
+from chunkwise import processors as processors_lib
+from chunkwise.configs import HParams
+from chunkwise.inference import adapters as adapters_lib
+from chunkwise.inference import checks, continuous, slots
+from chunkwise.inference.continuous import Admission, Request
+from chunkwise.inference.engine import Engine, prefix_inputs
+from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.sampling import Sampling
+
+STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prepared:
+  """A request validated for one loop (`LiveSlots.prepare`)."""
+
+  prompt: np.ndarray  # int32[n]
+  stop_ids: np.ndarray  # int32[stop_width], padded with ids >= vocab
+  sample_id: int
+  steps: int
+  sampling: Sampling  # numpy scalars
+  adapter_id: int  # stack index, -1: the base model
+  processor_state: tuple  # each loop processor's state, leading axis 1
+  tables: Any  # constraints.Tables or None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlotUpdate:
+  """What one request produced in a `step` (numpy).
+
+  Attributes:
+    key: the request's key (`add`).
+    tokens: int32[k]: tokens generated since the last update (kept ones:
+      a stop token is not among them).
+    per_token_scores: f32[k]; top_ids, top_logprobs: [k, top_n].
+    finish_reason: None while running, then "stop" (a stop id was drawn)
+      or "length" (its steps ran out).
+    stop_id: the stop token drawn (finish "stop"), else None; its score
+      and alternatives in `stop_score`, `stop_top_ids`, `stop_top_logprobs`.
+  """
+
+  key: Hashable
+  tokens: np.ndarray
+  per_token_scores: np.ndarray
+  top_ids: np.ndarray
+  top_logprobs: np.ndarray
+  finish_reason: str | None = None
+  stop_id: int | None = None
+  stop_score: float | None = None
+  stop_top_ids: np.ndarray | None = None
+  stop_top_logprobs: np.ndarray | None = None
+
+
+class _Grammars:
+  """Constraint tables of the running requests under stable grammar ids
+  (1, 2, ...; 0 is unconstrained), shared while any request uses them."""
+
+  def __init__(self, width: int):
+    self._width = width
+    self._tables: list = []  # id i + 1; None: free
+    self._users: list[int] = []
+    self._processor = None
+    self._dirty = True
+
+  def take(self, tables) -> int:
+    if tables is None:
+      return 0
+    for i, t in enumerate(self._tables):
+      if t is tables:
+        self._users[i] += 1
+        return i + 1
+    i = self._tables.index(None) if None in self._tables else len(self._tables)
+    if i == len(self._tables):
+      self._tables.append(None)
+      self._users.append(0)
+    self._tables[i], self._users[i] = tables, 1
+    self._dirty = True
+    return i + 1
+
+  def give_back(self, grammar: int) -> None:
+    if grammar == 0:
+      return
+    self._users[grammar - 1] -= 1
+    if not self._users[grammar - 1]:
+      self._tables[grammar - 1] = None
+      self._dirty = True
+
+  def processor(self):
+    if self._dirty:
+      self._processor = constraints_lib.processor(
+        (), self._tables, width=self._width
+      ).for_loop()
+      self._dirty = False
+    return self._processor
+
+
+_RELEASE = jax.jit(
+  lambda state, free: state.replace(done=state.done | free), donate_argnums=0
+)
+_WINDOW = jax.jit(slots.window, static_argnums=2)
+
+
+class LiveSlots:
+  """An always-on slot loop (module docstring); made by
+  `InferenceModel.live_slots`."""
+
+  def __init__(
+    self,
+    *,
+    hparams: HParams,
+    prefill_engine: Engine,
+    generate_engine: Engine,
+    vocabulary,
+    eos_ids: Sequence[int],
+    bos_id: int,
+    served,
+    slots_n: int,
+    capacity: int,
+    top_n: int,
+    every: int,
+    processors: tuple,
+    prefix: tuple[ChunkResult, ...],
+    stop_width: int,
+  ):
+    h = hparams
+    self._h = h
+    self._prefill_engine = prefill_engine
+    self._generate_engine = generate_engine
+    self._vocabulary = vocabulary
+    self._eos_ids = tuple(eos_ids)
+    self._bos_id = bos_id
+    self._served = served
+    self.slots = slots_n
+    self.capacity = capacity
+    self.top_n = top_n
+    self.every = every
+    self.stop_width = stop_width
+    self._prefix = prefix
+    self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
+    self._grammars = _Grammars(h.vocab)
+    self._templates = processors
+    procs, states = processors_lib.check(
+      (
+        *processors,
+        constraints_lib.processor((0,) * slots_n, [], width=h.vocab),
+      ),
+      batch=slots_n,
+      vocab=h.vocab,
+      n_stop=stop_width,
+      per_row=True,
+    )
+    self._loop_forms = procs[:-1]
+    self._caches, self._prev = prefix_inputs(prefix)
+    state = generate_engine.slot_init(
+      self._caches,
+      slots=slots_n,
+      capacity=capacity,
+      steps=capacity,
+      top_n=top_n,
+      vocab=h.vocab,
+    )
+    self._state = state.replace(
+      processor_states=continuous.replicated_like(state, states)
+    )
+    # Host copies of each slot's settings (a free slot: defaults, no budget).
+    n = slots_n
+    self._key: list[Hashable | None] = [None] * n
+    self._grammar = np.zeros(n, np.int32)
+    self._sample_ids = np.zeros(n, np.int32)
+    self._sampling = Sampling(
+      temperature=np.ones(n, np.float32),
+      top_k=np.zeros(n, np.int32),
+      top_p=np.ones(n, np.float32),
+      min_p=np.zeros(n, np.float32),
+      seed=np.zeros(n, np.uint32),
+    )
+    self._stop_ids = np.full((n, stop_width), h.vocab, np.int32)
+    self._budget = np.zeros(n, np.int32)
+    self._adapter = np.full(n, -1, np.int32)
+    self._read = np.zeros(n, np.int32)  # tokens handed back per slot
+    self._waiting: list[tuple[Hashable, Prepared]] = []
+    self._cancelled: set[Hashable] = set()
+    self.admitted: list[Hashable] = []  # keys the last step put in slots
+
+  def _adapters(self, engine, ids):
+    return None if self._served is None else self._served.call(engine, ids)
+
+  # -- host side, any thread ------------------------------------------------
+
+  def prepare(
+    self, request: Request, processors: Sequence = (), what: str = "request"
+  ) -> Prepared:
+    """Validates `request` for this loop and compiles its constraint, on
+    the host (no device work; safe from any thread). `processors` are the
+    request's own instances of the loop's processors (same order; empty:
+    the loop's). Raises ValueError naming `what` and the bad field."""
+    h = self._h
+    if not isinstance(request, Request):
+      raise ValueError(f"{what} must be a chunkwise Request, got {request!r}")
+    prompt, stops = continuous.check_request(
+      h,
+      request,
+      what,
+      start=self._start,
+      has_prefix=bool(self._prefix),
+      eos_ids=self._eos_ids,
+    )
+    if stops.size > self.stop_width:
+      raise ValueError(
+        f"{what} has {stops.size} stop ids (EOS included), over this "
+        f"loop's stop_width={self.stop_width}"
+      )
+    need = continuous.columns_needed(prompt.size, int(request.steps))
+    if need > self.capacity:
+      raise ValueError(
+        f"{what} needs {need} columns (prompt {prompt.size}, padded to "
+        f"{continuous.prompt_bucket(prompt.size)}, + steps {request.steps}),"
+        f" over the loop's capacity={self.capacity}"
+      )
+    known = () if self._served is None else self._served.names
+    names, ids = adapters_lib.rows_of([request.adapter], 1, known)
+    adapters_lib.check_prefix(self._prefix, names)
+    states = self._request_states(processors, what)
+    tables = None
+    if request.constraint is not None:
+      try:
+        (_,), (tables,) = constraints_lib.compile_rows(
+          [request.constraint],
+          batch=1,
+          vocabulary=self._vocabulary,
+          stop_ids=stops.tolist(),
+          width=h.vocab,
+        )
+      except ValueError as e:
+        raise ValueError(f"{what}.constraint: {e}") from e
+    padded = np.full(self.stop_width, h.vocab, np.int32)
+    padded[: stops.size] = stops
+    sampling = request.sampling.for_batch(1)
+    return Prepared(
+      prompt=prompt,
+      stop_ids=padded,
+      sample_id=int(request.sample_id),
+      steps=int(request.steps),
+      sampling=Sampling(
+        **{
+          f: np.asarray(getattr(sampling, f))[0]
+          for f in continuous.SAMPLING_FIELDS
+        },
+        seed=np.uint32(sampling.seed),
+      ),
+      adapter_id=int(ids[0]),
+      processor_state=states,
+      tables=tables,
+    )
+
+  def _request_states(self, processors, what: str) -> tuple:
+    """Each loop processor's initial state for one request (leading axis
+    1): the request's own instance's, else the loop's."""
+    given = processors_lib.as_tuple(processors)
+    if given and len(given) != len(self._templates):
+      raise ValueError(
+        f"{what} gives {len(given)} processors; this loop runs "
+        f"{len(self._templates)} ({self._names()}): give one instance of "
+        "each, in that order, or none"
+      )
+    states = []
+    for i, template in enumerate(self._templates):
+      p = given[i] if given else template
+      form = self._loop_forms[i]
+      if not isinstance(p, processors_lib.LogitsProcessor) or not _same(
+        p.for_loop(), form
+      ):
+        raise ValueError(
+          f"{what}: processors[{i}] is {p!r}; this loop runs "
+          f"{self._names()}: a request's processor must differ from the "
+          "loop's only in its state (init), not in its loop form"
+        )
+      p.validate(self._h.vocab)
+      state = jax.tree.map(np.asarray, p.init(1, self._h.vocab))
+      like = jax.tree.map(np.asarray, template.init(1, self._h.vocab))
+      if not _same(state, like, values=False):
+        raise ValueError(
+          f"{what}: processors[{i}] ({type(p).__name__}) has a state of "
+          "other shapes than the loop's"
+        )
+      states.append(state)
+    g = (np.zeros(1, np.int32), np.zeros(1, np.int32))
+    return (*states, g)
+
+  def _names(self) -> str:
+    return ", ".join(type(p).__name__ for p in self._templates) or "none"
+
+  # -- the loop's thread ----------------------------------------------------
+
+  @property
+  def running(self) -> int:
+    """Requests in slots."""
+    return sum(k is not None for k in self._key)
+
+  @property
+  def waiting(self) -> int:
+    """Requests added and not yet in a slot."""
+    return len(self._waiting)
+
+  @property
+  def busy(self) -> bool:
+    """Whether a `step` has anything to do."""
+    return bool(self._waiting or self.running or self._cancelled)
+
+  def add(self, key: Hashable, prepared: Prepared) -> None:
+    """Queues a prepared request under `key` (unique among those added and
+    not finished); it takes a free slot at a coming `step`."""
+    if not isinstance(prepared, Prepared):
+      raise ValueError(
+        f"add takes what prepare returned, got {type(prepared).__name__}"
+      )
+    if key in self._key or any(k == key for k, _ in self._waiting):
+      raise ValueError(f"key {key!r} is already in use")
+    self._waiting.append((key, prepared))
+
+  def cancel(self, key: Hashable) -> None:
+    """Drops a request: a waiting one at once, a running one's slot is
+    freed at the next `step` (its remaining tokens are never reported)."""
+    self._cancelled.add(key)
+
+  def step(self) -> list[SlotUpdate]:
+    """One segment: frees cancelled slots, admits waiting requests into
+    free slots, decodes until `every` steps ran or a request finished, and
+    returns what every running request produced (finished ones last
+    once, with their finish reason; their slots are free again)."""
+    self._drop_cancelled()
+    self._admit_waiting()
+    live = np.array([k is not None for k in self._key])
+    if not live.any():
+      return []
+    engine = self._generate_engine
+    inputs = slots.SlotInputs(
+      sample_ids=self._sample_ids,
+      start=np.full(self.slots, self._start, np.int32),
+      sampling=self._sampling,
+      stop_ids=self._stop_ids,
+      budget=np.where(live, self._budget, 0).astype(np.int32),
+      processors=(*self._loop_forms, self._grammars.processor()),
+    )
+    self._state = engine.slot_run(
+      self._caches,
+      self._state,
+      inputs,
+      jnp.int32(self.every),
+      jnp.bool_(True),
+      adapters=self._adapters(engine, np.where(live, self._adapter, -1)),
+    )
+    return self._collect(live)
+
+  def _drop_cancelled(self) -> None:
+    if not self._cancelled:
+      return
+    self._waiting = [
+      (k, p) for k, p in self._waiting if k not in self._cancelled
+    ]
+    free = np.array([k in self._cancelled for k in self._key])
+    self._cancelled.clear()
+    if free.any():
+      for s in np.flatnonzero(free):
+        self._free(int(s))
+      self._state = _RELEASE(
+        self._state, continuous.replicated_like(self._state, free)
+      )
+
+  def _free(self, s: int) -> None:
+    self._key[s] = None
+    self._grammars.give_back(int(self._grammar[s]))
+    self._grammar[s] = 0
+    self._budget[s] = 0
+
+  def _admit_waiting(self) -> None:
+    free = [s for s, k in enumerate(self._key) if k is None]
+    take = self._waiting[: len(free)]
+    self.admitted = [key for key, _ in take]
+    if not take:
+      return
+    self._waiting = self._waiting[len(take) :]
+    admissions = []
+    for (key, p), s in zip(take, free, strict=False):
+      g = self._grammars.take(p.tables)
+      self._key[s], self._grammar[s] = key, g
+      self._sample_ids[s] = p.sample_id
+      for f in (*continuous.SAMPLING_FIELDS, "seed"):
+        getattr(self._sampling, f)[s] = getattr(p.sampling, f)
+      self._stop_ids[s] = p.stop_ids
+      self._budget[s] = p.steps
+      self._adapter[s] = p.adapter_id
+      self._read[s] = 0
+      states = (*p.processor_state[:-1], (np.int32([g]), np.int32([0])))
+      admissions.append(
+        Admission(
+          prompt=p.prompt,
+          adapter_id=p.adapter_id,
+          slot=s,
+          processor_state=states,
+        )
+      )
+    self._state = continuous.prefill_into(
+      self._state,
+      admissions,
+      self._caches,
+      self._prev,
+      self._prefill_engine,
+      self._bos_id,
+      self._adapters,
+    )
+
+  def _collect(self, live: np.ndarray) -> list[SlotUpdate]:
+    state = self._state
+    done, stopped, generated = jax.device_get(
+      (state.done, state.stopped, state.generated)
+    )
+    start = continuous.replicated_like(state, self._read.copy())
+    tokens, scores, top_ids, top_lp = jax.device_get(
+      _WINDOW(state, start, self.every + 1)
+    )
+    updates = []
+    for s in np.flatnonzero(live):
+      k = int(generated[s] - self._read[s])
+      finished = bool(done[s])
+      if not k and not finished:
+        continue
+      stop = finished and bool(stopped[s])
+      updates.append(
+        SlotUpdate(
+          key=self._key[s],
+          tokens=tokens[s, :k],
+          per_token_scores=scores[s, :k],
+          top_ids=top_ids[s, :k],
+          top_logprobs=top_lp[s, :k],
+          finish_reason=None
+          if not finished
+          else (continuous.FINISH_STOP if stop else continuous.FINISH_LENGTH),
+          stop_id=int(tokens[s, k]) if stop else None,
+          stop_score=float(scores[s, k]) if stop else None,
+          stop_top_ids=top_ids[s, k] if stop else None,
+          stop_top_logprobs=top_lp[s, k] if stop else None,
+        )
+      )
+      self._read[s] = generated[s]
+      if finished:
+        self._free(int(s))
+    return updates
+
+
+def _same(a, b, *, values: bool = True) -> bool:
+  """Whether two pytrees have one structure and leaves of the same shapes
+  and dtypes (and, with `values`, equal values)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  if ta != tb:
+    return False
+  for x, y in zip(la, lb, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return False
+    if values and not np.array_equal(x, y):
+      return False
+  return True
+
+
+def check_live(
+  hparams: HParams,
+  *,
+  slots_n,
+  capacity,
+  top_n,
+  every,
+  stop_width,
+  processors,
+  prefix,
+  batch_split: int,
+) -> tuple:
+  """Validates `InferenceModel.live_slots`' arguments before any device
+  work; returns them checked."""
+  h = hparams
+  n = checks.check_count("slots", slots_n, minimum=1)
+  if n % batch_split:
+    raise ValueError(
+      f"slots={n} must be a multiple of the layout's batch split "
+      f"{batch_split} (the mesh axes that split attention's rows)"
+    )
+  capacity = checks.check_count(
+    "capacity", capacity, minimum=1, maximum=h.max_len
+  )
+  top_n = checks.check_count("top_n", top_n, minimum=0, maximum=h.vocab)
+  every = checks.check_count("every", every, minimum=1)
+  stop_width = checks.check_count("stop_width", stop_width, minimum=1)
+  prefix = checks.check_prefix(prefix, 1, h)
+  if any(p.batch != 1 for p in prefix):
+    raise ValueError(
+      f"live_slots' prefix is shared by every request: each of its results "
+      f"must have batch 1, got batches {[p.batch for p in prefix]}"
+    )
+  return (
+    n,
+    capacity,
+    top_n,
+    every,
+    stop_width,
+    processors_lib.as_tuple(processors),
+    prefix,
+  )

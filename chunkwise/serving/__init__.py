@@ -1,0 +1,38 @@
+"""Serving: the always-on engine and its HTTP faces.
+
+  engine = chunkwise.serving.Engine(model, slots=16)
+  for token in engine.submit(Generation(prompt=ids, max_new_tokens=32)):
+    print(token.text, end="")
+
+`engine` runs continuous batching for requests that arrive at any time
+and streams their tokens; `http` serves it to TGI / LoRAX and OpenAI
+clients (`scripts/serve.py`).
+"""
+
+from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving.engine import (
+  DEFAULT_EVERY,
+  Closed,
+  Engine,
+  Generation,
+  GenerationFailed,
+  Overloaded,
+  Token,
+  TokenStream,
+)
+from chunkwise.serving.http import Server, serve
+
+__all__ = [
+  "DEFAULT_EVERY",
+  "ApiError",
+  "Closed",
+  "Context",
+  "Engine",
+  "Generation",
+  "GenerationFailed",
+  "Overloaded",
+  "Server",
+  "Token",
+  "TokenStream",
+  "serve",
+]

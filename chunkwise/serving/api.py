@@ -1,0 +1,217 @@
+"""What the HTTP faces share: the served model's limits, errors with a
+status, and the translation of common request fields into a `Generation`.
+
+  ctx = Context(engine, model_id="smollm2-135m", max_input_tokens=1024,
+                max_total_tokens=2048)
+  ids = ctx.encode("Hello")              # BOS + ids, length-checked
+  adapter = ctx.adapter("math")          # None: the base model
+  constraint = json_constraint(schema)   # a JsonSchema (any object if None)
+
+Every refusal is an `ApiError(status, message, kind)`; each face writes
+it in its own wire shape (../shared/SERVING.md §1, §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pydantic
+
+from chunkwise import constraints
+from chunkwise.serving.engine import Engine
+from chunkwise.serving.text import token_bytes
+
+VALIDATION = "validation"
+OVERLOADED = "overloaded"
+GENERATION = "generation"
+NOT_FOUND = "not_found"
+UNAVAILABLE = "unavailable"
+UNAUTHORIZED = "unauthorized"
+
+
+class ApiError(Exception):
+  """A refusal: HTTP `status`, a message, and its kind (one of the module
+  constants above)."""
+
+  def __init__(self, status: int, message: str, kind: str = VALIDATION):
+    super().__init__(message)
+    self.status, self.message, self.kind = status, message, kind
+
+
+def pydantic_message(e: pydantic.ValidationError) -> str:
+  """One line naming each bad field and what was expected."""
+  parts = []
+  for err in e.errors():
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    parts.append(f"{where}: {err['msg']} (got {err.get('input')!r:.80})")
+  return "; ".join(parts)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Context:
+  """The served model and the server's limits."""
+
+  engine: Engine
+  model_id: str
+  max_input_tokens: int
+  max_total_tokens: int
+  max_stop_sequences: int = 8
+  max_n: int = 8
+  created: int = 0
+
+  def __post_init__(self):
+    self._bytes = token_bytes(self.model.vocab)
+
+  @property
+  def model(self):
+    return self.engine.model
+
+  def text_of(self, token: int) -> str:
+    """A token's own spelling (an alternative's text)."""
+    return self.model.vocab.decode([token])
+
+  def is_special(self, token: int) -> bool:
+    if token in self.model.eos_ids:
+      return True
+    b = self._bytes
+    return b is not None and token < len(b) and b[token] is None
+
+  @property
+  def adapters(self) -> tuple[str, ...]:
+    return tuple(self.model.adapters)
+
+  def adapter(self, name: str | None, *, status: int = 422) -> str | None:
+    """The adapter `name` asks for: None (the base) for None, "" or the
+    model's own id; ApiError for an adapter that is not served."""
+    if name in (None, "", self.model_id):
+      return None
+    if name not in self.model.adapters:
+      served = ", ".join(map(repr, self.adapters)) or "none"
+      known = (
+        f"this server serves the base model {self.model_id!r} and adapters "
+        f"{served}"
+      )
+      if status == 404:  # OpenAI's `model`
+        raise ApiError(
+          404, f"The model `{name}` does not exist ({known}).", NOT_FOUND
+        )
+      raise ApiError(status, f"unknown adapter {name!r}: {known}")
+    return name
+
+  def encode(
+    self, text: str, *, truncate: int | None = None, status: int = 422
+  ) -> list[int]:
+    """BOS + the text's ids (the last `truncate` of them), checked
+    against `max_input_tokens`."""
+    model = self.model
+    ids = model.vocab.encode(text)
+    if truncate is not None:
+      ids = ids[-truncate:] if truncate > 0 else []
+    ids = [model.bos_id, *ids]
+    if len(ids) > self.max_input_tokens:
+      raise ApiError(
+        status,
+        f"`inputs` must have less than {self.max_input_tokens} tokens. "
+        f"Given: {len(ids)}",
+      )
+    return ids
+
+  def new_tokens(
+    self, prompt: int, asked: int | None, status: int = 422
+  ) -> int:
+    """Tokens to generate after a prompt of `prompt` tokens: `asked`, or
+    all the room left; ApiError past `max_total_tokens`."""
+    room = min(self.max_total_tokens, self.engine.capacity) - prompt
+    if asked is None:
+      if room < 1:
+        raise ApiError(
+          status,
+          f"the prompt's {prompt} tokens leave no room to generate within "
+          f"max_total_tokens={self.max_total_tokens}",
+        )
+      return room
+    if asked < 1:
+      raise ApiError(status, f"max_new_tokens must be >= 1, got {asked}")
+    if prompt + asked > self.max_total_tokens:
+      raise ApiError(
+        status,
+        f"`inputs` tokens + `max_new_tokens` must be <= "
+        f"{self.max_total_tokens}. Given: {prompt} `inputs` tokens and "
+        f"{asked} `max_new_tokens`",
+      )
+    if asked > room:
+      raise ApiError(
+        status,
+        f"`inputs` tokens + `max_new_tokens` must fit the server's "
+        f"{self.engine.capacity} columns per request. Given: {prompt} "
+        f"`inputs` tokens and {asked} `max_new_tokens`",
+      )
+    return asked
+
+  def check_stops(
+    self, stops: list[str] | None, status: int = 422
+  ) -> list[str]:
+    stops = list(stops or [])
+    if len(stops) > self.max_stop_sequences:
+      raise ApiError(
+        status,
+        f"`stop` supports up to {self.max_stop_sequences} stop sequences. "
+        f"Given: {len(stops)}",
+      )
+    if any(not s for s in stops):
+      raise ApiError(status, "`stop` sequences must be non-empty strings")
+    return stops
+
+  def top_n(self, n: int | None, field: str, status: int = 422) -> int:
+    n = int(n or 0)
+    if not 0 <= n <= self.engine.top_n:
+      raise ApiError(
+        status,
+        f"`{field}` must be between 0 and {self.engine.top_n} (this "
+        f"server's --max_top_n). Given: {n}",
+      )
+    return n
+
+
+def json_constraint(schema: Any, where: str) -> constraints.JsonSchema:
+  """A JSON-schema constraint of `schema` (a dict or its JSON text); any
+  JSON object when it is None or empty."""
+  if isinstance(schema, str):
+    try:
+      schema = json.loads(schema)
+    except json.JSONDecodeError as e:
+      raise ApiError(422, f"{where} is not valid JSON: {e}") from None
+  if schema is None or schema == {}:
+    schema = {"type": "object"}
+  if not isinstance(schema, dict | bool):
+    raise ApiError(
+      422, f"{where} must be a JSON schema object, got {type(schema).__name__}"
+    )
+  try:
+    return constraints.JsonSchema(schema)
+  except ValueError as e:
+    raise ApiError(422, f"{where}: {e}") from None
+
+
+def regex_constraint(pattern: Any, where: str) -> constraints.Regex:
+  if not isinstance(pattern, str):
+    raise ApiError(422, f"{where} must be a regex string, got {pattern!r:.80}")
+  try:
+    return constraints.Regex(pattern)
+  except ValueError as e:
+    raise ApiError(422, f"{where}: {e}") from None
+
+
+def choice_constraint(choices: Any, where: str) -> constraints.Choice:
+  if not isinstance(choices, list) or not all(
+    isinstance(c, str) for c in choices
+  ):
+    raise ApiError(
+      422, f"{where} must be a list of strings, got {choices!r:.80}"
+    )
+  try:
+    return constraints.Choice(choices)
+  except ValueError as e:
+    raise ApiError(422, f"{where}: {e}") from None

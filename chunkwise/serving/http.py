@@ -1,0 +1,595 @@
+"""The HTTP server (aiohttp): TGI / LoRAX and OpenAI routes over one engine.
+
+  app = make_app(ctx, api_key=None)          # an aiohttp Application
+  serve(ctx, host="127.0.0.1", port=8080)    # runs until SIGTERM / SIGINT
+
+Routes (../shared/SERVING.md): `POST /`, `/generate`, `/generate_stream`
+(native); `/v1/completions`, `/v1/chat/completions`, `GET /v1/models[/id]`
+(OpenAI); `GET /`, `/health`, `/info`, `/metrics`.
+
+Each request is parsed and validated, its constraint compiled and (when
+asked) its prompt scored in a worker thread, then queued on the engine;
+a stream's tokens are written as the engine hands them over (SSE, one
+event per token, flushed). A client that goes away cancels its request
+(aiohttp cancels the handler; the engine frees the slot at the next
+segment). Errors are JSON in each API's shape, the framework's own 404 /
+405 / 413 included. With an API key every route but the health checks
+needs `Authorization: Bearer <key>`. SIGTERM stops admitting (503), lets
+running requests finish within a grace period, and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from chunkwise.serving import api, native, openai_api
+from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving.engine import (
+  ERROR,
+  Closed,
+  Generation,
+  Overloaded,
+  TokenStream,
+)
+from chunkwise.serving.metrics import Metrics
+
+log = logging.getLogger("chunkwise.serving")
+
+MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64
+_SSE_HEADERS = {
+  "Content-Type": "text/event-stream",
+  "Cache-Control": "no-cache",
+  "X-Accel-Buffering": "no",
+}
+
+
+def _openai_route(path: str) -> bool:
+  return path.startswith("/v1/")
+
+
+def error_body(path: str, status: int, message: str, kind: str) -> dict:
+  """An error in the shape of the API that `path` belongs to."""
+  if _openai_route(path):
+    names = {
+      400: "BadRequestError",
+      401: "AuthenticationError",
+      404: "NotFoundError",
+      413: "BadRequestError",
+      429: "RateLimitError",
+      503: "ServiceUnavailableError",
+    }
+    return {
+      "error": {
+        "message": message,
+        "type": names.get(status, "InternalServerError"),
+        "param": "model" if kind == api.NOT_FOUND else None,
+        "code": status,
+      }
+    }
+  text = {
+    api.VALIDATION: f"Input validation error: {message}",
+    api.GENERATION: f"Request failed during generation: {message}",
+    api.OVERLOADED: "Model is overloaded",
+  }.get(kind, message)
+  native_kind = {api.NOT_FOUND: api.VALIDATION}.get(kind, kind)
+  if kind == api.UNAVAILABLE:
+    native_kind = "healthcheck"
+  return {"error": text, "error_type": native_kind}
+
+
+def _json_response(body: Any, status: int = 200, headers=None) -> web.Response:
+  return web.Response(
+    body=dumps(body),
+    status=status,
+    content_type="application/json",
+    headers=headers,
+  )
+
+
+def dumps(body: Any) -> bytes:
+  """Compact JSON on one line, never NaN or Infinity."""
+  return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _error_response(path: str, e: ApiError) -> web.Response:
+  headers = {}
+  if e.status == 429:
+    headers["Retry-After"] = "1"
+  if e.status in (400, 404, 413, 422):
+    headers["x-should-retry"] = "false"
+  return _json_response(
+    error_body(path, e.status, e.message, e.kind), e.status, headers
+  )
+
+
+def _depth(value: Any) -> int:
+  deepest, todo = 0, [(value, 1)]
+  while todo:
+    v, d = todo.pop()
+    if isinstance(v, dict | list):
+      deepest = max(deepest, d)
+      todo.extend(
+        (x, d + 1) for x in (v.values() if isinstance(v, dict) else v)
+      )
+  return deepest
+
+
+class Server:
+  """The routes' state: the context, metrics, a worker pool, auth."""
+
+  def __init__(
+    self,
+    ctx: Context,
+    *,
+    api_key: str | None = None,
+    max_json_depth: int = MAX_JSON_DEPTH,
+    workers: int = 4,
+  ):
+    self.ctx = ctx
+    self.api_key = api_key
+    self.max_json_depth = max_json_depth
+    self.metrics = Metrics(ctx.engine, model_id=ctx.model_id)
+    self.pool = concurrent.futures.ThreadPoolExecutor(
+      workers, thread_name_prefix="chunkwise-http"
+    )
+    self.draining = False
+
+  # -- helpers ---------------------------------------------------------------
+
+  async def _work(self, fn: Callable, *args):
+    return await asyncio.get_running_loop().run_in_executor(
+      self.pool, fn, *args
+    )
+
+  async def _body(self, request: web.Request) -> Any:
+    status = 400 if _openai_route(request.path) else 422
+    raw = await request.read()
+    try:
+      body = json.loads(raw)
+    except RecursionError:
+      raise ApiError(
+        status, f"the JSON body nests deeper than {self.max_json_depth}"
+      ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ApiError(status, f"the body is not valid JSON: {e}") from None
+    if _depth(body) > self.max_json_depth:
+      raise ApiError(
+        status, f"the JSON body nests deeper than {self.max_json_depth}"
+      )
+    if not isinstance(body, dict):
+      raise ApiError(status, "the body must be a JSON object")
+    return body
+
+  def _prepare(self, g: Generation, status: int):
+    try:
+      return self.ctx.engine.prepare(g)
+    except ValueError as e:
+      raise ApiError(status, str(e)) from None
+
+  def _submit(self, g: Generation, prepared) -> TokenStream:
+    try:
+      return self.ctx.engine.submit(g, prepared)
+    except Overloaded:
+      raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
+    except Closed:
+      raise ApiError(
+        503, "the server is shutting down", api.UNAVAILABLE
+      ) from None
+
+  async def _start(self, g: Generation, status: int) -> TokenStream:
+    prepared = await self._work(self._prepare, g, status)
+    return self._submit(g, prepared)
+
+  async def _score(self, prompt, top_n: int, adapter, status: int):
+    def run():
+      try:
+        return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
+      except ValueError as e:
+        raise ApiError(status, str(e)) from None
+
+    return await self._work(run)
+
+  @staticmethod
+  async def _finish(stream: TokenStream) -> TokenStream:
+    try:
+      async for _ in stream:
+        pass
+    except asyncio.CancelledError:
+      stream.cancel()
+      raise
+    except Exception:
+      pass  # the stream's error is read by the caller
+    return stream
+
+  # -- middleware ------------------------------------------------------------
+
+  @web.middleware
+  async def middleware(self, request: web.Request, handler):
+    path = request.path
+    try:
+      if self.api_key is not None and path not in ("/", "/health"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(
+          given.encode(), f"Bearer {self.api_key}".encode()
+        ):
+          raise ApiError(
+            401,
+            "a valid API key is needed (Authorization: Bearer)",
+            api.UNAUTHORIZED,
+          )
+      if request.method == "POST":
+        if self.draining:
+          raise ApiError(503, "the server is shutting down", api.UNAVAILABLE)
+        self.metrics.received()
+      return await handler(request)
+    except ApiError as e:
+      if request.method == "POST":
+        self.metrics.failed(e.kind)
+      return _error_response(path, e)
+    except web.HTTPException as e:
+      if e.status == 413:
+        message = f"the body is larger than {request.client_max_size} bytes"
+      else:
+        message = f"{e.reason}: {request.method} {path}"
+      kind = api.NOT_FOUND if e.status == 404 else api.VALIDATION
+      return _error_response(path, ApiError(e.status, message, kind))
+
+  # -- health, info, models, metrics -------------------------------------
+
+  async def health(self, request: web.Request) -> web.Response:
+    if self.draining or self.ctx.engine.closing:
+      return _json_response(
+        {"error": "unhealthy", "error_type": "healthcheck"}, 503
+      )
+    return web.Response(status=200)
+
+  async def info(self, request: web.Request) -> web.Response:
+    ctx, model = self.ctx, self.ctx.model
+    import chunkwise
+
+    return _json_response(
+      {
+        "model_id": ctx.model_id,
+        "model_sha": None,
+        "model_dtype": str(model.compute_dtype),
+        "model_device_type": _device_kind(),
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": ctx.engine.slots + ctx.engine.max_queue,
+        "max_best_of": 1,
+        "max_stop_sequences": ctx.max_stop_sequences,
+        "max_input_tokens": ctx.max_input_tokens,
+        "max_input_length": ctx.max_input_tokens,
+        "max_total_tokens": ctx.max_total_tokens,
+        "max_batch_total_tokens": ctx.engine.slots * ctx.engine.capacity,
+        "max_client_batch_size": 1,
+        "validation_workers": self.pool._max_workers,
+        "max_top_n_tokens": ctx.engine.top_n,
+        "slots": ctx.engine.slots,
+        "adapters": list(ctx.adapters),
+        "router": "chunkwise",
+        "version": chunkwise.__version__,
+        "sha": None,
+        "docker_label": None,
+      }
+    )
+
+  async def models(self, request: web.Request) -> web.Response:
+    return _json_response(openai_api.models(self.ctx))
+
+  async def model(self, request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name != self.ctx.model_id:
+      self.ctx.adapter(name, status=404)
+    return _json_response(openai_api.model_card(self.ctx, name))
+
+  async def metrics_route(self, request: web.Request) -> web.Response:
+    return web.Response(
+      body=self.metrics.exposition(),
+      headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+  # -- native ------------------------------------------------------------------
+
+  async def native_root(self, request: web.Request):
+    return await self._native(request, stream=None, wrap=True)
+
+  async def native_generate(self, request: web.Request):
+    return await self._native(request, stream=False, wrap=False)
+
+  async def native_stream(self, request: web.Request):
+    return await self._native(request, stream=True, wrap=False)
+
+  async def _native(self, request, *, stream: bool | None, wrap: bool):
+    body = await self._body(request)
+    inputs, g, options = await self._work(
+      lambda: native.parse(body, self.ctx, stream=stream)
+    )
+    prompt_details = None
+    if options.decoder_input_details:
+      scores, _, _ = await self._score(g.prompt, 0, g.adapter, 422)
+      prompt_details = native.prefill(g.prompt, scores, self.ctx)
+    s = await self._start(g, 422)
+    if options.stream:
+      return await self._native_events(request, s, inputs, options)
+    await self._finish(s)
+    if s.finish_reason == ERROR:
+      raise ApiError(424, s.error or "failed", api.GENERATION)
+    out = native.response(inputs, s, options, self.ctx, prompt_details)
+    return _json_response([out] if wrap else out)
+
+  async def _native_events(self, request, s: TokenStream, inputs, options):
+    response = await self._open_sse(request)
+    index, pending = 0, None
+    try:
+      async for token in s:
+        if pending is not None:
+          index += 1
+          await _send(response, native.event(index, pending, options, self.ctx))
+        pending = token
+      if pending is not None:
+        index += 1
+        await _send(
+          response,
+          native.event(index, pending, options, self.ctx, s, inputs),
+        )
+    except (asyncio.CancelledError, ConnectionResetError):
+      s.cancel()
+      raise
+    except Exception as e:  # the request failed mid-stream
+      message = f"Request failed during generation: {e}"
+      with contextlib.suppress(ConnectionResetError):
+        await _send(response, {"error": message, "error_type": "generation"})
+    await _close(response)
+    return response
+
+  async def _open_sse(self, request) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+    return response
+
+  # -- OpenAI ------------------------------------------------------------------
+
+  async def completions(self, request: web.Request):
+    body = await self._body(request)
+    call = await self._work(lambda: openai_api.parse_completion(body, self.ctx))
+    scored = {}
+    if call.echo and call.logprobs is not None:
+      for p, ids in enumerate(call.prompts):
+        scored[p] = await self._score(ids, call.logprobs, call.adapter, 400)
+    streams = await self._start_all(call)
+    if call.stream:
+      return await self._openai_events(request, call, streams, chat=False)
+    await asyncio.gather(*(self._finish(s) for s in streams.values()))
+    self._check_failed(streams)
+    return _json_response(
+      openai_api.completion(call, self.ctx, streams, scored)
+    )
+
+  async def chat(self, request: web.Request):
+    body = await self._body(request)
+    call = await self._work(lambda: openai_api.parse_chat(body, self.ctx))
+    streams = await self._start_all(call)
+    if call.stream:
+      return await self._openai_events(request, call, streams, chat=True)
+    await asyncio.gather(*(self._finish(s) for s in streams.values()))
+    self._check_failed(streams)
+    return _json_response(openai_api.chat(call, self.ctx, streams))
+
+  async def _start_all(self, call) -> dict[int, TokenStream]:
+    choices = [c for c in call.choices if c.generation is not None]
+    prepared = [
+      await self._work(self._prepare, c.generation, 400) for c in choices
+    ]
+    streams: dict[int, TokenStream] = {}
+    try:
+      for c, p in zip(choices, prepared, strict=True):
+        streams[c.index] = self._submit(c.generation, p)
+    except ApiError:
+      for s in streams.values():
+        s.cancel()
+      raise
+    return streams
+
+  @staticmethod
+  def _check_failed(streams: dict[int, TokenStream]) -> None:
+    for s in streams.values():
+      if s.finish_reason == ERROR:
+        raise ApiError(500, f"generation failed: {s.error}", api.GENERATION)
+
+  async def _openai_events(self, request, call, streams, *, chat: bool):
+    response = await self._open_sse(request)
+    rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
+    created = int(time.time())
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, s: TokenStream):
+      try:
+        async for _ in s:
+          await queue.put((index, s, False))
+      except Exception:
+        pass
+      await queue.put((index, s, True))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
+    held = {i: openai_api.Held(s.generation.stop) for i, s in streams.items()}
+    sent_tokens = dict.fromkeys(streams, 0)
+    lp = {
+      i: openai_api.CompletionLogprobs(self.ctx, call.logprobs or 0)
+      for i in streams
+    }
+    open_ = set(streams)
+    try:
+      if chat:
+        for i in sorted(streams):
+          await _send(
+            response,
+            openai_api.chat_chunk(
+              call,
+              rid,
+              created,
+              i,
+              {"role": "assistant", "content": ""},
+              None,
+              None,
+            ),
+          )
+      while open_:
+        index, s, final = await queue.get()
+        if index not in open_:
+          continue
+        if final and s.finish_reason == ERROR:
+          await _send(
+            response,
+            {
+              "error": {
+                "message": f"generation failed: {s.error}",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+              }
+            },
+          )
+          open_.discard(index)
+          continue
+        text = held[index].delta(s, final)
+        tokens = s.tokens[sent_tokens[index] :] if final or text else []
+        sent_tokens[index] += len(tokens)
+        logprobs = self._chunk_logprobs(call, chat, lp[index], tokens, text)
+        finish = openai_api.reason(s) if final else None
+        if text or finish or logprobs:
+          if chat:
+            delta = {"content": text} if text else {}
+            chunk = openai_api.chat_chunk(
+              call, rid, created, index, delta, finish, logprobs
+            )
+          else:
+            chunk = openai_api.completion_chunk(
+              call, rid, created, index, text, finish, logprobs
+            )
+          await _send(response, chunk)
+        if final:
+          open_.discard(index)
+      if call.include_usage:
+        generated = sum(len(s.tokens) for s in streams.values())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        await _send(
+          response, openai_api.usage_chunk(call, rid, created, obj, generated)
+        )
+      await response.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+      for s in streams.values():
+        s.cancel()
+      raise
+    finally:
+      for t in tasks:
+        t.cancel()
+    await _close(response)
+    return response
+
+  def _chunk_logprobs(self, call, chat, lp, tokens, text):
+    if call.logprobs is None or not tokens:
+      return None
+    if chat:
+      content = openai_api.chat_logprobs(self.ctx, tokens, call.logprobs)
+      return {"content": content} if content else None
+    entries, left = [], len(text)
+    for t in tokens:
+      if t.special:
+        continue
+      piece = t.text[:left]
+      left -= len(piece)
+      entries.append(lp.token(t, piece))
+    return openai_api.merge(entries) if entries else None
+
+  # -- the app -----------------------------------------------------------------
+
+  def app(self, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+    app = web.Application(
+      middlewares=[self.middleware], client_max_size=max_body_bytes
+    )
+    app.add_routes(
+      [
+        web.get("/", self.health),
+        web.get("/health", self.health),
+        web.get("/info", self.info),
+        web.get("/metrics", self.metrics_route),
+        web.get("/v1/models", self.models),
+        web.get("/v1/models/{name:.+}", self.model),
+        web.post("/", self.native_root),
+        web.post("/generate", self.native_generate),
+        web.post("/generate_stream", self.native_stream),
+        web.post("/v1/completions", self.completions),
+        web.post("/v1/chat/completions", self.chat),
+      ]
+    )
+    return app
+
+
+async def _send(response: web.StreamResponse, body: Any) -> None:
+  await response.write(b"data: " + dumps(body) + b"\n\n")
+
+
+async def _close(response: web.StreamResponse) -> None:
+  with contextlib.suppress(ConnectionResetError):
+    await response.write_eof()
+
+
+def _device_kind() -> str:
+  import jax
+
+  return jax.devices()[0].platform
+
+
+def serve(
+  ctx: Context,
+  *,
+  host: str = "127.0.0.1",
+  port: int = 8080,
+  api_key: str | None = None,
+  grace: float = 30.0,
+  max_body_bytes: int = MAX_BODY_BYTES,
+  ready: Callable[[int], None] | None = None,
+) -> None:
+  """Serves until SIGTERM or SIGINT: then stops admitting (503), waits up
+  to `grace` seconds for running requests, and returns. `ready(port)` is
+  called once the socket listens (port 0 picks a free one)."""
+  server = Server(ctx, api_key=api_key)
+  asyncio.run(_main(server, host, port, grace, max_body_bytes, ready))
+
+
+async def _main(server, host, port, grace, max_body_bytes, ready):
+  runner = web.AppRunner(
+    server.app(max_body_bytes), handler_cancellation=True, access_log=None
+  )
+  await runner.setup()
+  site = web.TCPSite(runner, host, port)
+  await site.start()
+  bound = site._server.sockets[0].getsockname()[1]
+  log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
+  if ready is not None:
+    ready(bound)
+  stop = asyncio.Event()
+  loop = asyncio.get_running_loop()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    loop.add_signal_handler(sig, stop.set)
+  await stop.wait()
+  log.info("shutting down: finishing running requests (%.0f s grace)", grace)
+  server.draining = True
+  clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)
+  await asyncio.sleep(0.1)  # the last events reach their clients
+  await runner.cleanup()
+  server.pool.shutdown(wait=False)
+  log.info("stopped (%s)", "clean" if clean else "requests cancelled")

@@ -1,0 +1,136 @@
+"""Serves a model over HTTP to TGI / LoRAX and OpenAI clients.
+
+  python scripts/serve.py                           # SmolLM2 on 127.0.0.1:8080
+  python scripts/serve.py --model=path/to/base --adapters=math=/ad/math \\
+      --slots=16 --port=8080 --api_key=secret --max_total_tokens=2048
+
+Then point a client at it:
+
+  from lorax import Client                 # or text_generation.Client
+  Client("http://127.0.0.1:8080").generate("Hello", max_new_tokens=16)
+  from openai import OpenAI
+  OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="-").completions...
+
+Routes, wire formats and limits: README "Serving" and chunkwise/serving.
+Requests run with continuous batching (--slots rows side by side), each
+token streamed as it is produced; a response's tokens are those of
+`model.generate` run alone on the same request, whatever else is
+running. Binds 127.0.0.1 unless --host says otherwise. SIGTERM (or
+Ctrl-C) stops admitting, lets running requests finish within --grace
+seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+
+from chunkwise import jobs, serving
+from chunkwise.jobs import cli
+
+MODEL = cli.ModelFlags()
+_HOST = flags.DEFINE_string(
+  "host", "127.0.0.1", "Address to listen on (loopback by default)."
+)
+_PORT = flags.DEFINE_integer(
+  "port", 8080, "Port to listen on (0: a free one, printed).", lower_bound=0
+)
+_SLOTS = flags.DEFINE_integer(
+  "slots", 16, "Requests decoded side by side.", lower_bound=1
+)
+_EVERY = flags.DEFINE_integer(
+  "every",
+  serving.DEFAULT_EVERY,
+  "Decode steps between two hand-overs of tokens to the clients.",
+  lower_bound=1,
+)
+_MAX_INPUT = flags.DEFINE_integer(
+  "max_input_tokens", None, "Most prompt tokens (default: max_total - 1)."
+)
+_MAX_TOTAL = flags.DEFINE_integer(
+  "max_total_tokens",
+  2048,
+  "Most prompt + generated tokens of a request (at most the model's "
+  "max_len); each slot holds this many.",
+  lower_bound=2,
+)
+_MAX_TOP_N = flags.DEFINE_integer(
+  "max_top_n",
+  5,
+  "Most alternatives per token a request may ask for.",
+  lower_bound=0,
+)
+_MAX_QUEUE = flags.DEFINE_integer(
+  "max_queue",
+  256,
+  "Waiting requests before 429 Model is overloaded.",
+  lower_bound=1,
+)
+_MAX_STOP = flags.DEFINE_integer(
+  "max_stop_sequences", 8, "Most stop strings per request.", lower_bound=0
+)
+_API_KEY = flags.DEFINE_string(
+  "api_key",
+  None,
+  "Require 'Authorization: Bearer <key>' (default: $CHUNKWISE_API_KEY).",
+)
+_GRACE = flags.DEFINE_float(
+  "grace", 30.0, "Seconds running requests get to finish on SIGTERM."
+)
+_MODEL_ID = flags.DEFINE_string(
+  "model_id", None, "The base model's name in the APIs (default: --model)."
+)
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  try:
+    model = jobs.load_served(MODEL.config())
+  except (ValueError, FileNotFoundError) as e:
+    cli.fail(str(e))
+  total = min(_MAX_TOTAL.value, model.hparams.max_len)
+  max_input = _MAX_INPUT.value or total - 1
+  if max_input >= total:
+    cli.fail(
+      f"--max_input_tokens={max_input} leaves no room to generate "
+      f"within --max_total_tokens={total}"
+    )
+  try:
+    engine = serving.Engine(
+      model,
+      slots=_SLOTS.value,
+      capacity=total,
+      top_n=_MAX_TOP_N.value,
+      every=_EVERY.value,
+      max_queue=_MAX_QUEUE.value,
+    )
+  except ValueError as e:
+    cli.fail(str(e))
+  ctx = serving.Context(
+    engine=engine,
+    model_id=_MODEL_ID.value or MODEL.model.value,
+    max_input_tokens=max_input,
+    max_total_tokens=total,
+    max_stop_sequences=_MAX_STOP.value,
+  )
+
+  def ready(port):
+    print(f"chunkwise serving on http://{_HOST.value}:{port}", flush=True)
+
+  serving.serve(
+    ctx,
+    host=_HOST.value,
+    port=_PORT.value,
+    api_key=_API_KEY.value or os.environ.get("CHUNKWISE_API_KEY") or None,
+    grace=_GRACE.value,
+    ready=ready,
+  )
+  sys.exit(0)
+
+
+if __name__ == "__main__":
+  app.run(main)
