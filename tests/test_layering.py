@@ -3,8 +3,9 @@
 A package may import only packages above it:
 configs -> collectives, processors -> partitioning, constraints -> models
 -> inference -> checkpoints, bench -> jobs, serving; checkpoints, jobs and
-serving use only the names `chunkwise.inference` exports. The single-module helpers
-(contract, untrusted, precision, memory, cpu_kernels) import nothing
+serving use only the names `chunkwise.inference` exports. The
+single-module helpers (contract, untrusted, precision, memory,
+cpu_kernels) import nothing
 above the floor they serve; `contract` (activation times weight in the
 weight's own order) imports nothing at all, like `configs`.
 """
