@@ -113,8 +113,8 @@ class Context:
     if len(ids) > self.max_input_tokens:
       raise ApiError(
         status,
-        f"`inputs` must have less than {self.max_input_tokens} tokens. "
-        f"Given: {len(ids)}",
+        f"`inputs` has {len(ids)} tokens (BOS included), over this "
+        f"server's max_input_tokens={self.max_input_tokens}",
       )
     return ids
 

@@ -332,7 +332,8 @@ class Engine:
     every: most decode steps between two hand-overs of tokens.
     max_queue: requests waiting for a slot before `submit` raises
       `Overloaded`.
-    on_finish: called (in the engine's thread) with each stream that ends.
+    on_finish: called (in the engine's thread) with each stream that ends
+      (more with `listen`).
   """
 
   def __init__(
@@ -352,7 +353,7 @@ class Engine:
     self.capacity = capacity or min(model.hparams.max_len, 2048)
     self.max_queue = max_queue
     self.top_n = top_n
-    self._on_finish = on_finish
+    self._listeners = [on_finish] if on_finish is not None else []
     self._make = lambda: model.live_slots(
       slots=slots,
       capacity=self.capacity,
@@ -447,6 +448,11 @@ class Engine:
       self._inbox.append((stream, prepared))
       self._cv.notify_all()
     return stream
+
+  def listen(self, on_finish: Callable[[TokenStream], None]) -> None:
+    """Calls `on_finish` (in the engine's thread) with each stream that
+    ends, as `on_finish=` does."""
+    self._listeners.append(on_finish)
 
   def _cancel(self, stream: TokenStream) -> None:
     with self._cv:
@@ -550,8 +556,8 @@ class Engine:
 
   def _finished(self, stream: TokenStream, reason: str, error=None) -> None:
     stream._end(reason, error)
-    if self._on_finish is not None:
+    for listener in self._listeners:
       try:
-        self._on_finish(stream)
+        listener(stream)
       except Exception:
-        log.exception("on_finish failed")
+        log.exception("a finish listener failed")

@@ -141,6 +141,7 @@ class Server:
     self.api_key = api_key
     self.max_json_depth = max_json_depth
     self.metrics = Metrics(ctx.engine, model_id=ctx.model_id)
+    ctx.engine.listen(self.metrics.finished)
     self.pool = concurrent.futures.ThreadPoolExecutor(
       workers, thread_name_prefix="chunkwise-http"
     )

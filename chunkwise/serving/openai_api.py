@@ -557,6 +557,9 @@ class Held:
 
   def delta(self, s: TokenStream, final: bool) -> str:
     text = visible(s) if final else s.text
+    if not final:  # the engine may have matched a stop string already
+      found = self.stops.find(text, len(text))
+      text = text if found is None else text[: found[0]]
     upto = len(text) if final else self.stops.safe(text)
     if upto <= self.sent:
       return ""

@@ -1,0 +1,112 @@
+"""Starting the real server (`scripts/serve.py`) for tests: a subprocess
+on a free loopback port, stopped with SIGTERM (its exit code checked)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+ROOT = pathlib.Path(__file__).parents[1]
+_READY = re.compile(r"chunkwise serving on (http://127\.0\.0\.1:\d+)")
+
+
+class Server:
+  """A running `scripts/serve.py`: `url`, `log()`, `stop()`."""
+
+  def __init__(self, *flags: str, timeout: float = 240.0):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    self.proc = subprocess.Popen(
+      [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port=0", *flags],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      cwd=ROOT,
+      env=env,
+    )
+    self._lines: list[str] = []
+    found = threading.Event()
+    self.url = None
+
+    def read():
+      for line in self.proc.stdout:
+        self._lines.append(line)
+        m = _READY.search(line)
+        if m and self.url is None:
+          self.url = m.group(1)
+          found.set()
+      found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(timeout) or self.url is None:
+      self.proc.kill()
+      raise RuntimeError(f"the server did not start:\n{self.log()}")
+
+  def log(self) -> str:
+    return "".join(self._lines)
+
+  def stop(self, timeout: float = 60.0) -> int:
+    """SIGTERM; waits for the exit code."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+      try:
+        self.proc.wait(timeout)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+    return self.proc.returncode
+
+  def get(self, path: str, headers=None) -> tuple[int, bytes]:
+    return request(self.url + path, headers=headers)
+
+  def post(self, path: str, body, headers=None) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return request(
+      self.url + path,
+      data=data,
+      headers={"Content-Type": "application/json", **(headers or {})},
+    )
+
+  def metric(self, name: str, headers=None) -> float:
+    """The first sample of `name` in /metrics."""
+    _, text = self.get("/metrics", headers)
+    for line in text.decode().splitlines():
+      if line.startswith(name) and not line.startswith("#"):
+        return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+  def wait_for(self, name: str, value: float, headers=None, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      if self.metric(name, headers) == value:
+        return
+      time.sleep(0.05)
+    raise AssertionError(f"{name} != {value} after {timeout} s")
+
+
+def request(url: str, data=None, headers=None) -> tuple[int, bytes]:
+  req = urllib.request.Request(url, data=data, headers=headers or {})
+  try:
+    with urllib.request.urlopen(req, timeout=120) as r:
+      return r.status, r.read()
+  except urllib.error.HTTPError as e:
+    return e.code, e.read()
+
+
+@contextlib.contextmanager
+def running(*flags: str):
+  server = Server(*flags)
+  try:
+    yield server
+  finally:
+    code = server.stop()
+    assert code == 0, f"the server exited {code}:\n{server.log()[-3000:]}"
