@@ -6,6 +6,8 @@ saved by `cw.save`. Every response is checked against `generate` (or
 
 import asyncio
 import json
+import signal
+import time
 
 import jsonschema
 import lorax
@@ -492,3 +494,70 @@ def test_a_client_that_goes_away_frees_its_slot(saved, server):
   ):
     assert name in text, name
   assert 'err="cancelled"' in text
+
+
+def _read_events(response, into: list):
+  for line in response:
+    if line.startswith(b"data:"):
+      into.append(json.loads(line[5:]))
+
+
+def test_overload_429_then_sigterm_drains_and_exits_0():
+  """One slot and a queue of one: a third request is refused with 429
+  (each client's overload exception, Retry-After set); SIGTERM refuses new
+  requests with 503, lets the running and the waiting one finish, exits 0."""
+  import http.client
+  import threading
+  import urllib.parse
+
+  with running(
+    "--model=random:tiny",
+    "--slots=1",
+    "--max_queue=1",
+    "--every=1",
+    "--max_total_tokens=512",
+    "--grace=60",
+  ) as s:
+    u = urllib.parse.urlparse(s.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.request(
+      "POST",
+      "/generate_stream",
+      json.dumps({"inputs": "a", "parameters": {"max_new_tokens": 500}}),
+      {"Content-Type": "application/json"},
+    )
+    response = conn.getresponse()
+    events: list = []
+    reader = threading.Thread(target=_read_events, args=(response, events))
+    reader.start()
+    waiting: list = []
+    queued = threading.Thread(
+      target=lambda: waiting.append(
+        lorax.Client(s.url, timeout=120).generate("b", max_new_tokens=20)
+      )
+    )
+    queued.start()
+    s.wait_for("tgi_queue_size", 1.0)
+    with pytest.raises(lorax.errors.OverloadedError):
+      lorax.Client(s.url).generate("c", max_new_tokens=2)
+    with pytest.raises(openai.RateLimitError) as e:
+      openai.OpenAI(
+        base_url=s.url + "/v1", api_key="-", max_retries=0
+      ).completions.create(model="random:tiny", prompt="c", max_tokens=2)
+    assert e.value.response.headers["Retry-After"] == "1"
+    assert len(events) < 450, "the stream ended before SIGTERM"
+    s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while s.get("/health")[0] != 503 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    status, body = s.post("/generate", {"inputs": "d"})
+    assert status == 503 and json.loads(body)["error_type"] == "healthcheck"
+    assert len(events) < 500, "the stream ended before the 503"
+    code = s.stop()
+    reader.join(60)
+    queued.join(60)
+    assert code == 0, s.log()[-2000:]
+    assert events[-1]["details"]["finish_reason"] in ("length", "eos_token")
+    assert len(events) == events[-1]["details"]["generated_tokens"]
+    assert waiting and waiting[0].details.generated_tokens >= 1
+    assert "shutting down" in s.log()
