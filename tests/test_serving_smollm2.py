@@ -1,0 +1,203 @@
+"""The server with SmolLM2 (the embedded model, its chat template and its
+byte-level BPE) and the openai / text-generation clients: chat with
+log-probs, `parse` of a Pydantic model, the stream helper, prompt scoring
+equal to `prefill`, multi-byte text, and concurrent requests equal to
+`generate` alone."""
+
+import asyncio
+
+import numpy as np
+import openai
+import pydantic
+import pytest
+import text_generation
+
+import chunkwise as cw
+from chunkwise import serving
+from tests.serving_helpers import running
+from tests.test_serving_engine import _alone
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def model():
+  return cw.load(MODEL)
+
+
+@pytest.fixture(scope="module")
+def server():
+  with running(
+    f"--model={MODEL}",
+    "--slots=4",
+    "--max_total_tokens=512",
+    "--max_top_n=5",
+  ) as s:
+    yield s
+
+
+def _client(server, strict=True):
+  return openai.OpenAI(
+    base_url=server.url + "/v1",
+    api_key="-",
+    max_retries=0,
+    _strict_response_validation=strict,
+  )
+
+
+def _chat_ids(model, messages):
+  ids = model.vocab.encode(model.vocab.apply_chat_template(messages))
+  assert ids[0] == model.bos_id  # the template starts with <|im_start|>
+  return ids
+
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_chat_with_logprobs_equals_generate_alone(model, server):
+  c = _client(server).chat.completions.create(
+    model=MODEL,
+    messages=MESSAGES,
+    max_tokens=24,
+    temperature=0,
+    logprobs=True,
+    top_logprobs=3,
+  )
+  g = serving.Generation(
+    prompt=_chat_ids(model, MESSAGES), max_new_tokens=24, temperature=0, top_n=3
+  )
+  ids, scores, top = _alone(model, g, 0)
+  content = c.choices[0].logprobs.content
+  assert "".join(t.token for t in content) == c.choices[0].message.content
+  assert c.choices[0].message.content == model.vocab.decode(ids)
+  np.testing.assert_allclose([t.logprob for t in content], scores, atol=1e-4)
+  assert [t.top_logprobs[0].token for t in content] == [
+    model.vocab.decode([int(i)]) for i in top[:, 0]
+  ]
+  assert c.usage.prompt_tokens == len(g.prompt)
+  assert c.usage.completion_tokens == len(ids) + (
+    c.choices[0].finish_reason == "stop"
+  )
+
+
+class Colour(pydantic.BaseModel):
+  name: str
+  hex_code: str
+  warm: bool
+
+
+def test_parse_a_pydantic_model(server):
+  """`chat.completions.parse` sends a strict JSON schema ($defs, required,
+  additionalProperties false); the reply parses as the model."""
+  c = _client(server).chat.completions.parse(
+    model=MODEL,
+    messages=[{"role": "user", "content": "Describe the colour red as JSON."}],
+    response_format=Colour,
+    max_tokens=120,
+    temperature=0,
+  )
+  colour = c.choices[0].message.parsed
+  assert isinstance(colour, Colour) and colour.name
+
+
+SHORT = [{"role": "user", "content": "Say hello in one word."}]
+
+
+def test_chat_stream_helper_and_plain_stream(server):
+  oa = _client(server)
+  whole = oa.chat.completions.create(
+    model=MODEL, messages=SHORT, max_tokens=40, temperature=0
+  )
+  assert whole.choices[0].finish_reason == "stop"  # the helper refuses length
+  with oa.chat.completions.stream(
+    model=MODEL, messages=SHORT, max_tokens=40, temperature=0
+  ) as stream:
+    final = stream.get_final_completion()
+  assert final.choices[0].message.content == whole.choices[0].message.content
+  assert final.choices[0].message.role == "assistant"
+  chunks = list(
+    oa.chat.completions.create(
+      model=MODEL,
+      messages=SHORT,
+      max_tokens=40,
+      temperature=0,
+      stream=True,
+      stream_options={"include_usage": True},
+    )
+  )
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert all(ch.choices[0].delta.role is None for ch in chunks[1:-1])
+  text = "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1])
+  assert text == whole.choices[0].message.content
+  assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_echo_scores_equal_prefill_and_multibyte_text(model, server):
+  text = "Les élèves aiment le café ☕ et 日本語."
+  c = _client(server).completions.create(
+    model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=5
+  )
+  lp = c.choices[0].logprobs
+  assert "".join(lp.tokens) == text == c.choices[0].text
+  prompt = [model.bos_id, *model.vocab.encode(text)]
+  r = model.prefill(
+    cw.Chunk(tokens=np.array([prompt]), lengths=np.array([len(prompt)])),
+    top_n=5,
+  )
+  np.testing.assert_allclose(
+    lp.token_logprobs, np.asarray(r.per_token_scores)[0, 1:], atol=1e-5
+  )
+  # TGI's decoder_input_details: the same numbers.
+  t = text_generation.Client(server.url, timeout=120).generate(
+    text, max_new_tokens=1, decoder_input_details=True
+  )
+  np.testing.assert_allclose(
+    [p.logprob for p in t.details.prefill[1:]],
+    np.asarray(r.per_token_scores)[0, 1 : len(prompt)],
+    atol=1e-5,
+  )
+
+
+def test_concurrent_sampled_and_greedy_requests(model, server):
+  """Eight requests at once (greedy and sampled with seeds, a stop string,
+  a JSON schema): each equals `generate` alone on it."""
+  prompts = [f"Q: What is {i} + {i}? A:" for i in range(8)]
+  schema = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer"}},
+    "required": ["answer"],
+  }
+
+  async def one(i, p):
+    client = openai.AsyncOpenAI(
+      base_url=server.url + "/v1", api_key="-", max_retries=0
+    )
+    extra = {"structured_outputs": {"json": schema}} if i == 5 else None
+    c = await client.completions.create(
+      model=MODEL,
+      prompt=p,
+      max_tokens=20,
+      temperature=[0, 0.8][i % 2],
+      seed=40 + i,
+      logprobs=0,
+      extra_body=extra,
+    )
+    return c.choices[0]
+
+  async def run_all():
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+  choices = asyncio.run(run_all())
+  for i, (p, choice) in enumerate(zip(prompts, choices, strict=True)):
+    g = serving.Generation(
+      prompt=[model.bos_id, *model.vocab.encode(p)],
+      max_new_tokens=20,
+      temperature=[0, 0.8][i % 2],
+      constraint=cw.constraints.JsonSchema(schema) if i == 5 else None,
+    )
+    ids, scores, _ = _alone(model, g, 40 + i)
+    assert choice.text == model.vocab.decode(ids), i
+    np.testing.assert_allclose(
+      choice.logprobs.token_logprobs, scores, atol=1e-4, err_msg=str(i)
+    )
