@@ -44,7 +44,14 @@ _SLOTS = flags.DEFINE_integer(
 _EVERY = flags.DEFINE_integer(
   "every",
   serving.DEFAULT_EVERY,
-  "Decode steps between two hand-overs of tokens to the clients.",
+  "Decode steps between two hand-overs of tokens to the clients while no "
+  "request waits for a slot.",
+  lower_bound=1,
+)
+_BUSY_EVERY = flags.DEFINE_integer(
+  "busy_every",
+  serving.DEFAULT_BUSY_EVERY,
+  "Decode steps between hand-overs while requests wait for a slot.",
   lower_bound=1,
 )
 _MAX_INPUT = flags.DEFINE_integer(
@@ -106,6 +113,7 @@ def main(argv):
       capacity=total,
       top_n=_MAX_TOP_N.value,
       every=_EVERY.value,
+      busy_every=_BUSY_EVERY.value,
       max_queue=_MAX_QUEUE.value,
     )
   except ValueError as e:

@@ -290,11 +290,11 @@ def test_a_failing_request_fails_alone(tiny, engine, monkeypatch):
   calls = {"n": 0}
   step = live.LiveSlots.step
 
-  def failing_step(self):
+  def failing_step(self, steps=None):
     calls["n"] += 1
     if calls["n"] == 2:
       raise RuntimeError("device fault")
-    return step(self)
+    return step(self, steps)
 
   monkeypatch.setattr(live.LiveSlots, "step", failing_step)
   s = engine.submit(serving.Generation(prompt=[1, 9], max_new_tokens=30))

@@ -367,11 +367,13 @@ class LiveSlots:
     freed at the next `step` (its remaining tokens are never reported)."""
     self._cancelled.add(key)
 
-  def step(self) -> list[SlotUpdate]:
+  def step(self, steps: int | None = None) -> list[SlotUpdate]:
     """One segment: frees cancelled slots, admits waiting requests into
-    free slots, decodes until `every` steps ran or a request finished, and
-    returns what every running request produced (finished ones last
-    once, with their finish reason; their slots are free again)."""
+    free slots, decodes until `steps` (default `every`, at most `every`)
+    steps ran or a request finished, and returns what every running
+    request produced (finished ones last once, with their finish reason;
+    their slots are free again)."""
+    steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
     self._admit_waiting()
     live = np.array([k is not None for k in self._key])
@@ -390,7 +392,7 @@ class LiveSlots:
       self._caches,
       self._state,
       inputs,
-      jnp.int32(self.every),
+      jnp.int32(steps),
       jnp.bool_(True),
       adapters=self._adapters(engine, np.where(live, self._adapter, -1)),
     )

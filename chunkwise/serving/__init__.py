@@ -11,6 +11,7 @@ clients (`scripts/serve.py`).
 
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.engine import (
+  DEFAULT_BUSY_EVERY,
   DEFAULT_EVERY,
   Closed,
   Engine,
@@ -23,6 +24,7 @@ from chunkwise.serving.engine import (
 from chunkwise.serving.http import Server, serve
 
 __all__ = [
+  "DEFAULT_BUSY_EVERY",
   "DEFAULT_EVERY",
   "ApiError",
   "Closed",

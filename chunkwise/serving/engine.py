@@ -55,7 +55,12 @@ EOS = "eos_token"
 STOP_SEQUENCE = "stop_sequence"
 CANCELLED = "cancelled"
 ERROR = "error"
-DEFAULT_EVERY = 8  # decode steps between hand-overs (README "Serving")
+# Decode steps between two hand-overs of tokens: one while no request
+# waits for a slot (tokens stream as they are made), more while some wait
+# (they cannot start before a slot frees, which ends a segment anyway):
+# measured in README "Serving".
+DEFAULT_EVERY = 1
+DEFAULT_BUSY_EVERY = 8
 
 
 class Overloaded(RuntimeError):
@@ -329,7 +334,10 @@ class Engine:
       least 8) plus its max_new_tokens must fit; default: the model's
       max_len, at most 2048.
     top_n: most alternatives a request may ask for per token.
-    every: most decode steps between two hand-overs of tokens.
+    every: decode steps between two hand-overs of tokens while no request
+      waits for a slot.
+    busy_every: decode steps between hand-overs while requests wait (a
+      request that finishes ends a segment early either way).
     max_queue: requests waiting for a slot before `submit` raises
       `Overloaded`.
     on_finish: called (in the engine's thread) with each stream that ends
@@ -344,6 +352,7 @@ class Engine:
     capacity: int | None = None,
     top_n: int = 5,
     every: int = DEFAULT_EVERY,
+    busy_every: int = DEFAULT_BUSY_EVERY,
     max_queue: int = 256,
     on_finish: Callable[[TokenStream], None] | None = None,
   ):
@@ -353,12 +362,13 @@ class Engine:
     self.capacity = capacity or min(model.hparams.max_len, 2048)
     self.max_queue = max_queue
     self.top_n = top_n
+    self.every, self.busy_every = every, busy_every
     self._listeners = [on_finish] if on_finish is not None else []
     self._make = lambda: model.live_slots(
       slots=slots,
       capacity=self.capacity,
       top_n=top_n,
-      every=every,
+      every=max(every, busy_every),
       processors=(processors_lib.penalties(),),
     )
     self._loop = self._make()
@@ -527,7 +537,9 @@ class Engine:
           self._finished(stream, CANCELLED)
       started = time.monotonic()
       try:
-        updates = self._loop.step()
+        loop = self._loop
+        queued = loop.waiting > loop.slots - loop.running  # after admission
+        updates = loop.step(self.busy_every if queued else self.every)
       except Exception as e:
         log.exception("the device step failed; restarting the slot loop")
         for stream in list(self._active.values()):
