@@ -50,6 +50,9 @@ class Parameters(BaseModel):
   top_n_tokens: int | None = None
   response_format: dict | None = None
   grammar: dict | None = None
+  # chunkwise's extension: which sample of (inputs, seed) this is (the RNG
+  # contract's sample id; batch jobs number their samples so)
+  sample_id: int | None = None
 
 
 class Body(BaseModel):
@@ -120,6 +123,8 @@ def parse(
     raise ApiError(422, f"`temperature` must be >= 0, got {p.temperature}")
   if p.seed is not None and not 0 <= p.seed < 2**32:
     raise ApiError(422, f"`seed` must be in [0, 2**32), got {p.seed}")
+  if p.sample_id is not None and not 0 <= p.sample_id < 2**31:
+    raise ApiError(422, f"`sample_id` must be in [0, 2**31), got {p.sample_id}")
   sample = bool(p.do_sample) or (
     (p.temperature is not None and p.temperature != 1.0)
     or bool(p.top_k)
@@ -147,6 +152,7 @@ def parse(
     top_k=p.top_k or 0,
     top_p=p.top_p or 1.0,
     seed=p.seed,
+    sample_id=p.sample_id or 0,
     stop=ctx.check_stops(p.stop),
     adapter=adapter,
     constraint=constraint,

@@ -1,0 +1,387 @@
+"""Load test of the server: Poisson arrivals through streaming HTTP clients.
+
+  python scripts/load_test.py                      # SmolLM2, 16 slots
+  python scripts/load_test.py --requests=64 --rates=1,0.5,0.25 --runs=2
+  python scripts/load_test.py --soak_seconds=600 --disconnect_share=0.3
+
+Starts `scripts/serve.py` on a free loopback port and replays the
+long-tailed workload of `benchmark.py --continuous` (80% of budgets 8-32
+tokens, 20% of --long; sampled at temperature 0.7, one seed per request)
+through `/generate_stream`, one aiohttp client per request:
+
+  1. `generate_many` runs the same requests in this process (same slots),
+     timed after a warm-up run: the throughput the server is held to;
+  2. rate 1 means saturation: every request arrives at once; the requests
+     per second it sustains set the other rates (0.5: Poisson arrivals at
+     half of that), each run --runs times (the table shows medians);
+  3. every response is checked: its final event (details) arrived, its
+     token count matches, and its tokens equal `generate_many`'s.
+
+Per rate: throughput (generated tokens / makespan), time to first token,
+inter-token latency (between two events of one stream) and end-to-end
+latency percentiles, errors, lost or truncated responses, mismatches.
+--soak_seconds runs clients back to back for that long (bounded), a
+--disconnect_share of them closing their stream early; at the end every
+slot must be free again, and the server's RSS growth since the start of
+the soak is reported. Loopback only; every run is bounded in requests
+and time, then stops the server (SIGTERM) and checks it exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+import chunkwise as cw
+from chunkwise.bench import continuous as bench_continuous
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.serving_helpers import Server
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to serve.")
+_SLOTS = flags.DEFINE_integer("slots", 16, "Slots of the server.")
+_REQUESTS = flags.DEFINE_integer("requests", 64, "Requests per rate run.")
+_LONG = flags.DEFINE_integer("long", 128, "Budget of the long 20%.")
+_RATES = flags.DEFINE_list(
+  "rates", ["1", "0.5", "0.25"], "Arrival rates as fractions of saturation."
+)
+_RUNS = flags.DEFINE_integer("runs", 1, "Runs per rate (medians shown).")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_PROMPT = flags.DEFINE_string(
+  "prompt",
+  "The following are short answers to tasks.",
+  "Text every request starts with (then ' Task i:').",
+)
+_EVERY = flags.DEFINE_integer("every", None, "--every of the server.")
+_BUSY_EVERY = flags.DEFINE_integer(
+  "busy_every", None, "--busy_every of the server."
+)
+_SOAK = flags.DEFINE_integer(
+  "soak_seconds", 0, "Also soak the server this long (0: no soak)."
+)
+_SOAK_CLIENTS = flags.DEFINE_integer(
+  "soak_clients", 24, "Concurrent clients of the soak."
+)
+_DISCONNECT = flags.DEFINE_float(
+  "disconnect_share", 0.3, "Share of soak clients that leave mid-stream."
+)
+_TIMEOUT = flags.DEFINE_integer(
+  "timeout", 900, "Most seconds of one rate run before it is abandoned."
+)
+_OUTPUT = flags.DEFINE_string("output", "load_test.json", "JSON results.")
+
+
+def _pct(values) -> dict:
+  if not len(values):
+    return {"p50": None, "p90": None, "p99": None}
+  v = np.asarray(values, np.float64)
+  return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
+
+
+def _workload(model):
+  """(inputs text, token ids, budget, sample id) per request; one seed."""
+  requests = bench_continuous.workload(
+    model, _REQUESTS.value, long=_LONG.value, seed=_SEED.value
+  )
+  out = []
+  for i, r in enumerate(requests):
+    text = _PROMPT.value + f" Task {i}:"
+    ids = [model.bos_id, *model.vocab.encode(text)]
+    out.append((text, ids, r.steps, r.sample_id))
+  return out
+
+
+def _requests(work):
+  return [
+    cw.Request(
+      tokens=ids,
+      sample_id=sample_id,
+      steps=budget,
+      sampling=cw.Sampling(temperature=0.7, seed=_SEED.value),
+    )
+    for _, ids, budget, sample_id in work
+  ]
+
+
+def _baseline(model, work, capacity):
+  """generate_many on the same requests: (tokens per request, tokens/s)."""
+  requests = _requests(work)
+  list(model.generate_many(requests, slots=_SLOTS.value, capacity=capacity))
+  start = time.perf_counter()
+  results = list(
+    model.generate_many(requests, slots=_SLOTS.value, capacity=capacity)
+  )
+  seconds = time.perf_counter() - start
+  tokens = {r.index: r.tokens.tolist() for r in results}
+  return tokens, sum(map(len, tokens.values())) / seconds, seconds
+
+
+async def _one(session, url, text, budget, sample_id, leave_after=None):
+  """Streams one request; returns its measurements."""
+  body = {
+    "inputs": text,
+    "parameters": {
+      "max_new_tokens": budget,
+      "do_sample": True,
+      "temperature": 0.7,
+      "seed": _SEED.value,
+      "sample_id": sample_id,
+    },
+  }
+  out = {
+    "submitted": time.perf_counter(),
+    "times": [],
+    "ids": [],
+    "error": None,
+  }
+  try:
+    async with session.post(url + "/generate_stream", json=body) as r:
+      if r.status != 200:
+        out["error"] = f"{r.status}: {(await r.text())[:200]}"
+        return out
+      async for line in r.content:
+        if not line.startswith(b"data:"):
+          continue
+        event = json.loads(line[5:])
+        if "error" in event:
+          out["error"] = event["error"]
+          break
+        out["times"].append(time.perf_counter())
+        if not event["token"]["special"]:
+          out["ids"].append(event["token"]["id"])
+        if event.get("details"):
+          out["details"] = event["details"]
+        if leave_after is not None and len(out["times"]) >= leave_after:
+          out["left"] = True
+          break
+  except Exception as e:  # a lost connection counts as an error
+    out["error"] = f"{type(e).__name__}: {e}"
+  out["ended"] = time.perf_counter()
+  return out
+
+
+async def _rate_run(url, work, rate, seed):
+  import aiohttp
+
+  rng = np.random.default_rng(seed)
+  if rate is None:
+    starts = np.zeros(len(work))
+  else:
+    starts = np.cumsum(rng.exponential(1.0 / rate, len(work)))
+  timeout = aiohttp.ClientTimeout(total=_TIMEOUT.value)
+  connector = aiohttp.TCPConnector(limit=0)
+  async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
+    t0 = time.perf_counter()
+
+    async def at(k):
+      await asyncio.sleep(max(0.0, t0 + starts[k] - time.perf_counter()))
+      text, _, budget, sample_id = work[k]
+      return await _one(s, url, text, budget, sample_id)
+
+    return await asyncio.wait_for(
+      asyncio.gather(*(at(k) for k in range(len(work)))), _TIMEOUT.value
+    )
+
+
+def _summary(results, work, want) -> dict:
+  tokens = sum(len(r["times"]) for r in results)
+  first = min(r["submitted"] for r in results)
+  last = max(r.get("ended", r["submitted"]) for r in results)
+  ok = [r for r in results if r["error"] is None]
+  lost = sum(1 for r in ok if "details" not in r)
+  truncated = sum(
+    1
+    for r in ok
+    if "details" in r and r["details"]["generated_tokens"] != len(r["times"])
+  )
+  mismatched = sum(
+    1
+    for k, r in enumerate(results)
+    if r["error"] is None and r["ids"] != want[k]
+  )
+  gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"])]
+  return {
+    "requests": len(results),
+    "tokens": tokens,
+    "seconds": last - first,
+    "tokens_per_s": tokens / (last - first),
+    "requests_per_s": len(results) / (last - first),
+    "ttft_s": _pct([r["times"][0] - r["submitted"] for r in ok if r["times"]]),
+    "itl_s": _pct(gaps),
+    "e2e_s": _pct([r["ended"] - r["submitted"] for r in ok]),
+    "errors": len(results) - len(ok),
+    "lost": lost,
+    "truncated": truncated,
+    "mismatched": mismatched,
+  }
+
+
+def _median_of(runs: list[dict]) -> dict:
+  out = dict(runs[0])
+  for key in ("tokens_per_s", "requests_per_s", "seconds"):
+    out[key] = statistics.median(r[key] for r in runs)
+  for key in ("ttft_s", "itl_s", "e2e_s"):
+    out[key] = {
+      q: statistics.median(r[key][q] for r in runs) for q in runs[0][key]
+    }
+  for key in ("errors", "lost", "truncated", "mismatched"):
+    out[key] = sum(r[key] for r in runs)
+  out["runs"] = len(runs)
+  return out
+
+
+def _rss_kib(pid: int) -> int:
+  with open(f"/proc/{pid}/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1])
+  return 0
+
+
+async def _soak(server, work, seconds):
+  import aiohttp
+
+  rng = np.random.default_rng(_SEED.value + 7)
+  deadline = time.perf_counter() + seconds
+  counts = {"done": 0, "left": 0, "errors": 0}
+  timeout = aiohttp.ClientTimeout(total=_TIMEOUT.value)
+
+  async def client(c):
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+      k = c
+      while time.perf_counter() < deadline:
+        text, _, budget, sample_id = work[k % len(work)]
+        leave = (
+          int(rng.integers(1, 8)) if rng.random() < _DISCONNECT.value else None
+        )
+        r = await _one(
+          s, server.url, text, budget, sample_id, leave_after=leave
+        )
+        key = "errors" if r["error"] else ("left" if r.get("left") else "done")
+        counts[key] += 1
+        k += _SOAK_CLIENTS.value
+
+  await asyncio.gather(*(client(c) for c in range(_SOAK_CLIENTS.value)))
+  return counts
+
+
+def table(report: dict) -> str:
+  rows = [
+    "| rate | tok/s | vs generate_many | TTFT p50 / p90 / p99 (s) | "
+    "inter-token p50 / p90 / p99 (s) | e2e p50 / p99 (s) | errors | lost | "
+    "truncated | mismatched |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  base = report["generate_many"]["tokens_per_s"]
+  for r in report["rates"]:
+    f = lambda d, qs: " / ".join(f"{d[q]:.3f}" for q in qs)
+    rows.append(
+      f"| {r['rate']} | {r['tokens_per_s']:.1f} | "
+      f"{r['tokens_per_s'] / base:.2f}x | "
+      f"{f(r['ttft_s'], ('p50', 'p90', 'p99'))} | "
+      f"{f(r['itl_s'], ('p50', 'p90', 'p99'))} | "
+      f"{f(r['e2e_s'], ('p50', 'p99'))} | {r['errors']} | {r['lost']} | "
+      f"{r['truncated']} | {r['mismatched']} |"
+    )
+  return "\n".join(rows)
+
+
+def main(argv):
+  del argv
+  rates = []
+  for r in _RATES.value:
+    try:
+      value = float(r)
+    except ValueError:
+      raise app.UsageError(f"--rates: {r!r} is not a number") from None
+    if not 0 < value <= 1:
+      raise app.UsageError(f"--rates: {r} must be in (0, 1]")
+    rates.append(value)
+  if 1.0 not in rates:  # the other rates are fractions of it
+    rates.append(1.0)
+  if _REQUESTS.value < 1 or _RUNS.value < 1 or _SLOTS.value < 1:
+    raise app.UsageError("--requests, --runs and --slots must be >= 1")
+  model = cw.load(_MODEL.value)
+  work = _workload(model)
+  capacity = -(-max(len(ids) + b for _, ids, b, _ in work) // 64) * 64
+  capacity = max(capacity, 128)
+  want_tokens, base_tps, base_s = _baseline(model, work, capacity)
+  want = [want_tokens[k] for k in range(len(work))]
+  print(f"generate_many: {base_tps:.1f} tokens/s ({base_s:.1f} s)", flush=True)
+  flags_ = [
+    f"--model={_MODEL.value}",
+    f"--slots={_SLOTS.value}",
+    f"--max_total_tokens={capacity}",
+    f"--max_queue={max(256, 2 * _REQUESTS.value)}",
+  ]
+  if _EVERY.value:
+    flags_.append(f"--every={_EVERY.value}")
+  if _BUSY_EVERY.value:
+    flags_.append(f"--busy_every={_BUSY_EVERY.value}")
+  server = Server(*flags_)
+  report = {
+    "model": _MODEL.value,
+    "slots": _SLOTS.value,
+    "requests": _REQUESTS.value,
+    "server_flags": flags_,
+    "generate_many": {"tokens_per_s": base_tps, "seconds": base_s},
+    "rates": [],
+  }
+  try:
+    # Warm-up: compiles the server's programs (not timed).
+    asyncio.run(_rate_run(server.url, work[: _SLOTS.value], None, 0))
+    saturation = None
+    for fraction in sorted(rates, reverse=True):
+      runs = []
+      for k in range(_RUNS.value):
+        rate = None if fraction == 1 else fraction * saturation
+        results = asyncio.run(
+          _rate_run(server.url, work, rate, _SEED.value + 100 * k)
+        )
+        runs.append(_summary(results, work, want))
+      summary = _median_of(runs)
+      if fraction == 1:
+        saturation = summary["requests_per_s"]
+      summary["rate"] = (
+        "saturation (all at once)"
+        if fraction == 1
+        else f"{fraction:g} x ({fraction * saturation:.2f} req/s)"
+      )
+      report["rates"].append(summary)
+      print(json.dumps(summary), flush=True)
+    if _SOAK.value:
+      start_rss = _rss_kib(server.proc.pid)
+      counts = asyncio.run(_soak(server, work, _SOAK.value))
+      server.wait_for("vllm:num_requests_running", 0.0, timeout=120)
+      server.wait_for("vllm:num_requests_waiting", 0.0, timeout=120)
+      end_rss = _rss_kib(server.proc.pid)
+      report["soak"] = {
+        "seconds": _SOAK.value,
+        **counts,
+        "rss_start_mib": start_rss / 1024,
+        "rss_end_mib": end_rss / 1024,
+        "rss_growth": end_rss / start_rss - 1,
+        "slots_free_at_end": True,
+      }
+      print(json.dumps(report["soak"]), flush=True)
+  finally:
+    code = server.stop()
+  report["server_exit_code"] = code
+  with open(_OUTPUT.value, "w") as f:
+    json.dump(report, f, indent=1)
+  print(table(report))
+  if code != 0:
+    print(server.log()[-3000:], file=sys.stderr)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
