@@ -12,8 +12,10 @@ Then point a client at it:
   OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="-").completions...
 
 Routes, wire formats and limits: README "Serving" and chunkwise/serving.
-Requests run with continuous batching (--slots rows side by side), each
-token streamed as it is produced; a response's tokens are those of
+On a pod (--coordinator_address, --num_processes, --process_id, or
+--multihost) process 0 takes HTTP and the others follow its schedule in
+lockstep. Requests run with continuous batching (--slots rows side by
+side), each token streamed as it is produced; a response's tokens are those of
 `model.generate` run alone on the same request, whatever else is
 running. Binds 127.0.0.1 unless --host says otherwise. SIGTERM (or
 Ctrl-C) stops admitting, lets running requests finish within --grace
@@ -32,6 +34,7 @@ from chunkwise import jobs, serving
 from chunkwise.jobs import cli
 
 MODEL = cli.ModelFlags()
+HOSTS = cli.MultiHostFlags()
 _HOST = flags.DEFINE_string(
   "host", "127.0.0.1", "Address to listen on (loopback by default)."
 )
@@ -96,6 +99,7 @@ def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
   try:
+    process, _ = jobs.start_processes(HOSTS.config())
     model = jobs.load_served(MODEL.config())
   except (ValueError, FileNotFoundError) as e:
     cli.fail(str(e))
@@ -118,6 +122,11 @@ def main(argv):
     )
   except ValueError as e:
     cli.fail(str(e))
+  if process != 0:  # a pod: process 0 takes HTTP, this one follows it
+    logging.info("process %d follows process 0's schedule", process)
+    engine.follow()
+    logging.info("process %d: process 0 stopped", process)
+    sys.exit(0)
   ctx = serving.Context(
     engine=engine,
     model_id=_MODEL_ID.value or MODEL.model.value,

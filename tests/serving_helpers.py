@@ -23,8 +23,8 @@ _READY = re.compile(r"chunkwise serving on (http://127\.0\.0\.1:\d+)")
 class Server:
   """A running `scripts/serve.py`: `url`, `log()`, `stop()`."""
 
-  def __init__(self, *flags: str, timeout: float = 240.0):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+  def __init__(self, *flags: str, timeout: float = 240.0, env=None):
+    env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     self.proc = subprocess.Popen(
       [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port=0", *flags],
       stdout=subprocess.PIPE,
@@ -103,8 +103,8 @@ def request(url: str, data=None, headers=None) -> tuple[int, bytes]:
 
 
 @contextlib.contextmanager
-def running(*flags: str):
-  server = Server(*flags)
+def running(*flags: str, env=None):
+  server = Server(*flags, env=env)
   try:
     yield server
   finally:

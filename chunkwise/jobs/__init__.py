@@ -38,7 +38,7 @@ from chunkwise.jobs.config import (
   ScoreJob,
   WeightDtype,
 )
-from chunkwise.jobs.driver import JobError, load_served
+from chunkwise.jobs.driver import JobError, load_served, start_processes
 from chunkwise.jobs.generation import run_generate
 from chunkwise.jobs.scoring import run_score
 
@@ -61,4 +61,5 @@ __all__ = [
   "run_generate",
   "run_score",
   "scoring",
+  "start_processes",
 ]

@@ -148,6 +148,56 @@ class ModelFlags:
     )
 
 
+class MultiHostFlags:
+  """--coordinator_address, --num_processes, --process_id, --multihost,
+  --cpu_devices: how this process joins a multi-process run."""
+
+  def __init__(self):
+    self.coordinator_address = _define(
+      flags.DEFINE_string,
+      "coordinator_address",
+      None,
+      "Multi-host: host:port of process 0.",
+    )
+    self.num_processes = _define(
+      flags.DEFINE_integer,
+      "num_processes",
+      None,
+      "Multi-host: how many processes.",
+      lower_bound=1,
+    )
+    self.process_id = _define(
+      flags.DEFINE_integer,
+      "process_id",
+      None,
+      "Multi-host: this process's index.",
+      lower_bound=0,
+    )
+    self.multihost = _define(
+      flags.DEFINE_bool,
+      "multihost",
+      False,
+      "Start jax.distributed with the platform's automatic detection (TPU "
+      "pods, SLURM, ...) when --coordinator_address is not given.",
+    )
+    self.cpu_devices = _define(
+      flags.DEFINE_integer,
+      "cpu_devices",
+      None,
+      "Host CPU devices per process (tests run 2 processes x 4).",
+      lower_bound=1,
+    )
+
+  def config(self) -> MultiHost:
+    return MultiHost(
+      coordinator_address=self.coordinator_address.value,
+      num_processes=self.num_processes.value,
+      process_id=self.process_id.value,
+      auto=self.multihost.value,
+      cpu_devices=self.cpu_devices.value,
+    )
+
+
 class JobFlags:
   """The flags every batch job takes: the model's (`ModelFlags`), input
   and output, batching, bad lines, progress and multi-host start-up."""
@@ -226,40 +276,7 @@ class JobFlags:
     self.progress = _define(
       flags.DEFINE_bool, "progress", True, "Show a progress bar."
     )
-    self.coordinator_address = _define(
-      flags.DEFINE_string,
-      "coordinator_address",
-      None,
-      "Multi-host: host:port of process 0.",
-    )
-    self.num_processes = _define(
-      flags.DEFINE_integer,
-      "num_processes",
-      None,
-      "Multi-host: how many processes.",
-      lower_bound=1,
-    )
-    self.process_id = _define(
-      flags.DEFINE_integer,
-      "process_id",
-      None,
-      "Multi-host: this process's index.",
-      lower_bound=0,
-    )
-    self.multihost = _define(
-      flags.DEFINE_bool,
-      "multihost",
-      False,
-      "Start jax.distributed with the platform's automatic detection (TPU "
-      "pods, SLURM, ...) when --coordinator_address is not given.",
-    )
-    self.cpu_devices = _define(
-      flags.DEFINE_integer,
-      "cpu_devices",
-      None,
-      "Host CPU devices per process (tests run 2 processes x 4).",
-      lower_bound=1,
-    )
+    self.hosts = MultiHostFlags()
     self.batch_delay_s = _define(
       flags.DEFINE_float,
       "batch_delay_s",
@@ -289,13 +306,7 @@ class JobFlags:
       max_json_depth=self.max_json_depth.value,
       progress=self.progress.value,
       batch_delay_s=self.batch_delay_s.value,
-      multihost=MultiHost(
-        coordinator_address=self.coordinator_address.value,
-        num_processes=self.num_processes.value,
-        process_id=self.process_id.value,
-        auto=self.multihost.value,
-        cpu_devices=self.cpu_devices.value,
-      ),
+      multihost=self.hosts.config(),
     )
 
 

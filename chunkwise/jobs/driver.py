@@ -41,7 +41,7 @@ from chunkwise import checkpoints, memory, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import batching, examples, output
-from chunkwise.jobs.config import Job, ModelConfig, Quantization
+from chunkwise.jobs.config import Job, ModelConfig, MultiHost, Quantization
 from chunkwise.models import lora
 from chunkwise.partitioning import LayoutKind, multihost
 from chunkwise.planner import choice as planner_choice
@@ -161,9 +161,8 @@ def setup(
   return Setup(job, described, found, prepared, prefix_tokens, max_len, loaded)
 
 
-def start_processes(job: Job) -> tuple[int, int]:
-  """Starts `jax.distributed` when the job asks; (process index, count)."""
-  hosts = job.multihost
+def start_processes(hosts: MultiHost) -> tuple[int, int]:
+  """Starts `jax.distributed` when `hosts` asks; (process index, count)."""
   if hosts.asked:
     try:
       partitioning.initialize_multihost(
@@ -368,7 +367,7 @@ def run(
     **(settings or {}),
   }
   size = job.batch_size
-  process, processes = start_processes(job)
+  process, processes = start_processes(job.multihost)
   error = out = None
   try:  # needs the devices, so after start_processes; before any output
     check_fits(job, setup.described)

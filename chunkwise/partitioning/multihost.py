@@ -57,3 +57,28 @@ def same_everywhere(
     everyone = np.asarray(multihost_utils.process_allgather(mine))
     if not (everyone == mine).all():
       raise raise_as(message)
+
+
+def is_multiprocess() -> bool:
+  """Whether this is one process of several (`jax.distributed`)."""
+  return jax.process_count() > 1
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+  """Process 0's `data` on every process (the others pass None): its
+  length, then the bytes padded to a power of two (few programs)."""
+  if not is_multiprocess():
+    if data is None:
+      raise ValueError("broadcast_bytes: process 0 must give the data")
+    return data
+  from jax.experimental import multihost_utils
+
+  mine = data if jax.process_index() == 0 else b""
+  if jax.process_index() == 0 and data is None:
+    raise ValueError("broadcast_bytes: process 0 must give the data")
+  n = int(multihost_utils.broadcast_one_to_all(np.int32(len(mine))))
+  size = 1 << max(6, (n - 1).bit_length())
+  buffer = np.zeros(size, np.uint8)
+  buffer[: len(mine)] = np.frombuffer(mine, np.uint8)
+  buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  return bytes(buffer[:n])

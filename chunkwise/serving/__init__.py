@@ -10,18 +10,16 @@ clients (`scripts/serve.py`).
 """
 
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.engine import (
-  DEFAULT_BUSY_EVERY,
-  DEFAULT_EVERY,
+from chunkwise.serving.engine import DEFAULT_BUSY_EVERY, DEFAULT_EVERY, Engine
+from chunkwise.serving.http import Server, serve
+from chunkwise.serving.stream import (
   Closed,
-  Engine,
   Generation,
   GenerationFailed,
   Overloaded,
   Token,
   TokenStream,
 )
-from chunkwise.serving.http import Server, serve
 
 __all__ = [
   "DEFAULT_BUSY_EVERY",

@@ -31,8 +31,7 @@ loop, and the engine keeps serving.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
+import concurrent.futures
 import itertools
 import logging
 import secrets
@@ -41,287 +40,35 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from chunkwise import processors as processors_lib
 from chunkwise.inference import Chunk, InferenceModel, Request, Sampling
-from chunkwise.serving.text import Detokenizer, StopStrings
+from chunkwise.partitioning import multihost
+from chunkwise.serving import decisions
+from chunkwise.serving.stream import (
+  CANCELLED,
+  ERROR,
+  Closed,
+  Generation,
+  Overloaded,
+  TokenStream,
+)
 
 log = logging.getLogger("chunkwise.serving")
 
-# Finish reasons (TGI's names; the OpenAI routes map them to stop/length).
-LENGTH = "length"
-EOS = "eos_token"
-STOP_SEQUENCE = "stop_sequence"
-CANCELLED = "cancelled"
-ERROR = "error"
 # Decode steps between two hand-overs of tokens: one while no request
 # waits for a slot (tokens stream as they are made), more while some wait
 # (they cannot start before a slot frees, which ends a segment anyway):
 # measured in README "Serving".
 DEFAULT_EVERY = 1
 DEFAULT_BUSY_EVERY = 8
+_HEARTBEAT_S = 2.0  # an idle pod's process 0 shares an empty decision
 
 
-class Overloaded(RuntimeError):
-  """The engine's queue is full (HTTP 429)."""
-
-
-class Closed(RuntimeError):
-  """The engine no longer admits requests (shutting down; HTTP 503)."""
-
-
-class GenerationFailed(RuntimeError):
-  """A request failed while it ran (HTTP 424 / an in-stream error)."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Generation:
-  """One request, as every API is translated into it.
-
-  Attributes:
-    prompt: token ids, starting with BOS.
-    max_new_tokens: most tokens to generate.
-    temperature, top_k, top_p, min_p: the sampler's settings (temperature
-      0: greedy).
-    seed: fixes the randomness with `sample_id`; None: a random one,
-      reported back (greedy requests report none).
-    sample_id: which sample of (prompt, seed) this is (OpenAI's n).
-    stop: strings that end the request (matched on the text).
-    stop_ids: token ids that end it, besides EOS.
-    adapter: a served LoRA adapter's name; None: the base model.
-    constraint: a `chunkwise.constraints` Regex / JsonSchema / Choice.
-    repetition_penalty, presence_penalty, frequency_penalty: vLLM's
-      penalties (`chunkwise.processors.penalties`; the prompt counts as
-      seen for the repetition penalty).
-    top_n: alternatives to report per token (at most the engine's).
-  """
-
-  prompt: Sequence[int]
-  max_new_tokens: int
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0
-  seed: int | None = None
-  sample_id: int = 0
-  stop: Sequence[str] = ()
-  stop_ids: Sequence[int] = ()
-  adapter: str | None = None
-  constraint: Any = None
-  repetition_penalty: float = 1.0
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  top_n: int = 0
-
-  @property
-  def greedy(self) -> bool:
-    return float(self.temperature) == 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Token:
-  """One generated token: id, the text it adds, its raw log-prob, whether
-  it is special (EOS), and its most likely alternatives [(id, logprob)]."""
-
-  id: int
-  text: str
-  logprob: float
-  special: bool
-  top: tuple[tuple[int, float], ...] = ()
-
-
-class TokenStream:
-  """One request's tokens as they come (module docstring): iterate it
-  (sync or async) for `Token`s; afterwards `finish_reason`, `seed`,
-  `text` and `error` say how it ended. `cancel()` stops it."""
-
-  def __init__(self, engine: Engine, key: int, g: Generation, seed: int):
-    self._engine = engine
-    self.key = key
-    self.generation = g
-    self.seed = None if g.greedy else seed
-    self.prompt_tokens = len(g.prompt)
-    self.tokens: list[Token] = []
-    self.finish_reason: str | None = None
-    self.stop_sequence: str | None = None
-    self.error: str | None = None
-    self.submitted = time.monotonic()
-    self.admitted_at: float | None = None  # it took a slot
-    self.first_token_at: float | None = None
-    self.finished_at: float | None = None
-    self.arrivals: list[float] = []  # when each token was handed over
-    self._cv = threading.Condition()
-    self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-    self._text = Detokenizer(engine.model.vocab, specials=engine.model.eos_ids)
-    self._stops = StopStrings(g.stop)
-    self._chars: list[str] = []  # text so far, joined lazily
-
-  # -- the reader's side --------------------------------------------------
-
-  @property
-  def done(self) -> bool:
-    return self.finish_reason is not None
-
-  @property
-  def text(self) -> str:
-    """The text of the tokens so far (special tokens add nothing)."""
-    return "".join(self._chars)
-
-  def cancel(self) -> None:
-    """Stops the request (its slot is freed at the next segment)."""
-    if not self.done:
-      self._engine._cancel(self)
-
-  def __iter__(self):
-    i = 0
-    while True:
-      with self._cv:
-        while i >= len(self.tokens) and not self.done:
-          self._cv.wait()
-        ready = self.tokens[i:]
-        finished = self.done
-      yield from ready
-      i += len(ready)
-      if finished and i >= len(self.tokens):
-        break
-    self.raise_error()
-
-  async def __aiter__(self):
-    i = 0
-    loop = asyncio.get_running_loop()
-    event = asyncio.Event()
-    with self._cv:
-      self._waiters.append((loop, event))
-    try:
-      while True:
-        event.clear()
-        with self._cv:
-          ready = self.tokens[i:]
-          finished = self.done
-        for token in ready:
-          yield token
-        i += len(ready)
-        if finished and i >= len(self.tokens):
-          break
-        if not ready:
-          await event.wait()
-    finally:
-      with self._cv:
-        self._waiters.remove((loop, event))
-    self.raise_error()
-
-  def wait(self, timeout: float | None = None) -> TokenStream:
-    """Blocks until the request ends; returns the stream."""
-    with self._cv:
-      self._cv.wait_for(lambda: self.done, timeout)
-    return self
-
-  def gaps(self) -> list[float]:
-    """Seconds between consecutive tokens' hand-overs."""
-    return [b - a for a, b in itertools.pairwise(self.arrivals)]
-
-  def raise_error(self) -> None:
-    if self.finish_reason == ERROR:
-      raise GenerationFailed(self.error)
-
-  # -- the engine's side --------------------------------------------------
-
-  def _notify(self) -> None:
-    self._cv.notify_all()
-    for loop, event in self._waiters:
-      loop.call_soon_threadsafe(event.set)
-
-  def _feed(self, update) -> bool:
-    """Takes one segment's `SlotUpdate`; returns whether the request is
-    over (a stop string or the update's finish)."""
-    now = time.monotonic()
-    new = []
-    g = self.generation
-    stopped = None
-    rows = zip(
-      update.tokens.tolist(),
-      update.per_token_scores.tolist(),
-      update.top_ids.tolist(),
-      update.top_logprobs.tolist(),
-      strict=True,
-    )
-    for token, score, top_ids, top_lp in rows:
-      piece = self._text.add(token)
-      before = sum(map(len, self._chars))
-      self._chars.append(piece)
-      found = self._stops.find(self.text, len(piece))
-      if found is not None:
-        index, stop = found
-        piece = piece[: index + len(stop) - before]
-        self._chars[-1] = piece
-        stopped = stop
-      new.append(
-        Token(
-          token,
-          piece,
-          finite(score),
-          self._text.is_special(token),
-          tuple(
-            zip(
-              top_ids[: g.top_n], map(finite, top_lp[: g.top_n]), strict=False
-            )
-          ),
-        )
-      )
-      if stopped is not None:
-        break
-    reason = None
-    if stopped is not None:
-      reason, self.stop_sequence = STOP_SEQUENCE, stopped
-    elif update.finish_reason is not None:
-      tail = self._text.flush()
-      if tail and new:
-        new[-1] = dataclasses.replace(new[-1], text=new[-1].text + tail)
-        self._chars.append(tail)
-      if update.stop_id is not None:
-        sid = update.stop_id
-        new.append(
-          Token(
-            sid,
-            self._text.name(sid),
-            finite(update.stop_score),
-            True,
-            tuple(
-              zip(
-                update.stop_top_ids[: g.top_n].tolist(),
-                map(finite, update.stop_top_logprobs[: g.top_n].tolist()),
-                strict=False,
-              )
-            ),
-          )
-        )
-        reason = EOS if sid in self._engine.model.eos_ids else STOP_SEQUENCE
-      else:
-        reason = LENGTH
-    with self._cv:
-      if new and self.first_token_at is None:
-        self.first_token_at = now
-      self.tokens.extend(new)
-      self.arrivals.extend([now] * len(new))
-      if reason is not None:
-        self.finish_reason, self.finished_at = reason, now
-      self._notify()
-    return reason is not None
-
-  def _end(self, reason: str, error: str | None = None) -> None:
-    with self._cv:
-      if self.done:
-        return
-      self.error = error
-      self.finish_reason, self.finished_at = reason, time.monotonic()
-      self._notify()
-
-
-def finite(x) -> float:
-  """A log-prob for the wire: -inf (a masked token) as -9999, as vLLM."""
-  x = float(x)
-  return x if np.isfinite(x) else -9999.0
+def _pod() -> bool:
+  return multihost.is_multiprocess()
 
 
 class Engine:
@@ -379,10 +126,15 @@ class Engine:
     self._cancels: list[TokenStream] = []
     self._active: dict[int, TokenStream] = {}
     self._closing = False
-    self._thread = threading.Thread(
-      target=self._run, name="chunkwise-engine", daemon=True
-    )
-    self._thread.start()
+    self._dropped: list[int] = []  # keys ended here, to cancel in the loop
+    self._scores: list = []  # a pod's prompt scorings: (future, args)
+    self.leader = jax.process_index() == 0
+    self._thread = None
+    if self.leader:
+      self._thread = threading.Thread(
+        target=self._run, name="chunkwise-engine", daemon=True
+      )
+      self._thread.start()
 
   # -- any thread -----------------------------------------------------------
 
@@ -401,9 +153,10 @@ class Engine:
     """Requests submitted and not finished."""
     return len(self._active) + len(self._inbox)
 
-  def prepare(self, g: Generation):
+  def prepare(self, g: Generation, *, seed: int | None = None):
     """Validates `g` and compiles its constraint (no device work); raises
-    ValueError naming the bad field. `submit` calls it."""
+    ValueError naming the bad field. Returns (what `submit` takes, the
+    seed: `seed`, else `g.seed`, else a random one)."""
     if not isinstance(g, Generation):
       raise ValueError(f"submit takes a Generation, got {g!r}")
     top_n = int(g.top_n)
@@ -416,7 +169,8 @@ class Engine:
       raise ValueError(f"stop must be strings, got {list(g.stop)!r}")
     if g.seed is not None and not 0 <= int(g.seed) < 2**32:
       raise ValueError(f"seed={g.seed} must be in [0, 2**32)")
-    seed = int(g.seed) if g.seed is not None else secrets.randbits(31)
+    if seed is None:
+      seed = int(g.seed) if g.seed is not None else secrets.randbits(31)
     request = Request(
       tokens=list(g.prompt),
       sample_id=int(g.sample_id),
@@ -448,6 +202,8 @@ class Engine:
     """Queues `g` (validated first, unless `prepared` is what `prepare`
     returned for it); returns its stream. Raises ValueError (bad request),
     `Overloaded` (queue full) or `Closed` (shutting down)."""
+    if not self.leader:
+      raise Closed("requests go to process 0")
     prepared, seed = prepared or self.prepare(g)
     with self._cv:
       if self._closing:
@@ -477,15 +233,27 @@ class Engine:
         f"top_n={top_n}: this server returns at most {self.top_n} "
         "alternatives per token"
       )
+    if not _pod():
+      return self._score_now(prompt, top_n, adapter)
+    done = concurrent.futures.Future()  # a pod: every process runs it
+    with self._cv:
+      if self._closing:
+        raise Closed("the server is shutting down")
+      self._scores.append((done, (list(map(int, prompt)), top_n, adapter)))
+      self._cv.notify_all()
+    return done.result()
+
+  def _score_now(self, prompt, top_n: int, adapter):
     ids = np.asarray([prompt], np.int32)
     chunk = Chunk(tokens=ids, lengths=np.asarray([ids.shape[1]], np.int32))
     r = self.model.prefill(chunk, top_n=top_n, adapters=adapter)
+    arrays = (r.per_token_scores, r.top_ids, r.top_logprobs)
+    if _pod():
+      from jax.experimental import multihost_utils
+
+      arrays = multihost_utils.process_allgather(arrays, tiled=True)
     n = ids.shape[1]
-    return (
-      np.asarray(r.per_token_scores)[0, :n],
-      np.asarray(r.top_ids)[0, :n],
-      np.asarray(r.top_logprobs)[0, :n],
-    )
+    return tuple(np.asarray(a)[0, :n] for a in arrays)
 
   def close(self, grace: float | None = 0.0) -> bool:
     """Stops admitting; waits up to `grace` seconds (None: for ever) for
@@ -506,50 +274,56 @@ class Engine:
     with self._cv:
       self._stop = True
       self._cv.notify_all()
-    self._thread.join(timeout=60)
+    if self._thread is not None:
+      self._thread.join(timeout=60)
     return clean
 
   @property
   def closing(self) -> bool:
     return self._closing
 
-  # -- the engine's thread --------------------------------------------------
+  # -- the engine's thread (process 0) and followers (the others) ---------
 
   _stop = False
 
   def _run(self) -> None:
+    """Process 0: decides each segment, shares the decision, applies it,
+    hands the tokens to their streams."""
     while True:
       with self._cv:
         while not (
-          self._inbox or self._cancels or self._loop.busy or self._stop
+          self._inbox
+          or self._cancels
+          or self._dropped
+          or self._scores
+          or self._loop.busy
+          or self._stop
         ):
-          self._cv.wait()
-        if self._stop and not self._loop.busy and not self._inbox:
-          break
+          if not self._cv.wait(timeout=_HEARTBEAT_S) and _pod():
+            break  # followers hear from process 0 now and then
+        stop = self._stop and not self._loop.busy and not self._inbox
         inbox, self._inbox = self._inbox, []
         cancels, self._cancels = self._cancels, []
-        for stream, prepared in inbox:
+        scores, self._scores = self._scores, []
+        for stream, _ in inbox:
           self._active[stream.key] = stream
-          self._loop.add(stream.key, prepared)
-      for stream in cancels:
-        if self._active.pop(stream.key, None) is not None:
-          self._loop.cancel(stream.key)
-          self._finished(stream, CANCELLED)
-      started = time.monotonic()
-      try:
-        loop = self._loop
-        queued = loop.waiting > loop.slots - loop.running  # after admission
-        updates = loop.step(self.busy_every if queued else self.every)
-      except Exception as e:
-        log.exception("the device step failed; restarting the slot loop")
-        for stream in list(self._active.values()):
-          self._finished(stream, ERROR, f"{type(e).__name__}: {e}")
-        self._active.clear()
-        self._loop = self._make()
-        continue
-      for key in self._loop.admitted:
-        if key in self._active:
-          self._active[key].admitted_at = started
+      gone = [s for s in cancels if self._active.pop(s.key, None) is not None]
+      prepared = {stream.key: p for stream, p in inbox}
+      d = decisions.Decision(
+        add=tuple((s.key, s.generation, s.drawn_seed) for s, _ in inbox),
+        cancel=tuple(s.key for s in gone) + tuple(self._dropped),
+        steps=self._steps(len(inbox)),
+        stop=stop,
+        score=tuple(args for _, args in scores),
+      )
+      self._dropped = []
+      for stream in gone:
+        self._finished(stream, CANCELLED)
+      updates = self._apply(
+        decisions.share(d), prepared, [f for f, _ in scores]
+      )
+      if d.stop:
+        break
       for u in updates:
         stream = self._active.get(u.key)
         if stream is None:
@@ -562,9 +336,65 @@ class Engine:
           stream._end(ERROR, f"{type(e).__name__}: {e}")
         if over:
           del self._active[u.key]
-          if u.finish_reason is None:
-            self._loop.cancel(u.key)
+          if u.finish_reason is None:  # a stop string or a failure
+            self._dropped.append(u.key)
           self._finished(stream, stream.finish_reason)
+
+  def _steps(self, adding: int) -> int:
+    """Steps of the coming segment: `busy_every` while requests will still
+    wait for a slot after it admits, else `every`."""
+    loop = self._loop
+    queued = loop.waiting + adding > loop.slots - loop.running
+    return self.busy_every if queued else self.every
+
+  def _apply(self, d: decisions.Decision, prepared: dict, futures=()) -> list:
+    """Applies a shared decision to this process's loop and runs its
+    segment (every process runs the same programs on the same data);
+    prompt scorings first, their results to `futures` (process 0)."""
+    for i, (prompt, top_n, adapter) in enumerate(d.score):
+      try:
+        result = self._score_now(prompt, top_n, adapter)
+      except Exception as e:
+        result = e
+      if futures:
+        if isinstance(result, Exception):
+          futures[i].set_exception(result)
+        else:
+          futures[i].set_result(result)
+    for key, g, seed in d.add:
+      ready = prepared.get(key)
+      if ready is None:  # a follower compiles the request itself
+        ready, _ = self.prepare(g, seed=seed)
+      self._loop.add(key, ready)
+    for key in d.cancel:
+      self._loop.cancel(key)
+    if d.stop or not self._loop.busy:
+      return []
+    started = time.monotonic()
+    try:
+      updates = self._loop.step(d.steps)
+    except Exception as e:
+      log.exception("the device step failed; restarting the slot loop")
+      for stream in list(self._active.values()):
+        self._finished(stream, ERROR, f"{type(e).__name__}: {e}")
+      self._active.clear()
+      self._loop = self._make()
+      return []
+    for key in self._loop.admitted:
+      if key in self._active:
+        self._active[key].admitted_at = started
+    return updates
+
+  def follow(self) -> None:
+    """Processes other than 0 of a pod: applies process 0's decisions in
+    lockstep until it stops."""
+    if self.leader:
+      raise ValueError("follow() is for processes other than 0")
+    while True:
+      d = decisions.share(None)
+      self._apply(d, {})
+      if d.stop:
+        return
 
   def _finished(self, stream: TokenStream, reason: str, error=None) -> None:
     stream._end(reason, error)

@@ -35,14 +35,14 @@ from aiohttp import web
 
 from chunkwise.serving import api, native, openai_api
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.engine import (
+from chunkwise.serving.metrics import Metrics
+from chunkwise.serving.stream import (
   ERROR,
   Closed,
   Generation,
   Overloaded,
   TokenStream,
 )
-from chunkwise.serving.metrics import Metrics
 
 log = logging.getLogger("chunkwise.serving")
 

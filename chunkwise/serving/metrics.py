@@ -21,7 +21,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from chunkwise.serving.engine import CANCELLED, ERROR, Engine, TokenStream
+from chunkwise.serving.engine import Engine
+from chunkwise.serving.stream import CANCELLED, ERROR, TokenStream
 
 prometheus_client.disable_created_metrics()
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from chunkwise.serving import api
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.engine import Generation, Token, TokenStream, finite
+from chunkwise.serving.stream import Generation, Token, TokenStream, finite
 
 
 class Parameters(BaseModel):

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from chunkwise.serving import api
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.engine import (
+from chunkwise.serving.stream import (
   LENGTH,
   STOP_SEQUENCE,
   Generation,

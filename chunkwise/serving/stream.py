@@ -1,0 +1,300 @@
+"""One request as every API is translated into it (`Generation`), and its
+tokens as they come (`TokenStream` of `Token`s).
+
+  stream = engine.submit(Generation(prompt=ids, max_new_tokens=64))
+  for token in stream:             # or `async for token in stream`
+    print(token.text, end="")
+  stream.finish_reason, stream.seed, stream.text
+
+A stream is fed by the engine's thread (`_feed`: one segment's
+`SlotUpdate`, detokenized and checked against the request's stop
+strings) and read by any thread or event loop: readers wait on a
+condition, async readers on an `asyncio.Event` set from the engine's
+thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from chunkwise.serving.text import Detokenizer, StopStrings
+
+if TYPE_CHECKING:
+  from chunkwise.serving.engine import Engine
+
+# Finish reasons (TGI's names; the OpenAI routes map them to stop/length).
+LENGTH = "length"
+EOS = "eos_token"
+STOP_SEQUENCE = "stop_sequence"
+CANCELLED = "cancelled"
+ERROR = "error"
+
+
+class Overloaded(RuntimeError):
+  """The engine's queue is full (HTTP 429)."""
+
+
+class Closed(RuntimeError):
+  """The engine no longer admits requests (shutting down; HTTP 503)."""
+
+
+class GenerationFailed(RuntimeError):
+  """A request failed while it ran (HTTP 424 / an in-stream error)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Generation:
+  """One request, as every API is translated into it.
+
+  Attributes:
+    prompt: token ids, starting with BOS.
+    max_new_tokens: most tokens to generate.
+    temperature, top_k, top_p, min_p: the sampler's settings (temperature
+      0: greedy).
+    seed: fixes the randomness with `sample_id`; None: a random one,
+      reported back (greedy requests report none).
+    sample_id: which sample of (prompt, seed) this is (OpenAI's n).
+    stop: strings that end the request (matched on the text).
+    stop_ids: token ids that end it, besides EOS.
+    adapter: a served LoRA adapter's name; None: the base model.
+    constraint: a `chunkwise.constraints` Regex / JsonSchema / Choice.
+    repetition_penalty, presence_penalty, frequency_penalty: vLLM's
+      penalties (`chunkwise.processors.penalties`; the prompt counts as
+      seen for the repetition penalty).
+    top_n: alternatives to report per token (at most the engine's).
+  """
+
+  prompt: Sequence[int]
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  min_p: float = 0.0
+  seed: int | None = None
+  sample_id: int = 0
+  stop: Sequence[str] = ()
+  stop_ids: Sequence[int] = ()
+  adapter: str | None = None
+  constraint: Any = None
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  top_n: int = 0
+
+  @property
+  def greedy(self) -> bool:
+    return float(self.temperature) == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+  """One generated token: id, the text it adds, its raw log-prob, whether
+  it is special (EOS), and its most likely alternatives [(id, logprob)]."""
+
+  id: int
+  text: str
+  logprob: float
+  special: bool
+  top: tuple[tuple[int, float], ...] = ()
+
+
+class TokenStream:
+  """One request's tokens as they come (module docstring): iterate it
+  (sync or async) for `Token`s; afterwards `finish_reason`, `seed`,
+  `text` and `error` say how it ended. `cancel()` stops it."""
+
+  def __init__(self, engine: Engine, key: int, g: Generation, seed: int):
+    self._engine = engine
+    self.key = key
+    self.generation = g
+    self.drawn_seed = seed  # the seed it runs with (greedy too)
+    self.seed = None if g.greedy else seed
+    self.prompt_tokens = len(g.prompt)
+    self.tokens: list[Token] = []
+    self.finish_reason: str | None = None
+    self.stop_sequence: str | None = None
+    self.error: str | None = None
+    self.submitted = time.monotonic()
+    self.admitted_at: float | None = None  # it took a slot
+    self.first_token_at: float | None = None
+    self.finished_at: float | None = None
+    self.arrivals: list[float] = []  # when each token was handed over
+    self._cv = threading.Condition()
+    self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+    self._text = Detokenizer(engine.model.vocab, specials=engine.model.eos_ids)
+    self._stops = StopStrings(g.stop)
+    self._chars: list[str] = []  # text so far, joined lazily
+
+  # -- the reader's side --------------------------------------------------
+
+  @property
+  def done(self) -> bool:
+    return self.finish_reason is not None
+
+  @property
+  def text(self) -> str:
+    """The text of the tokens so far (special tokens add nothing)."""
+    return "".join(self._chars)
+
+  def cancel(self) -> None:
+    """Stops the request (its slot is freed at the next segment)."""
+    if not self.done:
+      self._engine._cancel(self)
+
+  def __iter__(self):
+    i = 0
+    while True:
+      with self._cv:
+        while i >= len(self.tokens) and not self.done:
+          self._cv.wait()
+        ready = self.tokens[i:]
+        finished = self.done
+      yield from ready
+      i += len(ready)
+      if finished and i >= len(self.tokens):
+        break
+    self.raise_error()
+
+  async def __aiter__(self):
+    i = 0
+    loop = asyncio.get_running_loop()
+    event = asyncio.Event()
+    with self._cv:
+      self._waiters.append((loop, event))
+    try:
+      while True:
+        event.clear()
+        with self._cv:
+          ready = self.tokens[i:]
+          finished = self.done
+        for token in ready:
+          yield token
+        i += len(ready)
+        if finished and i >= len(self.tokens):
+          break
+        if not ready:
+          await event.wait()
+    finally:
+      with self._cv:
+        self._waiters.remove((loop, event))
+    self.raise_error()
+
+  def wait(self, timeout: float | None = None) -> TokenStream:
+    """Blocks until the request ends; returns the stream."""
+    with self._cv:
+      self._cv.wait_for(lambda: self.done, timeout)
+    return self
+
+  def gaps(self) -> list[float]:
+    """Seconds between consecutive tokens' hand-overs."""
+    return [b - a for a, b in itertools.pairwise(self.arrivals)]
+
+  def raise_error(self) -> None:
+    if self.finish_reason == ERROR:
+      raise GenerationFailed(self.error)
+
+  # -- the engine's side --------------------------------------------------
+
+  def _notify(self) -> None:
+    self._cv.notify_all()
+    for loop, event in self._waiters:
+      loop.call_soon_threadsafe(event.set)
+
+  def _feed(self, update) -> bool:
+    """Takes one segment's `SlotUpdate`; returns whether the request is
+    over (a stop string or the update's finish)."""
+    now = time.monotonic()
+    new = []
+    g = self.generation
+    stopped = None
+    rows = zip(
+      update.tokens.tolist(),
+      update.per_token_scores.tolist(),
+      update.top_ids.tolist(),
+      update.top_logprobs.tolist(),
+      strict=True,
+    )
+    for token, score, top_ids, top_lp in rows:
+      piece = self._text.add(token)
+      before = sum(map(len, self._chars))
+      self._chars.append(piece)
+      found = self._stops.find(self.text, len(piece))
+      if found is not None:
+        index, stop = found
+        piece = piece[: index + len(stop) - before]
+        self._chars[-1] = piece
+        stopped = stop
+      new.append(
+        Token(
+          token,
+          piece,
+          finite(score),
+          self._text.is_special(token),
+          tuple(
+            zip(
+              top_ids[: g.top_n], map(finite, top_lp[: g.top_n]), strict=False
+            )
+          ),
+        )
+      )
+      if stopped is not None:
+        break
+    reason = None
+    if stopped is not None:
+      reason, self.stop_sequence = STOP_SEQUENCE, stopped
+    elif update.finish_reason is not None:
+      tail = self._text.flush()
+      if tail and new:
+        new[-1] = dataclasses.replace(new[-1], text=new[-1].text + tail)
+        self._chars.append(tail)
+      if update.stop_id is not None:
+        sid = update.stop_id
+        new.append(
+          Token(
+            sid,
+            self._text.name(sid),
+            finite(update.stop_score),
+            True,
+            tuple(
+              zip(
+                update.stop_top_ids[: g.top_n].tolist(),
+                map(finite, update.stop_top_logprobs[: g.top_n].tolist()),
+                strict=False,
+              )
+            ),
+          )
+        )
+        reason = EOS if sid in self._engine.model.eos_ids else STOP_SEQUENCE
+      else:
+        reason = LENGTH
+    with self._cv:
+      if new and self.first_token_at is None:
+        self.first_token_at = now
+      self.tokens.extend(new)
+      self.arrivals.extend([now] * len(new))
+      if reason is not None:
+        self.finish_reason, self.finished_at = reason, now
+      self._notify()
+    return reason is not None
+
+  def _end(self, reason: str, error: str | None = None) -> None:
+    with self._cv:
+      if self.done:
+        return
+      self.error = error
+      self.finish_reason, self.finished_at = reason, time.monotonic()
+      self._notify()
+
+
+def finite(x) -> float:
+  """A log-prob for the wire: -inf (a masked token) as -9999, as vLLM."""
+  x = float(x)
+  return x if np.isfinite(x) else -9999.0
