@@ -41,6 +41,7 @@ import numpy as np
 from absl import app, flags
 
 import chunkwise as cw
+from chunkwise import jobs
 from chunkwise.bench import continuous as bench_continuous
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,10 +156,11 @@ async def _one(session, url, text, budget, sample_id, leave_after=None):
           out["error"] = event["error"]
           break
         out["times"].append(time.perf_counter())
-        if not event["token"]["special"]:
-          out["ids"].append(event["token"]["id"])
+        out["ids"].append(event["token"]["id"])
         if event.get("details"):
           out["details"] = event["details"]
+          if event["details"]["finish_reason"] == "eos_token":
+            out["ids"].pop()  # the stop token: not among generate's
         if leave_after is not None and len(out["times"]) >= leave_after:
           out["left"] = True
           break
@@ -309,7 +311,7 @@ def main(argv):
     rates.append(1.0)
   if _REQUESTS.value < 1 or _RUNS.value < 1 or _SLOTS.value < 1:
     raise app.UsageError("--requests, --runs and --slots must be >= 1")
-  model = cw.load(_MODEL.value)
+  model = jobs.load_served(jobs.ModelConfig(name=_MODEL.value))
   work = _workload(model)
   capacity = -(-max(len(ids) + b for _, ids, b, _ in work) // 64) * 64
   capacity = max(capacity, 128)

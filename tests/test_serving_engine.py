@@ -354,3 +354,40 @@ def test_stop_strings_find_and_hold_back():
   assert s.safe("abc\n") == 3
   assert s.safe("abc") == 3
   assert text_lib.StopStrings([]).safe("x\n") == 2
+
+
+def test_a_fault_fails_one_http_request_and_the_server_goes_on(
+  tiny, monkeypatch
+):
+  """Through HTTP (the server in a thread, `serving.Background`): a fault
+  while handling one request's tokens is a 424 GenerationError for it, an
+  in-stream error when it streams; the next requests are served."""
+  import lorax
+
+  e = serving.Engine(tiny, slots=2, capacity=64, top_n=2)
+  running = serving.Background(
+    serving.Context(
+      engine=e, model_id="tiny", max_input_tokens=32, max_total_tokens=64
+    )
+  )
+  original = serving.TokenStream._feed
+  boom = tiny.vocab.encode("boom")
+
+  def feed(self, update):
+    if list(self.generation.prompt[1:]) == boom:
+      raise RuntimeError("injected fault")
+    return original(self, update)
+
+  monkeypatch.setattr(serving.TokenStream, "_feed", feed)
+  try:
+    client = lorax.Client(running.url)
+    with pytest.raises(lorax.errors.GenerationError, match="injected fault"):
+      client.generate("boom", max_new_tokens=8)
+    with pytest.raises(lorax.errors.GenerationError, match="injected fault"):
+      list(client.generate_stream("boom", max_new_tokens=8))
+    fine = client.generate("fine", max_new_tokens=8)
+    assert fine.details.generated_tokens >= 1
+    assert e.running == 0
+  finally:
+    running.stop()
+  assert e.closing

@@ -11,7 +11,7 @@ clients (`scripts/serve.py`).
 
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.engine import DEFAULT_BUSY_EVERY, DEFAULT_EVERY, Engine
-from chunkwise.serving.http import Server, serve
+from chunkwise.serving.http import Background, Server, serve
 from chunkwise.serving.stream import (
   Closed,
   Generation,
@@ -25,6 +25,7 @@ __all__ = [
   "DEFAULT_BUSY_EVERY",
   "DEFAULT_EVERY",
   "ApiError",
+  "Background",
   "Closed",
   "Context",
   "Engine",
