@@ -461,6 +461,10 @@ def test_a_client_that_goes_away_frees_its_slot(saved, server):
   import http.client
   import urllib.parse
 
+  # One request that finishes, with adapter "a" (the metrics below).
+  lorax.Client(server.url, headers=AUTH).generate(
+    "x", max_new_tokens=3, adapter_id="a"
+  )
   u = urllib.parse.urlparse(server.url)
   conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
   body = json.dumps(

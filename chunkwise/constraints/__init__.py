@@ -26,6 +26,7 @@ from chunkwise.constraints.constraint import (
 )
 from chunkwise.constraints.processor import (
   ConstraintProcessor,
+  GrammarSet,
   compile_rows,
   for_call,
   for_rows,
@@ -38,6 +39,7 @@ __all__ = [
   "Choice",
   "Constraint",
   "ConstraintProcessor",
+  "GrammarSet",
   "JsonSchema",
   "Regex",
   "Tables",

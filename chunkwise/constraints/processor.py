@@ -296,3 +296,49 @@ def for_rows(
       tables.append(t)
     grammar.append(seen[id(t)])
   return processor(grammar, tables, width=width, force=budget_forcing)
+
+
+class GrammarSet:
+  """The tables of a long-running loop's constrained rows under stable
+  grammar ids (1, 2, ...; 0 is unconstrained), each shared while any row
+  uses it (`take` / `give_back`); `processor()` concatenates the current
+  set again only after it changed (a freed id stays empty until reused,
+  so running rows keep theirs)."""
+
+  def __init__(self, width: int):
+    self._width = width
+    self._tables: list = []  # id i + 1; None: free
+    self._users: list[int] = []
+    self._processor = None
+    self._dirty = True
+
+  def take(self, tables) -> int:
+    if tables is None:
+      return 0
+    for i, t in enumerate(self._tables):
+      if t is tables:
+        self._users[i] += 1
+        return i + 1
+    i = self._tables.index(None) if None in self._tables else len(self._tables)
+    if i == len(self._tables):
+      self._tables.append(None)
+      self._users.append(0)
+    self._tables[i], self._users[i] = tables, 1
+    self._dirty = True
+    return i + 1
+
+  def give_back(self, grammar: int) -> None:
+    if grammar == 0:
+      return
+    self._users[grammar - 1] -= 1
+    if not self._users[grammar - 1]:
+      self._tables[grammar - 1] = None
+      self._dirty = True
+
+  def processor(self):
+    if self._dirty:
+      self._processor = processor(
+        (), self._tables, width=self._width
+      ).for_loop()
+      self._dirty = False
+    return self._processor

@@ -279,3 +279,45 @@ def check_generate(
     processors=procs,
     processor_states=states,
   )
+
+
+def check_live(
+  hparams: HParams,
+  *,
+  slots_n,
+  capacity,
+  top_n,
+  every,
+  stop_width,
+  processors,
+  prefix,
+  batch_split: int,
+) -> tuple:
+  """Validates `InferenceModel.live_slots`' arguments before any device
+  work; returns them checked."""
+  h = hparams
+  n = check_count("slots", slots_n, minimum=1)
+  if n % batch_split:
+    raise ValueError(
+      f"slots={n} must be a multiple of the layout's batch split "
+      f"{batch_split} (the mesh axes that split attention's rows)"
+    )
+  capacity = check_count("capacity", capacity, minimum=1, maximum=h.max_len)
+  top_n = check_count("top_n", top_n, minimum=0, maximum=h.vocab)
+  every = check_count("every", every, minimum=1)
+  stop_width = check_count("stop_width", stop_width, minimum=1)
+  prefix = check_prefix(prefix, 1, h)
+  if any(p.batch != 1 for p in prefix):
+    raise ValueError(
+      f"live_slots' prefix is shared by every request: each of its results "
+      f"must have batch 1, got batches {[p.batch for p in prefix]}"
+    )
+  return (
+    n,
+    capacity,
+    top_n,
+    every,
+    stop_width,
+    processors_lib.as_tuple(processors),
+    prefix,
+  )

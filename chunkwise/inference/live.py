@@ -45,7 +45,7 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
-from chunkwise.inference import checks, continuous, slots
+from chunkwise.inference import continuous, slots
 from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -95,49 +95,6 @@ class SlotUpdate:
   stop_top_logprobs: np.ndarray | None = None
 
 
-class _Grammars:
-  """Constraint tables of the running requests under stable grammar ids
-  (1, 2, ...; 0 is unconstrained), shared while any request uses them."""
-
-  def __init__(self, width: int):
-    self._width = width
-    self._tables: list = []  # id i + 1; None: free
-    self._users: list[int] = []
-    self._processor = None
-    self._dirty = True
-
-  def take(self, tables) -> int:
-    if tables is None:
-      return 0
-    for i, t in enumerate(self._tables):
-      if t is tables:
-        self._users[i] += 1
-        return i + 1
-    i = self._tables.index(None) if None in self._tables else len(self._tables)
-    if i == len(self._tables):
-      self._tables.append(None)
-      self._users.append(0)
-    self._tables[i], self._users[i] = tables, 1
-    self._dirty = True
-    return i + 1
-
-  def give_back(self, grammar: int) -> None:
-    if grammar == 0:
-      return
-    self._users[grammar - 1] -= 1
-    if not self._users[grammar - 1]:
-      self._tables[grammar - 1] = None
-      self._dirty = True
-
-  def processor(self):
-    if self._dirty:
-      self._processor = constraints_lib.processor(
-        (), self._tables, width=self._width
-      ).for_loop()
-      self._dirty = False
-    return self._processor
-
-
 _RELEASE = jax.jit(
   lambda state, free: state.replace(done=state.done | free), donate_argnums=0
 )
@@ -181,7 +138,7 @@ class LiveSlots:
     self.stop_width = stop_width
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
-    self._grammars = _Grammars(h.vocab)
+    self._grammars = constraints_lib.GrammarSet(h.vocab)
     self._templates = processors
     procs, states = processors_lib.check(
       (
@@ -264,7 +221,12 @@ class LiveSlots:
     known = () if self._served is None else self._served.names
     names, ids = adapters_lib.rows_of([request.adapter], 1, known)
     adapters_lib.check_prefix(self._prefix, names)
-    states = self._request_states(processors, what)
+    states = (
+      *processors_lib.request_states(
+        self._templates, self._loop_forms, processors, self._h.vocab, what
+      ),
+      (np.zeros(1, np.int32), np.zeros(1, np.int32)),  # the constraint's
+    )
     tables = None
     if request.constraint is not None:
       try:
@@ -296,43 +258,6 @@ class LiveSlots:
       processor_state=states,
       tables=tables,
     )
-
-  def _request_states(self, processors, what: str) -> tuple:
-    """Each loop processor's initial state for one request (leading axis
-    1): the request's own instance's, else the loop's."""
-    given = processors_lib.as_tuple(processors)
-    if given and len(given) != len(self._templates):
-      raise ValueError(
-        f"{what} gives {len(given)} processors; this loop runs "
-        f"{len(self._templates)} ({self._names()}): give one instance of "
-        "each, in that order, or none"
-      )
-    states = []
-    for i, template in enumerate(self._templates):
-      p = given[i] if given else template
-      form = self._loop_forms[i]
-      if not isinstance(p, processors_lib.LogitsProcessor) or not _same(
-        p.for_loop(), form
-      ):
-        raise ValueError(
-          f"{what}: processors[{i}] is {p!r}; this loop runs "
-          f"{self._names()}: a request's processor must differ from the "
-          "loop's only in its state (init), not in its loop form"
-        )
-      p.validate(self._h.vocab)
-      state = jax.tree.map(np.asarray, p.init(1, self._h.vocab))
-      like = jax.tree.map(np.asarray, template.init(1, self._h.vocab))
-      if not _same(state, like, values=False):
-        raise ValueError(
-          f"{what}: processors[{i}] ({type(p).__name__}) has a state of "
-          "other shapes than the loop's"
-        )
-      states.append(state)
-    g = (np.zeros(1, np.int32), np.zeros(1, np.int32))
-    return (*states, g)
-
-  def _names(self) -> str:
-    return ", ".join(type(p).__name__ for p in self._templates) or "none"
 
   # -- the loop's thread ----------------------------------------------------
 
@@ -492,63 +417,3 @@ class LiveSlots:
       if finished:
         self._free(int(s))
     return updates
-
-
-def _same(a, b, *, values: bool = True) -> bool:
-  """Whether two pytrees have one structure and leaves of the same shapes
-  and dtypes (and, with `values`, equal values)."""
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  if ta != tb:
-    return False
-  for x, y in zip(la, lb, strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    if x.shape != y.shape or x.dtype != y.dtype:
-      return False
-    if values and not np.array_equal(x, y):
-      return False
-  return True
-
-
-def check_live(
-  hparams: HParams,
-  *,
-  slots_n,
-  capacity,
-  top_n,
-  every,
-  stop_width,
-  processors,
-  prefix,
-  batch_split: int,
-) -> tuple:
-  """Validates `InferenceModel.live_slots`' arguments before any device
-  work; returns them checked."""
-  h = hparams
-  n = checks.check_count("slots", slots_n, minimum=1)
-  if n % batch_split:
-    raise ValueError(
-      f"slots={n} must be a multiple of the layout's batch split "
-      f"{batch_split} (the mesh axes that split attention's rows)"
-    )
-  capacity = checks.check_count(
-    "capacity", capacity, minimum=1, maximum=h.max_len
-  )
-  top_n = checks.check_count("top_n", top_n, minimum=0, maximum=h.vocab)
-  every = checks.check_count("every", every, minimum=1)
-  stop_width = checks.check_count("stop_width", stop_width, minimum=1)
-  prefix = checks.check_prefix(prefix, 1, h)
-  if any(p.batch != 1 for p in prefix):
-    raise ValueError(
-      f"live_slots' prefix is shared by every request: each of its results "
-      f"must have batch 1, got batches {[p.batch for p in prefix]}"
-    )
-  return (
-    n,
-    capacity,
-    top_n,
-    every,
-    stop_width,
-    processors_lib.as_tuple(processors),
-    prefix,
-  )

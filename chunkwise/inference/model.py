@@ -439,16 +439,18 @@ class InferenceModel:
       prefix: ChunkResults of batch 1 every request continues.
       stop_width: most stop ids (EOS included) of one request.
     """
-    n, capacity, top_n, every, stop_width, processors, prefix = live.check_live(
-      self._hparams,
-      slots_n=slots,
-      capacity=capacity,
-      top_n=top_n,
-      every=every,
-      stop_width=stop_width,
-      processors=processors,
-      prefix=prefix,
-      batch_split=self._batch_split(),
+    n, capacity, top_n, every, stop_width, processors, prefix = (
+      checks.check_live(
+        self._hparams,
+        slots_n=slots,
+        capacity=capacity,
+        top_n=top_n,
+        every=every,
+        stop_width=stop_width,
+        processors=processors,
+        prefix=prefix,
+        batch_split=self._batch_split(),
+      )
     )
     return live.LiveSlots(
       hparams=self._hparams,

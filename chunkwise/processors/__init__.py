@@ -12,6 +12,7 @@ from chunkwise.processors.base import (
   as_tuple,
   check,
   keep_rows,
+  request_states,
 )
 from chunkwise.processors.builtin import (
   LogitBias,
@@ -42,4 +43,5 @@ __all__ = [
   "logit_bias",
   "min_tokens",
   "penalties",
+  "request_states",
 ]

@@ -225,3 +225,62 @@ def check(
       )
     states.append(state)
   return tuple(p.for_loop() for p in processors), tuple(states)
+
+
+def _same(a, b, *, values: bool = True) -> bool:
+  """Whether two pytrees have one structure and leaves of the same shapes
+  and dtypes (and, with `values`, equal values)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  if ta != tb:
+    return False
+  for x, y in zip(la, lb, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    if x.shape != y.shape or x.dtype != y.dtype:
+      return False
+    if values and not np.array_equal(x, y):
+      return False
+  return True
+
+
+def request_states(
+  templates: Sequence[LogitsProcessor],
+  loop_forms: Sequence[LogitsProcessor],
+  given,
+  vocab: int,
+  what: str,
+) -> tuple:
+  """Each processor's initial state for one request of a long-running
+  loop (leading axis 1): the request's own instance's (`given`, one per
+  template, in order), else the template's. A request's instance must run
+  the loop's program (`for_loop()` equal to the template's): only its
+  state may differ. Raises ValueError naming `what` otherwise."""
+  names = ", ".join(type(p).__name__ for p in templates) or "none"
+  given = as_tuple(given)
+  if given and len(given) != len(templates):
+    raise ValueError(
+      f"{what} gives {len(given)} processors; this loop runs "
+      f"{len(templates)} ({names}): give one instance of each, in that "
+      "order, or none"
+    )
+  states = []
+  for i, template in enumerate(templates):
+    p = given[i] if given else template
+    if not isinstance(p, LogitsProcessor) or not _same(
+      p.for_loop(), loop_forms[i]
+    ):
+      raise ValueError(
+        f"{what}: processors[{i}] is {p!r}; this loop runs {names}: a "
+        "request's processor must differ from the loop's only in its state "
+        "(init), not in its loop form"
+      )
+    p.validate(vocab)
+    state = jax.tree.map(np.asarray, p.init(1, vocab))
+    like = jax.tree.map(np.asarray, template.init(1, vocab))
+    if not _same(state, like, values=False):
+      raise ValueError(
+        f"{what}: processors[{i}] ({type(p).__name__}) has a state of other "
+        "shapes than the loop's"
+      )
+    states.append(state)
+  return tuple(states)

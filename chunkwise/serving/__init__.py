@@ -11,7 +11,8 @@ clients (`scripts/serve.py`).
 
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.engine import DEFAULT_BUSY_EVERY, DEFAULT_EVERY, Engine
-from chunkwise.serving.http import Background, Server, serve
+from chunkwise.serving.http import Server
+from chunkwise.serving.launch import Background, serve
 from chunkwise.serving.stream import (
   Closed,
   Generation,

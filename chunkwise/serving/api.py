@@ -215,3 +215,8 @@ def choice_constraint(choices: Any, where: str) -> constraints.Choice:
     return constraints.Choice(choices)
   except ValueError as e:
     raise ApiError(422, f"{where}: {e}") from None
+
+
+def dumps(body: Any) -> bytes:
+  """Compact JSON on one line, never NaN or Infinity."""
+  return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import hmac
 import json
 import logging
-import signal
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from chunkwise.serving import api, native, openai_api
-from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving import api, native, openai_api, openai_requests, sse
+from chunkwise.serving.api import ApiError, Context, dumps
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
   ERROR,
@@ -97,11 +93,6 @@ def _json_response(body: Any, status: int = 200, headers=None) -> web.Response:
     content_type="application/json",
     headers=headers,
   )
-
-
-def dumps(body: Any) -> bytes:
-  """Compact JSON on one line, never NaN or Infinity."""
-  return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _error_response(path: str, e: ApiError) -> web.Response:
@@ -324,56 +315,29 @@ class Server:
       prompt_details = native.prefill(g.prompt, scores, self.ctx)
     s = await self._start(g, 422)
     if options.stream:
-      return await self._native_events(request, s, inputs, options)
+      return await sse.native_events(request, s, inputs, options, self.ctx)
     await self._finish(s)
     if s.finish_reason == ERROR:
       raise ApiError(424, s.error or "failed", api.GENERATION)
     out = native.response(inputs, s, options, self.ctx, prompt_details)
     return _json_response([out] if wrap else out)
 
-  async def _native_events(self, request, s: TokenStream, inputs, options):
-    response = await self._open_sse(request)
-    index, pending = 0, None
-    try:
-      async for token in s:
-        if pending is not None:
-          index += 1
-          await _send(response, native.event(index, pending, options, self.ctx))
-        pending = token
-      if pending is not None:
-        index += 1
-        await _send(
-          response,
-          native.event(index, pending, options, self.ctx, s, inputs),
-        )
-    except (asyncio.CancelledError, ConnectionResetError):
-      s.cancel()
-      raise
-    except Exception as e:  # the request failed mid-stream
-      message = f"Request failed during generation: {e}"
-      with contextlib.suppress(ConnectionResetError):
-        await _send(response, {"error": message, "error_type": "generation"})
-    await _close(response)
-    return response
-
-  async def _open_sse(self, request) -> web.StreamResponse:
-    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-    response.enable_chunked_encoding()
-    await response.prepare(request)
-    return response
-
   # -- OpenAI ------------------------------------------------------------------
 
   async def completions(self, request: web.Request):
     body = await self._body(request)
-    call = await self._work(lambda: openai_api.parse_completion(body, self.ctx))
+    call = await self._work(
+      lambda: openai_requests.parse_completion(body, self.ctx)
+    )
     scored = {}
     if call.echo and call.logprobs is not None:
       for p, ids in enumerate(call.prompts):
         scored[p] = await self._score(ids, call.logprobs, call.adapter, 400)
     streams = await self._start_all(call)
     if call.stream:
-      return await self._openai_events(request, call, streams, chat=False)
+      return await sse.openai_events(
+        request, call, streams, self.ctx, chat=False
+      )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
     return _json_response(
@@ -382,10 +346,12 @@ class Server:
 
   async def chat(self, request: web.Request):
     body = await self._body(request)
-    call = await self._work(lambda: openai_api.parse_chat(body, self.ctx))
+    call = await self._work(openai_requests.parse_chat, body, self.ctx)
     streams = await self._start_all(call)
     if call.stream:
-      return await self._openai_events(request, call, streams, chat=True)
+      return await sse.openai_events(
+        request, call, streams, self.ctx, chat=True
+      )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
     return _json_response(openai_api.chat(call, self.ctx, streams))
@@ -411,111 +377,6 @@ class Server:
       if s.finish_reason == ERROR:
         raise ApiError(500, f"generation failed: {s.error}", api.GENERATION)
 
-  async def _openai_events(self, request, call, streams, *, chat: bool):
-    response = await self._open_sse(request)
-    rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
-    created = int(time.time())
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, s: TokenStream):
-      try:
-        async for _ in s:
-          await queue.put((index, s, False))
-      except Exception:
-        pass
-      await queue.put((index, s, True))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
-    held = {i: openai_api.Held(s.generation.stop) for i, s in streams.items()}
-    sent_tokens = dict.fromkeys(streams, 0)
-    lp = {
-      i: openai_api.CompletionLogprobs(self.ctx, call.logprobs or 0)
-      for i in streams
-    }
-    open_ = set(streams)
-    try:
-      if chat:
-        for i in sorted(streams):
-          await _send(
-            response,
-            openai_api.chat_chunk(
-              call,
-              rid,
-              created,
-              i,
-              {"role": "assistant", "content": ""},
-              None,
-              None,
-            ),
-          )
-      while open_:
-        index, s, final = await queue.get()
-        if index not in open_:
-          continue
-        if final and s.finish_reason == ERROR:
-          await _send(
-            response,
-            {
-              "error": {
-                "message": f"generation failed: {s.error}",
-                "type": "InternalServerError",
-                "param": None,
-                "code": 500,
-              }
-            },
-          )
-          open_.discard(index)
-          continue
-        text = held[index].delta(s, final)
-        tokens = s.tokens[sent_tokens[index] :] if final or text else []
-        sent_tokens[index] += len(tokens)
-        logprobs = self._chunk_logprobs(call, chat, lp[index], tokens, text)
-        finish = openai_api.reason(s) if final else None
-        if text or finish or logprobs:
-          if chat:
-            delta = {"content": text} if text else {}
-            chunk = openai_api.chat_chunk(
-              call, rid, created, index, delta, finish, logprobs
-            )
-          else:
-            chunk = openai_api.completion_chunk(
-              call, rid, created, index, text, finish, logprobs
-            )
-          await _send(response, chunk)
-        if final:
-          open_.discard(index)
-      if call.include_usage:
-        generated = sum(len(s.tokens) for s in streams.values())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        await _send(
-          response, openai_api.usage_chunk(call, rid, created, obj, generated)
-        )
-      await response.write(b"data: [DONE]\n\n")
-    except (asyncio.CancelledError, ConnectionResetError):
-      for s in streams.values():
-        s.cancel()
-      raise
-    finally:
-      for t in tasks:
-        t.cancel()
-    await _close(response)
-    return response
-
-  def _chunk_logprobs(self, call, chat, lp, tokens, text):
-    if call.logprobs is None or not tokens:
-      return None
-    if chat:
-      content = openai_api.chat_logprobs(self.ctx, tokens, call.logprobs)
-      return {"content": content} if content else None
-    entries, left = [], len(text)
-    for t in tokens:
-      if t.special:
-        continue
-      piece = t.text[:left]
-      left -= len(piece)
-      entries.append(lp.token(t, piece))
-    return openai_api.merge(entries) if entries else None
-
   # -- the app -----------------------------------------------------------------
 
   def app(self, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
@@ -540,112 +401,7 @@ class Server:
     return app
 
 
-async def _send(response: web.StreamResponse, body: Any) -> None:
-  await response.write(b"data: " + dumps(body) + b"\n\n")
-
-
-async def _close(response: web.StreamResponse) -> None:
-  with contextlib.suppress(ConnectionResetError):
-    await response.write_eof()
-
-
 def _device_kind() -> str:
   import jax
 
   return jax.devices()[0].platform
-
-
-def serve(
-  ctx: Context,
-  *,
-  host: str = "127.0.0.1",
-  port: int = 8080,
-  api_key: str | None = None,
-  grace: float = 30.0,
-  max_body_bytes: int = MAX_BODY_BYTES,
-  ready: Callable[[int], None] | None = None,
-) -> None:
-  """Serves until SIGTERM or SIGINT: then stops admitting (503), waits up
-  to `grace` seconds for running requests, and returns. `ready(port)` is
-  called once the socket listens (port 0 picks a free one)."""
-  server = Server(ctx, api_key=api_key)
-  asyncio.run(
-    _main(server, host, port, grace, max_body_bytes, ready, signals=True)
-  )
-
-
-class Background:
-  """The server in a background thread (notebooks, tests):
-
-  running = Background(ctx)          # listens on a free loopback port
-  OpenAI(base_url=running.url + "/v1", api_key="-")...
-  running.stop()                     # drains, closes the engine
-  """
-
-  def __init__(
-    self,
-    ctx: Context,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    api_key: str | None = None,
-    grace: float = 30.0,
-  ):
-    self.server = Server(ctx, api_key=api_key)
-    self._stop: asyncio.Event | None = None
-    self._loop: asyncio.AbstractEventLoop | None = None
-    started = threading.Event()
-    self.url = None
-
-    def ready(bound):
-      self.url = f"http://{host}:{bound}"
-      started.set()
-
-    async def main():
-      self._loop = asyncio.get_running_loop()
-      self._stop = asyncio.Event()
-      await _main(
-        self.server, host, port, grace, MAX_BODY_BYTES, ready, stop=self._stop
-      )
-
-    self._thread = threading.Thread(
-      target=lambda: asyncio.run(main()), name="chunkwise-http", daemon=True
-    )
-    self._thread.start()
-    if not started.wait(60):
-      raise RuntimeError("the server did not start within 60 s")
-
-  def stop(self) -> None:
-    """Stops admitting, lets running requests finish (the grace period),
-    closes the engine and the port."""
-    if self._thread.is_alive():
-      self._loop.call_soon_threadsafe(self._stop.set)
-      self._thread.join()
-
-
-async def _main(
-  server, host, port, grace, max_body_bytes, ready, *, signals=False, stop=None
-):
-  runner = web.AppRunner(
-    server.app(max_body_bytes), handler_cancellation=True, access_log=None
-  )
-  await runner.setup()
-  site = web.TCPSite(runner, host, port)
-  await site.start()
-  bound = site._server.sockets[0].getsockname()[1]
-  log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
-  if ready is not None:
-    ready(bound)
-  stop = stop or asyncio.Event()
-  loop = asyncio.get_running_loop()
-  if signals:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      loop.add_signal_handler(sig, stop.set)
-  await stop.wait()
-  log.info("shutting down: finishing running requests (%.0f s grace)", grace)
-  server.draining = True
-  clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)
-  await asyncio.sleep(0.1)  # the last events reach their clients
-  await runner.cleanup()
-  server.pool.shutdown(wait=False)
-  log.info("stopped (%s)", "clean" if clean else "requests cancelled")

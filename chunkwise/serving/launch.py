@@ -1,0 +1,122 @@
+"""Running the HTTP server: in the foreground until a signal (`serve`,
+what scripts/serve.py runs) or in a background thread (`Background`, for
+notebooks and tests).
+
+  serve(ctx, host="127.0.0.1", port=8080)    # until SIGTERM / SIGINT
+  running = Background(ctx)                  # a free loopback port
+  running.url; running.stop()
+
+Either way a stop drains: new requests get 503, running ones get the
+grace period to finish, then the engine closes and the port with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from aiohttp import web
+
+from chunkwise.serving.api import Context
+from chunkwise.serving.http import MAX_BODY_BYTES, Server
+
+log = logging.getLogger("chunkwise.serving")
+
+
+def serve(
+  ctx: Context,
+  *,
+  host: str = "127.0.0.1",
+  port: int = 8080,
+  api_key: str | None = None,
+  grace: float = 30.0,
+  max_body_bytes: int = MAX_BODY_BYTES,
+  ready: Callable[[int], None] | None = None,
+) -> None:
+  """Serves until SIGTERM or SIGINT: then stops admitting (503), waits up
+  to `grace` seconds for running requests, and returns. `ready(port)` is
+  called once the socket listens (port 0 picks a free one)."""
+  server = Server(ctx, api_key=api_key)
+  asyncio.run(
+    _main(server, host, port, grace, max_body_bytes, ready, signals=True)
+  )
+
+
+class Background:
+  """The server in a background thread (notebooks, tests):
+
+  running = Background(ctx)          # listens on a free loopback port
+  OpenAI(base_url=running.url + "/v1", api_key="-")...
+  running.stop()                     # drains, closes the engine
+  """
+
+  def __init__(
+    self,
+    ctx: Context,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    grace: float = 30.0,
+  ):
+    self.server = Server(ctx, api_key=api_key)
+    self._stop: asyncio.Event | None = None
+    self._loop: asyncio.AbstractEventLoop | None = None
+    started = threading.Event()
+    self.url = None
+
+    def ready(bound):
+      self.url = f"http://{host}:{bound}"
+      started.set()
+
+    async def main():
+      self._loop = asyncio.get_running_loop()
+      self._stop = asyncio.Event()
+      await _main(
+        self.server, host, port, grace, MAX_BODY_BYTES, ready, stop=self._stop
+      )
+
+    self._thread = threading.Thread(
+      target=lambda: asyncio.run(main()), name="chunkwise-http", daemon=True
+    )
+    self._thread.start()
+    if not started.wait(60):
+      raise RuntimeError("the server did not start within 60 s")
+
+  def stop(self) -> None:
+    """Stops admitting, lets running requests finish (the grace period),
+    closes the engine and the port."""
+    if self._thread.is_alive():
+      self._loop.call_soon_threadsafe(self._stop.set)
+      self._thread.join()
+
+
+async def _main(
+  server, host, port, grace, max_body_bytes, ready, *, signals=False, stop=None
+):
+  runner = web.AppRunner(
+    server.app(max_body_bytes), handler_cancellation=True, access_log=None
+  )
+  await runner.setup()
+  site = web.TCPSite(runner, host, port)
+  await site.start()
+  bound = site._server.sockets[0].getsockname()[1]
+  log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
+  if ready is not None:
+    ready(bound)
+  stop = stop or asyncio.Event()
+  loop = asyncio.get_running_loop()
+  if signals:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      loop.add_signal_handler(sig, stop.set)
+  await stop.wait()
+  log.info("shutting down: finishing running requests (%.0f s grace)", grace)
+  server.draining = True
+  clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)
+  await asyncio.sleep(0.1)  # the last events reach their clients
+  await runner.cleanup()
+  server.pool.shutdown(wait=False)
+  log.info("stopped (%s)", "clean" if clean else "requests cancelled")

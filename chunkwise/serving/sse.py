@@ -1,0 +1,186 @@
+"""Server-sent events: the streaming responses of both APIs.
+
+  response = await native_events(request, stream, inputs, options, ctx)
+  response = await openai_events(request, call, streams, ctx, chat=True)
+
+One event is `data: <compact JSON on one line>` and a blank line, flushed
+as written (chunked, no compression). Native streams end without a
+marker; OpenAI streams end with `data: [DONE]`. A client that goes away
+(the write fails, or aiohttp cancels the handler) cancels its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from aiohttp import web
+
+from chunkwise.serving import native, openai_api
+from chunkwise.serving.api import Context, dumps
+from chunkwise.serving.stream import ERROR, TokenStream
+
+_SSE_HEADERS = {
+  "Content-Type": "text/event-stream",
+  "Cache-Control": "no-cache",
+  "X-Accel-Buffering": "no",
+}
+
+
+async def send(response: web.StreamResponse, body: Any) -> None:
+  await response.write(b"data: " + dumps(body) + b"\n\n")
+
+
+async def close(response: web.StreamResponse) -> None:
+  with contextlib.suppress(ConnectionResetError):
+    await response.write_eof()
+
+
+async def native_events(
+  request, s: TokenStream, inputs: str, options, ctx: Context
+) -> web.StreamResponse:
+  """Streams a native request: one event per token, the last with the
+  text and details; an in-stream error event if it fails."""
+  response = await open_sse(request)
+  index, pending = 0, None
+  try:
+    async for token in s:
+      if pending is not None:
+        index += 1
+        await send(response, native.event(index, pending, options, ctx))
+      pending = token
+    if pending is not None:
+      index += 1
+      await send(
+        response,
+        native.event(index, pending, options, ctx, s, inputs),
+      )
+  except (asyncio.CancelledError, ConnectionResetError):
+    s.cancel()
+    raise
+  except Exception as e:  # the request failed mid-stream
+    message = f"Request failed during generation: {e}"
+    with contextlib.suppress(ConnectionResetError):
+      await send(response, {"error": message, "error_type": "generation"})
+  await close(response)
+  return response
+
+
+async def open_sse(request) -> web.StreamResponse:
+  response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+  response.enable_chunked_encoding()
+  await response.prepare(request)
+  return response
+
+
+async def openai_events(
+  request, call, streams: dict[int, TokenStream], ctx: Context, *, chat: bool
+) -> web.StreamResponse:
+  """Streams an OpenAI request: chunks per choice as text is safe to show
+  (a stop string is never shown in part), the usage chunk if asked, then
+  [DONE]."""
+  response = await open_sse(request)
+  rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
+  created = int(time.time())
+  queue: asyncio.Queue = asyncio.Queue()
+
+  async def pump(index: int, s: TokenStream):
+    try:
+      async for _ in s:
+        await queue.put((index, s, False))
+    except Exception:
+      pass
+    await queue.put((index, s, True))
+
+  tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
+  held = {i: openai_api.Held(s.generation.stop) for i, s in streams.items()}
+  sent_tokens = dict.fromkeys(streams, 0)
+  lp = {
+    i: openai_api.CompletionLogprobs(ctx, call.logprobs or 0) for i in streams
+  }
+  open_ = set(streams)
+  try:
+    if chat:
+      for i in sorted(streams):
+        await send(
+          response,
+          openai_api.chat_chunk(
+            call,
+            rid,
+            created,
+            i,
+            {"role": "assistant", "content": ""},
+            None,
+            None,
+          ),
+        )
+    while open_:
+      index, s, final = await queue.get()
+      if index not in open_:
+        continue
+      if final and s.finish_reason == ERROR:
+        await send(
+          response,
+          {
+            "error": {
+              "message": f"generation failed: {s.error}",
+              "type": "InternalServerError",
+              "param": None,
+              "code": 500,
+            }
+          },
+        )
+        open_.discard(index)
+        continue
+      text = held[index].delta(s, final)
+      tokens = s.tokens[sent_tokens[index] :] if final or text else []
+      sent_tokens[index] += len(tokens)
+      logprobs = _chunk_logprobs(ctx, call, chat, lp[index], tokens, text)
+      finish = openai_api.reason(s) if final else None
+      if text or finish or logprobs:
+        if chat:
+          delta = {"content": text} if text else {}
+          chunk = openai_api.chat_chunk(
+            call, rid, created, index, delta, finish, logprobs
+          )
+        else:
+          chunk = openai_api.completion_chunk(
+            call, rid, created, index, text, finish, logprobs
+          )
+        await send(response, chunk)
+      if final:
+        open_.discard(index)
+    if call.include_usage:
+      generated = sum(len(s.tokens) for s in streams.values())
+      obj = "chat.completion.chunk" if chat else "text_completion"
+      await send(
+        response, openai_api.usage_chunk(call, rid, created, obj, generated)
+      )
+    await response.write(b"data: [DONE]\n\n")
+  except (asyncio.CancelledError, ConnectionResetError):
+    for s in streams.values():
+      s.cancel()
+    raise
+  finally:
+    for t in tasks:
+      t.cancel()
+  await close(response)
+  return response
+
+
+def _chunk_logprobs(ctx, call, chat, lp, tokens, text):
+  if call.logprobs is None or not tokens:
+    return None
+  if chat:
+    content = openai_api.chat_logprobs(ctx, tokens, call.logprobs)
+    return {"content": content} if content else None
+  entries, left = [], len(text)
+  for t in tokens:
+    if t.special:
+      continue
+    piece = t.text[:left]
+    left -= len(piece)
+    entries.append(lp.token(t, piece))
+  return openai_api.merge(entries) if entries else None
