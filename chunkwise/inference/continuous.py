@@ -232,11 +232,12 @@ def prefill_into(
   engine: Engine,
   bos_id: int,
   adapters_of,
+  rows: int | None = None,
 ) -> slots.SlotState:
   """Prefills `admissions` after the shared prefix and puts them into
-  their slots: one prefill of `admit_rows` rows per group of prompts of
-  the same length bucket."""
-  rows = admit_rows(state.slots)
+  their slots: one prefill of `rows` rows (default `admit_rows`) per
+  group of prompts of the same length bucket."""
+  rows = rows or admit_rows(state.slots)
   groups: dict[int, list[Admission]] = {}
   for a in admissions:
     groups.setdefault(prompt_bucket(a.prompt.size), []).append(a)

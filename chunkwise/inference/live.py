@@ -122,6 +122,7 @@ class LiveSlots:
     processors: tuple,
     prefix: tuple[ChunkResult, ...],
     stop_width: int,
+    admit_rows: int = 1,
   ):
     h = hparams
     self._h = h
@@ -136,6 +137,10 @@ class LiveSlots:
     self.top_n = top_n
     self.every = every
     self.stop_width = stop_width
+    # Prompts prefilled per admission call. One: an arrival alone costs
+    # its own prefill, not three padding rows' (the other slots wait for
+    # it); many arriving at once take one call each (README "Serving").
+    self.admit_rows = admit_rows
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
     self._grammars = constraints_lib.GrammarSet(h.vocab)
@@ -379,6 +384,7 @@ class LiveSlots:
       self._prefill_engine,
       self._bos_id,
       self._adapters,
+      rows=self.admit_rows,
     )
 
   def _collect(self, live: np.ndarray) -> list[SlotUpdate]:
