@@ -64,7 +64,7 @@ class Prepared:
   steps: int
   sampling: Sampling  # numpy scalars
   adapter_id: int  # stack index, -1: the base model
-  processor_state: tuple  # each loop processor's state, leading axis 1
+  processor_state: tuple  # each of the loop's `processors`' states, [1, ...]
   tables: Any  # constraints.Tables or None
 
 
@@ -226,11 +226,8 @@ class LiveSlots:
     known = () if self._served is None else self._served.names
     names, ids = adapters_lib.rows_of([request.adapter], 1, known)
     adapters_lib.check_prefix(self._prefix, names)
-    states = (
-      *processors_lib.request_states(
-        self._templates, self._loop_forms, processors, self._h.vocab, what
-      ),
-      (np.zeros(1, np.int32), np.zeros(1, np.int32)),  # the constraint's
+    states = processors_lib.request_states(
+      self._templates, self._loop_forms, processors, self._h.vocab, what
     )
     tables = None
     if request.constraint is not None:
@@ -367,7 +364,8 @@ class LiveSlots:
       self._budget[s] = p.steps
       self._adapter[s] = p.adapter_id
       self._read[s] = 0
-      states = (*p.processor_state[:-1], (np.int32([g]), np.int32([0])))
+      # The constraint processor's state: (grammar, automaton state 0).
+      states = (*p.processor_state, (np.int32([g]), np.int32([0])))
       admissions.append(
         Admission(
           prompt=p.prompt,

@@ -92,7 +92,7 @@ class CompletionLogprobs:
     return self.entry(text, t.logprob, self.top(list(t.top), t.id, t.logprob))
 
 
-def merge(entries: list[dict]) -> dict | None:
+def merge(entries: list[dict]) -> dict:
   if not entries:
     return {
       "tokens": [],
@@ -128,7 +128,7 @@ def completion(
       text += out
       generated += len(s.tokens)
       if call.logprobs is not None:
-        entries += _generated_entries(lp, s, len(out))
+        entries += completion_entries(lp, s.tokens, len(out))
     choices.append(
       {
         "index": c.index,
@@ -149,15 +149,15 @@ def completion(
   }
 
 
-def _generated_entries(lp: CompletionLogprobs, s: TokenStream, chars: int):
-  """Log-prob entries of the non-special tokens whose text is shown (the
-  first `chars` characters; a stop string's tokens are cut)."""
+def completion_entries(lp: CompletionLogprobs, tokens, chars: int) -> list:
+  """Log-prob entries of the non-special `tokens` whose text is shown (the
+  first `chars` characters of theirs; a stop string's tokens are cut)."""
   out, shown = [], 0
-  for t in s.tokens:
+  for t in tokens:
     if t.special:
       continue
     if shown >= chars and t.text:
-      break  # the rest spells the stop string
+      break  # the rest spells the stop string, or is held back
     text = t.text[: max(0, chars - shown)]
     shown += len(t.text)
     out.append(lp.token(t, text))

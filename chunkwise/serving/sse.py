@@ -176,11 +176,5 @@ def _chunk_logprobs(ctx, call, chat, lp, tokens, text):
   if chat:
     content = openai_api.chat_logprobs(ctx, tokens, call.logprobs)
     return {"content": content} if content else None
-  entries, left = [], len(text)
-  for t in tokens:
-    if t.special:
-      continue
-    piece = t.text[:left]
-    left -= len(piece)
-    entries.append(lp.token(t, piece))
+  entries = openai_api.completion_entries(lp, tokens, len(text))
   return openai_api.merge(entries) if entries else None
