@@ -11,7 +11,10 @@ Then point a client at it:
   from openai import OpenAI
   OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="-").completions...
 
-Routes, wire formats and limits: README "Serving" and chunkwise/serving.
+Open http://127.0.0.1:8080/explore in a browser for the token explorer
+(each token shaded by its probability, its alternatives on hover; texts
+scored and compared across adapters). Routes, wire formats and limits:
+README "Serving" and chunkwise/serving.
 On a pod (--coordinator_address, --num_processes, --process_id, or
 --multihost) process 0 takes HTTP and the others follow its schedule in
 lockstep. Requests run with continuous batching (--slots rows side by
@@ -136,7 +139,10 @@ def main(argv):
   )
 
   def ready(port):
-    print(f"chunkwise serving on http://{_HOST.value}:{port}", flush=True)
+    url = f"http://{_HOST.value}:{port}"
+    print(
+      f"chunkwise serving on {url} (token explorer: {url}/explore)", flush=True
+    )
 
   serving.serve(
     ctx,

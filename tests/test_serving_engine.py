@@ -174,9 +174,11 @@ def _gens(model, n, seed=0):
 def test_engine_streams_equal_generate_alone(tiny, engine):
   """Ten requests submitted from four threads while others run: each
   stream's tokens equal `generate` alone on the same request (its seed,
-  reported when it was drawn), scores to float rounding."""
+  reported when it was drawn), scores to float rounding; a constrained
+  request's tokens say which its constraint forced."""
   gens = _gens(tiny, 10)
   streams = [None] * len(gens)
+  flags = set()
 
   def submit(idx):
     for i in idx:
@@ -204,7 +206,22 @@ def test_engine_streams_equal_generate_alone(tiny, engine):
     np.testing.assert_allclose([t.logprob for t in kept], scores, atol=1e-5)
     assert [[i for i, _ in t.top] for t in kept] == top.tolist()
     assert s.text == "".join(t.text for t in got if not t.special)
+    assert [t.forced for t in got] == _forced(engine, g, got)
+    flags.update(t.forced for t in got)
+  assert flags == {None, True, False}
   assert engine.running == 0 and engine.waiting == 0
+
+
+def _forced(engine, g, tokens):
+  """Which tokens the constraint allowed alone (None without one), from
+  its tables' unpacked bits."""
+  if g.constraint is None:
+    return [None] * len(tokens)
+  (prepared, _), state, out = engine.prepare(g), 0, []
+  for t in tokens:
+    out.append(len(prepared.tables.allowed(state)) == 1)
+    state = prepared.tables.step(state, t.id)
+  return out
 
 
 def test_a_drawn_seed_replays(tiny, engine):

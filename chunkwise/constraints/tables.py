@@ -69,6 +69,11 @@ class Tables:
     """The next state after `token` (-1: rejected)."""
     return int(self.next_state[state, self.token_class[token]])
 
+  def forced(self, state: int) -> bool:
+    """Whether `state` allows exactly one token (stop ids included): the
+    constraint, not the model, chose it."""
+    return int(np.bitwise_count(self.bits[state]).sum()) == 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Vocab:

@@ -72,6 +72,19 @@ class Context:
     """A token's own spelling (an alternative's text)."""
     return self.model.vocab.decode([token])
 
+  def key_of(self, token: int) -> str:
+    """A token's spelling as a key among alternatives (the legacy
+    completions' `top_logprobs` dicts): its text, or for bytes that are
+    not whole UTF-8 characters `bytes:\\xe2\\x98` (as OpenAI spells
+    them), so such tokens do not all collapse into one "\ufffd" key."""
+    b = self._bytes
+    if b is not None and token < len(b) and b[token] is not None:
+      try:
+        b[token].decode("utf-8")
+      except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b[token])
+    return self.text_of(token)
+
   def is_special(self, token: int) -> bool:
     if token in self.model.eos_ids:
       return True

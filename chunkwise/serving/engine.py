@@ -210,7 +210,7 @@ class Engine:
         raise Closed("the server is shutting down")
       if self.waiting >= self.max_queue:
         raise Overloaded("Model is overloaded")
-      stream = TokenStream(self, next(self._keys), g, seed)
+      stream = TokenStream(self, next(self._keys), g, seed, prepared.tables)
       self._inbox.append((stream, prepared))
       self._cv.notify_all()
     return stream

@@ -5,7 +5,8 @@
 
 Routes (../shared/SERVING.md): `POST /`, `/generate`, `/generate_stream`
 (native); `/v1/completions`, `/v1/chat/completions`, `GET /v1/models[/id]`
-(OpenAI); `GET /`, `/health`, `/info`, `/metrics`.
+(OpenAI); `GET /`, `/health`, `/info`, `/metrics`; the token explorer
+page at `GET /explore` (`explore`).
 
 Each request is parsed and validated, its constraint compiled and (when
 asked) its prompt scored in a worker thread, then queued on the engine;
@@ -14,8 +15,9 @@ event per token, flushed). A client that goes away cancels its request
 (aiohttp cancels the handler; the engine frees the slot at the next
 segment). Errors are JSON in each API's shape, the framework's own 404 /
 405 / 413 included. With an API key every route but the health checks
-needs `Authorization: Bearer <key>`. SIGTERM stops admitting (503), lets
-running requests finish within a grace period, and exits.
+and the explorer's own files (they hold no data) needs `Authorization:
+Bearer <key>`. SIGTERM stops admitting (503), lets running requests
+finish within a grace period, and exits.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from typing import Any
 
 from aiohttp import web
 
-from chunkwise.serving import api, native, openai_api, openai_requests, sse
+from chunkwise.serving import (
+  api,
+  explore,
+  native,
+  openai_api,
+  openai_requests,
+  sse,
+)
 from chunkwise.serving.api import ApiError, Context, dumps
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
@@ -212,7 +221,11 @@ class Server:
   async def middleware(self, request: web.Request, handler):
     path = request.path
     try:
-      if self.api_key is not None and path not in ("/", "/health"):
+      if (
+        self.api_key is not None
+        and path not in ("/", "/health")
+        and not explore.public(path)
+      ):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(
           given.encode(), f"Bearer {self.api_key}".encode()
@@ -396,6 +409,7 @@ class Server:
         web.post("/generate_stream", self.native_stream),
         web.post("/v1/completions", self.completions),
         web.post("/v1/chat/completions", self.chat),
+        *explore.Explorer().routes(),
       ]
     )
     return app

@@ -206,6 +206,8 @@ def _constraint(p: Parameters):
 def token(t: Token, options: Options, ctx: Context) -> dict:
   """A generated token in the clients' shape."""
   out = {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
+  if t.forced is not None:  # chunkwise's own: the constraint chose it
+    out["forced"] = t.forced
   if options.alternatives:
     out["alternative_tokens"] = [
       {"id": i, "text": ctx.text_of(i), "logprob": lp}

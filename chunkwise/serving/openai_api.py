@@ -68,8 +68,12 @@ class CompletionLogprobs:
     return out
 
   def top(self, pairs, chosen: int, logprob: float) -> dict:
-    out = {self.ctx.text_of(i): finite(lp) for i, lp in pairs[: self.k]}
-    out.setdefault(self.ctx.text_of(chosen), finite(logprob))
+    """The alternatives by spelling (`Context.key_of`); where two share
+    one, the likelier is kept."""
+    out = {}
+    for i, lp in pairs[: self.k]:
+      out.setdefault(self.ctx.key_of(i), finite(lp))
+    out.setdefault(self.ctx.key_of(chosen), finite(logprob))
     return out
 
   def prompt(self, ids, scores, top_ids, top_lp) -> list[dict]:
@@ -178,6 +182,8 @@ def chat_logprobs(ctx: Context, tokens: list[Token], k: int) -> list[dict]:
       continue
     entry = item(t.id, t.text, t.logprob)
     entry["top_logprobs"] = [item(i, ctx.text_of(i), lp) for i, lp in t.top[:k]]
+    if t.forced is not None:  # chunkwise's own: the constraint chose it
+      entry["forced"] = t.forced
     out.append(entry)
   return out
 

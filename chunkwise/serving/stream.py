@@ -97,13 +97,34 @@ class Generation:
 @dataclasses.dataclass(frozen=True)
 class Token:
   """One generated token: id, the text it adds, its raw log-prob, whether
-  it is special (EOS), and its most likely alternatives [(id, logprob)]."""
+  it is special (EOS), its most likely alternatives [(id, logprob)], and
+  whether the request's constraint allowed only this token (None: the
+  request has no constraint)."""
 
   id: int
   text: str
   logprob: float
   special: bool
   top: tuple[tuple[int, float], ...] = ()
+  forced: bool | None = None
+
+
+class ConstraintWalk:
+  """The request's constraint automaton, walked on the host over the
+  tokens it emits (as the device's processor walks it) to say which of
+  them it forced."""
+
+  def __init__(self, tables):
+    self.tables, self.state = tables, 0
+
+  def forced(self, token: int) -> bool | None:
+    """Whether the current state forced `token`; then steps over it."""
+    if self.tables is None:
+      return None
+    forced = self.tables.forced(self.state)
+    nxt = self.tables.step(self.state, token)
+    self.state = nxt if nxt >= 0 else self.state
+    return forced
 
 
 class TokenStream:
@@ -111,7 +132,9 @@ class TokenStream:
   (sync or async) for `Token`s; afterwards `finish_reason`, `seed`,
   `text` and `error` say how it ended. `cancel()` stops it."""
 
-  def __init__(self, engine: Engine, key: int, g: Generation, seed: int):
+  def __init__(
+    self, engine: Engine, key: int, g: Generation, seed: int, tables=None
+  ):
     self._engine = engine
     self.key = key
     self.generation = g
@@ -132,6 +155,7 @@ class TokenStream:
     self._text = Detokenizer(engine.model.vocab, specials=engine.model.eos_ids)
     self._stops = StopStrings(g.stop)
     self._chars: list[str] = []  # text so far, joined lazily
+    self._walk = ConstraintWalk(tables)
 
   # -- the reader's side --------------------------------------------------
 
@@ -243,6 +267,7 @@ class TokenStream:
               top_ids[: g.top_n], map(finite, top_lp[: g.top_n]), strict=False
             )
           ),
+          self._walk.forced(token),
         )
       )
       if stopped is not None:
@@ -270,6 +295,7 @@ class TokenStream:
                 strict=False,
               )
             ),
+            self._walk.forced(sid),
           )
         )
         reason = EOS if sid in self._engine.model.eos_ids else STOP_SEQUENCE
