@@ -358,8 +358,10 @@ def test_errors_reach_each_client_as_its_exception(saved, server):
       base_url=server.url + "/v1", api_key="wrong", max_retries=0
     ).models.list()
   # Raw HTTP: every error is JSON in its API's shape.
-  status, body = server.post("/generate", {"inputs": "x"})
-  assert status == 401 and "API key" in json.loads(body)["error"]
+  for path in ("/generate", "/"):  # POST / generates: it needs the key too
+    status, body = server.post(path, {"inputs": "x"})
+    assert status == 401 and "API key" in json.loads(body)["error"]
+  assert server.get("/")[0] == server.get("/health")[0] == 200
   status, body = server.post("/generate", b"{" * 100, AUTH)
   assert status == 422 and json.loads(body)["error_type"] == "validation"
   status, body = server.post("/generate", b"[" * 200 + b"]" * 200, AUTH)

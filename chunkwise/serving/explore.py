@@ -39,6 +39,8 @@ CSP = "; ".join(
     "base-uri 'none'",
     "form-action 'none'",
     "frame-ancestors 'none'",
+    # DOM sinks that parse markup (innerHTML, ...) refuse plain strings
+    "require-trusted-types-for 'script'",
   ]
 )
 HEADERS = {

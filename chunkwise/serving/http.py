@@ -105,13 +105,21 @@ def _json_response(body: Any, status: int = 200, headers=None) -> web.Response:
 
 
 def _error_response(path: str, e: ApiError) -> web.Response:
-  headers = {}
+  headers = {"X-Content-Type-Options": "nosniff"}
   if e.status == 429:
     headers["Retry-After"] = "1"
   if e.status in (400, 404, 413, 422):
     headers["x-should-retry"] = "false"
   return _json_response(
     error_body(path, e.status, e.message, e.kind), e.status, headers
+  )
+
+
+def _public(request: web.Request) -> bool:
+  """Whether `request` needs no API key: reading the health checks and the
+  explorer page's files (`POST /` generates: it needs the key)."""
+  return request.method in ("GET", "HEAD") and (
+    request.path in ("/", "/health") or explore.public(request.path)
   )
 
 
@@ -221,11 +229,7 @@ class Server:
   async def middleware(self, request: web.Request, handler):
     path = request.path
     try:
-      if (
-        self.api_key is not None
-        and path not in ("/", "/health")
-        and not explore.public(path)
-      ):
+      if self.api_key is not None and not _public(request):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(
           given.encode(), f"Bearer {self.api_key}".encode()
@@ -239,7 +243,10 @@ class Server:
         if self.draining:
           raise ApiError(503, "the server is shutting down", api.UNAVAILABLE)
         self.metrics.received()
-      return await handler(request)
+      response = await handler(request)
+      if not response.prepared:  # a stream's headers are already sent
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+      return response
     except ApiError as e:
       if request.method == "POST":
         self.metrics.failed(e.kind)

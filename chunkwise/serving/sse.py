@@ -41,21 +41,21 @@ async def close(response: web.StreamResponse) -> None:
 async def native_events(
   request, s: TokenStream, inputs: str, options, ctx: Context
 ) -> web.StreamResponse:
-  """Streams a native request: one event per token, the last with the
-  text and details; an in-stream error event if it fails."""
+  """Streams a native request: one event per token, sent as soon as it is
+  handed over; the last carries the text and details (a stream's last
+  tokens and its finish are handed over together, so the last token is
+  known when it comes); an in-stream error event if it fails."""
   response = await open_sse(request)
-  index, pending = 0, None
+  index = 0
   try:
     async for token in s:
-      if pending is not None:
-        index += 1
-        await send(response, native.event(index, pending, options, ctx))
-      pending = token
-    if pending is not None:
       index += 1
+      last = s.done and index == len(s.tokens)
       await send(
         response,
-        native.event(index, pending, options, ctx, s, inputs),
+        native.event(
+          index, token, options, ctx, *((s, inputs) if last else ())
+        ),
       )
   except (asyncio.CancelledError, ConnectionResetError):
     s.cancel()

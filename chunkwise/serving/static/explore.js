@@ -12,7 +12,7 @@
   const $ = (id) => document.getElementById(id);
   const LOW = 0.1; // below this probability a token is underlined
   const DISAGREE = 5; // tokens highlighted where two models differ most
-  const state = { controller: null, base: null, maxTopN: 0 };
+  const state = { controller: null, base: null, maxTopN: 0, connects: 0 };
 
   function el(tag, className, text) {
     const e = document.createElement(tag);
@@ -36,13 +36,13 @@
     try {
       const body = JSON.parse(text);
       if (body.error && typeof body.error === "object") {
-        return body.error.message;
+        if (body.error.message) return body.error.message;
       }
-      if (typeof body.error === "string") return body.error;
+      if (typeof body.error === "string" && body.error) return body.error;
     } catch (e) {
       // not JSON: shown as it came
     }
-    return `HTTP ${response.status}: ${text.slice(0, 300)}`;
+    return `HTTP ${response.status} ${response.statusText}: ${text.slice(0, 300)}`;
   }
 
   async function call(path, body, signal) {
@@ -57,26 +57,37 @@
     return response;
   }
 
-  // Server-sent events: each `data:` payload, parsed; stops at [DONE].
+  // An event block's payload: its `data:` lines joined (null: none).
+  function payload(block) {
+    const lines = block
+      .split("\n")
+      .filter((line) => line.startsWith("data:"))
+      .map((line) => line.slice(line.startsWith("data: ") ? 6 : 5));
+    return lines.length ? lines.join("\n") : null;
+  }
+
+  // Server-sent events: each event's data, parsed; stops at [DONE]. The
+  // response is cancelled whenever the reader stops early.
   async function* events(response) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
     let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) return;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const block = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        for (const line of block.split("\n")) {
-          if (!line.startsWith("data:")) continue;
-          const data = line.slice(5).trim();
-          if (data === "[DONE]") return;
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        buffer += decoder.decode(value, { stream: !done }).replace(/\r\n?/g, "\n");
+        const blocks = buffer.split("\n\n");
+        buffer = done ? "" : blocks.pop();
+        for (const block of blocks) {
+          const data = payload(block);
+          if (data === null) continue;
+          if (data.trim() === "[DONE]") return;
           yield JSON.parse(data);
         }
+        if (done) return;
       }
+    } finally {
+      reader.cancel().catch(() => {});
     }
   }
 
@@ -96,7 +107,8 @@
   // forced?, special?}. Its numbers travel in data- attributes.
   function tokenElement(t) {
     const span = el("span", "tok", t.text);
-    span.tabIndex = 0;
+    span.setAttribute("role", "listitem");
+    span.tabIndex = -1; // one tab stop per list: arrows move within it
     const known = typeof t.logprob === "number";
     const p = known ? Math.exp(t.logprob) : 1;
     span.style.setProperty("--p", String(p));
@@ -113,12 +125,50 @@
     let label = `${shown(t.text)}: `;
     label += known ? `probability ${pct(p)}` : "no probability (first token)";
     if (t.forced) label += ", forced by the constraint";
+    if (t.diff !== undefined) label += `; ${t.diff}`;
     span.setAttribute("aria-label", label);
+    span.token = t;
     span.addEventListener("mouseenter", () => showCard(span, t));
-    span.addEventListener("focus", () => showCard(span, t));
-    span.addEventListener("mouseleave", hideCard);
+    span.addEventListener("focus", () => {
+      for (const other of span.parentElement.querySelectorAll(".tok")) {
+        other.tabIndex = other === span ? 0 : -1;
+      }
+      showCard(span, t);
+    });
+    span.addEventListener("mouseleave", () => {
+      const focused = document.activeElement;
+      if (focused && focused.token) showCard(focused, focused.token);
+      else hideCard();
+    });
     span.addEventListener("blur", hideCard);
+    span.addEventListener("keydown", moveFocus);
     return span;
+  }
+
+  // Appends a token element; the list's first token is its tab stop.
+  function appendToken(list, t) {
+    const span = tokenElement(t);
+    if (!list.querySelector(".tok")) span.tabIndex = 0;
+    list.append(span);
+    return span;
+  }
+
+  // Arrow keys, Home and End move between a list's tokens.
+  function moveFocus(e) {
+    const span = e.currentTarget;
+    const all = Array.from(span.parentElement.querySelectorAll(".tok"));
+    const i = all.indexOf(span);
+    const to = {
+      ArrowRight: i + 1,
+      ArrowDown: i + 1,
+      ArrowLeft: i - 1,
+      ArrowUp: i - 1,
+      Home: 0,
+      End: all.length - 1,
+    }[e.key];
+    if (to === undefined) return;
+    e.preventDefault();
+    if (to >= 0 && to < all.length) all[to].focus();
   }
 
   function showCard(anchor, t) {
@@ -162,8 +212,13 @@
       card.append(table);
     }
     card.hidden = false;
+    for (const other of document.querySelectorAll("[aria-describedby=card]")) {
+      other.removeAttribute("aria-describedby");
+    }
+    anchor.setAttribute("aria-describedby", "card");
     const box = anchor.getBoundingClientRect();
-    card.style.left = `${Math.max(4, window.scrollX + box.left)}px`;
+    const room = document.documentElement.clientWidth - card.offsetWidth - 4;
+    card.style.left = `${window.scrollX + Math.max(4, Math.min(box.left, room))}px`;
     card.style.top = `${window.scrollY + box.bottom + 6}px`;
   }
 
@@ -174,10 +229,12 @@
   // -- models and limits ----------------------------------------------------
 
   async function connect() {
+    const attempt = ++state.connects; // a later attempt's answer wins
     showError("");
     try {
       const models = await (await call("v1/models")).json();
       const info = await (await call("info")).json();
+      if (attempt !== state.connects) return;
       const list = $("models");
       list.replaceChildren();
       for (const m of models.data) {
@@ -199,6 +256,7 @@
         `${info.model_id} · ${adapters} adapter${adapters === 1 ? "" : "s"} · ` +
         `${info.slots} slots · up to ${state.maxTopN} alternatives`;
     } catch (e) {
+      if (attempt !== state.connects) return;
       $("server").textContent = "";
       showError(`Could not reach the server: ${e.message}`);
     }
@@ -258,6 +316,7 @@
   function generationRequest() {
     const chat = document.querySelector('input[name="gen-mode"]:checked').value === "chat";
     const model = $("gen-model").value.trim() || state.base;
+    if (!model) throw new Error("Choose a model first (Connect lists them).");
     const temperature = number("temperature", 0);
     const topP = number("top-p", 1);
     const topK = number("top-k", 0);
@@ -341,6 +400,11 @@
     $("gen-stats").textContent = parts.join(" · ");
   }
 
+  // What a screen reader hears: the start and the end, not every token.
+  function announce(message) {
+    $("announce").textContent = message;
+  }
+
   async function generate(event) {
     event.preventDefault();
     showError("");
@@ -356,6 +420,8 @@
     const [path, body, read] = request;
     out.replaceChildren();
     out.dataset.state = "running";
+    out.setAttribute("aria-busy", "true");
+    announce("Generating");
     $("gen-start").disabled = true;
     $("gen-stop").disabled = false;
     const controller = new AbortController();
@@ -375,7 +441,7 @@
           if (first === null) first = now;
           last = now;
           count += 1;
-          out.append(tokenElement(t));
+          appendToken(out, t);
         }
         if (finish) reason = finish;
         stats(start, first, last, count, reason);
@@ -390,10 +456,13 @@
         out.dataset.state = "error";
       }
     } finally {
+      controller.abort(); // frees the server's slot if reading failed
       state.controller = null;
       $("gen-start").disabled = false;
       $("gen-stop").disabled = true;
+      out.removeAttribute("aria-busy");
       stats(start, first, last, count, reason);
+      announce($("gen-stats").textContent);
     }
   }
 
@@ -436,8 +505,9 @@
     summary.dataset.total = String(total);
     div.append(summary);
     const box = el("div", "tokens");
+    box.setAttribute("role", "list");
     box.setAttribute("aria-label", `Tokens of the text under ${model}`);
-    for (const t of tokens) box.append(tokenElement(t));
+    for (const t of tokens) appendToken(box, t);
     div.append(box);
     return div;
   }
@@ -448,13 +518,16 @@
     hideCard();
     const out = $("score-out");
     const text = $("score-text").value;
-    const a = $("score-model-a").value.trim() || state.base;
+    const a = $("score-model-a").value.trim() || state.base || "";
     const b = $("score-model-b").value.trim();
     $("disagree").hidden = true;
+    out.replaceChildren();
+    $("score-stats").textContent = "";
     out.dataset.state = "running";
     $("score-start").disabled = true;
     try {
       if (!text) throw new Error("Nothing to score: the text is empty.");
+      if (!a) throw new Error("Choose a model first (Connect lists them).");
       const topN = number("score-top-n", 0);
       const [ta, tb] = await Promise.all([
         scoreWith(a, text, topN),
@@ -500,6 +573,8 @@
       for (const c of columns) {
         const span = c.children[i];
         span.classList.add("disagree");
+        const label = span.getAttribute("aria-label");
+        span.setAttribute("aria-label", `${label}, among the largest differences`);
         span.dataset.diff = String(tb[i].logprob - ta[i].logprob);
       }
       const item = el("li");
