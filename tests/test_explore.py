@@ -232,6 +232,8 @@ def test_page_is_static_locked_down_and_keyless(server):
     status, body = server.get(f"/explore/{name}")
     assert status == 200 and KEY.encode() not in body
   assert server.get("/explore/explore.html")[0] == 404
+  with urllib.request.urlopen(server.url + "/explore/") as r:  # redirected
+    assert r.url == server.url + "/explore" and r.read() == html
   assert server.get("/explore/nothing.js")[0] == 404
   text = html.decode()
   assert KEY not in text

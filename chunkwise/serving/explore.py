@@ -82,7 +82,9 @@ class Explorer:
     return self._file(name)
 
   async def slash(self, request: web.Request) -> web.Response:
-    raise web.HTTPMovedPermanently(PATH)
+    # A plain response, not aiohttp's redirect exception: the middleware
+    # turns raised HTTP exceptions into JSON errors.
+    return web.Response(status=301, headers={"Location": PATH})
 
   def routes(self) -> list:
     return [
