@@ -8,7 +8,8 @@ contracted letters follow their order in the weight, which the weight's
 row-major layout makes a free reshape to [h·d, e]. Output letters in
 another order than x's free letters then w's cost a transpose of the
 output (an activation), never of the weight. Letters in both inputs and
-the output (batch dims) are not supported.
+the output (batch dims) are not supported. Under invariant numerics
+(`chunkwise.numerics`) the product runs in `numerics.matmul`.
 
   out = contract("bthd,hde->bte", x, w)     # == jnp.einsum(...)
 """
@@ -47,6 +48,10 @@ def contract_dims(eq: str):
 def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """`jnp.einsum(eq, x, w)` with the contraction in `w`'s own dim order;
   keyword arguments go to `lax.dot_general` (e.g. `precision`)."""
+  from chunkwise import numerics  # numerics imports this module
+
+  if numerics.invariant():
+    return numerics.matmul(eq, x, w)
   lhs, rhs, order = contract_dims(eq)
   out = lax.dot_general(x, w, ((lhs, rhs), ((), ())), **kwargs)
   return out if order is None else out.transpose(order)

@@ -1,6 +1,6 @@
 """Compiles the CPU kernels once per machine and registers them with XLA.
 
-`matmul.cc` is compiled with the system C++ compiler (`$CXX`, else g++ or
+`matmul.cc` and `invariant.cc` (with `pool.h`) are compiled with the system C++ compiler (`$CXX`, else g++ or
 c++; `-O3 -march=native`) against the XLA FFI headers that jaxlib ships,
 into a cache directory keyed by the source, the compiler, the headers'
 jaxlib version and the CPU's features: `$CHUNKWISE_KERNEL_CACHE`, else
@@ -28,7 +28,11 @@ import jax
 import jaxlib
 
 TARGET = "chunkwise_matmul"
-_SOURCE = pathlib.Path(__file__).with_name("matmul.cc")
+INVARIANT_TARGET = "chunkwise_invariant_matmul"
+UNARY_TARGET = "chunkwise_invariant_unary"
+_HERE = pathlib.Path(__file__).parent
+_SOURCES = (_HERE / "matmul.cc", _HERE / "invariant.cc")
+_HEADERS = (_HERE / "pool.h",)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,7 @@ def _cache_dir() -> pathlib.Path:
 
 
 def _compile(cxx: str) -> pathlib.Path:
-  source = _SOURCE.read_bytes()
+  source = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
   version = subprocess.run(
     [cxx, "--version"], capture_output=True, text=True, check=True
   ).stdout
@@ -90,7 +94,7 @@ def _compile(cxx: str) -> pathlib.Path:
         cxx,
         *_FLAGS,
         f"-I{jax.ffi.include_dir()}",
-        str(_SOURCE),
+        *map(str, _SOURCES),
         "-o",
         str(partial),
       ],
@@ -120,9 +124,14 @@ def load() -> bool:
     return False
   try:
     library = ctypes.cdll.LoadLibrary(str(_compile(cxx)))
-    jax.ffi.register_ffi_target(
-      TARGET, jax.ffi.pycapsule(library.ChunkwiseMatmul), platform="cpu"
-    )
+    for target, symbol in (
+      (TARGET, library.ChunkwiseMatmul),
+      (INVARIANT_TARGET, library.ChunkwiseInvariantMatmul),
+      (UNARY_TARGET, library.ChunkwiseInvariantUnary),
+    ):
+      jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(symbol), platform="cpu"
+      )
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning(
       "chunkwise: the CPU kernels did not build (%s); matmuls run as XLA "

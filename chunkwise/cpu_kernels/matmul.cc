@@ -50,12 +50,14 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "pool.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
 using i64 = int64_t;
+using chunkwise::parallel_for;
 
 // Weight rows read ahead of the k-major loop: each step reads short
 // segments of four rows N apart, which the hardware prefetchers miss
@@ -518,50 +520,6 @@ void compute(const float* x, const W* w, const float* s, float* out,
   (void)acc;
   scalar_rows<SCALED>(x, w, s, out, M, K, N, group, nmajor, n0, n1);
 #endif
-}
-
-// Blocks claimed from a shared counter by the caller and pool threads.
-struct Job {
-  std::function<void(i64)> body;
-  i64 total = 0;
-  std::atomic<i64> next{0};
-  std::atomic<i64> done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-
-  void work() {
-    for (i64 b; (b = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
-      body(b);
-      if (done.fetch_add(1, std::memory_order_acq_rel) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
-    }
-  }
-};
-
-void parallel_for(ffi::ThreadPool& pool, i64 total,
-                  std::function<void(i64)> body) {
-  auto job = std::make_shared<Job>();
-  job->body = std::move(body);
-  job->total = total;
-  // The caller works too: pool threads - 1 helpers keep one worker per
-  // core (one more oversubscribes the cores and was slower).
-  const i64 helpers = std::min<i64>(pool.num_threads() - 1, total - 1);
-  // A task that starts after the caller finished finds no block left; it
-  // holds the job, never the caller's buffers.
-  for (i64 i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  // A short spin (a helper is usually about to finish), then block: other
-  // programs (another device's shard, another process) may need the cores.
-  for (int i = 0; i < 256; ++i) {
-    if (job->done.load(std::memory_order_acquire) == total) return;
-    std::this_thread::yield();
-  }
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->finished.wait(lock, [&] {
-    return job->done.load(std::memory_order_acquire) == total;
-  });
 }
 
 #ifdef CW_AVX2

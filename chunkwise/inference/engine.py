@@ -121,11 +121,15 @@ class Engine(Protocol):
 class ReferenceEngine:
   """The reference layout: the per-device functions jitted, no mesh."""
 
-  def __init__(self, infer_fn: InferFn, weights, *, precision: str):
+  def __init__(
+    self, infer_fn: InferFn, weights, *, precision: str, numerics: str
+  ):
     self.weights = weights
 
     def traced(fn):
-      return with_precision(functools.partial(fn, infer_fn), precision)
+      return with_precision(
+        functools.partial(fn, infer_fn), precision, numerics
+      )
 
     self._prefill = jax.jit(
       traced(prefill.prefill), static_argnames=("top_n", "bos_id")
@@ -195,6 +199,7 @@ def make_engines(
   cache_dtype,
   compute_dtype,
   precision: str,
+  numerics: str = "fast",
 ) -> tuple[Engine, Engine]:
   """The (prefill, generate) engines of validated `phases` on `mesh`; one
   engine when both phases share a layout. Weights placed for one layout
@@ -234,7 +239,9 @@ def make_engines(
     if lay in engines:
       continue
     if lay.kind is LayoutKind.REFERENCE:
-      engines[lay] = ReferenceEngine(infer_fn, weights, precision=precision)
+      engines[lay] = ReferenceEngine(
+        infer_fn, weights, precision=precision, numerics=numerics
+      )
       continue
     # Weights already placed by another layout are reused, unless shuffled
     # for another layout's collectives.
@@ -252,6 +259,7 @@ def make_engines(
       cache_dtype=cache_dtype,
       compute_dtype=compute_dtype,
       precision=precision,
+      numerics=numerics,
     )
   return engines[phases[0]], engines[phases[1]]
 

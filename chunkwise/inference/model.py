@@ -49,6 +49,7 @@ from chunkwise.models import Weights, init_random
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.placement import check_placement
 from chunkwise.planner import choice as planner_choice
+from chunkwise import numerics as numerics_lib
 from chunkwise.precision import resolve as resolve_precision
 
 
@@ -81,6 +82,10 @@ class InferenceModel:
       (`chunkwise.precision`); None: "highest" for f32 compute (scores
       match the CPU's on GPUs, whose default f32 matmul is TF32),
       "default" for bf16.
+    numerics: "invariant" (the default: on the CPU a row's logits, scores
+      and tokens are bit-identical whatever else is in its batch and
+      however its context was cut into chunks) or "fast" (XLA's own
+      reduction orders); see `chunkwise.numerics`.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
 
@@ -107,10 +112,12 @@ class InferenceModel:
     precision: str | None = None,
     infer_fn: InferFn | None = None,
     workload=None,
+    numerics: str | None = None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._precision = resolve_precision(precision, compute_dtype)
+    self._numerics = numerics_lib.resolve(numerics)
     layout, prefill_layout, generate_layout, self._choice = (
       planner_choice.resolve(
         hparams,
@@ -144,6 +151,7 @@ class InferenceModel:
       cache_dtype=cache_dtype,
       compute_dtype=compute_dtype,
       precision=self._precision,
+      numerics=self._numerics,
     )
 
   @classmethod
@@ -193,6 +201,11 @@ class InferenceModel:
     """The (prefill, generate) engines (one object when the phases share a
     layout)."""
     return self._prefill_engine, self._generate_engine
+
+  @property
+  def numerics(self) -> str:
+    """"invariant" or "fast" (`chunkwise.numerics`)."""
+    return self._numerics
 
   @property
   def precision(self) -> str:

@@ -29,6 +29,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from chunkwise import numerics
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, repeat_each
@@ -213,8 +214,11 @@ def exp_sum(x: jax.Array) -> jax.Array:
   over its 49152-word vocabulary). XLA:CPU computes f32 dots in f32 at any
   `precision`, so the product follows the model's setting (tests check
   every dot carries it); elsewhere, where a "default" dot may round to
-  bf16 or TF32, the sum is a plain reduction.
+  bf16 or TF32, the sum is a plain reduction. Under invariant numerics:
+  `numerics.row_sum`.
   """
+  if numerics.invariant():
+    return numerics.last_sum(numerics.exp(x))
   e = jnp.exp(x)
 
   def by_matvec(e):
@@ -244,7 +248,7 @@ def score_tokens(
   # are never stored.
   logits = logits.astype(jnp.float32)
   top = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  log_total = jnp.log(exp_sum(logits - top))
+  log_total = numerics.log(exp_sum(logits - top))
   safe = jnp.clip(tokens, 0, logits.shape[-1] - 1)  # padding may be anything
   picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)
   scores = ((picked - top) - log_total)[..., 0]

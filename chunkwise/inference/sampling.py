@@ -23,6 +23,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from chunkwise import numerics
+
 
 @struct.dataclass(kw_only=True)
 class Sampling:
@@ -143,15 +145,21 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     position = jnp.arange(scaled.shape[-1])[None, :]
     top_k = sampling.top_k[:, None]
     keep = (top_k == 0) | (position < top_k)
-    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(keep, ranked, -jnp.inf)
+    if numerics.invariant():  # sums in a fixed order per row
+      e = numerics.exp(kept - ranked[:, :1])
+      probs = e / numerics.last_sum(e)
+      mass_before = numerics.cumsum(probs) - probs
+    else:
+      probs = jax.nn.softmax(kept, axis=-1)
+      mass_before = jnp.cumsum(probs, axis=-1) - probs
     # Guards on "off" values keep unfiltered rows bit-identical whether or
     # not another row of the batch switches the filters on.
     top_p = sampling.top_p[:, None]
     keep &= (top_p >= 1) | (mass_before < top_p)
     # p_i >= min_p * p_max  <=>  logit_i - logit_max >= ln(min_p).
     min_p = sampling.min_p[:, None]
-    keep &= (min_p == 0) | (ranked - ranked[:, :1] >= jnp.log(min_p))
+    keep &= (min_p == 0) | (ranked - ranked[:, :1] >= numerics.log(min_p))
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
     rank = (
       jnp.zeros_like(order)
@@ -176,7 +184,7 @@ def sample(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
 
   def draw(logits):
     filtered = filter_logits(logits, sampling)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    drawn = numerics.categorical(keys, filtered)
     return jnp.where(sampling.temperature > 0, drawn.astype(jnp.int32), greedy)
 
   return lax.cond(

@@ -129,9 +129,11 @@ class ShardedEngine:
     cache_dtype,
     compute_dtype,
     precision: str,
+    numerics: str = "fast",
   ):
     self.hparams = hparams
     self._precision = precision
+    self._numerics = numerics
     self.mesh = mesh
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
@@ -286,7 +288,7 @@ class ShardedEngine:
     if key not in self._programs:
       self._programs[key] = jax.jit(
         jax.shard_map(
-          with_precision(per_device, self._precision),
+          with_precision(per_device, self._precision, self._numerics),
           mesh=self.mesh,
           in_specs=in_specs,
           out_specs=out_specs,

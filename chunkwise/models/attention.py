@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from chunkwise import numerics
 from chunkwise.configs import HParams
 
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
@@ -184,6 +185,116 @@ def _attend_causal(
   )
 
 
+def _attend_invariant(
+  q: jax.Array, k: jax.Array, v: jax.Array, prefix: list, options: Options
+) -> jax.Array:
+  """Attention whose every operation depends only on the query and the
+  keys and values at their absolute positions (invariant numerics).
+
+  For each query, the logits of every key of every piece come first (a
+  16-lane chain and tree each: `numerics.batched`, n-major), then their
+  exact max. exp(logit - max) weights the values in one FMA chain per
+  output over the keys in position order, piece after piece (the
+  accumulator carried from one kernel call to the next), with the weights'
+  sum chained beside them (`ones`). A masked key's weight is exactly 0 and
+  adds nothing, so padding, and where one piece ends and the next begins,
+  change no operation; query blocks of the chunk skip the keys after their
+  last row (and, with a window, before their first row's), all masked.
+
+  Args:
+    q: f32[B, T, kv_heads, group, D], pre-scaled.
+    k, v: [B, T, kv_heads, D] the chunk's keys and values.
+    prefix: (k, v, heads_major, mask) per prefix piece, in position order:
+      k, v as `PrefixLayer`'s (b rows, b | B), mask bool broadcastable to
+      [b, B/b, T, 1, 1, S].
+  Returns:
+    f32[B, T, heads, D].
+  """
+  batch, time, kv_heads, group, dim = q.shape
+  heads_major = [
+    (pk, pv) if major else (jnp.swapaxes(pk, 1, 2), jnp.swapaxes(pv, 1, 2))
+    for pk, pv, major, _ in prefix
+  ]  # [b, kv, S, D]
+  kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  window = options.window
+  blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
+  rows = -(-time // blocks)
+  parts = []
+  for start in range(0, time, rows):
+    end = min(start + rows, time)
+    first = 0 if window is None else max(0, start - window + 1)
+    behind = (start + jnp.arange(end - start))[:, None] - jnp.arange(first, end)
+    seen = behind >= 0
+    if window is not None:
+      seen &= behind < window
+    pieces = [
+      (pk, pv, mask if mask.shape[2] == 1 else mask[:, :, start:end])
+      for (pk, pv), (_, _, _, mask) in zip(heads_major, prefix)
+    ]
+    pieces.append(
+      (
+        kh[:, :, first:end],
+        vh[:, :, first:end],
+        seen[None, None, :, None, None, :],
+      )
+    )
+    parts.append(_chain(q[:, start:end], pieces, options.softcap))
+  out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+  return out.reshape(batch, time, kv_heads * group, dim)
+
+
+def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
+  """`_attend_invariant` of queries q [B, T, kv, group, D] to `pieces`
+  (k, v [b, kv, S, D], mask), in order. Returns f32[B, T, kv, group, D]."""
+  batch, time, kv_heads, group, dim = q.shape
+
+  def common(a, b):  # [b, kv, r, T, group, ...] -> [B, kv, T, group, ...]
+    a = jnp.moveaxis(a, 2, 1)
+    return a.reshape(batch, *a.shape[2:])
+
+  def view(a, b):  # the inverse
+    a = a.reshape(b, batch // b, *a.shape[1:])
+    return jnp.moveaxis(a, 1, 2)
+
+  queries = jnp.swapaxes(q, 1, 2)  # [B, kv, T, group, D]
+  scored = []
+  for k, v, mask in pieces:
+    b, width = k.shape[0], k.shape[2]
+    rows = batch // b * time * group
+    logits = numerics.batched(
+      view(queries, b).reshape(b * kv_heads, rows, dim),
+      k.reshape(b * kv_heads, width, dim),
+      nmajor=True,
+    ).reshape(b, kv_heads, batch // b, time, group, width)
+    if softcap is not None:
+      logits = softcap * numerics.tanh(logits / softcap)
+    mask = jnp.moveaxis(mask, 3, 1)  # [b, 1, r, T, 1, S]
+    scored.append((jnp.where(mask, logits, _MASKED), v, b))
+  top = None
+  for logits, _, b in scored:
+    m = common(jnp.max(logits, axis=-1), b)
+    top = m if top is None else jnp.maximum(top, m)
+  acc = None
+  for logits, v, b in scored:
+    # A masked logit is _MASKED: exp(_MASKED - top) is exactly 0 (every
+    # query sees itself, so top is a real logit).
+    e = numerics.exp(logits - view(top, b)[..., None])
+    rows, width = batch // b * time * group, v.shape[2]
+    start = None
+    if acc is not None:
+      start = view(acc, b).reshape(b * kv_heads, rows, dim + 1)
+    out = numerics.batched(
+      e.reshape(b * kv_heads, rows, width),
+      v.reshape(b * kv_heads, width, dim),
+      start,
+      nmajor=False,
+      ones=True,
+    )
+    acc = common(out.reshape(b, kv_heads, batch // b, time, group, -1), b)
+  out = acc[..., :dim] / acc[..., dim:]  # [B, kv, T, group, D]
+  return jnp.swapaxes(out, 1, 2)
+
+
 def _repeat_rows(x: jax.Array, batch: int) -> jax.Array:
   """Per-row values of a piece of b rows for the `batch` query rows it
   serves (row r reads piece row r // (batch / b))."""
@@ -237,6 +348,9 @@ def attend(
       k_positions = starts[i][:, None] + jnp.arange(width)  # [B, S]
       near = q_positions[:, :, None] - k_positions[:, None, :] < window
       mask = mask & near.reshape(b, batch // b, time, 1, 1, width)
+    if numerics.invariant():
+      pieces.append((piece.k, piece.v, piece.heads_major, mask))
+      continue
     m, s, o = _attend_piece(
       q.reshape(b, batch // b, *q.shape[1:]),
       piece.k,
@@ -252,6 +366,8 @@ def attend(
         o.reshape(batch, time, kv_heads, group, dim),
       )
     )
+  if numerics.invariant():
+    return _attend_invariant(q, k, v, pieces, options)
   pieces.append(_attend_causal(q, k, v, options))
 
   big_m = pieces[0][0]

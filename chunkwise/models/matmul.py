@@ -11,7 +11,9 @@ dims lead it ("k-major": q, k, v, o, gate, up, down, an untied
 unembedding) or end it ("n-major": a tied embedding table unembedding)
 calls `chunkwise.cpu_kernels.matmul` (through `jax.ffi`), which reads
 each int8, bf16 or f32 weight element once and converts it in registers.
-Everything else, and every other backend, takes the plain twin `plain`:
+Under invariant numerics (`chunkwise.numerics`) every matmul on the CPU,
+whatever its rows, runs `numerics.matmul` instead. Everything else, and
+every other backend, takes the plain twin `plain`:
 `contract(eq, x, w.astype(x.dtype))`, which tests compare the kernel
 with. The kernel's f32 sums are cast to x's dtype. With int8 weights
 (and AVX2) the kernel rounds x to int16 once per call, one scale per row
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from chunkwise import cpu_kernels
+from chunkwise import cpu_kernels, numerics
 from chunkwise.contract import contract, contract_dims
 from chunkwise.models.quantized import QArray
 
@@ -101,6 +103,8 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
 def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   """`plain(eq, x, w)`, through the CPU kernel where it applies (module
   doc). `w`: an array or a `QArray`."""
+  if numerics.invariant():
+    return numerics.matmul(eq, x, w)
   nmajor = _form(eq, x, w)
   # Only a CPU-backed process builds the kernel (none on a GPU host).
   on_cpu = jax.default_backend() == "cpu"

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from chunkwise import numerics
 from chunkwise.configs import Activation, Block, HParams
 from chunkwise.models import lora, rope
 from chunkwise.models.attention import Options
@@ -43,7 +44,11 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, Options], jax.Array]
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
   """x / rms(x) (in f32), times the learned scale when there is one."""
   x32 = x.astype(jnp.float32)
-  normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if numerics.invariant():
+    mean = numerics.last_sum(x32 * x32) / x.shape[-1]
+  else:
+    mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+  normed = x32 * lax.rsqrt(mean + eps)
   if scale is not None:
     normed = normed * scale.astype(jnp.float32)
   return normed.astype(x.dtype)
@@ -51,8 +56,8 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
 
 def _activation(kind: Activation, x: jax.Array) -> jax.Array:
   if kind == Activation.SILU:
-    return jax.nn.silu(x)
-  return jax.nn.gelu(x, approximate=True)
+    return numerics.silu(x)
+  return numerics.gelu_tanh(x)
 
 
 def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -186,7 +191,7 @@ def scale_embedded(hparams: HParams, x: jax.Array) -> jax.Array:
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
   """cap * tanh(logits / cap); logits unchanged without a cap."""
-  return logits if cap is None else cap * jnp.tanh(logits / cap)
+  return logits if cap is None else cap * numerics.tanh(logits / cap)
 
 
 def embed(weights: Weights, tokens: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from chunkwise import numerics
 from chunkwise.configs import Block, HParams
 from chunkwise.models import fused, lora
 from chunkwise.models import shard_ops as ops
@@ -70,7 +71,7 @@ def norm(
   x = ops.all_gather(x, _minus(plan.resid_embed, plan.embed_axes), axis=2)
   x32 = x.astype(jnp.float32)
   squares = ops.psum(
-    jnp.sum(x32 * x32, axis=-1, keepdims=True), plan.embed_axes
+    numerics.last_sum(x32 * x32), plan.embed_axes
   )
   normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
   if scale is not None:
@@ -90,7 +91,7 @@ def residual_norm(
     return x
   x32 = x.astype(jnp.float32)
   squares = ops.psum(
-    jnp.sum(x32 * x32, axis=-1, keepdims=True), plan.resid_embed
+    numerics.last_sum(x32 * x32), plan.resid_embed
   )
   normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
   n = plan.size(plan.resid_embed)

@@ -1,0 +1,65 @@
+"""`invariant_matmul(x, w, ...)`: `invariant.cc` called through `jax.ffi`.
+
+Every output is one fixed sequence of f32 operations that depends only on
+its row of x and the weight (see `invariant.cc`): not on the number of
+rows, the row's index, the tiling or the threads.
+
+  x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [1 or G, K, N]
+  (k-major) or [1 or G, N, K] (n-major); scale: f32 [1 or G, K / group, N]
+  or [1 or G, N, K / group], or None for a float weight; acc: f32
+  [G, M, N'] the k-major chains start from (or None: +0); ones: a column N
+  of weight 1 (the chained sum of x's row; k-major float only); portable:
+  the plain C++ loops that define the sums, not the AVX-512 tiles (tests).
+  Returns f32 [G, M, N'] with N' = N + ones.
+
+Registered for the CPU platform only: call it under
+`lax.platform_dependent` with a twin for the other backends
+(`chunkwise.numerics`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from chunkwise.cpu_kernels import build
+
+
+def invariant_matmul(
+  x,
+  w,
+  scale=None,
+  acc=None,
+  *,
+  nmajor: bool,
+  ones: bool = False,
+  portable: bool = False,
+) -> jax.Array:
+  g, m, _ = x.shape
+  n = (w.shape[1] if nmajor else w.shape[2]) + int(ones)
+  dummy = jnp.zeros((1, 1, 1), jnp.float32)
+  return jax.ffi.ffi_call(
+    build.INVARIANT_TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32)
+  )(
+    x.astype(jnp.float32),
+    w,
+    dummy if scale is None else scale.astype(jnp.float32),
+    dummy if acc is None else acc.astype(jnp.float32),
+    nmajor=int(nmajor),
+    scaled=int(scale is not None),
+    has_acc=int(acc is not None),
+    ones=int(ones),
+    portable=int(portable),
+  )
+
+
+def invariant_unary(x, op: str, *, portable: bool = False) -> jax.Array:
+  """exp or log (`op`) of f32 `x`, elementwise, the same operations for
+  every element whatever x's shape (see `invariant.cc`)."""
+  ops = {"exp": 0, "log": 1}
+  if op not in ops:
+    raise ValueError(f"op={op!r}: expected 'exp' or 'log'")
+  x = jnp.asarray(x, jnp.float32)
+  return jax.ffi.ffi_call(
+    build.UNARY_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32)
+  )(x, op=ops[op], portable=int(portable))

@@ -1,0 +1,261 @@
+"""Numerics: whether a row's numbers depend on what it is computed beside.
+
+A model's `numerics` is one of
+
+  "invariant"  on the CPU, a row's logits, scores, top-n and tokens are
+               bit-identical whatever the batch, the row's index in it, the
+               other rows, the slot count, and how its context was cut into
+               chunks and prefixes (a decode step equals a multi-position
+               pass). Every sum a row's numbers go through has one fixed
+               order that depends only on the row:
+               - activation x weight matmuls, and row sums (norms, the
+                 log-softmax's and the softmax's totals), run in
+                 `cpu_kernels.invariant_matmul`: one FMA chain per output
+                 in input order (k-major weights), or 16 lane chains and a
+                 fixed tree (n-major weights, row sums);
+               - attention (`models.attention`) takes the exact max of
+                 every key's logit over all pieces of context first, then
+                 chains exp(logit - max) * value over the keys in absolute
+                 position order, piece after piece (an accumulator carried
+                 from one kernel call to the next), so where a piece ends
+                 changes no operation; masked keys add exact zeros;
+               - the top-p filter's cumulative sum is a fixed scan.
+               Other backends run the same programs with XLA's dots (the
+               twin): there the property is not kept (DESIGN.md §4.10).
+  "fast"       XLA's own dots and reductions, whose order depends on the
+               shapes (a row's scores move by ~3e-5 between batch sizes),
+               and the decode kernel `cpu_kernels.matmul` up to 16 rows.
+
+The setting applies while a program is traced (like `precision`):
+
+  with numerics.scope("invariant"):
+    ...                                 # traced code asks numerics.invariant()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from chunkwise import cpu_kernels
+from chunkwise.contract import contract_dims
+
+NUMERICS = ("invariant", "fast")
+DEFAULT = "invariant"
+
+_CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
+
+
+def resolve(numerics: str | None) -> str:
+  """`numerics` checked, or the default."""
+  if numerics is None:
+    return DEFAULT
+  if numerics not in NUMERICS:
+    raise ValueError(
+      f"numerics={numerics!r} is not a numerics mode; expected None or one "
+      f"of {', '.join(NUMERICS)}"
+    )
+  return numerics
+
+
+@contextlib.contextmanager
+def scope(numerics: str):
+  """Code traced inside computes with `numerics`."""
+  token = _CURRENT.set(resolve(numerics))
+  try:
+    yield
+  finally:
+    _CURRENT.reset(token)
+
+
+def invariant() -> bool:
+  """Whether the code being traced keeps rows invariant (on the CPU)."""
+  return _CURRENT.get() == "invariant" and _kernels()
+
+
+def _kernels() -> bool:
+  return jax.default_backend() == "cpu" and cpu_kernels.load()
+
+
+def _on_cpu(args, cpu, default):
+  """`cpu(*args)` on the CPU backend, `default(*args)` elsewhere."""
+  return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+  """The sum over x's last axis, in one fixed order per row (16 lane
+  chains and a tree: the kernel's n-major form against ones)."""
+  shape, k = x.shape[:-1], x.shape[-1]
+
+  def kernel(x):
+    ones = jnp.ones((1, 1, k), jnp.float32)
+    rows = x.astype(jnp.float32).reshape(1, -1, k)
+    out = cpu_kernels.invariant_matmul(rows, ones, nmajor=True)
+    return out.reshape(shape).astype(x.dtype)
+
+  return _on_cpu((x,), kernel, lambda x: jnp.sum(x, axis=-1))
+
+
+def _unary(x: jax.Array, op: str, twin) -> jax.Array:
+  if not invariant():
+    return twin(x)
+
+  def kernel(x):
+    return cpu_kernels.invariant_unary(x, op).astype(x.dtype)
+
+  return _on_cpu((x,), kernel, twin)
+
+
+def exp(x: jax.Array) -> jax.Array:
+  """`jnp.exp`; under invariant numerics the kernel's, the same operations
+  for every element (XLA:CPU's exp of an element depended on the array's
+  shape: one routine in a loop's vector body, another in its remainder)."""
+  return _unary(x, "exp", jnp.exp)
+
+
+def log(x: jax.Array) -> jax.Array:
+  """`jnp.log`; under invariant numerics the kernel's (see `exp`)."""
+  return _unary(x, "log", jnp.log)
+
+
+def tanh(x: jax.Array) -> jax.Array:
+  """`jnp.tanh`; under invariant numerics 1 - 2 / (exp(2x) + 1)."""
+  if not invariant():
+    return jnp.tanh(x)
+  return 1 - 2 / (exp(2 * x) + 1)
+
+
+def silu(x: jax.Array) -> jax.Array:
+  """`jax.nn.silu`; under invariant numerics x / (1 + exp(-x))."""
+  if not invariant():
+    return jax.nn.silu(x)
+  return x * (1 / (1 + exp(-x)))
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+  """`jax.nn.gelu(x, approximate=True)` (with `tanh` above)."""
+  if not invariant():
+    return jax.nn.gelu(x, approximate=True)
+  inner = math.sqrt(2 / math.pi) * (x + 0.044715 * (x * x * x))
+  return 0.5 * x * (1 + tanh(inner))
+
+
+def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+  """`jax.vmap(jax.random.categorical)(keys, logits)` (one key per row of
+  logits [rows, n]): the argmax of logits plus Gumbel noise -log(-log(u)),
+  whose logs are `log`'s under invariant numerics."""
+  if not invariant():
+    return jax.vmap(jax.random.categorical)(keys, logits)
+  tiny = jnp.finfo(logits.dtype).tiny
+  n = logits.shape[-1]
+  u = jax.vmap(
+    lambda k: jax.random.uniform(k, (n,), logits.dtype, minval=tiny, maxval=1.0)
+  )(keys)
+  return jnp.argmax(logits - log(-log(u)), axis=-1)
+
+
+def last_sum(x: jax.Array) -> jax.Array:
+  """`jnp.sum(x, axis=-1, keepdims=True)`; `row_sum` under invariant
+  numerics."""
+  if invariant():
+    return row_sum(x)[..., None]
+  return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def cumsum(x: jax.Array) -> jax.Array:
+  """Cumulative sum over the last axis as a fixed scan (elementwise adds
+  in an order set by the axis length alone)."""
+  return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
+def _twin(eq: str, x, w) -> jax.Array:
+  """XLA's dot of the weight cast to x's dtype (the non-CPU twin)."""
+  lhs, rhs, order = contract_dims(eq)
+  w = w.astype(x.dtype)
+  out = lax.dot_general(x, w, ((lhs, rhs), ((), ())))
+  return out if order is None else out.transpose(order)
+
+
+def matmul(eq: str, x: jax.Array, w) -> jax.Array:
+  """`contract(eq, x, w)` (w: an array or a `QArray`) with every output
+  one fixed chain (`cpu_kernels.invariant_matmul`); the result has x's
+  dtype. A weight whose contracted letters neither lead nor end it is
+  first transposed so they lead."""
+  from chunkwise.models.quantized import QArray  # models imports numerics
+
+  lhs, rhs, order = contract_dims(eq)
+  c = len(rhs)
+  values = w.values if isinstance(w, QArray) else w
+  nw = values.ndim
+  if lhs != tuple(range(x.ndim - c, x.ndim)):
+    raise ValueError(f"matmul {eq!r}: x's contracted letters must end it")
+  if rhs == tuple(range(c)):
+    nmajor = False
+  elif rhs == tuple(range(nw - c, nw)):
+    nmajor = True
+  else:  # rare: bring the contracted dims to the front (a copy)
+    rest = [d for d in range(nw) if d not in rhs]
+    perm = (*rhs, *rest)
+    letters = eq.split("->")[0].split(",")[1]
+    moved = "".join(letters[d] for d in perm)
+    eq = eq.replace(f",{letters}->", f",{moved}->")
+    if isinstance(w, QArray):
+      w = w.astype(x.dtype)
+    return matmul(eq, x, jnp.transpose(w, perm))
+  free_x = x.shape[: x.ndim - c]
+  if nmajor:
+    free_w = values.shape[: nw - c]
+    k = math.prod(values.shape[nw - c :])
+  else:
+    free_w = values.shape[c:]
+    k = math.prod(values.shape[:c])
+  n = math.prod(free_w)
+
+  def kernel(x, w):
+    values = w.values if isinstance(w, QArray) else w
+    w2 = values.reshape((1, n, k) if nmajor else (1, k, n))
+    scale = None
+    if isinstance(w, QArray):
+      s = w.scale.astype(jnp.float32)
+      scale = s.reshape((1, n, -1) if nmajor else (1, -1, n))
+    rows = x.reshape(1, -1, k)
+    out = cpu_kernels.invariant_matmul(rows, w2, scale, nmajor=nmajor)
+    out = out.reshape(*free_x, *free_w)
+    return (out if order is None else out.transpose(order)).astype(x.dtype)
+
+  return _on_cpu((x, w), kernel, lambda x, w: _twin(eq, x, w))
+
+
+def batched(
+  x: jax.Array,
+  w: jax.Array,
+  acc: jax.Array | None = None,
+  *,
+  nmajor: bool,
+  ones: bool = False,
+) -> jax.Array:
+  """`cpu_kernels.invariant_matmul` of per-group operands (attention):
+  x f32[G, M, K], w [G, K, N] (k-major) or [G, N, K] (n-major), acc
+  f32[G, M, N + ones]; elsewhere the same sums by XLA (not invariant)."""
+
+  def kernel(x, w, acc):
+    return cpu_kernels.invariant_matmul(
+      x, w, None, acc, nmajor=nmajor, ones=ones
+    )
+
+  def twin(x, w, acc):
+    w = w.astype(jnp.float32)
+    if ones:
+      w = jnp.concatenate([w, jnp.ones((*w.shape[:2], 1), w.dtype)], axis=2)
+    out = jnp.einsum("gmk,gnk->gmn" if nmajor else "gmk,gkn->gmn", x, w)
+    return out if acc is None else acc + out
+
+  if acc is None:
+    return _on_cpu((x, w), lambda x, w: kernel(x, w, None),
+                   lambda x, w: twin(x, w, None))
+  return _on_cpu((x, w, acc), kernel, twin)
