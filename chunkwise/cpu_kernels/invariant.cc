@@ -172,6 +172,27 @@ inline float tree16(__m512 a) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
+// tree16 of 16 vectors at once: out[o] = tree16(v[o]). Each level adds
+// the same pairs of lanes, (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1),
+// with the vectors' halves, quarters and pairs shuffled side by side.
+inline __m512 trees16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // [t_2i (8 lanes), t_2i+1 (8 lanes)]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // [u_4i, u_4i+1, u_4i+2, u_4i+3] (4 lanes each)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // chunk q: [v_8i+q (2 lanes), v_8i+q+4 (2 lanes)]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // chunk q: [r_q, r_q+4, r_q+8, r_q+12]
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
 // k-major, MR rows x 16 NV columns [n0, n0 + 16 NV) of batch g. `wrow(k,
 // j)` gives weight vector j (16 columns) of input k; masks cut columns >=
 // cols. NV is 4, or 5 for 65-80 columns (attention's values and the ones
@@ -244,6 +265,104 @@ inline void kmajor_rows(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0,
 // Rows at or above which a block's weight columns are first converted to
 // f32 in a contiguous panel ([K, 64]) that every row tile then reads.
 constexpr i64 kPackRows = 32;
+// Weight rows read ahead (the hardware prefetchers miss short segments of
+// rows N apart).
+constexpr i64 kAhead = 8;
+
+// k-major, few rows (decode): rows [m0, m1) x columns [n0, n1), in
+// sub-blocks of 16 NV columns, four weight rows a step: each weight vector
+// is loaded once for every row and a step reads (n1 - n0) contiguous
+// columns of four rows; the accumulators stay in L1. (Register tiles per
+// row band read the weight from memory once and from L2 again for every
+// further band: half the speed at 16 rows.) The same chains as the tiles.
+template <class W, int NV>
+void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+  constexpr i64 kSub = 16 * NV;
+  const W* w = p.weight<W>(g);
+  const float* s = p.scale(g);
+  const i64 cols = p.cols(), rows = m1 - m0;
+  const i64 subs = (n1 - n0 + kSub - 1) / kSub;
+  const i64 stride = subs * kSub;  // floats per accumulator row
+  const bool grouped = s != nullptr && p.groups > 1;
+  const i64 group = s ? p.group : p.K;
+  thread_local std::vector<float> buf;
+  const size_t need = static_cast<size_t>(rows * stride * 2);
+  if (buf.size() < need) buf.resize(need);
+  float* A = buf.data();
+  float* T = A + rows * stride;
+  auto mask_of = [&](i64 c) { return first(cols - c); };  // output columns
+  for (i64 m = 0; m < rows; ++m)
+    for (i64 c = 0; c < stride; c += 16) {
+      const i64 at = (g * p.M + m0 + m) * cols + n0 + c;
+      const __m512 a0 = p.acc ? _mm512_maskz_loadu_ps(mask_of(n0 + c), p.acc + at)
+                              : _mm512_setzero_ps();
+      _mm512_storeu_ps(A + m * stride + c, a0);
+      _mm512_storeu_ps(T + m * stride + c, _mm512_setzero_ps());
+    }
+  auto wload = [&](i64 k, i64 c) {  // 16 weights of row k from column c
+    const W* row = w + k * p.N + c;
+    if (((c * static_cast<i64>(sizeof(W))) & 63) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * p.N), _MM_HINT_T0);
+    __m512 v = load(row, first(p.N - c));
+    const i64 at = p.N - c;  // the ones column's lane
+    if (p.ones && at >= 0 && at < 16)
+      v = _mm512_mask_blend_ps(static_cast<__mmask16>(1u << at), v, _mm512_set1_ps(1.f));
+    return v;
+  };
+  for (i64 k0 = 0; k0 < p.K; k0 += group) {
+    const i64 k1 = k0 + group;
+    i64 k = k0;
+    for (; k + 4 <= k1; k += 4)
+      for (i64 sb = 0; sb < subs; ++sb) {
+        const i64 c0 = n0 + sb * kSub;
+        __m512 wv[4][NV];
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < NV; ++j) wv[i][j] = wload(k + i, c0 + 16 * j);
+        for (i64 m = 0; m < rows; ++m) {
+          const float* xm = p.x + (g * p.M + m0 + m) * p.K + k;
+          const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+          const __m512 x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
+          for (int j = 0; j < NV; ++j) {
+            float* a = A + m * stride + sb * kSub + 16 * j;
+            __m512 t = _mm512_fmadd_ps(x0, wv[0][j], _mm512_loadu_ps(a));
+            t = _mm512_fmadd_ps(x1, wv[1][j], t);
+            t = _mm512_fmadd_ps(x2, wv[2][j], t);
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(x3, wv[3][j], t));
+          }
+        }
+      }
+    for (; k < k1; ++k)
+      for (i64 c = 0; c < stride; c += 16) {
+        const __m512 wv = wload(k, n0 + c);
+        for (i64 m = 0; m < rows; ++m) {
+          const __m512 xb = _mm512_set1_ps(p.x[(g * p.M + m0 + m) * p.K + k]);
+          float* a = A + m * stride + c;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(xb, wv, _mm512_loadu_ps(a)));
+        }
+      }
+    if (s) {
+      const float* sr = s + (k0 / group) * p.N;
+      for (i64 c = 0; c < stride; c += 16) {
+        const __m512 sv = _mm512_maskz_loadu_ps(first(p.N - n0 - c), sr + n0 + c);
+        for (i64 m = 0; m < rows; ++m) {
+          float* a = A + m * stride + c;
+          float* t = T + m * stride + c;
+          if (grouped) {
+            _mm512_storeu_ps(t, _mm512_fmadd_ps(_mm512_loadu_ps(a), sv, _mm512_loadu_ps(t)));
+            _mm512_storeu_ps(a, _mm512_setzero_ps());
+          } else {
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), sv, _mm512_setzero_ps()));
+          }
+        }
+      }
+    }
+  }
+  for (i64 m = 0; m < rows; ++m)
+    for (i64 c = 0; c < n1 - n0; c += 16)
+      _mm512_mask_storeu_ps(p.out + (g * p.M + m0 + m) * cols + n0 + c,
+                            static_cast<__mmask16>(mask_of(n0 + c) & first(n1 - n0 - c)),
+                            _mm512_loadu_ps((grouped ? T : A) + m * stride + c));
+}
 
 template <class W, int NV>
 void kmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0) {
@@ -258,18 +377,7 @@ void kmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0) {
     one[j] = p.ones && at >= 0 && at < 16 ? static_cast<__mmask16>(1u << at) : 0;
   }
   (void)cols;
-  auto direct = [&](i64 k, int j) {
-    const W* row = w + k * p.N + n0 + 16 * j;
-    if (j == 0 && (k & 7) == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(row + 8 * p.N), _MM_HINT_T0);
-    __m512 v = load(row, wmask[j]);
-    return one[j] ? _mm512_mask_blend_ps(one[j], v, _mm512_set1_ps(1.f)) : v;
-  };
-  if (m1 - m0 < kPackRows) {
-    if (s) kmajor_rows<NV, true>(p, g, m0, m1, n0, direct, s);
-    else kmajor_rows<NV, false>(p, g, m0, m1, n0, direct, s);
-    return;
-  }
+
   thread_local std::vector<float> panel;
   if (panel.size() < static_cast<size_t>(p.K * (16 * NV))) panel.resize(p.K * (16 * NV));
   float* pp = panel.data();
@@ -324,8 +432,18 @@ inline void nmajor_tile(const Problem& p, i64 g, const W* w, const float* s,
                                            t[i][r])
                          : a[i][r];
   }
-  for (int i = 0; i < RR; ++i)
-    for (int r = 0; r < MR; ++r) p.out[(g * p.M + m + r) * p.N + n + i] = tree16(t[i][r]);
+  if constexpr (RR * MR == 16) {  // all 16 trees at once
+    __m512 v[16];
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < RR; ++i) v[r * RR + i] = t[i][r];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, trees16(v));
+    for (int r = 0; r < MR; ++r)
+      std::memcpy(p.out + (g * p.M + m + r) * p.N + n, sums + r * RR, RR * sizeof(float));
+  } else {
+    for (int i = 0; i < RR; ++i)
+      for (int r = 0; r < MR; ++r) p.out[(g * p.M + m + r) * p.N + n + i] = tree16(t[i][r]);
+  }
 }
 
 template <int RR, bool SCALED, class W>
@@ -347,8 +465,6 @@ void nmajor_block(const Problem& p, i64 g, const W* w, const float* s,
   i64 n = n0;
   if (m1 - m0 < 4)  // few x rows: more weight rows for independent chains
     for (; n + 8 <= n1; n += 8) nmajor_rows<8, SCALED>(p, g, w, s, m0, m1, n);
-  else if (!SCALED)
-    for (; n + 6 <= n1; n += 6) nmajor_rows<6, SCALED>(p, g, w, s, m0, m1, n);
   for (; n + 4 <= n1; n += 4) nmajor_rows<4, SCALED>(p, g, w, s, m0, m1, n);
   for (; n < n1; ++n) nmajor_rows<1, SCALED>(p, g, w, s, m0, m1, n);
 }
@@ -363,7 +479,12 @@ template <class W>
 void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
   const i64 width = nmajor ? p.N : p.cols();
   const bool five = !nmajor && width > 64 && width <= 80;
-  const i64 nblock = five ? 80 : kNBlock;
+  // Few rows (k-major): wider blocks (whole lines of four weight rows a
+  // step), two per thread, in multiples of 64 columns.
+  const bool stream = !nmajor && !five && p.M < kPackRows;
+  const i64 threads = std::max<i64>(1, pool.num_threads());
+  const i64 wide = std::max<i64>(64, (width + 2 * threads - 1) / (2 * threads) + 63) / 64 * 64;
+  const i64 nblock = five ? 80 : stream ? std::min<i64>(wide, 512) : kNBlock;
   const i64 nblocks = (width + nblock - 1) / nblock;
   const i64 bands = (p.M + kBandRows - 1) / kBandRows;
   const i64 total = p.G * bands * nblocks;
@@ -374,8 +495,11 @@ void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
     const i64 m0 = band * kBandRows, m1 = std::min(p.M, m0 + kBandRows);
 #ifdef CW_INV512
     if (!portable) {
-      if (!nmajor) {
-        if (five) kmajor_block<W, 5>(p, g, m0, m1, n0);
+      if (stream) {
+        kmajor_stream<W, 4>(p, g, m0, m1, n0, n1);
+      } else if (!nmajor) {
+        if (five && m1 - m0 < kPackRows) kmajor_stream<W, 5>(p, g, m0, m1, n0, n1);
+        else if (five) kmajor_block<W, 5>(p, g, m0, m1, n0);
         else kmajor_block<W, 4>(p, g, m0, m1, n0);
       } else if (p.s) {
         nmajor_block<true>(p, g, p.weight<W>(g), p.scale(g), m0, m1, n0, n1);
