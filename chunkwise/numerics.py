@@ -159,6 +159,19 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
   return jnp.argmax(logits - log(-log(u)), axis=-1)
 
 
+def exp_sum(x: jax.Array, shift: jax.Array) -> jax.Array:
+  """`row_sum(exp(x - shift))` keeping the last axis (shift [..., 1]), bit
+  for bit, in one pass (`cpu_kernels.invariant_exp_sum`)."""
+
+  def kernel(x, shift):
+    return cpu_kernels.invariant_exp_sum(x, shift[..., 0])[..., None]
+
+  def twin(x, shift):
+    return jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
+
+  return _on_cpu((x, shift), kernel, twin)
+
+
 def last_sum(x: jax.Array) -> jax.Array:
   """`jnp.sum(x, axis=-1, keepdims=True)`; `row_sum` under invariant
   numerics."""

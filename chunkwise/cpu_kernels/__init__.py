@@ -12,5 +12,8 @@ from chunkwise.cpu_kernels.invariant import (
   invariant_matmul as invariant_matmul,
 )
 from chunkwise.cpu_kernels.invariant import (
+  invariant_exp_sum as invariant_exp_sum,
+)
+from chunkwise.cpu_kernels.invariant import (
   invariant_unary as invariant_unary,
 )

@@ -30,6 +30,7 @@ import jaxlib
 TARGET = "chunkwise_matmul"
 INVARIANT_TARGET = "chunkwise_invariant_matmul"
 UNARY_TARGET = "chunkwise_invariant_unary"
+EXP_SUM_TARGET = "chunkwise_invariant_exp_sum"
 _HERE = pathlib.Path(__file__).parent
 _SOURCES = (_HERE / "matmul.cc", _HERE / "invariant.cc")
 _HEADERS = (_HERE / "pool.h",)
@@ -128,6 +129,7 @@ def load() -> bool:
       (TARGET, library.ChunkwiseMatmul),
       (INVARIANT_TARGET, library.ChunkwiseInvariantMatmul),
       (UNARY_TARGET, library.ChunkwiseInvariantUnary),
+      (EXP_SUM_TARGET, library.ChunkwiseInvariantExpSum),
     ):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(symbol), platform="cpu"

@@ -8,15 +8,14 @@
 //   scale: f32 [Gw, K / group, N] or [Gw, N, K / group] when `scaled`;
 //   acc: f32 [G, M, N'] when `has_acc`; out: f32 [G, M, N'], N' = N + ones.
 //
+// A weight element enters as f32: int8 times its group's scale (one f32
+// rounding, as `QArray.astype` dequantizes), bf16 widened, f32 as it is.
 // k-major: out[g, m, n] is the chain a <- fma(x[g, m, k], w[k, n], a) over
 //   k = 0 .. K-1 in order, from a = acc[g, m, n] (or +0). With `ones`,
 //   column N has weight 1 everywhere (the chained sum of the row's x).
-//   Scaled (int8): each group's chain starts at +0 and closes into
-//   t <- fma(a, scale[group, n], t), from t = +0 (no acc, no ones).
-// n-major: 16 lanes; lane l chains the inputs k0 + 16 j + l of each group
-//   [k0, k1) as above (a lane past k1 takes fma(0, 0, a)); a scaled group
-//   closes as t <- fma(a, scale[n, group], t) per lane. The lanes are then
-//   added as a fixed tree: (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
+// n-major: 16 lanes; lane l chains the inputs k = 16 j + l as above (past
+//   K, a lane takes fma(0, 0, a)); the lanes are then added as a fixed
+//   tree: (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
 //
 // Tiles (rows x columns per register block) and the blocks threads claim
 // change only which outputs are computed together, never an output's
@@ -82,6 +81,20 @@ inline float tree16(const float* a) {
   return v[0] + v[1];
 }
 
+// A weight element as f32: int8 times its group's scale (one rounding, as
+// `QArray.astype` dequantizes), bf16 widened, f32 itself.
+template <class W>
+inline float weight_kn(const Problem& p, const W* w, const float* s, i64 k, i64 n) {
+  if (n == p.N) return 1.f;  // the ones column
+  const float v = as_float(w[k * p.N + n]);
+  return s ? v * s[(k / p.group) * p.N + n] : v;
+}
+template <class W>
+inline float weight_nk(const Problem& p, const W* w, const float* s, i64 n, i64 k) {
+  const float v = as_float(w[n * p.K + k]);
+  return s ? v * s[n * p.groups + k / p.group] : v;
+}
+
 // ---- the portable definition -----------------------------------------------
 
 template <class W>
@@ -94,19 +107,7 @@ void kmajor_portable(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
     for (i64 n = n0; n < n1; ++n) {
       const i64 at = (g * p.M + m) * cols + n;
       float a = p.acc ? p.acc[at] : 0.f;
-      if (s == nullptr) {
-        for (i64 k = 0; k < p.K; ++k)
-          a = std::fma(x[k], n == p.N ? 1.f : as_float(w[k * p.N + n]), a);
-      } else {
-        float t = 0.f;
-        for (i64 gr = 0; gr < p.groups; ++gr) {
-          a = 0.f;
-          for (i64 k = gr * p.group; k < (gr + 1) * p.group; ++k)
-            a = std::fma(x[k], as_float(w[k * p.N + n]), a);
-          t = std::fma(a, s[gr * p.N + n], t);
-        }
-        a = t;
-      }
+      for (i64 k = 0; k < p.K; ++k) a = std::fma(x[k], weight_kn(p, w, s, k, n), a);
       p.out[at] = a;
     }
   }
@@ -116,25 +117,16 @@ template <class W>
 void nmajor_portable(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const W* w = p.weight<W>(g);
   const float* s = p.scale(g);
-  const i64 group = s ? p.group : p.K;
-  const i64 groups = s ? p.groups : 1;
   for (i64 m = m0; m < m1; ++m) {
     const float* x = p.x + (g * p.M + m) * p.K;
     for (i64 n = n0; n < n1; ++n) {
-      const W* r = w + n * p.K;
-      float t[16] = {};
-      for (i64 gr = 0; gr < groups; ++gr) {
-        const i64 k0 = gr * group, k1 = k0 + group;
-        float a[16] = {};
-        for (i64 k = k0; k < k1; k += 16)
-          for (int l = 0; l < 16; ++l) {
-            const bool in = k + l < k1;
-            a[l] = std::fma(in ? x[k + l] : 0.f, in ? as_float(r[k + l]) : 0.f, a[l]);
-          }
-        for (int l = 0; l < 16; ++l)
-          t[l] = s ? std::fma(a[l], s[n * groups + gr], t[l]) : a[l];
-      }
-      p.out[(g * p.M + m) * p.N + n] = tree16(t);
+      float a[16] = {};
+      for (i64 k = 0; k < p.K; k += 16)
+        for (int l = 0; l < 16; ++l) {
+          const bool in = k + l < p.K;
+          a[l] = std::fma(in ? x[k + l] : 0.f, in ? weight_nk(p, w, s, n, k + l) : 0.f, a[l]);
+        }
+      p.out[(g * p.M + m) * p.N + n] = tree16(a);
     }
   }
 }
@@ -159,10 +151,6 @@ inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline __m512 load(const int8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
 }
 
 inline float tree16(__m512 a) {
@@ -193,81 +181,86 @@ inline __m512 trees16(const __m512* v) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-// k-major, MR rows x 16 NV columns [n0, n0 + 16 NV) of batch g. `wrow(k,
-// j)` gives weight vector j (16 columns) of input k; masks cut columns >=
-// cols. NV is 4, or 5 for 65-80 columns (attention's values and the ones
-// column: one block, not a second one for a single column).
-template <int MR, int NV, bool SCALED, class WRow>
-inline void kmajor_tile(const Problem& p, i64 g, i64 m0, i64 n0, WRow wrow,
-                        const float* s) {
+// Rows at or above which a k-major block's weight columns are first
+// dequantized into a contiguous f32 panel ([K, 16 NV]) that register tiles
+// then read; below, `kmajor_stream`.
+constexpr i64 kPackRows = 32;
+// Weight rows read ahead (the hardware prefetchers miss short segments of
+// rows N apart).
+constexpr i64 kAhead = 8;
+
+// 16 weights of k-major row k from column c as f32 (dequantized, the ones
+// column set); prefetches the row kAhead on at each new line.
+inline __m512 load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <class W>
+inline __m512 kmajor_weights(const Problem& p, const W* w, const float* s, i64 k, i64 c,
+                             const __m512* scale = nullptr) {
+  const W* row = w + k * p.N + c;
+  if (((c * static_cast<i64>(sizeof(W))) & 63) == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * p.N), _MM_HINT_T0);
+  const __mmask16 m = first(p.N - c);
+  __m512 v = c + 16 <= p.N ? load(row) : load(row, m);
+  if (s)
+    v = _mm512_mul_ps(v, scale ? *scale : _mm512_maskz_loadu_ps(m, s + (k / p.group) * p.N + c));
+  const i64 at = p.N - c;  // the ones column's lane
+  if (p.ones && at >= 0 && at < 16)
+    v = _mm512_mask_blend_ps(static_cast<__mmask16>(1u << at), v, _mm512_set1_ps(1.f));
+  return v;
+}
+
+// k-major, MR rows x 16 NV columns [n0, n0 + 16 NV) of batch g from the
+// packed panel pp ([K, 16 NV]); masks cut columns >= cols. NV is 4, or 5 for
+// 65-80 columns (attention's values and the ones column in one block).
+template <int MR, int NV>
+inline void kmajor_tile(const Problem& p, i64 g, i64 m0, i64 n0, const float* pp) {
   const i64 cols = p.cols();
   __mmask16 mask[NV];
   for (int j = 0; j < NV; ++j) mask[j] = first(cols - n0 - 16 * j);
   const float* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = p.x + (g * p.M + m0 + r) * p.K;
-  __m512 a[MR][NV], t[MR][NV];
+  __m512 a[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) {
       const i64 at = (g * p.M + m0 + r) * cols + n0 + 16 * j;
       a[r][j] = p.acc ? _mm512_maskz_loadu_ps(mask[j], p.acc + at) : _mm512_setzero_ps();
-      t[r][j] = _mm512_setzero_ps();
     }
-  // One group (a per-channel scale): the same sums, closed once after the
-  // loop, so no second set of registers is held.
-  const bool grouped = SCALED && p.groups > 1;
-  const i64 group = SCALED ? p.group : p.K;
-  for (i64 k0 = 0; k0 < p.K; k0 += group) {
-    for (i64 k = k0; k < k0 + group; ++k) {
-      __m512 wv[NV];
-      for (int j = 0; j < NV; ++j) wv[j] = wrow(k, j);
-      for (int r = 0; r < MR; ++r) {
-        const __m512 xb = _mm512_set1_ps(x[r][k]);
-        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(xb, wv[j], a[r][j]);
-      }
-    }
-    if (SCALED) {
-      const float* sr = s + (k0 / group) * p.N + n0;
-      for (int j = 0; j < NV; ++j) {
-        const __m512 sv = _mm512_maskz_loadu_ps(mask[j], sr + 16 * j);
-        for (int r = 0; r < MR; ++r) {
-          if (grouped) {
-            t[r][j] = _mm512_fmadd_ps(a[r][j], sv, t[r][j]);
-            a[r][j] = _mm512_setzero_ps();
-          } else {
-            a[r][j] = _mm512_fmadd_ps(a[r][j], sv, _mm512_setzero_ps());
-          }
-        }
-      }
+  for (i64 k = 0; k < p.K; ++k) {
+    __m512 wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = _mm512_loadu_ps(pp + k * 16 * NV + 16 * j);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r][k]);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(xb, wv[j], a[r][j]);
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j)
-      _mm512_mask_storeu_ps(p.out + (g * p.M + m0 + r) * cols + n0 + 16 * j, mask[j],
-                            grouped ? t[r][j] : a[r][j]);
+      _mm512_mask_storeu_ps(p.out + (g * p.M + m0 + r) * cols + n0 + 16 * j, mask[j], a[r][j]);
 }
 
-template <int NV, bool SCALED, class WRow>
-inline void kmajor_rows(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0,
-                        WRow wrow, const float* s) {
+template <class W, int NV>
+void kmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0) {
+  const W* w = p.weight<W>(g);
+  const float* s = p.scale(g);
+  thread_local std::vector<float> panel;
+  if (panel.size() < static_cast<size_t>(p.K * 16 * NV)) panel.resize(p.K * 16 * NV);
+  float* pp = panel.data();
+  for (i64 k = 0; k < p.K; ++k)
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(pp + k * 16 * NV + 16 * j, kmajor_weights(p, w, s, k, n0 + 16 * j));
   i64 m = m0;
-  if (NV == 4 && (!SCALED || p.groups == 1)) {  // 24 + 4 registers
-    for (; m + 6 <= m1; m += 6) kmajor_tile<6, NV, SCALED>(p, g, m, n0, wrow, s);
-    for (; m + 4 <= m1; m += 4) kmajor_tile<4, NV, SCALED>(p, g, m, n0, wrow, s);
-  }
-  for (; m + 3 <= m1; m += 3) kmajor_tile<3, NV, SCALED>(p, g, m, n0, wrow, s);
+  if (NV == 4)  // 24 accumulators and 4 weight vectors in 32 registers
+    for (; m + 6 <= m1; m += 6) kmajor_tile<6, NV>(p, g, m, n0, pp);
+  for (; m + 4 <= m1; m += 4) kmajor_tile<4, NV>(p, g, m, n0, pp);
   switch (m1 - m) {
-    case 2: kmajor_tile<2, NV, SCALED>(p, g, m, n0, wrow, s); break;
-    case 1: kmajor_tile<1, NV, SCALED>(p, g, m, n0, wrow, s); break;
+    case 3: kmajor_tile<3, NV>(p, g, m, n0, pp); break;
+    case 2: kmajor_tile<2, NV>(p, g, m, n0, pp); break;
+    case 1: kmajor_tile<1, NV>(p, g, m, n0, pp); break;
     default: break;
   }
 }
-
-// Rows at or above which a block's weight columns are first converted to
-// f32 in a contiguous panel ([K, 64]) that every row tile then reads.
-constexpr i64 kPackRows = 32;
-// Weight rows read ahead (the hardware prefetchers miss short segments of
-// rows N apart).
-constexpr i64 kAhead = 8;
 
 // k-major, few rows (decode): rows [m0, m1) x columns [n0, n1), in
 // sub-blocks of 16 NV columns, four weight rows a step: each weight vector
@@ -283,190 +276,149 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const i64 cols = p.cols(), rows = m1 - m0;
   const i64 subs = (n1 - n0 + kSub - 1) / kSub;
   const i64 stride = subs * kSub;  // floats per accumulator row
-  const bool grouped = s != nullptr && p.groups > 1;
-  const i64 group = s ? p.group : p.K;
   thread_local std::vector<float> buf;
-  const size_t need = static_cast<size_t>(rows * stride * 2);
-  if (buf.size() < need) buf.resize(need);
+  if (buf.size() < static_cast<size_t>(rows * stride)) buf.resize(rows * stride);
   float* A = buf.data();
-  float* T = A + rows * stride;
-  auto mask_of = [&](i64 c) { return first(cols - c); };  // output columns
   for (i64 m = 0; m < rows; ++m)
     for (i64 c = 0; c < stride; c += 16) {
       const i64 at = (g * p.M + m0 + m) * cols + n0 + c;
-      const __m512 a0 = p.acc ? _mm512_maskz_loadu_ps(mask_of(n0 + c), p.acc + at)
+      const __m512 a0 = p.acc ? _mm512_maskz_loadu_ps(first(cols - n0 - c), p.acc + at)
                               : _mm512_setzero_ps();
       _mm512_storeu_ps(A + m * stride + c, a0);
-      _mm512_storeu_ps(T + m * stride + c, _mm512_setzero_ps());
     }
-  auto wload = [&](i64 k, i64 c) {  // 16 weights of row k from column c
-    const W* row = w + k * p.N + c;
-    if (((c * static_cast<i64>(sizeof(W))) & 63) == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * p.N), _MM_HINT_T0);
-    __m512 v = load(row, first(p.N - c));
-    const i64 at = p.N - c;  // the ones column's lane
-    if (p.ones && at >= 0 && at < 16)
-      v = _mm512_mask_blend_ps(static_cast<__mmask16>(1u << at), v, _mm512_set1_ps(1.f));
-    return v;
-  };
-  for (i64 k0 = 0; k0 < p.K; k0 += group) {
-    const i64 k1 = k0 + group;
-    i64 k = k0;
-    for (; k + 4 <= k1; k += 4)
-      for (i64 sb = 0; sb < subs; ++sb) {
-        const i64 c0 = n0 + sb * kSub;
-        __m512 wv[4][NV];
+  i64 k = 0;
+  for (; k + 4 <= p.K; k += 4)
+    for (i64 sb = 0; sb < subs; ++sb) {
+      const i64 c0 = n0 + sb * kSub;
+      __m512 wv[4][NV];
+      if (s && (k / p.group == (k + 3) / p.group)) {  // one scale row for the four
+        for (int j = 0; j < NV; ++j) {
+          const __m512 sv = _mm512_maskz_loadu_ps(first(p.N - c0 - 16 * j),
+                                                  s + (k / p.group) * p.N + c0 + 16 * j);
+          for (int i = 0; i < 4; ++i) wv[i][j] = kmajor_weights(p, w, s, k + i, c0 + 16 * j, &sv);
+        }
+      } else {
         for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < NV; ++j) wv[i][j] = wload(k + i, c0 + 16 * j);
-        for (i64 m = 0; m < rows; ++m) {
-          const float* xm = p.x + (g * p.M + m0 + m) * p.K + k;
-          const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
-          const __m512 x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
-          for (int j = 0; j < NV; ++j) {
-            float* a = A + m * stride + sb * kSub + 16 * j;
-            __m512 t = _mm512_fmadd_ps(x0, wv[0][j], _mm512_loadu_ps(a));
-            t = _mm512_fmadd_ps(x1, wv[1][j], t);
-            t = _mm512_fmadd_ps(x2, wv[2][j], t);
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(x3, wv[3][j], t));
-          }
-        }
+          for (int j = 0; j < NV; ++j) wv[i][j] = kmajor_weights(p, w, s, k + i, c0 + 16 * j);
       }
-    for (; k < k1; ++k)
-      for (i64 c = 0; c < stride; c += 16) {
-        const __m512 wv = wload(k, n0 + c);
-        for (i64 m = 0; m < rows; ++m) {
-          const __m512 xb = _mm512_set1_ps(p.x[(g * p.M + m0 + m) * p.K + k]);
-          float* a = A + m * stride + c;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(xb, wv, _mm512_loadu_ps(a)));
-        }
-      }
-    if (s) {
-      const float* sr = s + (k0 / group) * p.N;
-      for (i64 c = 0; c < stride; c += 16) {
-        const __m512 sv = _mm512_maskz_loadu_ps(first(p.N - n0 - c), sr + n0 + c);
-        for (i64 m = 0; m < rows; ++m) {
-          float* a = A + m * stride + c;
-          float* t = T + m * stride + c;
-          if (grouped) {
-            _mm512_storeu_ps(t, _mm512_fmadd_ps(_mm512_loadu_ps(a), sv, _mm512_loadu_ps(t)));
-            _mm512_storeu_ps(a, _mm512_setzero_ps());
-          } else {
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), sv, _mm512_setzero_ps()));
-          }
+      for (i64 m = 0; m < rows; ++m) {
+        const float* xm = p.x + (g * p.M + m0 + m) * p.K + k;
+        const __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+        const __m512 x2 = _mm512_set1_ps(xm[2]), x3 = _mm512_set1_ps(xm[3]);
+        for (int j = 0; j < NV; ++j) {
+          float* a = A + m * stride + sb * kSub + 16 * j;
+          __m512 t = _mm512_fmadd_ps(x0, wv[0][j], _mm512_loadu_ps(a));
+          t = _mm512_fmadd_ps(x1, wv[1][j], t);
+          t = _mm512_fmadd_ps(x2, wv[2][j], t);
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(x3, wv[3][j], t));
         }
       }
     }
-  }
+  for (; k < p.K; ++k)
+    for (i64 c = 0; c < stride; c += 16) {
+      const __m512 wv = kmajor_weights(p, w, s, k, n0 + c);
+      for (i64 m = 0; m < rows; ++m) {
+        const __m512 xb = _mm512_set1_ps(p.x[(g * p.M + m0 + m) * p.K + k]);
+        float* a = A + m * stride + c;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(xb, wv, _mm512_loadu_ps(a)));
+      }
+    }
   for (i64 m = 0; m < rows; ++m)
     for (i64 c = 0; c < n1 - n0; c += 16)
       _mm512_mask_storeu_ps(p.out + (g * p.M + m0 + m) * cols + n0 + c,
-                            static_cast<__mmask16>(mask_of(n0 + c) & first(n1 - n0 - c)),
-                            _mm512_loadu_ps((grouped ? T : A) + m * stride + c));
+                            static_cast<__mmask16>(first(cols - n0 - c) & first(n1 - n0 - c)),
+                            _mm512_loadu_ps(A + m * stride + c));
 }
 
-template <class W, int NV>
-void kmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0) {
-  const W* w = p.weight<W>(g);
-  const float* s = p.scale(g);
-  const i64 cols = p.cols();
-  __mmask16 wmask[NV];
-  __mmask16 one[NV];
-  for (int j = 0; j < NV; ++j) {
-    wmask[j] = first(p.N - n0 - 16 * j);
-    const i64 at = p.N - n0 - 16 * j;  // the ones column's lane
-    one[j] = p.ones && at >= 0 && at < 16 ? static_cast<__mmask16>(1u << at) : 0;
-  }
-  (void)cols;
-
-  thread_local std::vector<float> panel;
-  if (panel.size() < static_cast<size_t>(p.K * (16 * NV))) panel.resize(p.K * (16 * NV));
-  float* pp = panel.data();
-  for (i64 k = 0; k < p.K; ++k)
-    for (int j = 0; j < NV; ++j) {
-      const W* row = w + k * p.N + n0 + 16 * j;
-      __m512 v = load(row, wmask[j]);
-      if (one[j]) v = _mm512_mask_blend_ps(one[j], v, _mm512_set1_ps(1.f));
-      _mm512_storeu_ps(pp + k * (16 * NV) + 16 * j, v);
-    }
-  auto packed = [=](i64 k, int j) { return _mm512_loadu_ps(pp + k * (16 * NV) + 16 * j); };
-  if (s) kmajor_rows<NV, true>(p, g, m0, m1, n0, packed, s);
-  else kmajor_rows<NV, false>(p, g, m0, m1, n0, packed, s);
-}
-
-// n-major, RR weight rows [n, n + RR) x MR x rows [m, m + MR).
-template <int RR, int MR, bool SCALED, class W>
-inline void nmajor_tile(const Problem& p, i64 g, const W* w, const float* s,
-                        i64 m, i64 n) {
-  const i64 group = SCALED ? p.group : p.K;
+// n-major, RR weight rows [n, n + RR) x MR x rows [m, m + MR); w: f32 or
+// bf16 rows of K (`rk` elements apart).
+template <int RR, int MR, class W>
+inline void nmajor_tile(const Problem& p, i64 g, const W* w, i64 rk, i64 m, i64 n) {
   const float* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = p.x + (g * p.M + m + r) * p.K;
-  __m512 t[RR][MR];
+  __m512 a[RR][MR];
   for (int i = 0; i < RR; ++i)
-    for (int r = 0; r < MR; ++r) t[i][r] = _mm512_setzero_ps();
-  for (i64 k0 = 0; k0 < p.K; k0 += group) {
-    const i64 k1 = k0 + group;
-    __m512 a[RR][MR];
-    for (int i = 0; i < RR; ++i)
-      for (int r = 0; r < MR; ++r) a[i][r] = _mm512_setzero_ps();
-    i64 k = k0;
-    for (; k + 16 <= k1; k += 16) {
-      __m512 xv[MR];
-      for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_ps(x[r] + k);
-      for (int i = 0; i < RR; ++i) {
-        const __m512 wv = load(w + (n + i) * p.K + k);
-        for (int r = 0; r < MR; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
-      }
+    for (int r = 0; r < MR; ++r) a[i][r] = _mm512_setzero_ps();
+  i64 k = 0;
+  for (; k + 16 <= p.K; k += 16) {
+    __m512 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = _mm512_loadu_ps(x[r] + k);
+    for (int i = 0; i < RR; ++i) {
+      const __m512 wv = load(w + i * rk + k);
+      for (int r = 0; r < MR; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
     }
-    if (k < k1) {  // the group's last, partial step
-      const __mmask16 mk = first(k1 - k);
-      __m512 xv[MR];
-      for (int r = 0; r < MR; ++r) xv[r] = _mm512_maskz_loadu_ps(mk, x[r] + k);
-      for (int i = 0; i < RR; ++i) {
-        const __m512 wv = load(w + (n + i) * p.K + k, mk);
-        for (int r = 0; r < MR; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
-      }
+  }
+  if (k < p.K) {  // the last, partial step
+    const __mmask16 mk = first(p.K - k);
+    __m512 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = _mm512_maskz_loadu_ps(mk, x[r] + k);
+    for (int i = 0; i < RR; ++i) {
+      const __m512 wv = load(w + i * rk + k, mk);
+      for (int r = 0; r < MR; ++r) a[i][r] = _mm512_fmadd_ps(xv[r], wv, a[i][r]);
     }
-    for (int i = 0; i < RR; ++i)
-      for (int r = 0; r < MR; ++r)
-        t[i][r] = SCALED ? _mm512_fmadd_ps(a[i][r], _mm512_set1_ps(s[(n + i) * p.groups + k0 / group]),
-                                           t[i][r])
-                         : a[i][r];
   }
   if constexpr (RR * MR == 16) {  // all 16 trees at once
     __m512 v[16];
     for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < RR; ++i) v[r * RR + i] = t[i][r];
+      for (int i = 0; i < RR; ++i) v[r * RR + i] = a[i][r];
     alignas(64) float sums[16];
     _mm512_store_ps(sums, trees16(v));
     for (int r = 0; r < MR; ++r)
       std::memcpy(p.out + (g * p.M + m + r) * p.N + n, sums + r * RR, RR * sizeof(float));
   } else {
     for (int i = 0; i < RR; ++i)
-      for (int r = 0; r < MR; ++r) p.out[(g * p.M + m + r) * p.N + n + i] = tree16(t[i][r]);
+      for (int r = 0; r < MR; ++r) p.out[(g * p.M + m + r) * p.N + n + i] = tree16(a[i][r]);
   }
 }
 
-template <int RR, bool SCALED, class W>
-inline void nmajor_rows(const Problem& p, i64 g, const W* w, const float* s,
-                        i64 m0, i64 m1, i64 n) {
+template <int RR, class W>
+inline void nmajor_rows(const Problem& p, i64 g, const W* w, i64 rk, i64 m0, i64 m1, i64 n) {
   i64 m = m0;
-  for (; m + 4 <= m1; m += 4) nmajor_tile<RR, 4, SCALED>(p, g, w, s, m, n);
+  for (; m + 4 <= m1; m += 4) nmajor_tile<RR, 4>(p, g, w, rk, m, n);
   switch (m1 - m) {
-    case 3: nmajor_tile<RR, 3, SCALED>(p, g, w, s, m, n); break;
-    case 2: nmajor_tile<RR, 2, SCALED>(p, g, w, s, m, n); break;
-    case 1: nmajor_tile<RR, 1, SCALED>(p, g, w, s, m, n); break;
+    case 3: nmajor_tile<RR, 3>(p, g, w, rk, m, n); break;
+    case 2: nmajor_tile<RR, 2>(p, g, w, rk, m, n); break;
+    case 1: nmajor_tile<RR, 1>(p, g, w, rk, m, n); break;
     default: break;
   }
 }
 
-template <bool SCALED, class W>
-void nmajor_block(const Problem& p, i64 g, const W* w, const float* s,
-                  i64 m0, i64 m1, i64 n0, i64 n1) {
+// Weight rows [n0, n1) (w: row n0's first element), rows [m0, m1).
+template <class W>
+inline void nmajor_block_rows(const Problem& p, i64 g, const W* w, i64 m0, i64 m1,
+                              i64 n0, i64 n1) {
   i64 n = n0;
   if (m1 - m0 < 4)  // few x rows: more weight rows for independent chains
-    for (; n + 8 <= n1; n += 8) nmajor_rows<8, SCALED>(p, g, w, s, m0, m1, n);
-  for (; n + 4 <= n1; n += 4) nmajor_rows<4, SCALED>(p, g, w, s, m0, m1, n);
-  for (; n < n1; ++n) nmajor_rows<1, SCALED>(p, g, w, s, m0, m1, n);
+    for (; n + 8 <= n1; n += 8) nmajor_rows<8>(p, g, w + (n - n0) * p.K, p.K, m0, m1, n);
+  for (; n + 4 <= n1; n += 4) nmajor_rows<4>(p, g, w + (n - n0) * p.K, p.K, m0, m1, n);
+  for (; n < n1; ++n) nmajor_rows<1>(p, g, w + (n - n0) * p.K, p.K, m0, m1, n);
+}
+
+// Weight rows [n0, n1), all rows of [m0, m1). An int8 weight's rows are
+// first dequantized into an f32 buffer (each element times its group's
+// scale), which the tiles then read.
+template <class W>
+void nmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+  const W* w = p.weight<W>(g) + n0 * p.K;
+  const float* s = p.scale(g);
+  if constexpr (std::is_same_v<W, int8_t>) {
+    thread_local std::vector<float> rows;
+    if (rows.size() < static_cast<size_t>((n1 - n0) * p.K)) rows.resize((n1 - n0) * p.K);
+    for (i64 n = n0; n < n1; ++n) {
+      const int8_t* src = w + (n - n0) * p.K;
+      float* dst = rows.data() + (n - n0) * p.K;
+      for (i64 gr = 0; gr < p.groups; ++gr) {
+        const __m512 sv = _mm512_set1_ps(s ? s[n * p.groups + gr] : 1.f);
+        for (i64 k = gr * p.group; k < (gr + 1) * p.group; k += 16) {
+          const __mmask16 mk = first((gr + 1) * p.group - k);
+          _mm512_mask_storeu_ps(dst + k, mk, _mm512_mul_ps(load(src + k, mk), sv));
+        }
+      }
+    }
+    nmajor_block_rows(p, g, static_cast<const float*>(rows.data()), m0, m1, n0, n1);
+  } else {
+    nmajor_block_rows(p, g, w, m0, m1, n0, n1);
+  }
 }
 #endif  // CW_INV512
 
@@ -478,10 +430,14 @@ constexpr i64 kNBlock = 64;
 template <class W>
 void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
   const i64 width = nmajor ? p.N : p.cols();
+#ifdef CW_INV512
   const bool five = !nmajor && width > 64 && width <= 80;
   // Few rows (k-major): wider blocks (whole lines of four weight rows a
   // step), two per thread, in multiples of 64 columns.
-  const bool stream = !nmajor && !five && p.M < kPackRows;
+  const bool stream = !nmajor && p.M < kPackRows;
+#else
+  const bool five = false, stream = false;
+#endif
   const i64 threads = std::max<i64>(1, pool.num_threads());
   const i64 wide = std::max<i64>(64, (width + 2 * threads - 1) / (2 * threads) + 63) / 64 * 64;
   const i64 nblock = five ? 80 : stream ? std::min<i64>(wide, 512) : kNBlock;
@@ -495,17 +451,11 @@ void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
     const i64 m0 = band * kBandRows, m1 = std::min(p.M, m0 + kBandRows);
 #ifdef CW_INV512
     if (!portable) {
-      if (stream) {
-        kmajor_stream<W, 4>(p, g, m0, m1, n0, n1);
-      } else if (!nmajor) {
-        if (five && m1 - m0 < kPackRows) kmajor_stream<W, 5>(p, g, m0, m1, n0, n1);
-        else if (five) kmajor_block<W, 5>(p, g, m0, m1, n0);
-        else kmajor_block<W, 4>(p, g, m0, m1, n0);
-      } else if (p.s) {
-        nmajor_block<true>(p, g, p.weight<W>(g), p.scale(g), m0, m1, n0, n1);
-      } else {
-        nmajor_block<false>(p, g, p.weight<W>(g), nullptr, m0, m1, n0, n1);
-      }
+      if (nmajor) nmajor_block<W>(p, g, m0, m1, n0, n1);
+      else if (stream && five) kmajor_stream<W, 5>(p, g, m0, m1, n0, n1);
+      else if (stream) kmajor_stream<W, 4>(p, g, m0, m1, n0, n1);
+      else if (five) kmajor_block<W, 5>(p, g, m0, m1, n0);
+      else kmajor_block<W, 4>(p, g, m0, m1, n0);
       return;
     }
 #endif
@@ -537,8 +487,7 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("x and w shapes disagree");
   if (od[0] != p.G || od[1] != p.M || od[2] != p.cols())
     return ffi::Error::InvalidArgument("out shape disagrees");
-  if (p.ones && (nmajor || scaled))
-    return ffi::Error::InvalidArgument("ones needs a k-major float weight");
+  if (p.ones && nmajor) return ffi::Error::InvalidArgument("ones needs a k-major weight");
   p.groups = 1;
   p.group = p.K;
   if (scaled) {
@@ -551,9 +500,8 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   if (has_acc) {
     auto ad = acc.dimensions();
-    if (ad.size() != 3 || ad[0] != p.G || ad[1] != p.M || ad[2] != p.cols() ||
-        scaled || nmajor)
-      return ffi::Error::InvalidArgument("acc needs an unscaled k-major [G, M, N']");
+    if (ad.size() != 3 || ad[0] != p.G || ad[1] != p.M || ad[2] != p.cols() || nmajor)
+      return ffi::Error::InvalidArgument("acc needs a k-major product's [G, M, N']");
     p.acc = acc.typed_data();
   }
   p.x = x.typed_data();
@@ -727,6 +675,54 @@ void unary(ffi::ThreadPool& pool, const float* x, float* out, i64 n, int64_t op,
   });
 }
 
+// out[m] = the row sum (16 lane chains, tree16) of exp(x[m, k] - shift[m]):
+// bit for bit the n-major product of exp(x - shift) with ones, without
+// writing exp(x - shift) out (a log-softmax's total).
+void exp_sum(ffi::ThreadPool& pool, const float* x, const float* shift,
+             float* out, i64 M, i64 K, bool portable) {
+  const i64 per = std::max<i64>(1, (1 << 16) / std::max<i64>(K, 1));
+  const i64 blocks = (M + per - 1) / per;
+  parallel_for(pool, blocks, [=](i64 b) {
+    for (i64 m = b * per; m < std::min(M, (b + 1) * per); ++m) {
+      const float* xm = x + m * K;
+#ifdef CW_INV512
+      if (!portable) {
+        const __m512 sh = _mm512_set1_ps(shift[m]);
+        __m512 a = _mm512_setzero_ps();
+        for (i64 k = 0; k < K; k += 16) {
+          const __mmask16 mk = first(K - k);
+          const __m512 e = exp_lanes<Vec>(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, xm + k), sh));
+          a = _mm512_fmadd_ps(_mm512_maskz_mov_ps(mk, e), _mm512_maskz_mov_ps(mk, _mm512_set1_ps(1.f)), a);
+        }
+        out[m] = tree16(a);
+        continue;
+      }
+#endif
+      float a[16] = {};
+      for (i64 k = 0; k < K; k += 16)
+        for (int l = 0; l < 16; ++l) {
+          const bool in = k + l < K;
+          const float e = in ? exp_lanes<Scalar>(xm[k + l] - shift[m]) : 0.f;
+          a[l] = std::fma(e, in ? 1.f : 0.f, a[l]);
+        }
+      out[m] = tree16(a);
+    }
+  });
+}
+
+ffi::Error ExpSum(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                  ffi::Buffer<ffi::F32> shift, ffi::ResultBuffer<ffi::F32> out,
+                  int64_t portable) {
+  auto xd = x.dimensions();
+  const i64 K = xd.size() ? xd[xd.size() - 1] : 1;
+  const i64 M = K ? static_cast<i64>(x.element_count()) / K : 0;
+  if (static_cast<i64>(shift.element_count()) != M ||
+      static_cast<i64>(out->element_count()) != M)
+    return ffi::Error::InvalidArgument("shift and out need one value per row of x");
+  exp_sum(pool, x.typed_data(), shift.typed_data(), out->typed_data(), M, K, portable != 0);
+  return ffi::Error::Success();
+}
+
 ffi::Error Unary(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                  ffi::ResultBuffer<ffi::F32> out, int64_t op, int64_t portable) {
   if (op != kExp && op != kLog) return ffi::Error::InvalidArgument("op: 0 exp, 1 log");
@@ -757,4 +753,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantUnary, Unary,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("op")
+                                  .Attr<int64_t>("portable"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantExpSum, ExpSum,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("portable"));

@@ -63,3 +63,13 @@ def invariant_unary(x, op: str, *, portable: bool = False) -> jax.Array:
   return jax.ffi.ffi_call(
     build.UNARY_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32)
   )(x, op=ops[op], portable=int(portable))
+
+
+def invariant_exp_sum(x, shift, *, portable: bool = False) -> jax.Array:
+  """Row sums of exp(x - shift[..., None]) over x's last axis: equal, bit
+  for bit, to the n-major `invariant_matmul` of
+  `invariant_unary(x - shift, "exp")` with ones, in one pass."""
+  x = jnp.asarray(x, jnp.float32)
+  return jax.ffi.ffi_call(
+    build.EXP_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+  )(x, jnp.asarray(shift, jnp.float32), portable=int(portable))

@@ -94,7 +94,7 @@ class LogitsShards:
     # log_softmax as jax.nn computes it: (x - max) - log(sum(exp(x - max))).
     top = ops.pmax(jnp.max(logits, axis=-1, keepdims=True), axes)
     top = lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
-    log_total = numerics.log(ops.psum(exp_sum(logits - top), axes))
+    log_total = numerics.log(ops.psum(exp_sum(logits, top), axes))
     width = logits.shape[-1]
     ids = jnp.clip(tokens, 0, self.vocab - 1) - self._offset()
     inside = (ids >= 0) & (ids < width)
