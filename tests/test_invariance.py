@@ -88,8 +88,11 @@ def _row(result, i, n):
 
 
 def _equal(got, want, what):
-  for g, w, name in zip(got, want, ("scores", "top_ids", "top_lp", "next")):
-    assert np.array_equal(g, w), f"{what}: {name} differ by {np.abs(g - w).max()}"
+  names = ("scores", "top_ids", "top_lp", "next")
+  for g, w, name in zip(got, want, names, strict=False):
+    assert np.array_equal(g, w), (
+      f"{what}: {name} differ by {np.abs(g - w).max()}"
+    )
 
 
 def _tokens(rng, vocab, n):
@@ -105,7 +108,9 @@ def _batch_compositions(model, seed, top_n=3):
   alone = model.prefill(_chunk([row]), top_n=top_n)
   want = _row(alone, 0, len(row))
   for batch in rng.choice([2, 3, 5, 8, 17], 3, replace=False):
-    others = [_tokens(rng, vocab, int(rng.integers(1, 20))) for _ in range(batch - 1)]
+    others = [
+      _tokens(rng, vocab, int(rng.integers(1, 20))) for _ in range(batch - 1)
+    ]
     at = int(rng.integers(batch))
     rows = [*others[:at], row, *others[at:]]
     got = model.prefill(_chunk(rows), top_n=top_n)
@@ -133,7 +138,7 @@ def _splits(model, seed, top_n=2):
   got = cw.concat_results(parts)
   _equal(_row(got, 0, 13), _row(whole, 0, 13), f"cuts {cuts}")
   # Prefix broadcasting: the first piece (batch 1) serves three rows.
-  tails = [pieces[1], row[cuts[0] : cuts[0] + 1], pieces[1][:1] + [5, 6]]
+  tails = [pieces[1], row[cuts[0] : cuts[0] + 1], [*pieces[1][:1], 5, 6]]
   shared = model.prefill(_chunk(tails), prefix=prefix[:1], top_n=top_n)
   for i, tail in enumerate(tails):
     alone = model.prefill(_chunk([tail]), prefix=prefix[:1], top_n=top_n)
@@ -152,7 +157,10 @@ def test_decode_steps_equal_one_multi_position_pass(model):
   rng = np.random.default_rng(5)
   prompt = model.prefill(_chunk([_tokens(rng, model.hparams.vocab, 6)]))
   tokens, steps = model.generate(
-    prefix=[prompt], sample_ids=np.arange(1), steps=9, sampling=SAMPLINGS[0],
+    prefix=[prompt],
+    sample_ids=np.arange(1),
+    steps=9,
+    sampling=SAMPLINGS[0],
     top_n=3,
   )
   n = int(tokens.lengths[0])
@@ -176,7 +184,10 @@ def _generate_compositions(model, seed):
   for sampling in SAMPLINGS:
     prefix = model.prefill(_chunk([row]))
     want_tokens, want = model.generate(
-      prefix=[prefix], sample_ids=np.array([11]), steps=8, sampling=sampling,
+      prefix=[prefix],
+      sample_ids=np.array([11]),
+      steps=8,
+      sampling=sampling,
       top_n=2,
     )
     batch = int(rng.choice([2, 3, 6]))
@@ -193,8 +204,11 @@ def _generate_compositions(model, seed):
       seed=sampling.seed,
     )
     tokens, got = model.generate(
-      prefix=[model.prefill(_chunk(rows))], sample_ids=ids, steps=8,
-      sampling=others, top_n=2,
+      prefix=[model.prefill(_chunk(rows))],
+      sample_ids=ids,
+      steps=8,
+      sampling=others,
+      top_n=2,
     )
     n = int(want_tokens.lengths[0])
     assert int(tokens.lengths[at]) == n
@@ -222,11 +236,17 @@ def test_generate_many_slots_are_bit_identical_to_alone(model):
   for i, r in enumerate(requests):
     prefix = model.prefill(_chunk([r.tokens]))
     tokens, result = model.generate(
-      prefix=[prefix], sample_ids=np.array([r.sample_id]), steps=r.steps,
-      sampling=r.sampling, top_n=2,
+      prefix=[prefix],
+      sample_ids=np.array([r.sample_id]),
+      steps=r.steps,
+      sampling=r.sampling,
+      top_n=2,
     )
     n = int(tokens.lengths[0])
-    want[i] = (np.asarray(tokens.tokens[0, :n]), np.asarray(result.per_token_scores[0, :n]))
+    want[i] = (
+      np.asarray(tokens.tokens[0, :n]),
+      np.asarray(result.per_token_scores[0, :n]),
+    )
   for slots in (1, 3):
     for got in model.generate_many(requests, slots=slots, top_n=2):
       tokens, scores = want[got.index]
@@ -250,7 +270,7 @@ def test_fast_numerics_stay_available_and_names_are_checked(tiny):
   chunk = _chunk([[1, 5, 9, 11]])
   a, b = fast.prefill(chunk), tiny.prefill(chunk)
   np.testing.assert_allclose(a.per_token_scores, b.per_token_scores, atol=1e-5)
-  with pytest.raises(ValueError, match="numerics='exact'.*invariant, fast"):
+  with pytest.raises(ValueError, match=r"numerics='exact'.*invariant, fast"):
     cw.InferenceModel(tiny.hparams, tiny.weights, numerics="exact")
 
 

@@ -92,7 +92,7 @@ def test_lorax_generate_with_adapter_details_and_prefill(saved, server):
   d = r.details
   got = [t for t in d.tokens if not t.special]
   assert [t.id for t in got] == ids
-  np.testing.assert_allclose([t.logprob for t in got], scores, atol=1e-5)
+  np.testing.assert_array_equal(np.float32([t.logprob for t in got]), scores)
   assert [[a.id for a in t.alternative_tokens] for t in got] == top.tolist()
   assert r.generated_text == "".join(t.text for t in got)
   assert d.prompt_tokens == len(model.vocab.encode("hello there")) + 1
@@ -105,8 +105,8 @@ def test_lorax_generate_with_adapter_details_and_prefill(saved, server):
   ).per_token_scores[0]
   assert [t.id for t in d.prefill] == prompt
   assert d.prefill[0].logprob is None
-  np.testing.assert_allclose(
-    [t.logprob for t in d.prefill[1:]], np.asarray(want)[1:], atol=1e-5
+  np.testing.assert_array_equal(
+    np.float32([t.logprob for t in d.prefill[1:]]), np.asarray(want)[1:]
   )
 
 
@@ -271,8 +271,8 @@ def test_openai_completions_echo_scores_and_adapters(saved, server):
     )
     assert c.choices[0].text == "score this"
     assert "".join(lp.tokens) == "score this"
-    np.testing.assert_allclose(
-      lp.token_logprobs, np.asarray(r.per_token_scores)[0, 1:], atol=1e-5
+    np.testing.assert_array_equal(
+      np.float32(lp.token_logprobs), np.asarray(r.per_token_scores)[0, 1:]
     )
     assert c.model == name and c.usage.prompt_tokens == len(prompt)
   # n samples of one seed: sample ids 0 .. n-1.
@@ -313,7 +313,7 @@ def test_openai_completions_echo_scores_and_adapters(saved, server):
     if ch.choices[0].logprobs  # the last: only the finish reason
     for lp in ch.choices[0].logprobs.token_logprobs
   ]
-  np.testing.assert_allclose(logprobs, scores, atol=1e-5)
+  np.testing.assert_array_equal(np.float32(logprobs), scores)
 
 
 def _text(model, ids):

@@ -71,7 +71,10 @@ def test_chat_with_logprobs_equals_generate_alone(model, server):
   content = c.choices[0].logprobs.content
   assert "".join(t.token for t in content) == c.choices[0].message.content
   assert c.choices[0].message.content == model.vocab.decode(ids)
-  np.testing.assert_allclose([t.logprob for t in content], scores, atol=1e-4)
+  # Invariant numerics: bit-identical to `generate` alone.
+  np.testing.assert_array_equal(
+    np.float32([t.logprob for t in content]), scores
+  )
   assert [t.top_logprobs[0].token for t in content] == [
     model.vocab.decode([int(i)]) for i in top[:, 0]
   ]
@@ -145,17 +148,16 @@ def test_echo_scores_equal_prefill_and_multibyte_text(model, server):
     cw.Chunk(tokens=np.array([prompt]), lengths=np.array([len(prompt)])),
     top_n=5,
   )
-  np.testing.assert_allclose(
-    lp.token_logprobs, np.asarray(r.per_token_scores)[0, 1:], atol=1e-5
+  np.testing.assert_array_equal(
+    np.float32(lp.token_logprobs), np.asarray(r.per_token_scores)[0, 1:]
   )
   # TGI's decoder_input_details: the same numbers.
   t = text_generation.Client(server.url, timeout=120).generate(
     text, max_new_tokens=1, decoder_input_details=True
   )
-  np.testing.assert_allclose(
-    [p.logprob for p in t.details.prefill[1:]],
+  np.testing.assert_array_equal(
+    np.float32([p.logprob for p in t.details.prefill[1:]]),
     np.asarray(r.per_token_scores)[0, 1 : len(prompt)],
-    atol=1e-5,
   )
 
 
@@ -199,6 +201,6 @@ def test_concurrent_sampled_and_greedy_requests(model, server):
     )
     ids, scores, _ = _alone(model, g, 40 + i)
     assert choice.text == model.vocab.decode(ids), i
-    np.testing.assert_allclose(
-      choice.logprobs.token_logprobs, scores, atol=1e-4, err_msg=str(i)
+    np.testing.assert_array_equal(
+      np.float32(choice.logprobs.token_logprobs), scores, err_msg=str(i)
     )

@@ -7,13 +7,13 @@ This package imports nothing else of chunkwise.
 """
 
 from chunkwise.cpu_kernels.build import load as load
-from chunkwise.cpu_kernels.matmul import matmul as matmul
-from chunkwise.cpu_kernels.invariant import (
-  invariant_matmul as invariant_matmul,
-)
 from chunkwise.cpu_kernels.invariant import (
   invariant_exp_sum as invariant_exp_sum,
 )
 from chunkwise.cpu_kernels.invariant import (
+  invariant_matmul as invariant_matmul,
+)
+from chunkwise.cpu_kernels.invariant import (
   invariant_unary as invariant_unary,
 )
+from chunkwise.cpu_kernels.matmul import matmul as matmul

@@ -1,7 +1,8 @@
 """Compiles the CPU kernels once per machine and registers them with XLA.
 
-`matmul.cc` and `invariant.cc` (with `pool.h`) are compiled with the system C++ compiler (`$CXX`, else g++ or
-c++; `-O3 -march=native`) against the XLA FFI headers that jaxlib ships,
+`matmul.cc` and `invariant.cc` (with `pool.h`) are compiled with the
+system C++ compiler (`$CXX`, else g++ or c++; `-O3 -march=native`) into
+one library, against the XLA FFI headers that jaxlib ships,
 into a cache directory keyed by the source, the compiler, the headers'
 jaxlib version and the CPU's features: `$CHUNKWISE_KERNEL_CACHE`, else
 `~/.cache/chunkwise/kernels`. The library is written to a temporary name

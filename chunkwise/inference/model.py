@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise import memory
+from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, continuous, generate, live
@@ -49,7 +50,6 @@ from chunkwise.models import Weights, init_random
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.placement import check_placement
 from chunkwise.planner import choice as planner_choice
-from chunkwise import numerics as numerics_lib
 from chunkwise.precision import resolve as resolve_precision
 
 
@@ -82,10 +82,10 @@ class InferenceModel:
       (`chunkwise.precision`); None: "highest" for f32 compute (scores
       match the CPU's on GPUs, whose default f32 matmul is TF32),
       "default" for bf16.
-    numerics: "invariant" (the default: on the CPU a row's logits, scores
-      and tokens are bit-identical whatever else is in its batch and
-      however its context was cut into chunks) or "fast" (XLA's own
-      reduction orders); see `chunkwise.numerics`.
+    numerics: "invariant" (on the CPU a row's logits, scores and tokens
+      are bit-identical whatever else is in its batch and however its
+      context was cut into chunks) or "fast" (XLA's own reduction orders);
+      None: "invariant", "fast" for int8 weights. See `chunkwise.numerics`.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
 
@@ -117,7 +117,7 @@ class InferenceModel:
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._precision = resolve_precision(precision, compute_dtype)
-    self._numerics = numerics_lib.resolve(numerics)
+    self._numerics = numerics_lib.resolve(numerics, weights)
     layout, prefill_layout, generate_layout, self._choice = (
       planner_choice.resolve(
         hparams,
@@ -204,7 +204,7 @@ class InferenceModel:
 
   @property
   def numerics(self) -> str:
-    """"invariant" or "fast" (`chunkwise.numerics`)."""
+    """ "invariant" or "fast" (`chunkwise.numerics`)."""
     return self._numerics
 
   @property

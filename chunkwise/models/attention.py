@@ -229,7 +229,7 @@ def _attend_invariant(
       seen &= behind < window
     pieces = [
       (pk, pv, mask if mask.shape[2] == 1 else mask[:, :, start:end])
-      for (pk, pv), (_, _, _, mask) in zip(heads_major, prefix)
+      for (pk, pv), (_, _, _, mask) in zip(heads_major, prefix, strict=True)
     ]
     pieces.append(
       (

@@ -70,9 +70,7 @@ def norm(
   """RMSNorm of the residual [B.rb, T, E.re] -> xn [B, T, E.embed]."""
   x = ops.all_gather(x, _minus(plan.resid_embed, plan.embed_axes), axis=2)
   x32 = x.astype(jnp.float32)
-  squares = ops.psum(
-    numerics.last_sum(x32 * x32), plan.embed_axes
-  )
+  squares = ops.psum(numerics.last_sum(x32 * x32), plan.embed_axes)
   normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
   if scale is not None:
     n = plan.size(plan.embed_axes)
@@ -90,9 +88,7 @@ def residual_norm(
   if scale is None:
     return x
   x32 = x.astype(jnp.float32)
-  squares = ops.psum(
-    numerics.last_sum(x32 * x32), plan.resid_embed
-  )
+  squares = ops.psum(numerics.last_sum(x32 * x32), plan.resid_embed)
   normed = x32 * lax.rsqrt(squares / hparams.d_model + hparams.norm_eps)
   n = plan.size(plan.resid_embed)
   local = ops.block(scale, n, ops.index(plan.resid_embed), axis=0)
