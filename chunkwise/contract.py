@@ -9,7 +9,9 @@ row-major layout makes a free reshape to [h·d, e]. Output letters in
 another order than x's free letters then w's cost a transpose of the
 output (an activation), never of the weight. Letters in both inputs and
 the output (batch dims) are not supported. Under invariant numerics
-(`chunkwise.numerics`) the product runs in `numerics.matmul`.
+the product runs in `numerics.matmul`: `chunkwise.numerics` (a module
+above this one, which imports nothing) registers that as `_override` when
+it is imported.
 
   out = contract("bthd,hde->bte", x, w)     # == jnp.einsum(...)
 """
@@ -20,6 +22,9 @@ import functools
 
 import jax
 from jax import lax
+
+# (eq, x, w) -> the product, or None for XLA's dot (set by chunkwise.numerics).
+_override = None
 
 
 @functools.cache
@@ -48,10 +53,10 @@ def contract_dims(eq: str):
 def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """`jnp.einsum(eq, x, w)` with the contraction in `w`'s own dim order;
   keyword arguments go to `lax.dot_general` (e.g. `precision`)."""
-  from chunkwise import numerics  # numerics imports this module
-
-  if numerics.invariant():
-    return numerics.matmul(eq, x, w)
+  if _override is not None:
+    out = _override(eq, x, w)
+    if out is not None:
+      return out
   lhs, rhs, order = contract_dims(eq)
   out = lax.dot_general(x, w, ((lhs, rhs), ((), ())), **kwargs)
   return out if order is None else out.transpose(order)

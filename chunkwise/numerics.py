@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from chunkwise import contract as contract_lib
 from chunkwise import cpu_kernels
 from chunkwise.contract import contract_dims
 
@@ -50,15 +52,11 @@ NUMERICS = ("invariant", "fast")
 _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 
 
-def resolve(numerics: str | None, weights=None) -> str:
-  """`numerics` checked, or the default for `weights`: "invariant", except
-  for int8 weights (`QArray` leaves), whose invariant decode at batch 1
-  costs ~40% on the CPU (README, Performance) and stays opt-in."""
+def resolve(numerics: str | None, quantized: bool = False) -> str:
+  """`numerics` checked, or the default: "invariant", except for int8
+  weights (`quantized`), whose invariant decode at batch 1 costs ~40% on
+  the CPU (README) and stays opt-in."""
   if numerics is None:
-    from chunkwise.models.quantized import QArray  # models imports numerics
-
-    leaves = jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QArray))
-    quantized = any(isinstance(x, QArray) for x in leaves)
     return "fast" if quantized else "invariant"
   if numerics not in NUMERICS:
     raise ValueError(
@@ -76,6 +74,18 @@ def scope(numerics: str):
     yield
   finally:
     _CURRENT.reset(token)
+
+
+def traced(fn, numerics: str):
+  """`fn` traced under `scope(numerics)` (the engines wrap their programs'
+  functions, beside `precision.with_precision`)."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with scope(numerics):
+      return fn(*args, **kwargs)
+
+  return wrapped
 
 
 def invariant() -> bool:
@@ -191,6 +201,12 @@ def cumsum(x: jax.Array) -> jax.Array:
   return lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
 
 
+def _quantized(w) -> bool:
+  """A `models.quantized.QArray` (int8 values and scales), duck-typed:
+  this module sits below models."""
+  return hasattr(w, "values") and hasattr(w, "scale")
+
+
 def _twin(eq: str, x, w) -> jax.Array:
   """XLA's dot of the weight cast to x's dtype (the non-CPU twin)."""
   lhs, rhs, order = contract_dims(eq)
@@ -204,11 +220,9 @@ def matmul(eq: str, x: jax.Array, w) -> jax.Array:
   one fixed chain (`cpu_kernels.invariant_matmul`); the result has x's
   dtype. A weight whose contracted letters neither lead nor end it is
   first transposed so they lead."""
-  from chunkwise.models.quantized import QArray  # models imports numerics
-
   lhs, rhs, order = contract_dims(eq)
   c = len(rhs)
-  values = w.values if isinstance(w, QArray) else w
+  values = w.values if _quantized(w) else w
   nw = values.ndim
   if lhs != tuple(range(x.ndim - c, x.ndim)):
     raise ValueError(f"matmul {eq!r}: x's contracted letters must end it")
@@ -222,7 +236,7 @@ def matmul(eq: str, x: jax.Array, w) -> jax.Array:
     letters = eq.split("->")[0].split(",")[1]
     moved = "".join(letters[d] for d in perm)
     eq = eq.replace(f",{letters}->", f",{moved}->")
-    if isinstance(w, QArray):
+    if _quantized(w):
       w = w.astype(x.dtype)
     return matmul(eq, x, jnp.transpose(w, perm))
   free_x = x.shape[: x.ndim - c]
@@ -235,10 +249,10 @@ def matmul(eq: str, x: jax.Array, w) -> jax.Array:
   n = math.prod(free_w)
 
   def kernel(x, w):
-    values = w.values if isinstance(w, QArray) else w
+    values = w.values if _quantized(w) else w
     w2 = values.reshape((1, n, k) if nmajor else (1, k, n))
     scale = None
-    if isinstance(w, QArray):
+    if _quantized(w):
       s = w.scale.astype(jnp.float32)
       scale = s.reshape((1, n, -1) if nmajor else (1, -1, n))
     rows = x.reshape(1, -1, k)
@@ -256,18 +270,32 @@ def batched(
   *,
   nmajor: bool,
   ones: bool = False,
+  heads: tuple | None = None,
 ) -> jax.Array:
   """`cpu_kernels.invariant_matmul` of per-group operands (attention):
-  x f32[G, M, K], w [G, K, N] (k-major) or [G, N, K] (n-major), acc
-  f32[G, M, N + ones]; elsewhere the same sums by XLA (not invariant)."""
+  x f32[G, M, K], w [..., K, N] (k-major) or [..., N, K] (n-major) whose
+  leading dims multiply to G, acc f32[G, M, N + ones]; elsewhere the same
+  sums by XLA (not invariant). heads: (first, count) reads heads [first,
+  first + count) of w [b, kv, ..] (G = b * count) in place."""
+  if heads is not None:
+    first = jnp.asarray(heads[0], jnp.int32).reshape(1)
+    count = heads[1]
 
   def kernel(x, w, acc):
     return cpu_kernels.invariant_matmul(
-      x, w, None, acc, nmajor=nmajor, ones=ones
+      x,
+      w,
+      None,
+      acc,
+      nmajor=nmajor,
+      ones=ones,
+      heads=None if heads is None else (first, count),
     )
 
   def twin(x, w, acc):
-    w = w.astype(jnp.float32)
+    if heads is not None:
+      w = lax.dynamic_slice_in_dim(w, first[0], count, axis=1)
+    w = w.astype(jnp.float32).reshape(x.shape[0], *w.shape[-2:])
     if ones:
       w = jnp.concatenate([w, jnp.ones((*w.shape[:2], 1), w.dtype)], axis=2)
     out = jnp.einsum("gmk,gnk->gmn" if nmajor else "gmk,gkn->gmn", x, w)
@@ -278,3 +306,11 @@ def batched(
       (x, w), lambda x, w: kernel(x, w, None), lambda x, w: twin(x, w, None)
     )
   return _on_cpu((x, w, acc), kernel, twin)
+
+
+def _contract_override(eq: str, x, w):
+  """`contract`'s product under invariant numerics (None: XLA's dot)."""
+  return matmul(eq, x, w) if invariant() else None
+
+
+contract_lib._override = _contract_override

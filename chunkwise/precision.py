@@ -45,14 +45,12 @@ def resolve(precision: str | None, compute_dtype) -> str:
   return precision
 
 
-def with_precision(fn, precision: str, numerics: str = "fast"):
-  """`fn` traced under `jax.default_matmul_precision(precision)` and
-  `chunkwise.numerics.scope(numerics)`."""
-  from chunkwise import numerics as numerics_lib
+def with_precision(fn, precision: str):
+  """`fn` traced under `jax.default_matmul_precision(precision)`."""
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with jax.default_matmul_precision(precision), numerics_lib.scope(numerics):
+    with jax.default_matmul_precision(precision):
       return fn(*args, **kwargs)
 
   return traced

@@ -54,11 +54,13 @@ from chunkwise.bench import (
   roofline,
   timing,
 )
+from chunkwise.bench import numerics as bench_numerics
 from chunkwise.constraints import disk_cache
 from chunkwise.constraints import tables as constraint_tables
 from chunkwise.inference import Chunk, InferenceModel
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
+from chunkwise.numerics import NUMERICS
 from chunkwise.precision import PRECISIONS
 from chunkwise.precision import resolve as resolve_precision
 
@@ -173,6 +175,19 @@ _ADAPTER_BATCH = flags.DEFINE_integer(
 _SLOTS = flags.DEFINE_integer(
   "slots", 16, "Batch width of --continuous (slots, and static batches)."
 )
+_NUMERICS = flags.DEFINE_list(
+  "numerics",
+  [],
+  "Numerics modes to compare side by side (e.g. fast,invariant; see "
+  "chunkwise.numerics): per --weights, decode at each --decode_batches and "
+  "a prefill of the first --prefill_batches x --prefill_lengths, timed in "
+  "--numerics_rounds interleaved rounds (ratios to the first mode), and "
+  "each mode's drift: one row's largest score difference across batch "
+  "sizes 1-64. The other measurements use the first mode.",
+)
+_NUMERICS_ROUNDS = flags.DEFINE_integer(
+  "numerics_rounds", 5, "Interleaved rounds of --numerics."
+)
 
 # Named constraints: the acceptance set, plus free text (any
 # character but NUL), which never forces an early stop.
@@ -256,7 +271,9 @@ def _check_fits(name: str, h, kinds: Sequence[str]) -> None:
     raise app.UsageError(f"--model={name}: {e}") from None
 
 
-def _load(name: str, described, weights: str, mesh, layout) -> InferenceModel:
+def _load(
+  name: str, described, weights: str, mesh, layout, numerics=None
+) -> InferenceModel:
   dtype = "bfloat16" if weights == "bfloat16" else "float32"
   quantize = "int8" if weights == "int8" else None
   common = dict(
@@ -264,6 +281,7 @@ def _load(name: str, described, weights: str, mesh, layout) -> InferenceModel:
     layout=layout,
     precision=_PRECISION.value,
     compute_dtype=jnp.dtype(_COMPUTE_DTYPE.value),
+    numerics=numerics,
   )
   if not name.startswith(checkpoints.RANDOM):
     return checkpoints.load(name, dtype=dtype, quantize=quantize, **common)
@@ -296,6 +314,13 @@ def run(argv: Sequence[str]) -> None:
     else []
   )
   prefill_batches = _positive_ints("prefill_batches", _PREFILL_BATCHES.value)
+  modes = (
+    _one_of("numerics", _NUMERICS.value, NUMERICS) if _NUMERICS.value else []
+  )
+  if _NUMERICS_ROUNDS.value < 1:
+    raise app.UsageError(
+      f"--numerics_rounds={_NUMERICS_ROUNDS.value}: expected at least 1"
+    )
   prefill_lengths = _positive_ints("prefill_lengths", _PREFILL_LENGTHS.value)
   for path in (_OUTPUT.value, _PLOT.value):
     folder = os.path.dirname(os.path.abspath(path)) if path else "."
@@ -385,7 +410,15 @@ def run(argv: Sequence[str]) -> None:
   ]
   results = []
   for i, kind in enumerate(kinds):
-    model = _load(_MODEL.value, described, kind, mesh, layout)
+    compared = {
+      mode: _load(_MODEL.value, described, kind, mesh, layout, mode)
+      for mode in modes
+    }
+    model = (
+      compared[modes[0]]
+      if modes
+      else _load(_MODEL.value, described, kind, mesh, layout)
+    )
     size = nbytes(model.weights)  # a reordering keeps every byte
     itemsize = model.cache_dtype.itemsize
     config = {
@@ -395,6 +428,23 @@ def run(argv: Sequence[str]) -> None:
       "layout": str(model.layout),
       "weight_bytes": size,
     }
+    if compared:
+      config["numerics"] = bench_numerics.compare(
+        compared,
+        prompt,
+        decode_batches=decode_batches,
+        prefill_shape=(prefill_batches[0], prefill_lengths[0]),
+        steps=_STEPS.value,
+        rounds=_NUMERICS_ROUNDS.value,
+        runs=_RUNS.value,
+        seed=_SEED.value,
+      )
+      config["numerics"]["drift"] = {
+        mode: bench_numerics.drift(m, prompt, seed=_SEED.value)
+        for mode, m in compared.items()
+      }
+      logging.info("%s numerics: %s", config["name"], config["numerics"])
+      del compared
     decode = []
     for b in decode_batches:
       point = timing.decode(
@@ -496,6 +546,11 @@ def run(argv: Sequence[str]) -> None:
   if named:
     print(report.constraint_table(result))
   for config in results:
+    if "numerics" in config:
+      print(f"{config['name']}, numerics side by side:")
+      print(
+        bench_numerics.table(config["numerics"], config["numerics"]["drift"])
+      )
     if "continuous" in config:
       print(bench_continuous.table(config["continuous"]))
     if "adapters" in config:

@@ -4,7 +4,7 @@ A package may import only packages above it:
 configs -> collectives, processors -> partitioning, constraints -> models
 -> inference -> checkpoints, bench -> jobs, serving; checkpoints, jobs and
 serving use only the names `chunkwise.inference` exports. The
-single-module helpers (contract, untrusted, precision, memory,
+single-module helpers (contract, untrusted, precision, numerics, memory,
 cpu_kernels) import nothing
 above the floor they serve; `contract` (activation times weight in the
 weight's own order) imports nothing at all, like `configs`.
@@ -27,6 +27,7 @@ FLOORS = {
   "cpu_kernels": 1,
   "untrusted": 1,
   "precision": 1,
+  "numerics": 2,  # contract's invariant override, over cpu_kernels
   "partitioning": 2,
   "constraints": 2,
   "memory": 2,

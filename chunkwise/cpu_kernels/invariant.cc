@@ -62,13 +62,20 @@ struct Problem {
   float* out;
   i64 G, M, K, N, groups, group;
   bool w_shared, ones;
+  // A window of `count` of w's `heads` (its second dim) from `first`:
+  // batch g reads w's [g / count, first + g % count]; count 0: none.
+  i64 heads = 0, count = 0, first = 0;
   i64 cols() const { return N + (ones ? 1 : 0); }
+  i64 w_index(i64 g) const {
+    if (w_shared) return 0;
+    return count ? (g / count) * heads + first + g % count : g;
+  }
   template <class W>
   const W* weight(i64 g) const {
-    return static_cast<const W*>(w) + (w_shared ? 0 : g * K * N);
+    return static_cast<const W*>(w) + w_index(g) * K * N;
   }
   const float* scale(i64 g) const {
-    return s == nullptr ? nullptr : s + (w_shared ? 0 : g * groups * N);
+    return s == nullptr ? nullptr : s + w_index(g) * groups * N;
   }
 };
 
@@ -467,23 +474,40 @@ void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
 
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                      ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                     ffi::Buffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::Buffer<ffi::F32> acc, ffi::Buffer<ffi::S32> first,
+                     ffi::ResultBuffer<ffi::F32> out, int64_t count,
                      int64_t nmajor, int64_t scaled, int64_t has_acc,
                      int64_t ones, int64_t portable) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scale.dimensions();
   auto od = out->dimensions();
-  if (xd.size() != 3 || wd.size() != 3 || sd.size() != 3 || od.size() != 3)
-    return ffi::Error::InvalidArgument("x, w, scale and out must be 3-D");
+  if (xd.size() != 3 || wd.size() < 3 || sd.size() != 3 || od.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "x, scale and out must be 3-D, w at least 3-D");
+  // w's leading dims are its batch ([b, kv, S, D] attention caches are read
+  // as they are: a reshape made XLA copy a loop's buffer every step).
+  const size_t r = wd.size();
+  int64_t gw = 1;
+  for (size_t i = 0; i + 2 < r; ++i) gw *= wd[i];
   Problem p{};
   p.G = xd[0];
   p.M = xd[1];
   p.K = xd[2];
-  p.N = nmajor ? wd[1] : wd[2];
+  p.N = nmajor ? wd[r - 2] : wd[r - 1];
   p.ones = ones != 0;
-  p.w_shared = wd[0] == 1;
-  if ((nmajor ? wd[2] : wd[1]) != p.K || (wd[0] != 1 && wd[0] != p.G))
+  if (count > 0) {  // a window of heads: w [b, heads, ...]
+    if (r != 4 || p.G != wd[0] * count || count > wd[1] || scaled)
+      return ffi::Error::InvalidArgument("a heads window needs w [b, kv, ., .], G = b * count");
+    p.heads = wd[1];
+    p.count = count;
+    p.first = first.typed_data()[0];
+    if (p.first < 0 || p.first + count > p.heads)
+      return ffi::Error::InvalidArgument("heads window out of range");
+    gw = p.G;
+  }
+  p.w_shared = gw == 1 && count == 0;
+  if ((nmajor ? wd[r - 1] : wd[r - 2]) != p.K || (gw != 1 && gw != p.G))
     return ffi::Error::InvalidArgument("x and w shapes disagree");
   if (od[0] != p.G || od[1] != p.M || od[2] != p.cols())
     return ffi::Error::InvalidArgument("out shape disagrees");
@@ -492,7 +516,7 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.group = p.K;
   if (scaled) {
     p.groups = nmajor ? sd[2] : sd[1];
-    if (sd[0] != wd[0] || (nmajor ? sd[1] : sd[2]) != p.N || p.groups <= 0 ||
+    if (sd[0] != gw || (nmajor ? sd[1] : sd[2]) != p.N || p.groups <= 0 ||
         p.K % p.groups != 0)
       return ffi::Error::InvalidArgument("w and scale shapes disagree");
     p.group = p.K / p.groups;
@@ -740,7 +764,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("count")
                                   .Attr<int64_t>("nmajor")
                                   .Attr<int64_t>("scaled")
                                   .Attr<int64_t>("has_acc")

@@ -4,12 +4,16 @@ Every output is one fixed sequence of f32 operations that depends only on
 its row of x and the weight (see `invariant.cc`): not on the number of
 rows, the row's index, the tiling or the threads.
 
-  x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [1 or G, K, N]
-  (k-major) or [1 or G, N, K] (n-major); scale: f32 [1 or G, K / group, N]
+  x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [..., K, N]
+  (k-major) or [..., N, K] (n-major), its leading dims' product 1 or G (a
+  [b, kv, S, D] cache is read as it is: a reshape made XLA copy a loop's
+  buffer every step); scale: f32 [1 or G, K / group, N]
   or [1 or G, N, K / group], or None for a float weight; acc: f32
   [G, M, N'] the k-major chains start from (or None: +0); ones: a column N
   of weight 1 (the chained sum of x's row; k-major float only); portable:
-  the plain C++ loops that define the sums, not the AVX-512 tiles (tests).
+  the plain C++ loops that define the sums, not the AVX-512 tiles (tests);
+  heads: (first int32[1], count) reads the heads [first, first + count) of
+  a w [b, kv, ...] in place, for G = b * count.
   Returns f32 [G, M, N'] with N' = N + ones.
 
 Registered for the CPU platform only: call it under
@@ -34,10 +38,12 @@ def invariant_matmul(
   nmajor: bool,
   ones: bool = False,
   portable: bool = False,
+  heads: tuple | None = None,
 ) -> jax.Array:
   g, m, _ = x.shape
-  n = (w.shape[1] if nmajor else w.shape[2]) + int(ones)
+  n = (w.shape[-2] if nmajor else w.shape[-1]) + int(ones)
   dummy = jnp.zeros((1, 1, 1), jnp.float32)
+  first, count = (jnp.zeros((1,), jnp.int32), 0) if heads is None else heads
   return jax.ffi.ffi_call(
     build.INVARIANT_TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32)
   )(
@@ -45,6 +51,8 @@ def invariant_matmul(
     w,
     dummy if scale is None else scale.astype(jnp.float32),
     dummy if acc is None else acc.astype(jnp.float32),
+    jnp.asarray(first, jnp.int32).reshape(1),
+    count=int(count),
     nmajor=int(nmajor),
     scaled=int(scale is not None),
     has_acc=int(acc is not None),

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
+from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
 from chunkwise.inference import slots as slots_lib
@@ -128,7 +129,8 @@ class ReferenceEngine:
 
     def traced(fn):
       return with_precision(
-        functools.partial(fn, infer_fn), precision, numerics
+        numerics_lib.traced(functools.partial(fn, infer_fn), numerics),
+        precision,
       )
 
     self._prefill = jax.jit(

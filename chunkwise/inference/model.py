@@ -117,7 +117,9 @@ class InferenceModel:
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._precision = resolve_precision(precision, compute_dtype)
-    self._numerics = numerics_lib.resolve(numerics, weights)
+    self._numerics = numerics_lib.resolve(
+      numerics, planner_choice.weights_name(weights) == "int8"
+    )
     layout, prefill_layout, generate_layout, self._choice = (
       planner_choice.resolve(
         hparams,

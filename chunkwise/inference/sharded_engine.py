@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import generate, prefill
 from chunkwise.inference import slots as slots_lib
@@ -288,7 +289,9 @@ class ShardedEngine:
     if key not in self._programs:
       self._programs[key] = jax.jit(
         jax.shard_map(
-          with_precision(per_device, self._precision, self._numerics),
+          with_precision(
+            numerics_lib.traced(per_device, self._numerics), self._precision
+          ),
           mesh=self.mesh,
           in_specs=in_specs,
           out_specs=out_specs,

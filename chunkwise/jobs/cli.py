@@ -31,6 +31,7 @@ from chunkwise.jobs.config import (
   Quantization,
   WeightDtype,
 )
+from chunkwise.numerics import NUMERICS
 from chunkwise.precision import PRECISIONS
 
 
@@ -77,7 +78,7 @@ _VALIDATED: set[tuple[str, str]] = set()
 
 class ModelFlags:
   """--model, --layout, --mesh, --dtype, --quantize, --precision,
-  --adapters."""
+  --numerics, --adapters."""
 
   def __init__(self):
     self.model = _define(
@@ -123,6 +124,15 @@ class ModelFlags:
       "Matmul precision (default: highest for f32, whose default is TF32 "
       "on GPUs; see chunkwise.precision).",
     )
+    self.numerics = _define(
+      flags.DEFINE_enum,
+      "numerics",
+      None,
+      list(NUMERICS),
+      "invariant: on the CPU a row's scores and tokens are bit-identical "
+      "whatever shares its batch (default, except int8 weights: fast); "
+      "fast: XLA's own reduction orders. See chunkwise.numerics.",
+    )
     self.adapters = _define(
       flags.DEFINE_string,
       "adapters",
@@ -144,6 +154,7 @@ class ModelFlags:
       dtype=self.dtype.value,
       quantize=self.quantize.value,
       precision=self.precision.value,
+      numerics=self.numerics.value,
       adapters=self.adapters.value,
     )
 

@@ -27,6 +27,7 @@ from chunkwise.inference import Sampling
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
 from chunkwise.models.quantized import Quantization
+from chunkwise.numerics import NUMERICS
 from chunkwise.partitioning import Layout, parse_mesh
 from chunkwise.precision import PRECISIONS
 
@@ -79,6 +80,7 @@ class ModelConfig:
   dtype: WeightDtype | None = None
   quantize: Quantization = Quantization.NONE
   precision: str | None = None  # "highest", "high", "default"
+  numerics: str | None = None  # "invariant", "fast" (chunkwise.numerics)
   # LoRA adapters served besides the base model: {name: PEFT directory}
   # (or "name=path,name2=path2"); examples pick one by name.
   adapters: Mapping[str, str] = dataclasses.field(
@@ -102,6 +104,10 @@ class ModelConfig:
     if self.precision is not None and self.precision not in PRECISIONS:
       raise ValueError(
         f"precision={self.precision!r}: expected one of {list(PRECISIONS)}"
+      )
+    if self.numerics is not None and self.numerics not in NUMERICS:
+      raise ValueError(
+        f"numerics={self.numerics!r}: expected one of {list(NUMERICS)}"
       )
 
 

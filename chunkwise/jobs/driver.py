@@ -226,6 +226,7 @@ def load_configured(
       vocab=described.vocab,
       dtype=dtype or "float32",
       precision=m.precision,
+      numerics=m.numerics,
       **extra,
     )
   return checkpoints.load(
@@ -235,6 +236,7 @@ def load_configured(
     mesh=mesh,
     layout=m.layout,
     precision=m.precision,
+    numerics=m.numerics,
     **extra,
   )
 
@@ -358,6 +360,7 @@ def run(
     "quantize": m.quantize.value,
     # Absent when unset, so outputs begun before the option still resume.
     **({"precision": m.precision} if m.precision else {}),
+    **({"numerics": m.numerics} if m.numerics else {}),
     **(
       {"adapters": adapters_lib.checksums(setup.adapters)}
       if setup.adapters

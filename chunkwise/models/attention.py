@@ -62,12 +62,15 @@ class PrefixLayer(NamedTuple):
   `KVCache`'s order), or [b, kv_heads, S, head_dim] where `heads_major`
   (the generate loop's buffer, laid out for attention: read in place,
   where a cache in its own order is transposed every time it is read);
-  lengths int32[b]."""
+  lengths int32[b]. `first`, `count`: a window of K/V heads still to be
+  cut (`heads`), or None."""
 
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
   heads_major: bool = False
+  first: jax.Array | int | None = None
+  count: int | None = None
 
   @property
   def width(self) -> int:
@@ -75,14 +78,27 @@ class PrefixLayer(NamedTuple):
     return self.k.shape[2 if self.heads_major else 1]
 
   def heads(self, first, count: int) -> PrefixLayer:
-    """K/V heads [first, first + count) (`first` may be traced)."""
+    """K/V heads [first, first + count) (`first` may be traced). Under
+    invariant numerics a heads-major buffer keeps them as a window that
+    the kernels read in place (a slice of the decode loop's buffer made
+    XLA copy the whole buffer every step)."""
     axis = 1 if self.heads_major else 2
     if self.k.shape[axis] == count:
       return self
+    if self.heads_major and numerics.invariant():
+      return self._replace(first=first, count=count)
+    return self._replace(first=first, count=count).sliced()
+
+  def sliced(self) -> PrefixLayer:
+    """The window of heads cut out (self when there is none)."""
+    if self.count is None:
+      return self
+    axis = 1 if self.heads_major else 2
     k, v = (
-      lax.dynamic_slice_in_dim(a, first, count, axis) for a in (self.k, self.v)
+      lax.dynamic_slice_in_dim(a, self.first, self.count, axis)
+      for a in (self.k, self.v)
     )
-    return self._replace(k=k, v=v)
+    return self._replace(k=k, v=v, first=None, count=None)
 
 
 def _attend_piece(
@@ -204,17 +220,20 @@ def _attend_invariant(
   Args:
     q: f32[B, T, kv_heads, group, D], pre-scaled.
     k, v: [B, T, kv_heads, D] the chunk's keys and values.
-    prefix: (k, v, heads_major, mask) per prefix piece, in position order:
-      k, v as `PrefixLayer`'s (b rows, b | B), mask bool broadcastable to
-      [b, B/b, T, 1, 1, S].
+    prefix: (PrefixLayer, mask) per prefix piece, in position order: b
+      rows (b | B), mask bool broadcastable to [b, B/b, T, 1, 1, S].
   Returns:
     f32[B, T, heads, D].
   """
   batch, time, kv_heads, group, dim = q.shape
-  heads_major = [
-    (pk, pv) if major else (jnp.swapaxes(pk, 1, 2), jnp.swapaxes(pv, 1, 2))
-    for pk, pv, major, _ in prefix
-  ]  # [b, kv, S, D]
+  # [b, kv, S, D] (with a window of heads still to read, if any)
+  major = [p if p.heads_major else p.sliced() for p, _ in prefix]
+  major = [
+    p
+    if p.heads_major
+    else p._replace(k=jnp.swapaxes(p.k, 1, 2), v=jnp.swapaxes(p.v, 1, 2))
+    for p in major
+  ]
   kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   window = options.window
   blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
@@ -228,16 +247,14 @@ def _attend_invariant(
     if window is not None:
       seen &= behind < window
     pieces = [
-      (pk, pv, mask if mask.shape[2] == 1 else mask[:, :, start:end])
-      for (pk, pv), (_, _, _, mask) in zip(heads_major, prefix, strict=True)
-    ]
-    pieces.append(
       (
-        kh[:, :, first:end],
-        vh[:, :, first:end],
-        seen[None, None, :, None, None, :],
+        (p.k, p.v, p.first),
+        mask if mask.shape[2] == 1 else mask[:, :, start:end],
       )
-    )
+      for p, (_, mask) in zip(major, prefix, strict=True)
+    ]
+    chunk = (kh[:, :, first:end], vh[:, :, first:end], None)
+    pieces.append((chunk, seen[None, None, :, None, None, :]))
     parts.append(_chain(q[:, start:end], pieces, options.softcap))
   out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
   return out.reshape(batch, time, kv_heads * group, dim)
@@ -245,7 +262,8 @@ def _attend_invariant(
 
 def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
   """`_attend_invariant` of queries q [B, T, kv, group, D] to `pieces`
-  (k, v [b, kv, S, D], mask), in order. Returns f32[B, T, kv, group, D]."""
+  ((k, v [b, kv', S, D], head window (first, count) or None), mask), in
+  order. Returns f32[B, T, kv, group, D]."""
   batch, time, kv_heads, group, dim = q.shape
 
   def common(a, b):  # [b, kv, r, T, group, ...] -> [B, kv, T, group, ...]
@@ -258,24 +276,27 @@ def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
 
   queries = jnp.swapaxes(q, 1, 2)  # [B, kv, T, group, D]
   scored = []
-  for k, v, mask in pieces:
+  for piece, mask in pieces:
+    k, v = piece[0], piece[1]
+    window = None if piece[2] is None else (piece[2], kv_heads)
     b, width = k.shape[0], k.shape[2]
     rows = batch // b * time * group
     logits = numerics.batched(
       view(queries, b).reshape(b * kv_heads, rows, dim),
-      k.reshape(b * kv_heads, width, dim),
+      k,  # [b, kv', S, D], read as it is
       nmajor=True,
+      heads=window,
     ).reshape(b, kv_heads, batch // b, time, group, width)
     if softcap is not None:
       logits = softcap * numerics.tanh(logits / softcap)
     mask = jnp.moveaxis(mask, 3, 1)  # [b, 1, r, T, 1, S]
-    scored.append((jnp.where(mask, logits, _MASKED), v, b))
+    scored.append((jnp.where(mask, logits, _MASKED), v, b, window))
   top = None
-  for logits, _, b in scored:
+  for logits, _, b, _ in scored:
     m = common(jnp.max(logits, axis=-1), b)
     top = m if top is None else jnp.maximum(top, m)
   acc = None
-  for logits, v, b in scored:
+  for logits, v, b, window in scored:
     # A masked logit is _MASKED: exp(_MASKED - top) is exactly 0 (every
     # query sees itself, so top is a real logit).
     e = numerics.exp(logits - view(top, b)[..., None])
@@ -285,10 +306,11 @@ def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
       start = view(acc, b).reshape(b * kv_heads, rows, dim + 1)
     out = numerics.batched(
       e.reshape(b * kv_heads, rows, width),
-      v.reshape(b * kv_heads, width, dim),
+      v,
       start,
       nmajor=False,
       ones=True,
+      heads=window,
     )
     acc = common(out.reshape(b, kv_heads, batch // b, time, group, -1), b)
   out = acc[..., :dim] / acc[..., dim:]  # [B, kv, T, group, D]
@@ -349,8 +371,9 @@ def attend(
       near = q_positions[:, :, None] - k_positions[:, None, :] < window
       mask = mask & near.reshape(b, batch // b, time, 1, 1, width)
     if numerics.invariant():
-      pieces.append((piece.k, piece.v, piece.heads_major, mask))
+      pieces.append((piece, mask))
       continue
+    piece = piece.sliced()
     m, s, o = _attend_piece(
       q.reshape(b, batch // b, *q.shape[1:]),
       piece.k,

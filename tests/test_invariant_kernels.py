@@ -1,0 +1,190 @@
+"""The invariant CPU kernels (`cpu_kernels.invariant_*`): bit for bit equal
+to their portable C++ definition, independent of the rows beside a row,
+and close to the exact math."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkwise import cpu_kernels, numerics
+from chunkwise.contract import contract
+from chunkwise.models.quantized import QArray, quantize
+
+pytestmark = pytest.mark.skipif(
+  not cpu_kernels.load(), reason="no C++ compiler: the kernels did not build"
+)
+
+_matmul = jax.jit(
+  cpu_kernels.invariant_matmul, static_argnames=("nmajor", "ones", "portable")
+)
+
+
+def _operands(rng, g, m, k, n, kind, nmajor, groups):
+  x = rng.standard_normal((g, m, k)).astype(np.float32)
+  shape = (g, n, k) if nmajor else (g, k, n)
+  w = rng.standard_normal(shape).astype(np.float32)
+  scale = None
+  if kind == "int8":
+    w = rng.integers(-127, 128, shape).astype(np.int8)
+    sshape = (g, n, groups) if nmajor else (g, groups, n)
+    scale = jnp.asarray(rng.random(sshape).astype(np.float32) * 0.02)
+  w = jnp.asarray(w).astype(jnp.bfloat16 if kind == "bf16" else w.dtype)
+  return jnp.asarray(x), w, scale
+
+
+def _reference(x, w, scale, acc, nmajor, ones):
+  """f64 math of the dequantized weight (value x scale in f32)."""
+  wf = np.asarray(w.astype(jnp.float32))
+  if scale is not None:
+    s = np.asarray(scale)
+    axis = 2 if nmajor else 1
+    wf = wf * np.repeat(s, wf.shape[axis] // s.shape[axis], axis=axis)
+  wk = np.swapaxes(wf, 1, 2) if nmajor else wf
+  if ones:
+    wk = np.concatenate([wk, np.ones((*wk.shape[:2], 1), wk.dtype)], axis=2)
+  out = np.einsum("gmk,gkn->gmn", np.asarray(x, np.float64), wk)
+  return out if acc is None else out + np.asarray(acc)
+
+
+CASES = [
+  # g, m, k, n, kind, nmajor, groups, acc, ones
+  (1, 1, 576, 200, "f32", False, 1, False, False),  # decode rows: stream
+  (1, 33, 96, 70, "f32", False, 1, False, False),  # packed tiles, col tail
+  (1, 100, 64, 130, "f32", False, 1, False, False),  # two row bands
+  (3, 13, 70, 64, "f32", False, 1, True, True),  # attention's values
+  (2, 40, 37, 64, "f32", False, 1, True, True),  # ... 5-vector tiles
+  (1, 7, 72, 40, "int8", False, 2, False, False),  # groups of 36
+  (1, 50, 72, 33, "int8", False, 4, False, False),
+  (1, 5, 576, 30, "bf16", False, 1, False, False),
+  (1, 1, 70, 203, "f32", True, 1, False, False),  # tied unembedding
+  (1, 9, 64, 50, "f32", True, 1, False, False),  # 4 x 4 tiles, trees
+  (3, 3, 64, 37, "f32", True, 1, False, False),  # attention logits
+  (1, 18, 72, 9, "int8", True, 2, False, False),
+  (1, 2, 40, 11, "bf16", True, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matmul_is_its_definition_row_by_row(case):
+  g, m, k, n, kind, nmajor, groups, with_acc, ones = case
+  rng = np.random.default_rng(m * k + n)
+  x, w, scale = _operands(rng, g, m, k, n, kind, nmajor, groups)
+  acc = None
+  if with_acc:
+    acc = jnp.asarray(rng.standard_normal((g, m, n + ones)), jnp.float32)
+  got = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones)
+  defined = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones, portable=True)
+  assert np.array_equal(got, defined)
+  want = _reference(x, w, scale, acc, nmajor, ones)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * k)
+  # Each row alone: the same bits as among the others.
+  for r in {0, m // 2, m - 1}:
+    part = None if acc is None else acc[:, r : r + 1]
+    alone = _matmul(x[:, r : r + 1], w, scale, part, nmajor=nmajor, ones=ones)
+    assert np.array_equal(alone[:, 0], got[:, r]), r
+
+
+def test_bad_shapes_are_refused():
+  x = jnp.ones((1, 2, 8))
+  with pytest.raises(Exception, match="x and w shapes disagree"):
+    _matmul(x, jnp.ones((1, 9, 4)), nmajor=False)
+  with pytest.raises(Exception, match="ones needs a k-major"):
+    _matmul(x, jnp.ones((1, 4, 8)), nmajor=True, ones=True)
+
+
+def _ulps(a, b):
+  a, b = np.float32(a), np.float32(b)
+  return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32))
+
+
+@pytest.mark.parametrize("op", ["exp", "log"])
+def test_exp_and_log_are_one_routine_for_every_element(op):
+  rng = np.random.default_rng(0)
+  if op == "exp":
+    x = np.concatenate([rng.uniform(-87, 88.7, 5000), rng.normal(0, 3, 5000)])
+  else:
+    x = np.concatenate([rng.uniform(1.2e-38, 1e38, 5000), rng.random(5000)])
+  x = x.astype(np.float32)
+  got = np.asarray(cpu_kernels.invariant_unary(x, op))
+  assert np.array_equal(got, cpu_kernels.invariant_unary(x, op, portable=True))
+  want = getattr(np, op)(x.astype(np.float64)).astype(np.float32)
+  assert _ulps(got, want).max() <= 1
+  for start, size in ((0, 1), (3, 7), (5, 16), (1, 33)):  # any slice alike
+    part = cpu_kernels.invariant_unary(x[start : start + size], op)
+    assert np.array_equal(part, got[start : start + size])
+
+
+def test_exp_and_log_edges():
+  special = np.float32([0, -0.0, np.inf, -np.inf, np.nan, 89.0, -88.0, 1e-45])
+  exp = np.asarray(cpu_kernels.invariant_unary(special, "exp"))
+  np.testing.assert_array_equal(exp[:4], [1, 1, np.inf, 0])
+  assert np.isnan(exp[4]) and exp[5] == np.inf and exp[6] == 0  # flushed
+  log = np.asarray(cpu_kernels.invariant_unary(special, "log"))
+  np.testing.assert_array_equal(
+    log[[0, 1, 2, 7]], [-np.inf] * 2 + [np.inf] * 1 + [-np.inf]
+  )
+  assert np.isnan(log[3]) and np.isnan(log[4])  # log(-inf), log(nan)
+  with pytest.raises(ValueError, match="op='sin'"):
+    cpu_kernels.invariant_unary(special, "sin")
+
+
+def test_exp_sum_is_exp_then_row_sum_in_one_pass():
+  rng = np.random.default_rng(1)
+  for m, k in ((5, 49152), (3, 70), (17, 16), (2, 5)):
+    x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * 5)
+    shift = x.max(-1)
+    got = cpu_kernels.invariant_exp_sum(x, shift)
+    e = cpu_kernels.invariant_unary(x - shift[:, None], "exp")
+    ones = jnp.ones((1, 1, k), jnp.float32)
+    two = cpu_kernels.invariant_matmul(e[None], ones, nmajor=True)[0, :, 0]
+    assert np.array_equal(got, two)
+    assert np.array_equal(
+      got, cpu_kernels.invariant_exp_sum(x, shift, portable=True)
+    )
+
+
+@pytest.mark.parametrize(
+  "eq, xs, ws, dims",
+  [
+    ("bte,ehd->bthd", (2, 3, 16), (16, 4, 8), (0,)),  # k-major, two free
+    ("bthd,hde->bte", (2, 3, 4, 8), (4, 8, 16), (0, 1)),  # two contracted
+    ("bte,ve->btv", (2, 3, 16), (40, 16), (1,)),  # n-major
+    ("bte,hef->bthf", (1, 2, 16), (3, 16, 8), (1,)),  # contracted inside
+  ],
+)
+def test_numerics_matmul_is_contract(eq, xs, ws, dims):
+  x = jax.random.normal(jax.random.key(0), xs)
+  w = jax.random.normal(jax.random.key(1), ws)
+  want = contract(eq, x, w)
+  with numerics.scope("invariant"):
+    got = jax.jit(lambda x, w: contract(eq, x, w))(x, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  q = quantize(w, dims, 4)
+  assert isinstance(q, QArray)
+  with numerics.scope("invariant"):
+    got = jax.jit(lambda x, w: numerics.matmul(eq, x, w))(x, q)
+  np.testing.assert_allclose(
+    got, contract(eq, x, q.astype(x.dtype)), rtol=1e-5, atol=1e-5
+  )
+
+
+def test_a_window_of_heads_is_read_in_place():
+  """heads=(first, count) of a w [b, kv, S, D] equals slicing it first."""
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.standard_normal((2, 4, 9, 16)).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((4, 5, 16)).astype(np.float32))
+  first = jnp.array([1], jnp.int32)
+  got = cpu_kernels.invariant_matmul(x, w, nmajor=True, heads=(first, 2))
+  want = cpu_kernels.invariant_matmul(x, w[:, 1:3], nmajor=True)
+  assert np.array_equal(got, want)
+  e = jnp.asarray(rng.random((4, 5, 9)).astype(np.float32))
+  got = cpu_kernels.invariant_matmul(
+    e, w, nmajor=False, ones=True, heads=(first, 2)
+  )
+  want = cpu_kernels.invariant_matmul(e, w[:, 1:3], nmajor=False, ones=True)
+  assert np.array_equal(got, want)
+  with pytest.raises(Exception, match="heads window out of range"):
+    cpu_kernels.invariant_matmul(
+      x, w, nmajor=True, heads=(jnp.array([3], jnp.int32), 2)
+    )
