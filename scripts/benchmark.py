@@ -188,6 +188,11 @@ _NUMERICS = flags.DEFINE_list(
 _NUMERICS_ROUNDS = flags.DEFINE_integer(
   "numerics_rounds", 5, "Interleaved rounds of --numerics."
 )
+_NUMERICS_DRIFT = flags.DEFINE_list(
+  "numerics_drift_batches",
+  ["1", "2", "4", "8", "16", "32", "64"],
+  "Batch sizes over which --numerics measures a row's drift.",
+)
 
 # Named constraints: the acceptance set, plus free text (any
 # character but NUL), which never forces an early stop.
@@ -317,6 +322,9 @@ def run(argv: Sequence[str]) -> None:
   modes = (
     _one_of("numerics", _NUMERICS.value, NUMERICS) if _NUMERICS.value else []
   )
+  drift_batches = _positive_ints(
+    "numerics_drift_batches", _NUMERICS_DRIFT.value
+  )
   if _NUMERICS_ROUNDS.value < 1:
     raise app.UsageError(
       f"--numerics_rounds={_NUMERICS_ROUNDS.value}: expected at least 1"
@@ -440,7 +448,9 @@ def run(argv: Sequence[str]) -> None:
         seed=_SEED.value,
       )
       config["numerics"]["drift"] = {
-        mode: bench_numerics.drift(m, prompt, seed=_SEED.value)
+        mode: bench_numerics.drift(
+          m, prompt, batches=drift_batches, seed=_SEED.value
+        )
         for mode, m in compared.items()
       }
       logging.info("%s numerics: %s", config["name"], config["numerics"])

@@ -272,6 +272,9 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--continuous_requests=12",
     "--continuous_long=16",
     "--slots=3",
+    "--numerics=fast,invariant",
+    "--numerics_rounds=1",
+    "--numerics_drift_batches=1,3",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -286,6 +289,20 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert both["continuous"]["occupancy"] <= 1
   assert both["programs_compiled"] > 0 and both["speedup"] > 0
   assert "continuous / static" in result.stdout
+  # --numerics: both modes timed side by side; invariant rows do not drift.
+  for c in data["configs"][::3]:
+    report = c["numerics"]
+    assert report["modes"] == ["fast", "invariant"]
+    assert [r["workload"] for r in report["rows"]] == [
+      "decode b1",
+      "decode b3",
+      "prefill 2x4",
+    ]
+    assert all(r["slowdown"]["invariant"] > 0 for r in report["rows"])
+    drift = report["drift"]["invariant"]
+    assert drift["batches"] == [1, 3]
+    assert drift["prefill"] == drift["generate"] == 0
+  assert "numerics side by side" in result.stdout
   assert data["machine"]["bandwidth_gb_s"] > 0
   # Ours (f32 at "highest") and transformers' bf16 matmuls.
   peaks = data["machine"]["peak_matmul_gflop_s"]
@@ -363,6 +380,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     ("--decode_batches=1,0", "--decode_batches: '0' is not a positive"),
     ("--weights=float16", "--weights=float16: expected a list of"),
     ("--constraints=yaml", "--constraints=yaml: expected a list of"),
+    ("--numerics=exact", "--numerics=exact: expected a list of"),
     ("--prefill_lengths=9999", "9999 tokens"),
     ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
     ("--model=random:nope", "unknown preset 'nope'"),

@@ -433,6 +433,8 @@ void nmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
 // or weight rows (n-major) per block.
 constexpr i64 kBandRows = 96;
 constexpr i64 kNBlock = 64;
+// Multiply-adds below which a call runs on the calling thread alone.
+constexpr i64 kInline = 1 << 18;
 
 template <class W>
 void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
@@ -451,7 +453,7 @@ void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
   const i64 nblocks = (width + nblock - 1) / nblock;
   const i64 bands = (p.M + kBandRows - 1) / kBandRows;
   const i64 total = p.G * bands * nblocks;
-  parallel_for(pool, total, [&, portable](i64 b) {
+  auto body = [&, portable](i64 b) {
     const i64 g = b / (bands * nblocks);
     const i64 band = b / nblocks % bands;
     const i64 n0 = b % nblocks * nblock, n1 = std::min(width, n0 + nblock);
@@ -469,7 +471,14 @@ void run(ffi::ThreadPool& pool, const Problem& p, bool nmajor, bool portable) {
     (void)portable;
     if (nmajor) nmajor_portable<W>(p, g, m0, m1, n0, n1);
     else kmajor_portable<W>(p, g, m0, m1, n0, n1);
-  });
+  };
+  // Small products (a decode step's attention: a few rows against a short
+  // cache) run on the calling thread: waking a pool thread cost more.
+  if (p.G * p.M * p.K * width < kInline) {
+    for (i64 b = 0; b < total; ++b) body(b);
+    return;
+  }
+  parallel_for(pool, total, body);
 }
 
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
