@@ -99,7 +99,7 @@ def _tokens(rng, vocab, n):
   return [1, *rng.integers(3, vocab, n - 1).tolist()]
 
 
-def _batch_compositions(model, seed, top_n=3):
+def _batch_compositions(model, seed, top_n=3, batches=(2, 3, 5, 8, 17)):
   """A row alone against the row at a random index of a random batch of
   other rows of random lengths (so padding widths differ too)."""
   rng = np.random.default_rng(seed)
@@ -107,7 +107,7 @@ def _batch_compositions(model, seed, top_n=3):
   row = _tokens(rng, vocab, int(rng.integers(2, 12)))
   alone = model.prefill(_chunk([row]), top_n=top_n)
   want = _row(alone, 0, len(row))
-  for batch in rng.choice([2, 3, 5, 8, 17], 3, replace=False):
+  for batch in rng.choice(batches, min(3, len(batches)), replace=False):
     others = [
       _tokens(rng, vocab, int(rng.integers(1, 20))) for _ in range(batch - 1)
     ]
@@ -117,7 +117,7 @@ def _batch_compositions(model, seed, top_n=3):
     _equal(_row(got, at, len(row)), want, f"batch {batch} at {at}")
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_prefill_rows_do_not_depend_on_the_batch(model, seed):
   _batch_compositions(model, seed)
 
@@ -145,7 +145,7 @@ def _splits(model, seed, top_n=2):
     _equal(_row(shared, i, len(tail)), _row(alone, 0, len(tail)), f"row {i}")
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_chunk_splits_and_prefix_broadcasting_are_invisible(model, seed):
   _splits(model, seed)
 
@@ -280,7 +280,7 @@ def test_smollm2_rows_splits_and_steps():
   others, cut into three chunks, and its decode steps against one pass."""
   smol = cw.load("smollm2-135m")
   assert smol.numerics == "invariant"
-  _batch_compositions(smol, 6, top_n=3)
+  _batch_compositions(smol, 6, top_n=3, batches=(17,))
   _splits(smol, 7, top_n=3)
   test_decode_steps_equal_one_multi_position_pass(smol)
   jax.clear_caches()
