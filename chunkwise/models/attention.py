@@ -157,6 +157,23 @@ _BLOCK_ROWS = 128
 _MAX_BLOCKS = 8
 
 
+def _query_blocks(time: int, window: int | None):
+  """The chunk's query blocks: (start, end, first, seen) per block, rows
+  [start, end) reading keys [first, end) (those before the block's end and,
+  with a window, none before its first row's), seen the causal (and
+  window) mask bool[end - start, end - first]."""
+  blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
+  rows = -(-time // blocks)
+  for start in range(0, time, rows):
+    end = min(start + rows, time)
+    first = 0 if window is None else max(0, start - window + 1)
+    behind = (start + jnp.arange(end - start))[:, None] - jnp.arange(first, end)
+    seen = behind >= 0  # every row sees itself, window or not
+    if window is not None:
+      seen &= behind < window
+    yield start, end, first, seen
+
+
 def _attend_causal(
   q: jax.Array, k: jax.Array, v: jax.Array, options: Options
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -174,18 +191,8 @@ def _attend_causal(
   Returns:
     (m, s, o) as `_attend_piece`, without its `r` axis.
   """
-  time = q.shape[1]
-  window = options.window
-  blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
-  rows = -(-time // blocks)
   parts = []
-  for start in range(0, time, rows):
-    end = min(start + rows, time)
-    first = 0 if window is None else max(0, start - window + 1)
-    behind = (start + jnp.arange(end - start))[:, None] - jnp.arange(first, end)
-    seen = behind >= 0  # every row sees itself, window or not
-    if window is not None:
-      seen &= behind < window
+  for start, end, first, seen in _query_blocks(q.shape[1], options.window):
     parts.append(
       _attend_piece(
         q[:, None, start:end],
@@ -226,26 +233,18 @@ def _attend_invariant(
     f32[B, T, heads, D].
   """
   batch, time, kv_heads, group, dim = q.shape
+
   # [b, kv, S, D] (with a window of heads still to read, if any)
-  major = [p if p.heads_major else p.sliced() for p, _ in prefix]
-  major = [
-    p
-    if p.heads_major
-    else p._replace(k=jnp.swapaxes(p.k, 1, 2), v=jnp.swapaxes(p.v, 1, 2))
-    for p in major
-  ]
+  def heads_major(p: PrefixLayer) -> PrefixLayer:
+    if p.heads_major:
+      return p
+    p = p.sliced()
+    return p._replace(k=jnp.swapaxes(p.k, 1, 2), v=jnp.swapaxes(p.v, 1, 2))
+
+  major = [heads_major(p) for p, _ in prefix]
   kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  window = options.window
-  blocks = max(1, min(_MAX_BLOCKS, time // _BLOCK_ROWS))
-  rows = -(-time // blocks)
   parts = []
-  for start in range(0, time, rows):
-    end = min(start + rows, time)
-    first = 0 if window is None else max(0, start - window + 1)
-    behind = (start + jnp.arange(end - start))[:, None] - jnp.arange(first, end)
-    seen = behind >= 0
-    if window is not None:
-      seen &= behind < window
+  for start, end, first, seen in _query_blocks(time, options.window):
     pieces = [
       (
         (p.k, p.v, p.first),
