@@ -37,6 +37,8 @@ from chunkwise.inference import (
   Request,
   RequestResult,
   Sampling,
+  Speculation,
+  SpeculationStats,
   Vocabulary,
   concat_results,
 )
@@ -56,6 +58,8 @@ __all__ = [
   "Request",
   "RequestResult",
   "Sampling",
+  "Speculation",
+  "SpeculationStats",
   "TokenizerVocabulary",
   "Vocabulary",
   "checkpoints",

@@ -18,6 +18,7 @@ from chunkwise.inference.results import (
   concat_results,
 )
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.speculation import Speculation, SpeculationStats
 from chunkwise.inference.vocabularies import (
   ByteVocabulary,
   Vocabulary,
@@ -41,6 +42,8 @@ __all__ = [
   "RequestResult",
   "Sampling",
   "SlotUpdate",
+  "Speculation",
+  "SpeculationStats",
   "Vocabulary",
   "attend",
   "bos_id_of",

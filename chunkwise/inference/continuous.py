@@ -54,6 +54,7 @@ from chunkwise.inference.slot_requests import (  # noqa: F401 (re-exported)
   prompt_bucket,
   slot_capacity,
 )
+from chunkwise.inference.speculation import SpecRows
 from chunkwise.partitioning.placement import put
 
 ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
@@ -77,8 +78,10 @@ def admit_programs() -> int:
   return sum(p._cache_size() for p in _ADMIT.values())
 
 
-def _admit(state, prompts, at, lengths, rows):
-  at, lengths, rows = replicated_like(state, (at, lengths, rows))
+def _admit(state, prompts, at, lengths, rows, tokens):
+  at, lengths, rows, tokens = replicated_like(
+    state, (at, lengths, rows, tokens)
+  )
   shardings = jax.tree.map(lambda x: x.sharding, state)
   key = jax.tree.flatten(shardings)
   key = (tuple(key[0]), key[1])
@@ -86,7 +89,7 @@ def _admit(state, prompts, at, lengths, rows):
     _ADMIT[key] = jax.jit(
       slots.admit, donate_argnums=0, out_shardings=shardings
     )
-  return _ADMIT[key](state, prompts, at, lengths, rows)
+  return _ADMIT[key](state, prompts, at, lengths, rows, tokens)
 
 
 def run_many(
@@ -103,6 +106,7 @@ def run_many(
   progress: bool = False,
   trace: Callable[[str, list[int]], None] | None = None,
   served=None,
+  speculation=None,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
@@ -132,6 +136,7 @@ def run_many(
       ),
     )
   )
+  state = with_speculation(state, speculation, call.capacity)
   occupant = np.full(slots_n, -1)
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
@@ -173,6 +178,7 @@ def run_many(
         jnp.int32(every),
         jnp.bool_(True),
         adapters=adapters_of(generate_engine, ids.astype(np.int32)),
+        speculation=speculation,
       )
       done, stopped, generated = jax.device_get(
         (state.done, state.stopped, state.generated)
@@ -198,11 +204,22 @@ def run_many(
           top_ids=top_ids[s, :k],
           top_logprobs=top_lp[s, :k],
           finish_reason=FINISH_STOP if stopped[s] else FINISH_LENGTH,
+          speculation=None if state.spec is None else state.spec.stats(s),
         )
         occupant[s] = -1
         bar.update(1)
   finally:
     bar.close()
+
+
+def with_speculation(state: slots.SlotState, speculation, capacity: int):
+  """`state` with empty speculation rows (history `capacity` wide) when
+  `speculation` is set."""
+  if speculation is None:
+    return state
+  empty = np.zeros((state.slots, capacity), np.int32)
+  rows = SpecRows.start(empty, np.zeros(state.slots, np.int32))
+  return state.replace(spec=replicated_like(state, rows))
 
 
 def admit_rows(slots_n: int) -> int:
@@ -264,7 +281,7 @@ def prefill_into(
       # Padding rows repeat the first admission's states (never used).
       fill = [part[min(j, len(part) - 1)].processor_state for j in range(rows)]
       processor_rows = jax.tree.map(lambda *s: np.concatenate(s, axis=0), *fill)
-      state = _admit(state, result, slots_at, lengths, processor_rows)
+      state = _admit(state, result, slots_at, lengths, processor_rows, tokens)
   return state
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference import checks, generate, prefill, speculative
 from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn, transformer_infer
@@ -90,8 +90,11 @@ class Engine(Protocol):
     state: generate.LoopState,
     inputs: generate.LoopInputs,
     stop_at: jax.Array,
+    adapters=None,
+    speculation=None,
   ) -> generate.LoopState:
-    """`generate.run` up to column `stop_at` (the state is donated)."""
+    """`generate.run` up to column `stop_at` (the state is donated); with
+    a checked `Speculation`, `speculative.run`."""
     ...
 
   def slot_init(
@@ -114,8 +117,11 @@ class Engine(Protocol):
     inputs: slots_lib.SlotInputs,
     max_steps: jax.Array,
     until_free: jax.Array,
+    adapters=None,
+    speculation=None,
   ) -> slots_lib.SlotState:
-    """`slots.run` (the state is donated)."""
+    """`slots.run` (the state is donated); with a checked `Speculation`,
+    `speculative.slot_run`."""
     ...
 
 
@@ -147,6 +153,10 @@ class ReferenceEngine:
       static_argnames=("slots", "capacity", "steps", "top_n", "vocab"),
     )
     self._slot_run = jax.jit(traced(slots_lib.run), donate_argnames=("state",))
+    self._spec_run, self._spec_slot_run = (
+      jax.jit(traced(fn), static_argnames=("spec",), donate_argnames=("state",))
+      for fn in (speculative.run, speculative.slot_run)
+    )
 
   def plain_weights(self):
     return self.weights
@@ -177,18 +187,33 @@ class ReferenceEngine:
   def init(self, caches, prev, adapters=None, **static):
     return self._init(self._weights(adapters), caches, prev, **static)
 
-  def run(self, caches, state, inputs, stop_at, adapters=None):
-    return self._run(self._weights(adapters), caches, state, inputs, stop_at)
+  def run(
+    self, caches, state, inputs, stop_at, adapters=None, speculation=None
+  ):
+    weights = self._weights(adapters)
+    if speculation is not None:
+      return self._spec_run(
+        weights, caches, state, inputs, stop_at, spec=speculation
+      )
+    return self._run(weights, caches, state, inputs, stop_at)
 
   def slot_init(self, caches, adapters=None, **static):
     return self._slot_init(self._weights(adapters), caches, **static)
 
   def slot_run(
-    self, caches, state, inputs, max_steps, until_free, adapters=None
+    self,
+    caches,
+    state,
+    inputs,
+    max_steps,
+    until_free,
+    adapters=None,
+    speculation=None,
   ):
-    return self._slot_run(
-      self._weights(adapters), caches, state, inputs, max_steps, until_free
-    )
+    args = (self._weights(adapters), caches, state, inputs, max_steps)
+    if speculation is not None:
+      return self._spec_slot_run(*args, until_free, spec=speculation)
+    return self._slot_run(*args, until_free)
 
 
 def make_engines(
@@ -275,7 +300,7 @@ def prefix_inputs(prefix: Sequence[ChunkResult]):
 
 # Arguments of the generate methods that `checks.check_generate` does not
 # take.
-_NOT_CHECKED = ("self", "prefix", "every", "adapters")
+_NOT_CHECKED = ("self", "prefix", "every", "adapters", "speculation")
 
 
 def start_loop(
@@ -321,18 +346,38 @@ def start_loop(
 
 
 def stream(
-  engine: Engine, caches, state, inputs, steps: int, every: int, adapters=None
+  engine: Engine,
+  caches,
+  state,
+  inputs,
+  steps: int,
+  every: int,
+  adapters=None,
+  speculation=None,
 ) -> Iterator[tuple[Chunk, ChunkResult]]:
   """Runs the loop in segments of `every` columns, yielding each segment
   (`generate.segment`). Once every row has stopped, nothing more runs: the
-  remaining (empty) segments are cut from the final state."""
+  remaining (empty) segments are cut from the final state. With
+  `speculation`, each segment carries the call's counts so far."""
   done = False
   for begin in range(0, steps, every):
     end = min(begin + every, steps)
     if not done:
-      state = engine.run(caches, state, inputs, jnp.int32(end), adapters)
+      state = engine.run(
+        caches, state, inputs, jnp.int32(end), adapters, speculation
+      )
       done = bool(jnp.all(state.done))
-    yield generate.segment(state, begin, end)
+    yield finished(state, begin, end)
+
+
+def finished(
+  state: generate.LoopState, begin: int, end: int
+) -> tuple[Chunk, ChunkResult]:
+  """`generate.segment`, with the speculation counts of the loop so far."""
+  tokens, result = generate.segment(state, begin, end)
+  if state.spec is not None:
+    result = result.replace(speculation=state.spec.stats())
+  return tokens, result
 
 
 def compiled_programs(engine: Engine) -> int:

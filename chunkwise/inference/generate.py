@@ -38,6 +38,7 @@ from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.speculation import SpecRows
 from chunkwise.partitioning import axes as ax
 from chunkwise.processors import StepInfo, keep_rows
 
@@ -84,12 +85,15 @@ class LoopState:
   next_logits: jax.Array  # f32[batch, vocab]
   done: jax.Array  # bool[batch]
   processor_states: tuple = ()  # one per-row state per processor
+  spec: SpecRows | None = None  # with speculation (`speculative.run`)
 
   @classmethod
-  def axes(cls, layers: int, processor_states: tuple = ()) -> LoopState:
-    """Small per-row buffers (processor states too) are replicated; the KV
-    buffer (of `layers` arrays) and the logits are split like any KV cache
-    and next-token logits."""
+  def axes(
+    cls, layers: int, processor_states: tuple = (), spec: bool = False
+  ) -> LoopState:
+    """Small per-row buffers (processor and speculation states too) are
+    replicated; the KV buffer (of `layers` arrays) and the logits are split
+    like any KV cache and next-token logits."""
     rows = P(ax.BATCH, ax.TIME)
     top = P(ax.BATCH, ax.TIME, ax.TOP_N)
     return cls(
@@ -102,6 +106,7 @@ class LoopState:
       next_logits=P(ax.LOGITS_BATCH, ax.LOGITS_VOCAB),
       done=P(ax.BATCH),
       processor_states=_replicated(processor_states),
+      spec=SpecRows.axes() if spec else None,
     )
 
 
@@ -236,11 +241,9 @@ def draw(
     processor_states,
     info,
   )
-  stop_ids = info.stop_ids
-  stop_ids = stop_ids if stop_ids.ndim == 2 else stop_ids[None, :]
   # Position 0 always holds BOS (the only token the BOS distribution allows):
   # it starts a sequence and never stops one, even where BOS is also EOS.
-  stop = jnp.any(token[:, None] == stop_ids, axis=-1) & (positions > 0)
+  stop = is_stop(token, info.stop_ids, positions)
   keep = live & ~stop
   processor_states = keep_rows(
     keep & (positions > 0),
@@ -251,6 +254,13 @@ def draw(
     processor_states,
   )
   return (token, score, top_ids, top_logprobs), stop, keep, processor_states
+
+
+def is_stop(token: jax.Array, stop_ids: jax.Array, positions: jax.Array):
+  """Where `token` (int32[rows]) is a stop id (shared int32[n] or per row
+  int32[rows, n]); never at position 0 (the BOS that opens a row)."""
+  stop_ids = stop_ids if stop_ids.ndim == 2 else stop_ids[None, :]
+  return jnp.any(token[:, None] == stop_ids, axis=-1) & (positions > 0)
 
 
 def _write_pending(state: LoopState, pending) -> LoopState:

@@ -24,7 +24,8 @@ from chunkwise import memory
 from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, continuous, generate, live
+from chunkwise.inference import checks, continuous, live
+from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import (
   AdapterSet,
   check_prefix,
@@ -33,6 +34,7 @@ from chunkwise.inference.adapters import (
 )
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import (
+  finished,
   make_engines,
   prefix_inputs,
   start_loop,
@@ -41,6 +43,7 @@ from chunkwise.inference.engine import (
 from chunkwise.inference.infer import InferFn
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.speculation import Speculation
 from chunkwise.inference.vocabularies import (
   Vocabulary,
   random_model_vocab,
@@ -348,11 +351,17 @@ class InferenceModel:
     return tagged(result, names)
 
   def _start(self, prefix, args: dict):
-    """(caches, state, inputs, engine adapters, per-row names) of a
-    validated generate call."""
+    """(caches, state, inputs, engine adapters, per-row names, checked
+    speculation) of a validated generate call."""
     shape = np.shape(args["sample_ids"])
     batch = shape[0] if len(shape) == 1 else 1  # else check_generate raises
     names, ids = self._rows(args["adapters"], batch, prefix)
+    steps = args["steps"]
+    spec, spec_rows = speculation_lib.prepare(
+      args["speculation"],
+      batch,
+      steps if isinstance(steps, (int, np.integer)) and steps > 0 else 1,
+    )
     on = self._adapters_for(self._generate_engine, ids)
     caches, state, inputs = start_loop(
       self._generate_engine,
@@ -364,7 +373,7 @@ class InferenceModel:
       vocabulary=self._vocab,
       adapters=on,
     )
-    return caches, state, inputs, on, names
+    return caches, state.replace(spec=spec_rows), inputs, on, names, spec
 
   def generate(
     self,
@@ -379,6 +388,7 @@ class InferenceModel:
     constraint=None,
     budget_forcing: bool = False,
     adapters=None,
+    speculation: Speculation | None = None,
   ) -> tuple[Chunk, ChunkResult]:
     """Samples up to `steps` tokens per row after `prefix`.
 
@@ -402,6 +412,10 @@ class InferenceModel:
         steers to the shortest completion as columns run out).
       adapters: the LoRA adapter of every row or of each row (see
         `prefill`); None: the base model.
+      speculation: a `cw.Speculation`: draft tokens and verify them in one
+        pass (`inference/speculation.py`). The tokens, scores and top-n
+        are those of the call without it (bit for bit under invariant
+        numerics); `result.speculation` has the counts.
     Returns:
       (Chunk of the generated tokens, its ChunkResult); a row stops at its
       first stop id, which is written after the row's last token but not
@@ -409,11 +423,12 @@ class InferenceModel:
       Scores and top-n are always those of the raw logits, whatever the
       processors and constraints did (DESIGN.md §4.1).
     """
-    caches, state, inputs, on, names = self._start(prefix, locals())
+    caches, state, inputs, on, names, spec = self._start(prefix, locals())
     engine = self._generate_engine
-    tokens, result = generate.finish(
-      engine.run(caches, state, inputs, jnp.int32(steps), adapters=on)
+    state = engine.run(
+      caches, state, inputs, jnp.int32(steps), adapters=on, speculation=spec
     )
+    tokens, result = finished(state, 0, steps)
     return tokens, tagged(result, names)
 
   def _batch_split(self) -> int:
@@ -497,6 +512,7 @@ class InferenceModel:
     capacity: int | None = None,
     progress: bool = False,
     trace=None,
+    speculation: Speculation | None = None,
   ) -> Iterator[continuous.RequestResult]:
     """Generates every request through `slots` rows (continuous batching):
     a finished row's slot takes the next waiting request.
@@ -521,6 +537,9 @@ class InferenceModel:
       progress: show a progress bar (process 0).
       trace: for benchmarks, a callable told ("first_token", request
         indices) when their first tokens have been computed.
+      speculation: a `cw.Speculation` (without `context`: each request
+        drafts from its own prompt and tokens); each result's
+        `speculation` has its counts.
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -543,6 +562,7 @@ class InferenceModel:
       adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
+    speculation = speculation_lib.for_requests(speculation)
     return continuous.run_many(
       call,
       prefix,
@@ -556,6 +576,7 @@ class InferenceModel:
       progress=progress,
       trace=trace,
       served=self._served,
+      speculation=speculation,
     )
 
   def generate_stream(
@@ -572,6 +593,7 @@ class InferenceModel:
     constraint=None,
     budget_forcing: bool = False,
     adapters=None,
+    speculation: Speculation | None = None,
   ) -> Iterator[tuple[Chunk, ChunkResult]]:
     """Like `generate`, yielding (Chunk, ChunkResult) segments of `every`
     steps (the last may be shorter) as they are produced; their
@@ -579,8 +601,15 @@ class InferenceModel:
     every row has stopped, nothing more runs: the remaining segments are
     empty (all lengths 0). Each segment is a valid prefix for later calls."""
     every = checks.check_count("every", every, minimum=1)
-    caches, state, inputs, on, names = self._start(prefix, locals())
+    caches, state, inputs, on, names, spec = self._start(prefix, locals())
     segments = stream(
-      self._generate_engine, caches, state, inputs, steps, every, adapters=on
+      self._generate_engine,
+      caches,
+      state,
+      inputs,
+      steps,
+      every,
+      adapters=on,
+      speculation=spec,
     )
     return ((tokens, tagged(r, names)) for tokens, r in segments)

@@ -48,6 +48,9 @@ class ChunkResult:
   # The LoRA adapter each row ran (None: every row the base model); not
   # an array: a prefix serves only rows of its own adapter.
   adapters: tuple | None = struct.field(pytree_node=False, default=None)
+  # A generate call's `speculation.SpeculationStats` (None without
+  # speculation): counts of the call so far, on each of its segments.
+  speculation: object = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def axes(cls) -> ChunkResult:
@@ -357,7 +360,9 @@ def concat_results(results: Sequence[ChunkResult]) -> ChunkResult:
       + "; ".join(str(r.adapters) for r in results)
       + "); only results of the same rows' adapters can be merged"
     )
-  merged = _concat(tuple(r.replace(adapters=None) for r in results))
+  merged = _concat(
+    tuple(r.replace(adapters=None, speculation=None) for r in results)
+  )
   return merged.replace(adapters=rows.pop() if rows else None)
 
 

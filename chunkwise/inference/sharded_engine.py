@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import generate, prefill
+from chunkwise.inference import generate, prefill, speculative
 from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import layer_pieces, positions_of
@@ -359,23 +359,39 @@ class ShardedEngine:
     )
     return self._call(program, (weights, caches, prev), out_specs)
 
-  def run(self, caches, state, inputs, stop_at, adapters=None):
+  def run(
+    self, caches, state, inputs, stop_at, adapters=None, speculation=None
+  ):
     plan = self.plan(state.tokens.shape[0], [c.batch for c in caches])
+    if speculation is None:
+      name, fn, extra = "run", generate.run, {}
+    else:
+      name = ("spec_run", speculation)
+      fn = functools.partial(speculative.run, spec=speculation)
+      extra = dict(kv_rows=self._kv_rows(plan))
     per_device = functools.partial(
-      generate.run, self._infer(plan), shards=self._shards(plan)
+      fn, self._infer(plan), shards=self._shards(plan), **extra
     )
     return self._loop(
-      "run",
+      name,
       plan,
       per_device,
       caches,
       state,
-      generate.LoopState.axes(self.hparams.layers, state.processor_states),
+      generate.LoopState.axes(
+        self.hparams.layers, state.processor_states, state.spec is not None
+      ),
       inputs,
       generate.LoopInputs.axes(inputs.processors),
       stop_at,
       adapters=adapters,
     )
+
+  def _kv_rows(self, plan: Plan):
+    """Maps a per-row array to the rows of the K/V buffer this device
+    holds."""
+    n, i = plan.size(plan.attn_batch), plan.attn_batch
+    return lambda x: ops.local_rows(x, n, ops.index(i))
 
   def slot_init(
     self, caches, *, slots: int, capacity, steps, top_n, vocab, adapters=None
@@ -405,23 +421,36 @@ class ShardedEngine:
     return self._call(program, (weights, caches), out_specs)
 
   def slot_run(
-    self, caches, state, inputs, max_steps, until_free, adapters=None
+    self,
+    caches,
+    state,
+    inputs,
+    max_steps,
+    until_free,
+    adapters=None,
+    speculation=None,
   ):
     plan = self.plan(state.slots, [c.batch for c in caches])
-    n, i = plan.size(plan.attn_batch), plan.attn_batch
+    if speculation is None:
+      name, fn = "slot_run", slots_lib.run
+    else:
+      name = ("spec_slot_run", speculation)
+      fn = functools.partial(speculative.slot_run, spec=speculation)
     per_device = functools.partial(
-      slots_lib.run,
+      fn,
       self._infer(plan),
       shards=self._shards(plan),
-      kv_rows=lambda x: ops.local_rows(x, n, ops.index(i)),
+      kv_rows=self._kv_rows(plan),
     )
     return self._loop(
-      "slot_run",
+      name,
       plan,
       per_device,
       caches,
       state,
-      slots_lib.SlotState.axes(self.hparams.layers, state.processor_states),
+      slots_lib.SlotState.axes(
+        self.hparams.layers, state.processor_states, state.spec is not None
+      ),
       inputs,
       slots_lib.SlotInputs.axes(inputs.processors),
       max_steps,

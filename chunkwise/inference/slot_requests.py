@@ -72,6 +72,8 @@ class RequestResult:
     per_token_scores: f32[n]: their log-probabilities (raw logits).
     top_ids, top_logprobs: [n, top_n]: the most likely alternatives.
     finish_reason: "stop" (a stop id came) or "length" (`steps` ran out).
+    speculation: with `speculation=`, the request's
+      `SpeculationStats` (else None).
   """
 
   index: int
@@ -80,6 +82,7 @@ class RequestResult:
   top_ids: np.ndarray
   top_logprobs: np.ndarray
   finish_reason: str
+  speculation: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.speculation import PRIOR, SpecRows
 from chunkwise.partitioning import axes as ax
 from chunkwise.processors import StepInfo
 
@@ -89,9 +90,12 @@ class SlotState:
   done: jax.Array  # bool[slots]: finished, or free
   stopped: jax.Array  # bool[slots]: finished by a stop id
   processor_states: tuple = ()
+  spec: SpecRows | None = None  # with speculation (`speculative.slot_run`)
 
   @classmethod
-  def axes(cls, layers: int, processor_states: tuple = ()) -> SlotState:
+  def axes(
+    cls, layers: int, processor_states: tuple = (), spec: bool = False
+  ) -> SlotState:
     rows = P(ax.BATCH, ax.TIME)
     top = P(ax.BATCH, ax.TIME, ax.TOP_N)
     return cls(
@@ -105,6 +109,7 @@ class SlotState:
       done=P(ax.BATCH),
       stopped=P(ax.BATCH),
       processor_states=_replicated(processor_states),
+      spec=SpecRows.axes() if spec else None,
     )
 
   @property
@@ -152,6 +157,7 @@ def admit(
   at: jax.Array,
   prompt_lengths: jax.Array,
   processor_rows: tuple,
+  prompt_tokens: jax.Array | None = None,
 ) -> SlotState:
   """Puts prefilled prompts into slots (a global program, any placement).
 
@@ -163,6 +169,8 @@ def admit(
       whose writes are dropped.
     prompt_lengths: int32[rows]: each prompt's tokens.
     processor_rows: each processor's initial state for these rows.
+    prompt_tokens: int32[rows, T], the prompts (with speculation: the
+      history its drafter searches).
   """
   time = prompts.kv_cache.k.shape[2]
 
@@ -182,7 +190,25 @@ def admit(
   def set_rows(old, new):
     return old.at[at].set(new.astype(old.dtype), mode="drop")
 
+  spec = state.spec
+  if spec is not None:
+    width = min(time, spec.history.shape[1])
+    zeros = jnp.zeros_like(at)
+    spec = spec.replace(
+      history=spec.history.at[at]
+      .set(0, mode="drop")
+      .at[at, :width]
+      .set(prompt_tokens[:, :width].astype(jnp.int32), mode="drop"),
+      filled=set_rows(spec.filled, prompt_lengths),
+      rate=set_rows(spec.rate, jnp.full(at.shape, PRIOR)),
+      drafts=set_rows(spec.drafts, zeros),
+      draft_tokens=set_rows(spec.draft_tokens, zeros),
+      accepted_tokens=set_rows(spec.accepted_tokens, zeros),
+      passes=set_rows(spec.passes, zeros),
+      steps=set_rows(spec.steps, zeros),
+    )
   return state.replace(
+    spec=spec,
     cache=cache,
     generated=set_rows(state.generated, jnp.zeros_like(at)),
     next_logits=set_rows(state.next_logits, prompts.next_token_logits),
@@ -294,12 +320,7 @@ def run(
   caches = tuple(caches)
   shards = shards or LogitsShards(vocab=state.next_logits.shape[-1])
   kv_rows = kv_rows or (lambda x: x)
-  done_on_entry = jnp.sum(state.done)
-
-  def cond(carry):
-    state, _, i = carry
-    more = (i < max_steps) & ~jnp.all(state.done)
-    return more & ~(until_free & (jnp.sum(state.done) > done_on_entry))
+  cond = running(state, max_steps, until_free)
 
   def body(carry):
     state, pending, i = carry
@@ -319,6 +340,20 @@ def run(
     cond, body, (state, (zeros, zeros, nowhere), jnp.int32(0))
   )
   return state.replace(cache=_write_rows(state.cache, *pending))
+
+
+def running(state: SlotState, max_steps: jax.Array, until_free: jax.Array):
+  """The loop's condition on (state, pending, iterations): fewer than
+  `max_steps` iterations, a slot still running and, with `until_free`, no
+  slot done since entry (`state`)."""
+  done_on_entry = jnp.sum(state.done)
+
+  def cond(carry):
+    state, _, i = carry
+    more = (i < max_steps) & ~jnp.all(state.done)
+    return more & ~(until_free & (jnp.sum(state.done) > done_on_entry))
+
+  return cond
 
 
 def window(state: SlotState, start: jax.Array, width: int):

@@ -1,0 +1,358 @@
+"""`Speculation`: what speculative decoding drafts, and its counts.
+
+  tokens, result = model.generate(
+      [prompt], sample_ids=[0], steps=256,
+      speculation=cw.Speculation(context=prompt_chunk))  # prompt lookup
+  result.speculation.mean_acceptance_length
+
+Each iteration of a speculative loop samples the row's next token y0 as a
+plain step would, drafts up to k tokens that may follow it, runs one
+forward pass over [y0, d1..dk] and draws, at every drafted position, the
+token the target itself draws there: with the same key (DESIGN.md §4.5),
+the same processors' states advanced over the drafts before it, from the
+logits of that pass. Drafts are kept while they equal those tokens
+(`verify.py`). So every token is the one the call without speculation
+draws, whatever was drafted ("drafter-invariant" speculative decoding;
+Daliri, Musco, Suresh, arXiv 2408.07978): bit for bit under invariant
+numerics, where a pass over k + 1 positions computes each position's
+logits exactly as a one-position step does (`chunkwise.numerics`).
+
+Drafters (all on device, in the loop):
+  "ngram"   prompt lookup: the latest earlier occurrence of the row's last
+            n tokens (n from `ngram_max` down to `ngram_min`) in its own
+            context (`context` tokens, then everything it generated)
+            proposes the tokens that followed it. Per row, never shared.
+  "forced"  only the tokens the processors force (below).
+With `forced` (default), wherever the processors (a constraint's automaton,
+bans) allow exactly one token, that token is drafted, whatever the drafter
+proposed: it is always accepted.
+
+How many positions a pass verifies is chosen per iteration among compiled
+widths (`widths`: 0, the plain step, then powers of two up to `k`): the
+width that maximises expected tokens per cost, where each row's drafts are
+expected to be accepted at its running acceptance rate and a pass of width
+w costs 1 + `draft_cost` * w steps. Rows whose drafts stop paying thus fall
+back to plain steps; their rate drifts back towards the prior, so they try
+again later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.partitioning import axes as ax
+
+DRAFTERS = ("ngram", "forced")
+PRIOR = 0.5  # a row's acceptance rate before it has drafted anything
+RATE = 0.3  # weight of a pass's observed acceptance in the running rate
+DRIFT = 0.05  # how far a skipped row's rate moves back to the prior
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Speculation:
+  """Speculative decoding settings (module docstring).
+
+  Attributes:
+    drafter: "ngram" (prompt lookup) or "forced" (processor-forced tokens
+      only).
+    k: most tokens drafted per pass (the widest compiled pass).
+    ngram_min, ngram_max: lengths of the suffix matched by "ngram".
+    forced: draft the tokens the processors force.
+    widths: drafted positions of the compiled passes (0, the plain step,
+      is always one); default: powers of two from 2 up to `k`, and `k`.
+    draft_cost: a drafted position's cost, in plain steps.
+    context: for `generate`: the tokens before the call (a `Chunk` or a
+      list of them, oldest first; batches divide the call's, rows repeat
+      each as prefixes do) that "ngram" searches with the generated ones.
+      `generate_many` and the server search each request's prompt.
+  """
+
+  drafter: str = "ngram"
+  k: int = 8
+  ngram_min: int = 2
+  ngram_max: int = 4
+  forced: bool = True
+  widths: tuple[int, ...] | None = None
+  draft_cost: float = 0.08
+  context: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+  def checked(self) -> Speculation:
+    """Validated, with `widths` filled in and no context (the compiled
+    programs' key). Raises ValueError naming the bad field."""
+    if self.drafter not in DRAFTERS:
+      raise ValueError(
+        f"Speculation.drafter must be one of {DRAFTERS}, got {self.drafter!r}"
+      )
+
+    def count(name, value, lo, hi):
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise ValueError(f"Speculation.{name} must be an int, got {value!r}")
+      if not lo <= value <= hi:
+        raise ValueError(
+          f"Speculation.{name} must be in [{lo}, {hi}], got {value!r}"
+        )
+      return int(value)
+
+    k = count("k", self.k, 1, 64)
+    lo = count("ngram_min", self.ngram_min, 1, 16)
+    hi = count("ngram_max", self.ngram_max, lo, 16)
+    widths = self.widths
+    if widths is None:
+      widths = sorted({w for w in (2, 4, 8, 16, 32, 64) if w < k} | {k})
+    widths = tuple(sorted({count("widths", w, 1, k) for w in widths} | {0}))
+    if widths[-1] != k:
+      raise ValueError(
+        f"Speculation.widths must include k={k} (the widest pass), got "
+        f"{self.widths!r}"
+      )
+    cost = self.draft_cost
+    if not isinstance(cost, (int, float)) or not 0 <= cost <= 10:
+      raise ValueError(
+        f"Speculation.draft_cost must be a number in [0, 10], got {cost!r}"
+      )
+    return Speculation(
+      drafter=self.drafter,
+      k=k,
+      ngram_min=lo,
+      ngram_max=hi,
+      forced=bool(self.forced),
+      widths=widths,
+      draft_cost=float(cost),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationStats:
+  """Counts of one call (or request), as vLLM defines them.
+
+  drafts: (row, pass) pairs that verified at least one drafted token;
+  draft_tokens: drafted tokens verified; accepted_tokens: those kept.
+  passes: (row, iteration) pairs in a pass of width > 0; steps: all (row,
+  iteration) pairs, plain steps included (each drew one token as y0).
+  """
+
+  drafts: int = 0
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+  passes: int = 0
+  steps: int = 0
+
+  @property
+  def mean_acceptance_length(self) -> float:
+    """1 + accepted / drafts: tokens per verify pass of a drafting row."""
+    return 1.0 + self.accepted_tokens / max(self.drafts, 1)
+
+  @property
+  def acceptance_rate(self) -> float:
+    """accepted / drafted tokens (0 when nothing was drafted)."""
+    return self.accepted_tokens / max(self.draft_tokens, 1)
+
+  def __add__(self, other: SpeculationStats) -> SpeculationStats:
+    return SpeculationStats(
+      *(a + b for a, b in zip(_values(self), _values(other), strict=True))
+    )
+
+
+def _values(stats: SpeculationStats) -> tuple[int, ...]:
+  return tuple(getattr(stats, f.name) for f in dataclasses.fields(stats))
+
+
+@struct.dataclass(kw_only=True)
+class SpecRows:
+  """What a speculative loop carries per row besides the plain loop's."""
+
+  history: jax.Array  # int32[rows, H]: context, then the kept tokens
+  filled: jax.Array  # int32[rows]: tokens in `history`
+  rate: jax.Array  # f32[rows]: running acceptance rate of drafts
+  drafts: jax.Array  # int32[rows]: the counts of `SpeculationStats`
+  draft_tokens: jax.Array
+  accepted_tokens: jax.Array
+  passes: jax.Array  # int32[rows]: iterations in a pass of width > 0
+  steps: jax.Array  # int32[rows]: iterations (tokens drawn as y0)
+
+  @classmethod
+  def axes(cls) -> SpecRows:
+    """Small per-row arrays: replicated, like the loop's tokens."""
+    rows = P(ax.BATCH)
+    return cls(
+      history=P(ax.BATCH, ax.TIME),
+      filled=rows,
+      rate=rows,
+      drafts=rows,
+      draft_tokens=rows,
+      accepted_tokens=rows,
+      passes=rows,
+      steps=rows,
+    )
+
+  @classmethod
+  def start(cls, history: np.ndarray, filled: np.ndarray) -> SpecRows:
+    """Rows with `history` (int32[rows, H]) of `filled` tokens each."""
+    rows = history.shape[0]
+    zeros = np.zeros(rows, np.int32)
+    return cls(
+      history=np.asarray(history, np.int32),
+      filled=np.asarray(filled, np.int32),
+      rate=np.full(rows, PRIOR, np.float32),
+      drafts=zeros,
+      draft_tokens=zeros,
+      accepted_tokens=zeros,
+      passes=zeros,
+      steps=zeros,
+    )
+
+  def stats(self, rows=slice(None)) -> SpeculationStats:
+    """The counts (host), summed over `rows`."""
+    got = jax.device_get(
+      (
+        self.drafts[rows],
+        self.draft_tokens[rows],
+        self.accepted_tokens[rows],
+        self.passes,
+        self.steps,
+      )
+    )
+    return SpeculationStats(*(int(np.sum(x)) for x in got))
+
+
+def prepare(
+  speculation, batch: int, width: int
+) -> tuple[Speculation | None, SpecRows | None]:
+  """A call's `speculation=` argument, validated on the host: (the checked
+  settings, the rows' initial state with `width` free history columns
+  after the context) or (None, None). Raises ValueError."""
+  if speculation is None:
+    return None, None
+  if not isinstance(speculation, Speculation):
+    raise ValueError(
+      f"speculation must be a chunkwise.Speculation, got "
+      f"{type(speculation).__name__}"
+    )
+  checked = speculation.checked()
+  history, filled = context_rows(speculation.context, batch, width)
+  return checked, jax.tree.map(jnp.asarray, SpecRows.start(history, filled))
+
+
+def for_requests(speculation) -> Speculation | None:
+  """`speculation=` of `generate_many` and live slots, checked: each
+  request's prompt is its context, so `context` must be None."""
+  if speculation is None:
+    return None
+  checked, _ = prepare(speculation, 1, 1)
+  if speculation.context is not None:
+    raise ValueError(
+      "Speculation.context is for generate and generate_stream; requests "
+      "draft from their own prompts"
+    )
+  return checked
+
+
+def context_rows(context, batch: int, width: int) -> tuple[np.ndarray, ...]:
+  """(history int32[batch, C + width], filled int32[batch]) from a
+  `Speculation.context` (a Chunk, a list of them or None): each row's
+  context tokens packed left, `width` free columns after the longest.
+  Raises ValueError for batches that do not divide `batch`."""
+  from chunkwise.inference.chunk import Chunk  # a leaf module; no cycle
+
+  chunks = (
+    []
+    if context is None
+    else [context]
+    if isinstance(context, Chunk)
+    else list(context)
+  )
+  parts = []
+  for i, c in enumerate(chunks):
+    if not isinstance(c, Chunk):
+      raise ValueError(
+        f"Speculation.context must be a Chunk or a list of Chunks, got "
+        f"{type(c).__name__} at {i}"
+      )
+    tokens, lengths = np.asarray(c.tokens), np.asarray(c.lengths)
+    if batch % tokens.shape[0]:
+      raise ValueError(
+        f"Speculation.context[{i}] has batch {tokens.shape[0]}, which does "
+        f"not divide the call's batch {batch}"
+      )
+    parts.append((tokens, lengths, batch // tokens.shape[0]))
+  filled = np.zeros(batch, np.int32)
+  for _, lengths, rep in parts:
+    filled += np.repeat(lengths, rep).astype(np.int32)
+  history = np.zeros((batch, int(filled.max(initial=0)) + width), np.int32)
+  at = np.zeros(batch, np.int64)
+  for tokens, lengths, rep in parts:
+    for b in range(batch):
+      n = int(lengths[b // rep])
+      history[b, at[b] : at[b] + n] = tokens[b // rep, :n]
+      at[b] += n
+  return history, filled
+
+
+def ngram_drafts(
+  history: jax.Array, filled: jax.Array, width: int, lo: int, hi: int
+) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup: for each row, the latest earlier occurrence of its last
+  n tokens (n = hi down to lo; the longest found wins) proposes the (up to
+  `width`) tokens that followed it.
+
+  Returns (drafts int32[rows, width], count int32[rows]): a row's first
+  `count` drafts are proposals (0: nothing matched)."""
+  rows, h = history.shape
+  start = jnp.full((rows,), -1, jnp.int32)
+  end = filled[:, None]
+  for n in range(min(hi, h - 1), lo - 1, -1):
+    at = jnp.clip(end - n + jnp.arange(n)[None, :], 0, h - 1)
+    suffix = jnp.take_along_axis(history, at, axis=1)  # [rows, n]
+    match = (jnp.arange(h - n + 1)[None, :] + n < end) & (end >= n)
+    for t in range(n):
+      match &= history[:, t : h - n + 1 + t] == suffix[:, t : t + 1]
+    last = jnp.max(jnp.where(match, jnp.arange(h - n + 1)[None, :], -1), axis=1)
+    start = jnp.where((start < 0) & (last >= 0), last + n, start)
+  count = jnp.where(start >= 0, jnp.minimum(width, filled - start), 0)
+  at = jnp.clip(start[:, None] + jnp.arange(width)[None, :], 0, h - 1)
+  return jnp.take_along_axis(history, at, axis=1), count.astype(jnp.int32)
+
+
+def choose_width(
+  widths: Sequence[int],
+  live: jax.Array,
+  counts: jax.Array,
+  rate: jax.Array,
+  cost: float,
+) -> jax.Array:
+  """The index into `widths` of the pass with the most expected tokens per
+  cost: each `live` row gives its next token, and a row with c drafts at
+  acceptance rate a expects sum_{j<=min(c, w)} a^j more from a pass of
+  width w, which costs 1 + cost * w plain steps."""
+  live = jnp.sum(live).astype(jnp.float32)
+  powers = rate[:, None] ** jnp.arange(1, widths[-1] + 1)[None, :]
+  scores = []
+  for w in widths:
+    j = jnp.arange(1, w + 1)[None, :]
+    gain = jnp.sum(jnp.where(j <= counts[:, None], powers[:, :w], 0.0))
+    scores.append((live + gain) / (1.0 + cost * w))
+  return jnp.argmax(jnp.stack(scores)).astype(jnp.int32)
+
+
+def update_rate(
+  rate: jax.Array, offered: jax.Array, accepted: jax.Array
+) -> jax.Array:
+  """Rows that had drafts verified: a step towards what they saw (accepted
+  over the trials until the first rejection); rows that had drafts but no
+  pass (offered < 0): a step back towards the prior."""
+  trials = accepted + (accepted < offered).astype(jnp.int32)
+  seen = accepted / jnp.maximum(trials, 1)
+  verified = (1 - RATE) * rate + RATE * seen
+  return jnp.where(
+    offered > 0,
+    verified,
+    jnp.where(offered < 0, rate + DRIFT * (PRIOR - rate), rate),
+  ).astype(jnp.float32)

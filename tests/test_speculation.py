@@ -1,0 +1,311 @@
+"""Speculative decoding changes no token (DESIGN.md §4.11): with
+`speculation=`, every call returns exactly what it returns without it
+(`np.array_equal` on tokens, scores, top-n, next-token logits and K/V),
+whatever the drafter proposed, and its counts show drafts were verified.
+
+Drafts come from an "oracle" context (the prompt, then the call's own
+output without speculation: long runs of accepted drafts, so blocks cross
+stops and budgets) beside rows drafting from random tokens with 1-token
+matches (garbage: mostly rejected) and rows with no context at all.
+"""
+
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise.partitioning import make_mesh
+from tests.test_adapters import random_adapter
+
+SAMPLINGS = {
+  "greedy": cw.Sampling(temperature=0.0),
+  "temperature": cw.Sampling(temperature=0.9, seed=7),
+  "filters": cw.Sampling(
+    temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3
+  ),
+}
+SPEC = dict(k=6, ngram_min=1, ngram_max=3, widths=(2, 6))
+
+
+def _chunk(rows):
+  width = max(1, max(len(r) for r in rows))
+  tokens = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    tokens[i, : len(r)] = r
+  return cw.Chunk(
+    tokens=tokens, lengths=np.array([len(r) for r in rows], np.int32)
+  )
+
+
+def _prompts(batch=4, seed=0):
+  rng = np.random.default_rng(seed)
+  rows = []
+  for b in range(batch):
+    half = list(rng.integers(3, 60, 5 + b))
+    rows.append([1, *half, *half])  # a repeat: n-grams to look up
+  return _chunk(rows)
+
+
+def _context(prompt, tokens, seed=1):
+  """Rows 0 and 1 draft from their prompt then the expected output (the
+  oracle), row 2 from random tokens, row 3 from nothing."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  lengths, out_lengths = np.asarray(prompt.lengths), np.asarray(tokens.lengths)
+  for b in range(prompt.tokens.shape[0]):
+    if b % 4 < 2:
+      out = np.asarray(tokens.tokens)[b, : out_lengths[b] + 1]
+      rows.append([*np.asarray(prompt.tokens)[b, : lengths[b]], *out])
+    elif b % 4 == 2:
+      rows.append(list(rng.integers(3, 60, 40)))
+    else:
+      rows.append([])
+  return _chunk(rows)
+
+
+def assert_same(a, b):
+  (ta, ra), (tb, rb) = a, b
+  for x, y in [
+    (ta.tokens, tb.tokens),
+    (ta.lengths, tb.lengths),
+    (ra.per_token_scores, rb.per_token_scores),
+    (ra.top_ids, rb.top_ids),
+    (ra.top_logprobs, rb.top_logprobs),
+    (ra.next_token_logits, rb.next_token_logits),
+    (ra.kv_cache.lengths, rb.kv_cache.lengths),
+  ]:
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # K/V past a row's length is unspecified; the kept columns are equal.
+  mask = np.asarray(ta.token_mask)[None, :, :, None, None]
+  for x, y in [(ra.kv_cache.k, rb.kv_cache.k), (ra.kv_cache.v, rb.kv_cache.v)]:
+    np.testing.assert_array_equal(
+      np.where(mask, np.asarray(x), 0), np.where(mask, np.asarray(y), 0)
+    )
+
+
+def _both(model, prefix, prompt, *, steps, spec=SPEC, **kwargs):
+  """(plain, speculative) results of the same call; the oracle context
+  comes from the plain one."""
+  plain = model.generate(prefix, steps=steps, **kwargs)
+  speculation = cw.Speculation(context=_context(prompt, plain[0]), **spec)
+  return plain, model.generate(
+    prefix, steps=steps, speculation=speculation, **kwargs
+  )
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLINGS))
+def test_tokens_equal_without_speculation(tiny, sampling):
+  prompt = _prompts()
+  pre = tiny.prefill(prompt)
+  plain, spec = _both(
+    tiny,
+    [pre],
+    prompt,
+    steps=30,
+    sample_ids=np.arange(4),
+    sampling=SAMPLINGS[sampling],
+    top_n=3,
+  )
+  assert_same(plain, spec)
+  stats = spec[1].speculation
+  assert plain[1].speculation is None
+  assert stats.accepted_tokens >= 20, stats  # the oracle rows' drafts
+  assert stats.draft_tokens > stats.accepted_tokens, stats  # garbage
+  assert stats.mean_acceptance_length > 2
+  assert 0 < stats.acceptance_rate < 1
+
+
+def test_stops_and_budgets_inside_a_block(tiny):
+  """A stop id that an accepted block runs into ends the row there, a
+  budget ends mid-block, and a stream of speculative segments concatenates
+  to the plain call."""
+  prompt = _prompts()
+  pre = tiny.prefill(prompt)
+  kwargs = dict(sample_ids=np.arange(4), sampling=SAMPLINGS["temperature"])
+  free, _ = tiny.generate([pre], steps=20, **kwargs)
+  stop = int(np.asarray(free.tokens)[0, 9])  # deep inside an oracle block
+  plain, spec = _both(tiny, [pre], prompt, steps=13, stop_ids=[stop], **kwargs)
+  assert_same(plain, spec)
+  assert int(plain[0].lengths[0]) <= 9  # it did stop row 0
+  speculation = cw.Speculation(context=_context(prompt, plain[0]), **SPEC)
+  segments = list(
+    tiny.generate_stream(
+      [pre],
+      steps=13,
+      every=5,
+      stop_ids=[stop],
+      speculation=speculation,
+      **kwargs,
+    )
+  )
+  tokens = cw.Chunk(
+    tokens=np.concatenate([np.asarray(t.tokens) for t, _ in segments], 1),
+    lengths=sum(np.asarray(t.lengths) for t, _ in segments),
+  )
+  np.testing.assert_array_equal(tokens.tokens, plain[0].tokens)
+  np.testing.assert_array_equal(tokens.lengths, plain[0].lengths)
+  merged = cw.concat_results([r for _, r in segments])
+  np.testing.assert_array_equal(
+    merged.per_token_scores[:, :13] * tokens.token_mask,
+    plain[1].per_token_scores * tokens.token_mask,
+  )
+  np.testing.assert_array_equal(
+    segments[-1][1].next_token_logits, plain[1].next_token_logits
+  )
+  # Each segment is a valid prefix: its logits are its last column's.
+  again, _ = tiny.generate(
+    [pre, segments[0][1]],
+    steps=8,
+    sample_ids=np.arange(4),
+    sampling=cw.Sampling(temperature=0.0),
+  )
+  after, _ = tiny.generate(
+    [pre, _prefix_of(tiny, pre, plain, 5)],
+    steps=8,
+    sample_ids=np.arange(4),
+    sampling=cw.Sampling(temperature=0.0),
+  )
+  np.testing.assert_array_equal(again.tokens, after.tokens)
+
+
+def _prefix_of(model, pre, plain, n):
+  """The plain output's first n columns, prefilled."""
+  tokens, _ = plain
+  cut = cw.Chunk(
+    tokens=np.asarray(tokens.tokens)[:, :n],
+    lengths=np.minimum(np.asarray(tokens.lengths), n),
+  )
+  return model.prefill(cut, prefix=[pre])
+
+
+def test_constraints_penalties_and_forced_drafts(tiny):
+  """A JSON schema (its forced tokens are drafts, always accepted) and
+  penalties: the processors see the drafts' state before each position and
+  keep only the emitted tokens'."""
+  schema = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}},
+    "required": ["name"],
+  }
+  prompt = cw.Chunk.tokenize(
+    tiny.vocab, ["ab", "cd", "ef", "gh"], is_first_chunk=True
+  )
+  pre = tiny.prefill(prompt)
+  kwargs = dict(
+    sample_ids=np.arange(4),
+    sampling=SAMPLINGS["filters"],
+    steps=24,
+    top_n=2,
+    constraint=[cw.constraints.JsonSchema(schema), None, None, None],
+    processors=[cw.processors.penalties(repetition=1.3, frequency=0.2)],
+    budget_forcing=True,
+  )
+  plain = tiny.generate([pre], **kwargs)
+  forced = tiny.generate(
+    [pre], speculation=cw.Speculation(drafter="forced", k=4), **kwargs
+  )
+  assert_same(plain, forced)
+  assert forced[1].speculation.accepted_tokens >= 5  # '{"name": "' at least
+  assert forced[1].speculation.acceptance_rate == 1.0
+  speculation = cw.Speculation(context=_context(prompt, plain[0]), **SPEC)
+  assert_same(plain, tiny.generate([pre], speculation=speculation, **kwargs))
+  text = plain[0].detokenize(tiny.vocab)[0]
+  assert text.startswith('{"name"'), text
+
+
+def test_adapters():
+  base = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
+  h = base.hparams
+  model = base.with_adapters({"a": random_adapter(h, 4, 1)})
+  prompt = _prompts()
+  rows = ["a", None, "a", None]
+  pre = model.prefill(prompt, adapters=rows)
+  plain, spec = _both(
+    model,
+    [pre],
+    prompt,
+    steps=16,
+    sample_ids=np.arange(4),
+    sampling=SAMPLINGS["temperature"],
+    adapters=rows,
+  )
+  assert_same(plain, spec)
+  assert spec[1].speculation.accepted_tokens > 0
+
+
+def test_on_a_mesh(cpu_devices):
+  base = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
+  model = cw.InferenceModel(
+    base.hparams,
+    base.weights,
+    mesh=make_mesh((2, 2, 2)),
+    prefill_layout="ws_2d/yz",
+    generate_layout="ws_2d/yz",
+  )
+  prompt = _prompts()
+  pre = model.prefill(prompt)
+  plain, spec = _both(
+    model,
+    [pre],
+    prompt,
+    steps=16,
+    sample_ids=np.arange(4),
+    sampling=SAMPLINGS["filters"],
+    top_n=2,
+  )
+  assert_same(plain, spec)
+  assert spec[1].speculation.accepted_tokens > 0
+
+
+def test_generate_many_with_several_slots(tiny):
+  """Each request drafts from its own prompt and tokens (greedy rows of the
+  random model fall into loops, which prompt lookup catches)."""
+  prompt = _prompts(6)
+  requests = [
+    cw.Request(
+      tokens=np.asarray(prompt.tokens)[b, : int(prompt.lengths[b])],
+      sample_id=b,
+      steps=24 + b % 3,
+      sampling=SAMPLINGS["greedy" if b % 2 else "temperature"],
+    )
+    for b in range(6)
+  ]
+  plain = {r.index: r for r in tiny.generate_many(requests, slots=3, top_n=2)}
+  spec = {
+    r.index: r
+    for r in tiny.generate_many(
+      requests, slots=3, top_n=2, speculation=cw.Speculation(**SPEC)
+    )
+  }
+  for i, r in plain.items():
+    s = spec[i]
+    assert r.finish_reason == s.finish_reason
+    for x, y in [
+      (r.tokens, s.tokens),
+      (r.per_token_scores, s.per_token_scores),
+      (r.top_ids, s.top_ids),
+      (r.top_logprobs, s.top_logprobs),
+    ]:
+      np.testing.assert_array_equal(x, y)
+    assert r.speculation is None and s.speculation.steps > 0
+  assert sum(s.speculation.accepted_tokens for s in spec.values()) > 0
+
+
+def test_bad_speculation_is_refused_before_any_work(tiny):
+  pre = tiny.prefill(_prompts())
+  kwargs = dict(sample_ids=np.arange(4), steps=4)
+  for bad, match in [
+    ("ngram", "must be a chunkwise.Speculation"),
+    (cw.Speculation(drafter="eagle"), "drafter must be one of"),
+    (cw.Speculation(k=0), r"k must be in \[1, 64\]"),
+    (cw.Speculation(k=4, widths=(2,)), "must include k=4"),
+    (cw.Speculation(ngram_min=3, ngram_max=2), "ngram_max must be in"),
+    (cw.Speculation(context=_chunk([[1, 2]] * 3)), "does not divide"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      tiny.generate([pre], speculation=bad, **kwargs)
+  with pytest.raises(ValueError, match="requests draft from their own"):
+    tiny.generate_many(
+      [cw.Request(tokens=[1, 2], sample_id=0, steps=2)],
+      slots=1,
+      speculation=cw.Speculation(context=_chunk([[1]])),
+    )
