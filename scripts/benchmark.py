@@ -55,9 +55,11 @@ from chunkwise.bench import (
   timing,
 )
 from chunkwise.bench import numerics as bench_numerics
+from chunkwise.bench import speculation as bench_speculation
 from chunkwise.constraints import disk_cache
 from chunkwise.constraints import tables as constraint_tables
-from chunkwise.inference import Chunk, InferenceModel
+from chunkwise.inference import Chunk, InferenceModel, Speculation
+from chunkwise.inference.speculation import DRAFTERS
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
 from chunkwise.numerics import NUMERICS
@@ -192,6 +194,23 @@ _NUMERICS_DRIFT = flags.DEFINE_list(
   "numerics_drift_batches",
   ["1", "2", "4", "8", "16", "32", "64"],
   "Batch sizes over which --numerics measures a row's drift.",
+)
+_SPECULATE = flags.DEFINE_list(
+  "speculate",
+  [],
+  "Speculative decoding drafters to compare with plain steps side by side "
+  "(ngram, forced; see chunkwise.bench.speculation): per --weights, "
+  "greedy --steps tokens on a copy-heavy and an open-ended chat workload "
+  "at each --speculate_batches, --speculate_rounds interleaved rounds.",
+)
+_SPECULATE_K = flags.DEFINE_integer(
+  "speculate_k", 8, "Most drafted tokens per pass of --speculate."
+)
+_SPECULATE_BATCHES = flags.DEFINE_list(
+  "speculate_batches", ["1", "16"], "Batch sizes of --speculate."
+)
+_SPECULATE_ROUNDS = flags.DEFINE_integer(
+  "speculate_rounds", 3, "Interleaved rounds of --speculate."
 )
 
 # Named constraints: the acceptance set, plus free text (any
@@ -330,6 +349,23 @@ def run(argv: Sequence[str]) -> None:
       f"--numerics_rounds={_NUMERICS_ROUNDS.value}: expected at least 1"
     )
   prefill_lengths = _positive_ints("prefill_lengths", _PREFILL_LENGTHS.value)
+  drafters = (
+    _one_of("speculate", _SPECULATE.value, DRAFTERS) if _SPECULATE.value else []
+  )
+  speculate_batches = _positive_ints(
+    "speculate_batches", _SPECULATE_BATCHES.value
+  )
+  try:
+    speculations = {
+      d: Speculation(drafter=d, k=_SPECULATE_K.value).checked()
+      for d in drafters
+    }
+  except ValueError as e:
+    raise app.UsageError(f"--speculate_k: {e}") from None
+  if _SPECULATE_ROUNDS.value < 1:
+    raise app.UsageError(
+      f"--speculate_rounds={_SPECULATE_ROUNDS.value}: expected at least 1"
+    )
   for path in (_OUTPUT.value, _PLOT.value):
     folder = os.path.dirname(os.path.abspath(path)) if path else "."
     if not os.path.isdir(folder):
@@ -455,6 +491,15 @@ def run(argv: Sequence[str]) -> None:
       }
       logging.info("%s numerics: %s", config["name"], config["numerics"])
       del compared
+    if speculations:
+      config["speculation"] = bench_speculation.compare(
+        model,
+        speculations,
+        batches=speculate_batches,
+        steps=_STEPS.value,
+        rounds=_SPECULATE_ROUNDS.value,
+      )
+      logging.info("%s speculation: %s", config["name"], config["speculation"])
     decode = []
     for b in decode_batches:
       point = timing.decode(
@@ -561,6 +606,9 @@ def run(argv: Sequence[str]) -> None:
       print(
         bench_numerics.table(config["numerics"], config["numerics"]["drift"])
       )
+    if "speculation" in config:
+      print(f"{config['name']}, speculation side by side:")
+      print(bench_speculation.table(config["speculation"]))
     if "continuous" in config:
       print(bench_continuous.table(config["continuous"]))
     if "adapters" in config:

@@ -26,6 +26,12 @@ rows attending to its KV cache) until their last sample stops. --stream
 prints the first prompt's first sample when it finishes (as it grows
 with --static_batching).
 
+--speculate=ngram drafts tokens from each sample's prompt and tokens
+(prompt lookup) and verifies --speculate_k of them in one pass: the samples
+are those without it (bit for bit under invariant numerics), only sooner;
+the summary reports drafts, accepted tokens and the acceptance rate
+(--speculate=forced drafts only the tokens a constraint forces).
+
 LoRA adapters (--adapters, a JSON line's "adapter", --adapter) work as in
 scripts/score.py; samples of different adapters share the slots (with
 --shared_prefix, continuous batching runs each adapter's samples in turn,
@@ -103,6 +109,9 @@ _STATIC_BATCHING = flags.DEFINE_bool(
 )
 
 
+SPECULATE = cli.SpeculationFlags()
+
+
 def stop_strings() -> list[str]:
   """--stop values, with backslash escapes (\\n, \\t) decoded."""
   out = []
@@ -148,6 +157,7 @@ def generate() -> None:
     schema_strict=_SCHEMA_STRICT.value,
     slots=_SLOTS.value,
     static_batching=_STATIC_BATCHING.value,
+    speculation=SPECULATE.speculation(),
   )
   cli.report(run_generate(job))
 

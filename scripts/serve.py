@@ -38,6 +38,7 @@ from chunkwise.jobs import cli
 
 MODEL = cli.ModelFlags()
 HOSTS = cli.MultiHostFlags()
+SPECULATE = cli.SpeculationFlags()
 _HOST = flags.DEFINE_string(
   "host", "127.0.0.1", "Address to listen on (loopback by default)."
 )
@@ -122,6 +123,7 @@ def main(argv):
       every=_EVERY.value,
       busy_every=_BUSY_EVERY.value,
       max_queue=_MAX_QUEUE.value,
+      speculation=SPECULATE.speculation(),
     )
   except ValueError as e:
     cli.fail(str(e))

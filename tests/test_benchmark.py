@@ -275,6 +275,10 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--numerics=fast,invariant",
     "--numerics_rounds=1",
     "--numerics_drift_batches=1,3",
+    "--speculate=ngram",
+    "--speculate_k=2",
+    "--speculate_batches=2",
+    "--speculate_rounds=1",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -303,6 +307,17 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     assert drift["batches"] == [1, 3]
     assert drift["prefill"] == drift["generate"] == 0
   assert "numerics side by side" in result.stdout
+  # --speculate: both workloads side by side; under invariant numerics
+  # (float32) no row diverged; int8 runs fast numerics, where it counts.
+  for c in data["configs"][::3]:
+    for workload in ("copy", "chat"):
+      got = c["speculation"][workload]["b2"]
+      assert got["plain"] > 0 and got["ngram"]["ratio"] > 0
+      assert got["ngram"]["stats"]["steps"] > 0
+      assert 0 <= got["ngram"]["diverged_rows"] <= got["ngram"]["rows"]
+  copy = data["configs"][0]["speculation"]["copy"]["b2"]["ngram"]
+  assert copy["rows"] == 8 and copy["diverged_rows"] == 0
+  assert "speculation side by side" in result.stdout
   assert data["machine"]["bandwidth_gb_s"] > 0
   # Ours (f32 at "highest") and transformers' bf16 matmuls.
   peaks = data["machine"]["peak_matmul_gflop_s"]

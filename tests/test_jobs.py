@@ -549,6 +549,26 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
   code, summary, _ = _main("generate", args, capsys)
   assert summary["run_now"] == 1 and summary["resumed"] == 2
   assert out.read_bytes() == before
+  # Speculation changes no sample, in slots or static batches; the
+  # summary has its counts.
+  for extra in (["--speculate_k=4"], ["--static_batching"]):
+    spec_out = tmp_path / f"spec-{extra[0][2:8]}.jsonl"
+    code, summary, _ = _main(
+      "generate",
+      [
+        *args[:1],
+        f"--output={spec_out}",
+        *args[2:],
+        "--speculate=ngram",
+        *extra,
+      ],
+      capsys,
+    )
+    assert code == 0
+    key = lambda r: (str(r["id"]), r["sample"])
+    assert sorted(_records(spec_out), key=key) == sorted(records, key=key)
+    counts = summary["speculation"]
+    assert counts["steps"] > 0 and counts["draft_tokens"] >= 0
   # Other sampling flags cannot resume this output.
   code, _, err = _main("generate", [*args, "--seed=1"], capsys)
   assert code == 1 and "seed: 0 then, 1 now" in err

@@ -9,6 +9,8 @@ stops and budgets) beside rows drafting from random tokens with 1-token
 matches (garbage: mostly rejected) and rows with no context at all.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -290,6 +292,42 @@ def test_generate_many_with_several_slots(tiny):
   assert sum(s.speculation.accepted_tokens for s in spec.values()) > 0
 
 
+def test_prompt_lookup_and_width_choice():
+  """The drafter proposes what followed the latest earlier occurrence of
+  the longest suffix; the width follows expected tokens per cost."""
+  from chunkwise.inference import speculation as s
+
+  history = np.array(
+    [
+      [5, 6, 7, 9, 5, 6, 7, 8, 5, 6, 0, 0],
+      [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0],
+    ],
+    np.int32,
+  )
+  drafts, counts = s.ngram_drafts(history, np.int32([10, 4]), 3, 1, 3)
+  # Row 0 ends "5 6": its latest earlier occurrence is followed by 7 8 5.
+  np.testing.assert_array_equal(drafts[0], [7, 8, 5])
+  assert counts.tolist() == [3, 0]  # row 1's "4" never occurred before
+  drafts, counts = s.ngram_drafts(history, np.int32([9, 4]), 8, 1, 3)
+  np.testing.assert_array_equal(drafts[0, :4], [6, 7, 8, 5])  # after "5"
+  assert counts[0] == 4  # up to the end of the history
+
+  def width(batch, count, rate):
+    pick = s.choose_width(
+      (0, 2, 4, 8),
+      np.ones(batch, bool),
+      np.full(batch, count, np.int32),
+      np.full(batch, rate, np.float32),
+      20.0,
+    )
+    return (0, 2, 4, 8)[int(pick)]
+
+  assert width(1, 8, 0.5) == 8 and width(1, 1, 0.5) == 2
+  assert width(1, 0, 0.9) == 0  # nothing drafted: a plain step
+  assert width(16, 8, 0.5) == 0  # wide batches draft where it pays
+  assert width(16, 8, 0.95) == 8
+
+
 def test_bad_speculation_is_refused_before_any_work(tiny):
   pre = tiny.prefill(_prompts())
   kwargs = dict(sample_ids=np.arange(4), steps=4)
@@ -309,3 +347,47 @@ def test_bad_speculation_is_refused_before_any_work(tiny):
       slots=1,
       speculation=cw.Speculation(context=_chunk([[1]])),
     )
+
+
+def test_server_engine_and_its_metrics(tiny):
+  """A speculating serving engine: each stream equals `generate` alone on
+  its request; /metrics has vLLM's speculative decoding counters."""
+  from chunkwise import serving
+  from chunkwise.serving import metrics as metrics_lib
+  from tests.test_serving_engine import _alone, _gens
+
+  engine = serving.Engine(
+    tiny,
+    slots=3,
+    capacity=96,
+    top_n=3,
+    every=4,
+    speculation=cw.Speculation(**SPEC),
+  )
+  try:
+    gens = [
+      g if i % 2 else dataclasses.replace(g, temperature=0.0, top_k=0)
+      for i, g in enumerate(_gens(tiny, 6, seed=3))
+    ]
+    streams = [engine.submit(g) for g in gens]
+    for g, s in zip(gens, streams, strict=True):
+      got = list(s)
+      ids, scores, top = _alone(tiny, g, s.seed or 0)
+      kept = got if s.finish_reason == "length" else got[: len(ids)]
+      assert [t.id for t in kept] == ids
+      np.testing.assert_array_equal(
+        np.float32([t.logprob for t in kept]), scores
+      )
+      assert [[i for i, _ in t.top] for t in kept] == top.tolist()
+    totals = engine.speculation_totals
+    assert totals.steps > 0 and totals.accepted_tokens > 0, totals
+    text = metrics_lib.Metrics(engine, model_id="m").exposition().decode()
+    for name, value in (
+      ("drafts", totals.drafts),
+      ("draft_tokens", totals.draft_tokens),
+      ("accepted_tokens", totals.accepted_tokens),
+    ):
+      line = f'vllm:spec_decode_num_{name}_total{{model_name="m"}} {value:.1f}'
+      assert line in text, text[-600:]
+  finally:
+    assert engine.close(grace=5.0)

@@ -50,6 +50,7 @@ from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.speculation import Speculation, SpeculationStats
 
 STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
 
@@ -81,6 +82,7 @@ class SlotUpdate:
       or "length" (its steps ran out).
     stop_id: the stop token drawn (finish "stop"), else None; its score
       and alternatives in `stop_score`, `stop_top_ids`, `stop_top_logprobs`.
+    speculation: with a speculating loop, the finished request's counts.
   """
 
   key: Hashable
@@ -93,6 +95,7 @@ class SlotUpdate:
   stop_score: float | None = None
   stop_top_ids: np.ndarray | None = None
   stop_top_logprobs: np.ndarray | None = None
+  speculation: SpeculationStats | None = None
 
 
 _RELEASE = jax.jit(
@@ -123,6 +126,7 @@ class LiveSlots:
     prefix: tuple[ChunkResult, ...],
     stop_width: int,
     admit_rows: int = 1,
+    speculation: Speculation | None = None,
   ):
     h = hparams
     self._h = h
@@ -165,9 +169,16 @@ class LiveSlots:
       top_n=top_n,
       vocab=h.vocab,
     )
-    self._state = state.replace(
-      processor_states=continuous.replicated_like(state, states)
+    self._state = continuous.with_speculation(
+      state.replace(processor_states=continuous.replicated_like(state, states)),
+      speculation,
+      capacity,
     )
+    self.speculation = speculation
+    # Counts of every finished request (`SpeculationStats`).
+    self.speculation_totals = SpeculationStats()
+    # A step's iterations emit up to k + 1 tokens each.
+    self._window = every * (1 + (speculation.k if speculation else 0)) + 1
     # Host copies of each slot's settings (a free slot: defaults, no budget).
     n = slots_n
     self._key: list[Hashable | None] = [None] * n
@@ -322,6 +333,7 @@ class LiveSlots:
       jnp.int32(steps),
       jnp.bool_(True),
       adapters=self._adapters(engine, np.where(live, self._adapter, -1)),
+      speculation=self.speculation,
     )
     return self._collect(live)
 
@@ -392,7 +404,7 @@ class LiveSlots:
     )
     start = continuous.replicated_like(state, self._read.copy())
     tokens, scores, top_ids, top_lp = jax.device_get(
-      _WINDOW(state, start, self.every + 1)
+      _WINDOW(state, start, self._window)
     )
     updates = []
     for s in np.flatnonzero(live):
@@ -401,6 +413,10 @@ class LiveSlots:
       if not k and not finished:
         continue
       stop = finished and bool(stopped[s])
+      counts = None
+      if finished and state.spec is not None:
+        counts = state.spec.stats(s)
+        self.speculation_totals += counts
       updates.append(
         SlotUpdate(
           key=self._key[s],
@@ -415,6 +431,7 @@ class LiveSlots:
           stop_score=float(scores[s, k]) if stop else None,
           stop_top_ids=top_ids[s, k] if stop else None,
           stop_top_logprobs=top_lp[s, k] if stop else None,
+          speculation=counts,
         )
       )
       self._read[s] = generated[s]

@@ -449,6 +449,7 @@ class InferenceModel:
     processors: Sequence[processors_lib.LogitsProcessor] = (),
     prefix: Sequence[ChunkResult] = (),
     stop_width: int = live.STOP_WIDTH,
+    speculation: Speculation | None = None,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -468,6 +469,9 @@ class InferenceModel:
         (e.g. its penalties) to `prepare`.
       prefix: ChunkResults of batch 1 every request continues.
       stop_width: most stop ids (EOS included) of one request.
+      speculation: a `cw.Speculation` (without `context`): each request
+        drafts from its prompt and tokens; finished requests' updates
+        carry their counts, `speculation_totals` all of them.
     """
     n, capacity, top_n, every, stop_width, processors, prefix = (
       checks.check_live(
@@ -482,7 +486,9 @@ class InferenceModel:
         batch_split=self._batch_split(),
       )
     )
+    speculation = speculation_lib.for_requests(speculation)
     return live.LiveSlots(
+      speculation=speculation,
       hparams=self._hparams,
       prefill_engine=self._prefill_engine,
       generate_engine=self._generate_engine,

@@ -30,10 +30,14 @@ proposed: it is always accepted.
 How many positions a pass verifies is chosen per iteration among compiled
 widths (`widths`: 0, the plain step, then powers of two up to `k`): the
 width that maximises expected tokens per cost, where each row's drafts are
-expected to be accepted at its running acceptance rate and a pass of width
-w costs 1 + `draft_cost` * w steps. Rows whose drafts stop paying thus fall
-back to plain steps; their rate drifts back towards the prior, so they try
-again later.
+expected to be accepted at its running acceptance rate, and a pass over B
+rows of w + 1 positions costs `weight_rows` + B (w + 1): reading the
+weights costs as much as computing `weight_rows` positions (the machine's
+ridge point, in rows; about 20 for SmolLM2 on a 2-core CPU, hundreds on
+accelerators). So batch 1 drafts freely, while a wide batch drafts only
+where acceptance pays for the extra positions. Rows whose drafts stop
+paying fall back to plain steps; their rate drifts back towards the
+prior, so they try again later.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class Speculation:
     forced: draft the tokens the processors force.
     widths: drafted positions of the compiled passes (0, the plain step,
       is always one); default: powers of two from 2 up to `k`, and `k`.
-    draft_cost: a drafted position's cost, in plain steps.
+    weight_rows: the cost of one pass's weight reads, in computed
+      positions (module docstring).
     context: for `generate`: the tokens before the call (a `Chunk` or a
       list of them, oldest first; batches divide the call's, rows repeat
       each as prefixes do) that "ngram" searches with the generated ones.
@@ -77,11 +82,11 @@ class Speculation:
 
   drafter: str = "ngram"
   k: int = 8
-  ngram_min: int = 2
+  ngram_min: int = 1
   ngram_max: int = 4
   forced: bool = True
   widths: tuple[int, ...] | None = None
-  draft_cost: float = 0.08
+  weight_rows: float = 20.0
   context: Any = dataclasses.field(default=None, compare=False, hash=False)
 
   def checked(self) -> Speculation:
@@ -113,10 +118,14 @@ class Speculation:
         f"Speculation.widths must include k={k} (the widest pass), got "
         f"{self.widths!r}"
       )
-    cost = self.draft_cost
-    if not isinstance(cost, (int, float)) or not 0 <= cost <= 10:
+    cost = self.weight_rows
+    if (
+      isinstance(cost, bool)
+      or not isinstance(cost, (int, float))
+      or not 0 <= cost <= 1e6
+    ):
       raise ValueError(
-        f"Speculation.draft_cost must be a number in [0, 10], got {cost!r}"
+        f"Speculation.weight_rows must be a number in [0, 1e6], got {cost!r}"
       )
     return Speculation(
       drafter=self.drafter,
@@ -125,7 +134,7 @@ class Speculation:
       ngram_max=hi,
       forced=bool(self.forced),
       widths=widths,
-      draft_cost=float(cost),
+      weight_rows=float(cost),
     )
 
 
@@ -258,7 +267,7 @@ def for_requests(speculation) -> Speculation | None:
 def context_rows(context, batch: int, width: int) -> tuple[np.ndarray, ...]:
   """(history int32[batch, C + width], filled int32[batch]) from a
   `Speculation.context` (a Chunk, a list of them or None): each row's
-  context tokens packed left, `width` free columns after the longest.
+  context tokens packed left, `width` free columns after the chunks'.
   Raises ValueError for batches that do not divide `batch`."""
   from chunkwise.inference.chunk import Chunk  # a leaf module; no cycle
 
@@ -286,7 +295,10 @@ def context_rows(context, batch: int, width: int) -> tuple[np.ndarray, ...]:
   filled = np.zeros(batch, np.int32)
   for _, lengths, rep in parts:
     filled += np.repeat(lengths, rep).astype(np.int32)
-  history = np.zeros((batch, int(filled.max(initial=0)) + width), np.int32)
+  # As wide as the chunks' columns (not their lengths): calls of the same
+  # shapes share one compiled loop.
+  columns = sum(tokens.shape[1] for tokens, _, _ in parts)
+  history = np.zeros((batch, columns + width), np.int32)
   at = np.zeros(batch, np.int64)
   for tokens, lengths, rep in parts:
     for b in range(batch):
@@ -326,19 +338,20 @@ def choose_width(
   live: jax.Array,
   counts: jax.Array,
   rate: jax.Array,
-  cost: float,
+  weight_rows: float,
 ) -> jax.Array:
   """The index into `widths` of the pass with the most expected tokens per
   cost: each `live` row gives its next token, and a row with c drafts at
   acceptance rate a expects sum_{j<=min(c, w)} a^j more from a pass of
-  width w, which costs 1 + cost * w plain steps."""
+  width w, which costs weight_rows + rows * (w + 1)."""
   live = jnp.sum(live).astype(jnp.float32)
   powers = rate[:, None] ** jnp.arange(1, widths[-1] + 1)[None, :]
   scores = []
   for w in widths:
     j = jnp.arange(1, w + 1)[None, :]
     gain = jnp.sum(jnp.where(j <= counts[:, None], powers[:, :w], 0.0))
-    scores.append((live + gain) / (1.0 + cost * w))
+    cost = weight_rows + counts.shape[0] * (w + 1)
+    scores.append((live + gain) / cost)
   return jnp.argmax(jnp.stack(scores)).astype(jnp.int32)
 
 

@@ -118,7 +118,7 @@ def _iterate(
   # Position j of a pass writes column generated + j: within the room.
   counts = jnp.where(keep0, jnp.clip(counts, 0, rows.room - 1), 0)
   pick = speculation.choose_width(
-    spec.widths, rows.live, counts, rows_spec.rate, spec.draft_cost
+    spec.widths, rows.live, counts, rows_spec.rate, spec.weight_rows
   )
 
   def branch(w):

@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags, logging
 
-from chunkwise.inference import Sampling
+from chunkwise.inference import Sampling, Speculation
+from chunkwise.inference.speculation import DRAFTERS
 from chunkwise.jobs import examples
 from chunkwise.jobs.config import (
   InputFormat,
@@ -374,6 +375,34 @@ class SamplingFlags:
       min_p=self.min_p.value,
       seed=self.seed.value,
     )
+
+
+class SpeculationFlags:
+  """--speculate, --speculate_k: a `Speculation` (or None)."""
+
+  def __init__(self):
+    self.drafter = _define(
+      flags.DEFINE_enum,
+      "speculate",
+      None,
+      list(DRAFTERS),
+      "Speculative decoding: draft tokens and verify them in one pass; the "
+      "tokens are those without it. ngram: prompt lookup (each sample's "
+      "prompt and tokens); forced: only tokens a constraint forces.",
+    )
+    self.k = _define(
+      flags.DEFINE_integer,
+      "speculate_k",
+      8,
+      "With --speculate: most tokens drafted per pass.",
+      lower_bound=1,
+      upper_bound=64,
+    )
+
+  def speculation(self) -> Speculation | None:
+    if self.drafter.value is None:
+      return None
+    return Speculation(drafter=self.drafter.value, k=self.k.value)
 
 
 def main(job: Callable[[], None]) -> Callable[[Sequence[str]], None]:

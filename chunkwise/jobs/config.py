@@ -23,7 +23,7 @@ import types
 from collections.abc import Mapping
 from typing import ClassVar
 
-from chunkwise.inference import Sampling
+from chunkwise.inference import Sampling, Speculation
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
 from chunkwise.models.quantized import Quantization
@@ -221,10 +221,28 @@ class GenerateJob(Job):
   # `static_batching` runs batches of prompts to their end instead.
   slots: int | None = None
   static_batching: bool = False
+  # Speculative decoding (`cw.Speculation`, no context: each sample drafts
+  # from its prompt). It changes no token, so resuming ignores it.
+  speculation: Speculation | None = None
 
   def __post_init__(self):
     super().__post_init__()
     _positive("num_samples", self.num_samples)
+    if self.speculation is not None:
+      if not isinstance(self.speculation, Speculation):
+        raise ValueError(
+          f"speculation must be a chunkwise Speculation, got "
+          f"{self.speculation!r}"
+        )
+      if self.speculation.context is not None:
+        raise ValueError(
+          "speculation.context must be None: each sample drafts from its "
+          "own prompt"
+        )
+      try:
+        self.speculation.checked()
+      except ValueError as e:
+        raise ValueError(f"--speculate: {e}") from None
     if self.slots is not None:
       _positive("slots", self.slots)
     _positive("steps", self.steps)

@@ -34,6 +34,7 @@ ran in nor the process that ran it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -45,6 +46,8 @@ from chunkwise.inference import (
   InferenceModel,
   Request,
   Sampling,
+  Speculation,
+  SpeculationStats,
   slot_capacity,
 )
 from chunkwise.jobs import adapters, driver, examples
@@ -73,19 +76,22 @@ def cut_at_stop(vocab, tokens: list[int], stops: Sequence[str]):
   raise AssertionError("unreachable: the whole text holds a stop string")
 
 
-def _run(model, prefix, sample_ids, stream, **kwargs):
+def _run(model, prefix, sample_ids, stream, on_stats, **kwargs):
   """(token lists, score rows) of `generate`; with `stream=(row, print)`,
-  through `generate_stream`, printing that row's text as it grows."""
+  through `generate_stream`, printing that row's text as it grows.
+  `on_stats` gets the call's speculation counts (with `speculation`)."""
   kwargs["sample_ids"] = sample_ids
   if stream is None:
     chunk, result = model.generate(prefix, **kwargs)
+    if result.speculation is not None:
+      on_stats(result.speculation)
     scores = np.asarray(result.per_token_scores)
     rows = chunk.to_lists()
     return rows, [s[: len(r)] for s, r in zip(scores, rows, strict=True)]
   row, emit = stream
   rows = [[] for _ in sample_ids]
   scores = [[] for _ in sample_ids]
-  printed = ""
+  printed, result = "", None
   for piece, result in model.generate_stream(prefix, every=8, **kwargs):
     piece_scores = np.asarray(result.per_token_scores)
     for b, tokens in enumerate(piece.to_lists()):
@@ -99,6 +105,8 @@ def _run(model, prefix, sample_ids, stream, **kwargs):
   text = model.vocab.decode(rows[row])  # and bytes that never completed
   if text.startswith(printed) and len(text) > len(printed):
     emit(text[len(printed) :])
+  if result is not None and result.speculation is not None:
+    on_stats(result.speculation)  # the last segment's: the call's
   return rows, [np.asarray(s, np.float32) for s in scores]
 
 
@@ -116,13 +124,16 @@ def generate_batch(
   stream: tuple[int, Callable[[str], None]] | None = None,
   constraint=None,
   budget_forcing: bool = False,
+  speculation: Speculation | None = None,
+  on_stats: Callable[[SpeculationStats], None] = lambda _: None,
 ) -> list[list[dict] | None]:
   """For each row of `rows`, its `num_samples` records (None for padding
   rows, which repeat the first row). `stream=(i, emit)` passes the text of
   row i's first sample to `emit` as it is generated; `constraint` (one
   `chunkwise.constraints` Constraint for every row) and `budget_forcing`
-  go to `generate`. Each row runs its example's adapter; `prefix` must
-  have been computed with them."""
+  go to `generate`; `speculation` drafts from each row's prompt, and
+  `on_stats` gets its counts. Each row runs its example's adapter;
+  `prefix` must have been computed with them."""
   fill = rows[0]
   pad_id = int(getattr(model.vocab, "pad_id", 0) or 0)
   prompts = chunk_of(
@@ -142,6 +153,9 @@ def generate_batch(
     [*prefix, prompt],
     np.asarray(ids, np.int32),
     None if stream is None else (stream[0] * num_samples, stream[1]),
+    on_stats,
+    speculation=speculation
+    and dataclasses.replace(speculation, context=prompts),
     steps=steps,
     sampling=sampling,
     stop_ids=stop_ids,
@@ -217,13 +231,16 @@ def generate_items(
   constraint=None,
   budget_forcing: bool = False,
   stream: tuple[object, Callable[[str], None]] | None = None,
+  speculation: Speculation | None = None,
+  on_stats: Callable[[SpeculationStats], None] = lambda _: None,
 ):
   """Continuous batching: every (prompt, sample index) of `work` through
   `model.generate_many` in `slots` rows, each running its example's
   adapter; yields (position in `work`, [record]) as samples finish.
   `prefix` is the job's `adapters.SharedPrefix` (or a prefix list every
   request continues); `stream=(example id, emit)` passes that example's
-  first sample to `emit` when it finishes."""
+  first sample to `emit` when it finishes; `speculation` drafts from each
+  request's prompt, and `on_stats` gets each request's counts."""
   for group, prefix_list in _groups(prefix, work):
     requests = [
       Request(
@@ -243,7 +260,10 @@ def generate_items(
       prefix=prefix_list,
       budget_forcing=budget_forcing,
       capacity=capacity,
+      speculation=speculation,
     ):
+      if r.speculation is not None:
+        on_stats(r.speculation)
       position = group[r.index]
       yield (
         position,
@@ -345,7 +365,9 @@ def constraint_of(job: GenerateJob, described):
   return c
 
 
-def summarize(setup: driver.Setup, run: driver.Run) -> dict:
+def summarize(setup: driver.Setup, run: driver.Run, speculation=None) -> dict:
+  """The job's summary; with `speculation` (this run's
+  `SpeculationStats`), its counts, acceptance rate and length."""
   records = run.output.records()
   reasons = collections.Counter(r["finish_reason"] for r in records)
   mine = {id_key(setup.prepared[i].example.id) for i in run.todo}
@@ -358,6 +380,19 @@ def summarize(setup: driver.Setup, run: driver.Run) -> dict:
     samples=len(records),
     tokens=sum(len(r["tokens"]) for r in records),
     finish_reasons=dict(sorted(reasons.items())),
+    **(
+      {}
+      if speculation is None
+      else {
+        "speculation": {
+          **dataclasses.asdict(speculation),
+          "acceptance_rate": round(speculation.acceptance_rate, 4),
+          "mean_acceptance_length": round(
+            speculation.mean_acceptance_length, 4
+          ),
+        }
+      }
+    ),
   )
 
 
@@ -393,6 +428,10 @@ def run_generate(
       )
   constrain = constraint_of(job, setup.described)
   first = setup.prepared[0].example.id
+  counted = [SpeculationStats()]  # this run's speculation counts
+
+  def on_stats(stats: SpeculationStats) -> None:
+    counted[0] += stats
 
   def shown(text: str) -> None:
     if driver.is_main_process():
@@ -415,6 +454,8 @@ def run_generate(
       stream=stream,
       constraint=constrain,
       budget_forcing=job.budget_forcing,
+      speculation=job.speculation,
+      on_stats=on_stats,
     )
     if stream:
       shown("\n")
@@ -439,6 +480,8 @@ def run_generate(
       constraint=constrain,
       budget_forcing=job.budget_forcing,
       stream=(first, shown) if job.stream else None,
+      speculation=job.speculation,
+      on_stats=on_stats,
     )
 
   continuous = not job.static_batching
@@ -468,4 +511,6 @@ def run_generate(
       "budget_forcing": job.budget_forcing,
     },
   )
-  return summarize(setup, run) if run.process == 0 else None
+  if run.process:
+    return None
+  return summarize(setup, run, job.speculation and counted[0])

@@ -45,6 +45,7 @@ import numpy as np
 
 from chunkwise import processors as processors_lib
 from chunkwise.inference import Chunk, InferenceModel, Request, Sampling
+from chunkwise.inference.speculation import SpeculationStats
 from chunkwise.partitioning import multihost
 from chunkwise.serving import decisions
 from chunkwise.serving.stream import (
@@ -89,6 +90,9 @@ class Engine:
       `Overloaded`.
     on_finish: called (in the engine's thread) with each stream that ends
       (more with `listen`).
+    speculation: a `cw.Speculation` (no context: each request drafts from
+      its prompt and tokens); tokens are unchanged, `speculation_totals`
+      counts what finished requests drafted and accepted (/metrics).
   """
 
   def __init__(
@@ -102,6 +106,7 @@ class Engine:
     busy_every: int = DEFAULT_BUSY_EVERY,
     max_queue: int = 256,
     on_finish: Callable[[TokenStream], None] | None = None,
+    speculation=None,
   ):
     if model.vocab is None:
       raise ValueError("serving needs a model with a vocabulary")
@@ -117,8 +122,13 @@ class Engine:
       top_n=top_n,
       every=max(every, busy_every),
       processors=(processors_lib.penalties(),),
+      speculation=speculation,
     )
     self._loop = self._make()
+    self.speculation = self._loop.speculation  # checked, or None
+    # Counts of every request that finished (`SpeculationStats`), for
+    # /metrics; replaced whole, so a reader in another thread sees a sum.
+    self.speculation_totals = SpeculationStats()
     self.slots = self._loop.slots
     self._keys = itertools.count()
     self._cv = threading.Condition()
@@ -383,6 +393,9 @@ class Engine:
     for key in self._loop.admitted:
       if key in self._active:
         self._active[key].admitted_at = started
+    for u in updates:
+      if u.speculation is not None:
+        self.speculation_totals = self.speculation_totals + u.speculation
     return updates
 
   def follow(self) -> None:

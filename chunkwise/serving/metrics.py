@@ -19,7 +19,11 @@ import threading
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+  CounterMetricFamily,
+  GaugeMetricFamily,
+  Metric,
+)
 
 from chunkwise.serving.engine import Engine
 from chunkwise.serving.stream import CANCELLED, ERROR, TokenStream
@@ -191,3 +195,27 @@ class _Collector:
     served = ",".join(engine.model.adapters)
     g.add_metric([served, "", str(len(engine.model.adapters))], 1.0)
     yield g
+    if engine.speculation is not None:
+      yield from _speculation(m.model_id, engine.speculation_totals)
+
+
+def _speculation(model_id: str, totals):
+  """vLLM's speculative decoding counters (`acceptance_metrics.md`): mean
+  acceptance length = 1 + accepted / drafts, acceptance rate = accepted /
+  draft tokens."""
+  for name, doc, value in (
+    ("vllm:spec_decode_num_drafts", "Drafts verified.", totals.drafts),
+    (
+      "vllm:spec_decode_num_draft_tokens",
+      "Draft tokens verified.",
+      totals.draft_tokens,
+    ),
+    (
+      "vllm:spec_decode_num_accepted_tokens",
+      "Draft tokens accepted.",
+      totals.accepted_tokens,
+    ),
+  ):
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric([model_id], float(value))
+    yield c
