@@ -59,7 +59,6 @@ from chunkwise.bench import speculation as bench_speculation
 from chunkwise.constraints import disk_cache
 from chunkwise.constraints import tables as constraint_tables
 from chunkwise.inference import Chunk, InferenceModel, Speculation
-from chunkwise.inference.speculation import DRAFTERS
 from chunkwise.models import Weights, init_random
 from chunkwise.models.quantized import nbytes, quantize_weights
 from chunkwise.numerics import NUMERICS
@@ -350,7 +349,9 @@ def run(argv: Sequence[str]) -> None:
     )
   prefill_lengths = _positive_ints("prefill_lengths", _PREFILL_LENGTHS.value)
   drafters = (
-    _one_of("speculate", _SPECULATE.value, DRAFTERS) if _SPECULATE.value else []
+    _one_of("speculate", _SPECULATE.value, Speculation.DRAFTERS)
+    if _SPECULATE.value
+    else []
   )
   speculate_batches = _positive_ints(
     "speculate_batches", _SPECULATE_BATCHES.value

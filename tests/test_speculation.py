@@ -25,7 +25,9 @@ SAMPLINGS = {
     temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, seed=3
   ),
 }
-SPEC = dict(k=6, ngram_min=1, ngram_max=3, widths=(2, 6))
+# Passes nearly free beside the weights (an accelerator's ridge point):
+# every row with drafts is verified, whatever the batch.
+SPEC = dict(k=6, ngram_min=1, ngram_max=3, widths=(2, 6), weight_rows=1e3)
 
 
 def _chunk(rows):
@@ -203,7 +205,9 @@ def test_constraints_penalties_and_forced_drafts(tiny):
   )
   plain = tiny.generate([pre], **kwargs)
   forced = tiny.generate(
-    [pre], speculation=cw.Speculation(drafter="forced", k=4), **kwargs
+    [pre],
+    speculation=cw.Speculation(drafter="forced", k=4, weight_rows=1e3),
+    **kwargs,
   )
   assert_same(plain, forced)
   assert forced[1].speculation.accepted_tokens >= 5  # '{"name": "' at least
@@ -322,10 +326,21 @@ def test_prompt_lookup_and_width_choice():
     )
     return (0, 2, 4, 8)[int(pick)]
 
-  assert width(1, 8, 0.5) == 8 and width(1, 1, 0.5) == 2
+  assert width(1, 8, 0.9) == 8 and width(1, 8, 0.5) == 4
+  assert width(1, 1, 0.5) == 2
   assert width(1, 0, 0.9) == 0  # nothing drafted: a plain step
   assert width(16, 8, 0.5) == 0  # wide batches draft where it pays
-  assert width(16, 8, 0.95) == 8
+  assert width(16, 8, 0.99) == 8
+  # Forced drafts are sure: one row's four pay for a batch of 4.
+  pick = s.choose_width(
+    (0, 2, 4, 8),
+    np.ones(4, bool),
+    np.int32([4, 0, 0, 0]),
+    np.full(4, 0.5, np.float32),
+    20.0,
+    np.int32([4, 0, 0, 0]),
+  )
+  assert (0, 2, 4, 8)[int(pick)] == 4
 
 
 def test_bad_speculation_is_refused_before_any_work(tiny):

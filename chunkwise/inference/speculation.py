@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +80,7 @@ class Speculation:
       `generate_many` and the server search each request's prompt.
   """
 
+  DRAFTERS: ClassVar[tuple[str, ...]] = DRAFTERS
   drafter: str = "ngram"
   k: int = 8
   ngram_min: int = 1
@@ -112,7 +113,7 @@ class Speculation:
     widths = self.widths
     if widths is None:
       widths = sorted({w for w in (2, 4, 8, 16, 32, 64) if w < k} | {k})
-    widths = tuple(sorted({count("widths", w, 1, k) for w in widths} | {0}))
+    widths = tuple(sorted({count("widths", w, 0, k) for w in widths} | {0}))
     if widths[-1] != k:
       raise ValueError(
         f"Speculation.widths must include k={k} (the widest pass), got "
@@ -339,17 +340,24 @@ def choose_width(
   counts: jax.Array,
   rate: jax.Array,
   weight_rows: float,
+  sure: jax.Array | None = None,
 ) -> jax.Array:
   """The index into `widths` of the pass with the most expected tokens per
-  cost: each `live` row gives its next token, and a row with c drafts at
-  acceptance rate a expects sum_{j<=min(c, w)} a^j more from a pass of
-  width w, which costs weight_rows + rows * (w + 1)."""
+  cost: each `live` row gives its next token, and a row with c drafts, the
+  first s of them `sure` (forced), at acceptance rate a expects min(s, w)
+  + sum_{s<j<=min(c, w)} a^(j-s) more from a pass of width w, which costs
+  weight_rows + rows * (w + 1)."""
   live = jnp.sum(live).astype(jnp.float32)
-  powers = rate[:, None] ** jnp.arange(1, widths[-1] + 1)[None, :]
+  sure = jnp.zeros_like(counts) if sure is None else sure
+  j = jnp.arange(1, widths[-1] + 1)[None, :]
+  # Each position's chance to be accepted: 1 while forced, then a^(j-s).
+  chance = jnp.where(
+    j <= sure[:, None], 1.0, rate[:, None] ** (j - sure[:, None])
+  )
   scores = []
   for w in widths:
-    j = jnp.arange(1, w + 1)[None, :]
-    gain = jnp.sum(jnp.where(j <= counts[:, None], powers[:, :w], 0.0))
+    taken = j[:, :w] <= counts[:, None]
+    gain = jnp.sum(jnp.where(taken, chance[:, :w], 0.0))
     cost = weight_rows + counts.shape[0] * (w + 1)
     scores.append((live + gain) / cost)
   return jnp.argmax(jnp.stack(scores)).astype(jnp.int32)

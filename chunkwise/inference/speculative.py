@@ -104,8 +104,9 @@ def _iterate(
   else:
     drafts = jnp.zeros((y0.shape[0], k), jnp.int32)
     counts = jnp.zeros_like(y0)
+  sure = jnp.zeros_like(counts)
   if spec.forced and inputs.processors:
-    drafts, counts = verify.forced(
+    drafts, counts, sure = verify.forced(
       inputs.processors,
       states,
       rows,
@@ -118,7 +119,12 @@ def _iterate(
   # Position j of a pass writes column generated + j: within the room.
   counts = jnp.where(keep0, jnp.clip(counts, 0, rows.room - 1), 0)
   pick = speculation.choose_width(
-    spec.widths, rows.live, counts, rows_spec.rate, spec.weight_rows
+    spec.widths,
+    rows.live,
+    counts,
+    rows_spec.rate,
+    spec.weight_rows,
+    jnp.minimum(sure, counts),
   )
 
   def branch(w):

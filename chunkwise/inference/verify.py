@@ -73,13 +73,15 @@ def forced(
   vocab: int,
   *,
   only: bool,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Drafts with every processor-forced token put in: walking positions
   1..w with the processors' states (after y0, in `states`), where they
   allow one token only it is the draft; elsewhere the drafter's proposal
-  stands (`only`: nothing does). Returns (drafts, counts)."""
+  stands (`only`: nothing does). Returns (drafts, counts, sure): `sure`
+  counts each row's leading forced drafts, which are always accepted."""
   width = drafts.shape[1]
   out, count, alive = [], jnp.zeros_like(counts), first_keep
+  sure, certain = jnp.zeros_like(counts), first_keep
   blank = jnp.zeros((drafts.shape[0], vocab), jnp.float32)
   for j in range(1, width + 1):
     info = rows.info(j)
@@ -94,10 +96,13 @@ def forced(
     alive = alive & (is_forced | proposed)
     out.append(draft)
     count = count + alive.astype(jnp.int32)
+    certain = certain & is_forced
+    sure = sure + certain.astype(jnp.int32)
     going = alive & ~is_stop(draft, rows.stop_ids, rows.positions + j)
     states = _advance(processors, states, draft, info, going)
     alive = going
-  return jnp.stack(out, axis=1), count
+    certain = certain & going
+  return jnp.stack(out, axis=1), count, sure
 
 
 @struct.dataclass(kw_only=True)

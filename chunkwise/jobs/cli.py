@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from absl import app, flags, logging
 
 from chunkwise.inference import Sampling, Speculation
-from chunkwise.inference.speculation import DRAFTERS
 from chunkwise.jobs import examples
 from chunkwise.jobs.config import (
   InputFormat,
@@ -385,7 +384,7 @@ class SpeculationFlags:
       flags.DEFINE_enum,
       "speculate",
       None,
-      list(DRAFTERS),
+      list(Speculation.DRAFTERS),
       "Speculative decoding: draft tokens and verify them in one pass; the "
       "tokens are those without it. ngram: prompt lookup (each sample's "
       "prompt and tokens); forced: only tokens a constraint forces.",

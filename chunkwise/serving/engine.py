@@ -44,8 +44,13 @@ import jax
 import numpy as np
 
 from chunkwise import processors as processors_lib
-from chunkwise.inference import Chunk, InferenceModel, Request, Sampling
-from chunkwise.inference.speculation import SpeculationStats
+from chunkwise.inference import (
+  Chunk,
+  InferenceModel,
+  Request,
+  Sampling,
+  SpeculationStats,
+)
 from chunkwise.partitioning import multihost
 from chunkwise.serving import decisions
 from chunkwise.serving.stream import (
