@@ -198,7 +198,8 @@ _SPECULATE = flags.DEFINE_list(
   "speculate",
   [],
   "Speculative decoding drafters to compare with plain steps side by side "
-  "(ngram, forced; see chunkwise.bench.speculation): per --weights, "
+  "(ngram, forced, draft; see chunkwise.bench.speculation): per --weights "
+  "(draft, the int8 copy, with float weights only), "
   "greedy --steps tokens on a copy-heavy and an open-ended chat workload "
   "at each --speculate_batches, --speculate_rounds interleaved rounds.",
 )
@@ -492,10 +493,14 @@ def run(argv: Sequence[str]) -> None:
       }
       logging.info("%s numerics: %s", config["name"], config["numerics"])
       del compared
-    if speculations:
+    # The int8 draft of int8 weights would be the weights themselves.
+    runnable = {
+      d: s for d, s in speculations.items() if d != "draft" or kind != "int8"
+    }
+    if runnable:
       config["speculation"] = bench_speculation.compare(
         model,
-        speculations,
+        runnable,
         batches=speculate_batches,
         steps=_STEPS.value,
         rounds=_SPECULATE_ROUNDS.value,

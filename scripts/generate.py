@@ -30,7 +30,8 @@ with --static_batching).
 (prompt lookup) and verifies --speculate_k of them in one pass: the samples
 are those without it (bit for bit under invariant numerics), only sooner;
 the summary reports drafts, accepted tokens and the acceptance rate
-(--speculate=forced drafts only the tokens a constraint forces).
+(--speculate=forced drafts only the tokens a constraint forces;
+--speculate=draft drafts with the model's own weights in int8).
 
 LoRA adapters (--adapters, a JSON line's "adapter", --adapter) work as in
 scripts/score.py; samples of different adapters share the slots (with

@@ -275,7 +275,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--numerics=fast,invariant",
     "--numerics_rounds=1",
     "--numerics_drift_batches=1,3",
-    "--speculate=ngram",
+    "--speculate=ngram,draft",
     "--speculate_k=2",
     "--speculate_batches=2",
     "--speculate_rounds=1",
@@ -315,8 +315,12 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
       assert got["plain"] > 0 and got["ngram"]["ratio"] > 0
       assert got["ngram"]["stats"]["steps"] > 0
       assert 0 <= got["ngram"]["diverged_rows"] <= got["ngram"]["rows"]
-  copy = data["configs"][0]["speculation"]["copy"]["b2"]["ngram"]
-  assert copy["rows"] == 8 and copy["diverged_rows"] == 0
+  copy = data["configs"][0]["speculation"]["copy"]["b2"]
+  for drafter in ("ngram", "draft"):
+    assert copy[drafter]["rows"] == 8 and copy[drafter]["diverged_rows"] == 0
+  assert copy["draft"]["stats"]["steps"] > 0
+  # The int8 draft of int8 weights is not run.
+  assert "draft" not in data["configs"][3]["speculation"]["copy"]["b2"]
   assert "speculation side by side" in result.stdout
   assert data["machine"]["bandwidth_gb_s"] > 0
   # Ours (f32 at "highest") and transformers' bf16 matmuls.

@@ -551,15 +551,17 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
   assert out.read_bytes() == before
   # Speculation changes no sample, in slots or static batches; the
   # summary has its counts.
-  for extra in (["--speculate_k=4"], ["--static_batching"]):
-    spec_out = tmp_path / f"spec-{extra[0][2:8]}.jsonl"
+  for extra in (
+    ["--speculate=ngram", "--speculate_k=4"],
+    ["--speculate=draft", "--static_batching"],
+  ):
+    spec_out = tmp_path / f"spec-{extra[1][2:8]}.jsonl"
     code, summary, _ = _main(
       "generate",
       [
         *args[:1],
         f"--output={spec_out}",
         *args[2:],
-        "--speculate=ngram",
         *extra,
       ],
       capsys,

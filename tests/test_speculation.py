@@ -28,6 +28,8 @@ SAMPLINGS = {
 # Passes nearly free beside the weights (an accelerator's ridge point):
 # every row with drafts is verified, whatever the batch.
 SPEC = dict(k=6, ngram_min=1, ngram_max=3, widths=(2, 6), weight_rows=1e3)
+# The int8 draft, with every row drafting 4 tokens each iteration.
+DRAFT = dict(drafter="draft", k=4, widths=(4,), weight_rows=1e3, draft_cost=0)
 
 
 def _chunk(rows):
@@ -218,6 +220,33 @@ def test_constraints_penalties_and_forced_drafts(tiny):
   assert text.startswith('{"name"'), text
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "filters"])
+def test_int8_draft_model(tiny, sampling):
+  """The int8 copy of the weights drafts (reading the target's K/V): the
+  tokens are the target's, stops and budgets end rows inside a block, and
+  most drafts are accepted (the same key draws the same token where the
+  two distributions are close)."""
+  prompt = _prompts()
+  pre = tiny.prefill(prompt)
+  kwargs = dict(sample_ids=np.arange(4), sampling=SAMPLINGS[sampling], top_n=3)
+  free, _ = tiny.generate([pre], steps=20, **kwargs)
+  stop = int(np.asarray(free.tokens)[1, 7])
+  for steps, stops in ((24, ()), (13, [stop])):
+    plain = tiny.generate([pre], steps=steps, stop_ids=stops, **kwargs)
+    spec = tiny.generate(
+      [pre],
+      steps=steps,
+      stop_ids=stops,
+      speculation=cw.Speculation(**DRAFT),
+      **kwargs,
+    )
+    assert_same(plain, spec)
+  assert int(plain[0].lengths[1]) <= 7  # the stop ended row 1
+  stats = spec[1].speculation
+  assert stats.passes == stats.steps > 0, stats  # every iteration drafted
+  assert stats.acceptance_rate > 0.5, stats
+
+
 def test_adapters():
   base = cw.InferenceModel.random(cw.configs.get("tiny"), seed=0)
   h = base.hparams
@@ -260,6 +289,17 @@ def test_on_a_mesh(cpu_devices):
   )
   assert_same(plain, spec)
   assert spec[1].speculation.accepted_tokens > 0
+  # The int8 draft's weights are placed (and shuffled) for the layout too.
+  drafted = model.generate(
+    [pre],
+    steps=16,
+    sample_ids=np.arange(4),
+    sampling=SAMPLINGS["filters"],
+    top_n=2,
+    speculation=cw.Speculation(**DRAFT),
+  )
+  assert_same(plain, drafted)
+  assert drafted[1].speculation.accepted_tokens > 0
 
 
 def test_generate_many_with_several_slots(tiny):
@@ -276,24 +316,24 @@ def test_generate_many_with_several_slots(tiny):
     for b in range(6)
   ]
   plain = {r.index: r for r in tiny.generate_many(requests, slots=3, top_n=2)}
-  spec = {
-    r.index: r
-    for r in tiny.generate_many(
-      requests, slots=3, top_n=2, speculation=cw.Speculation(**SPEC)
-    )
-  }
-  for i, r in plain.items():
-    s = spec[i]
-    assert r.finish_reason == s.finish_reason
-    for x, y in [
-      (r.tokens, s.tokens),
-      (r.per_token_scores, s.per_token_scores),
-      (r.top_ids, s.top_ids),
-      (r.top_logprobs, s.top_logprobs),
-    ]:
-      np.testing.assert_array_equal(x, y)
-    assert r.speculation is None and s.speculation.steps > 0
-  assert sum(s.speculation.accepted_tokens for s in spec.values()) > 0
+  for settings in (SPEC, DRAFT):
+    spec = {
+      r.index: r
+      for r in tiny.generate_many(
+        requests, slots=3, top_n=2, speculation=cw.Speculation(**settings)
+      )
+    }
+    for i, r in plain.items():
+      _same_request(spec[i], r)
+      assert r.speculation is None and spec[i].speculation.steps > 0
+    assert sum(s.speculation.accepted_tokens for s in spec.values()) > 0
+
+
+def _same_request(got, want):
+  """Two `RequestResult`s of one request: equal, bit for bit."""
+  assert got.finish_reason == want.finish_reason
+  for name in ("tokens", "per_token_scores", "top_ids", "top_logprobs"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
 
 
 def test_prompt_lookup_and_width_choice():
@@ -318,13 +358,15 @@ def test_prompt_lookup_and_width_choice():
 
   def width(batch, count, rate):
     pick = s.choose_width(
-      (0, 2, 4, 8),
+      spec,
       np.ones(batch, bool),
       np.full(batch, count, np.int32),
       np.full(batch, rate, np.float32),
-      20.0,
     )
-    return (0, 2, 4, 8)[int(pick)]
+    return spec.widths[int(pick)]
+
+  spec = cw.Speculation(k=8, weight_rows=20.0).checked()
+  assert spec.widths == (0, 2, 4, 8)
 
   assert width(1, 8, 0.9) == 8 and width(1, 8, 0.5) == 4
   assert width(1, 1, 0.5) == 2
@@ -333,14 +375,18 @@ def test_prompt_lookup_and_width_choice():
   assert width(16, 8, 0.99) == 8
   # Forced drafts are sure: one row's four pay for a batch of 4.
   pick = s.choose_width(
-    (0, 2, 4, 8),
+    spec,
     np.ones(4, bool),
     np.int32([4, 0, 0, 0]),
     np.full(4, 0.5, np.float32),
-    20.0,
     np.int32([4, 0, 0, 0]),
   )
-  assert (0, 2, 4, 8)[int(pick)] == 4
+  assert spec.widths[int(pick)] == 4
+  # The int8 draft's steps cost half a plain step each: it drafts when
+  # its drafts are likely accepted, and a short pass pays best.
+  spec = cw.Speculation(drafter="draft", k=8, draft_cost=0.5).checked()
+  assert width(1, 8, 0.5) == 0 and width(1, 8, 0.9) == 2
+  assert width(1, 8, 0.99) == 8
 
 
 def test_bad_speculation_is_refused_before_any_work(tiny):
@@ -353,9 +399,19 @@ def test_bad_speculation_is_refused_before_any_work(tiny):
     (cw.Speculation(k=4, widths=(2,)), "must include k=4"),
     (cw.Speculation(ngram_min=3, ngram_max=2), "ngram_max must be in"),
     (cw.Speculation(context=_chunk([[1, 2]] * 3)), "does not divide"),
+    (cw.Speculation(drafter="draft", draft_cost=-1), "draft_cost must be"),
   ]:
     with pytest.raises(ValueError, match=match):
       tiny.generate([pre], speculation=bad, **kwargs)
+  h = tiny.hparams
+  int8 = cw.InferenceModel(
+    h,
+    cw.models.quantized.quantize_weights(
+      tiny.weights, cw.models.Weights.axes(h)
+    ),
+  )
+  with pytest.raises(ValueError, match="int8 already"):
+    int8.generate([], speculation=cw.Speculation(drafter="draft"), **kwargs)
   with pytest.raises(ValueError, match="requests draft from their own"):
     tiny.generate_many(
       [cw.Request(tokens=[1, 2], sample_id=0, steps=2)],

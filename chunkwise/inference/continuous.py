@@ -54,7 +54,7 @@ from chunkwise.inference.slot_requests import (  # noqa: F401 (re-exported)
   prompt_bucket,
   slot_capacity,
 )
-from chunkwise.inference.speculation import SpecRows
+from chunkwise.inference.speculation import PRIORS, SpecRows
 from chunkwise.partitioning.placement import put
 
 ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
@@ -218,7 +218,9 @@ def with_speculation(state: slots.SlotState, speculation, capacity: int):
   if speculation is None:
     return state
   empty = np.zeros((state.slots, capacity), np.int32)
-  rows = SpecRows.start(empty, np.zeros(state.slots, np.int32))
+  rows = SpecRows.start(
+    empty, np.zeros(state.slots, np.int32), PRIORS[speculation.drafter]
+  )
   return state.replace(spec=replicated_like(state, rows))
 
 

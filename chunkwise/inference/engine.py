@@ -34,7 +34,7 @@ from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sharded_engine import ShardedEngine
-from chunkwise.models import Weights, check_shapes, fused, lora
+from chunkwise.models import Weights, check_shapes, fused, lora, quantized
 from chunkwise.partitioning import Layout, LayoutKind
 from chunkwise.precision import with_precision
 
@@ -129,9 +129,17 @@ class ReferenceEngine:
   """The reference layout: the per-device functions jitted, no mesh."""
 
   def __init__(
-    self, infer_fn: InferFn, weights, *, precision: str, numerics: str
+    self,
+    infer_fn: InferFn,
+    weights,
+    *,
+    precision: str,
+    numerics: str,
+    hparams: HParams | None = None,
   ):
     self.weights = weights
+    self._hparams = hparams  # None: a custom infer_fn (no draft weights)
+    self._draft = None
 
     def traced(fn):
       return with_precision(
@@ -160,6 +168,26 @@ class ReferenceEngine:
 
   def plain_weights(self):
     return self.weights
+
+  def draft_weights(self):
+    """The "draft" drafter's weights: these in int8, made on first use."""
+    if self._draft is None:
+      if self._hparams is None:
+        raise ValueError(
+          'Speculation(drafter="draft") needs the Transformer\'s weights; '
+          "this engine runs a custom infer_fn"
+        )
+      specs = Weights.axes(self._hparams)
+      self._draft = jax.jit(lambda w: quantized.quantize_weights(w, specs))(
+        self.weights
+      )
+    return self._draft
+
+  def _draft_for(self, speculation):
+    """`draft_weights()` when `speculation` drafts with them, else None."""
+    if speculation.drafter != "draft":
+      return None
+    return self.draft_weights()
 
   def result_shardings(self, batch: int):
     """Where results live: JAX's default device."""
@@ -193,7 +221,13 @@ class ReferenceEngine:
     weights = self._weights(adapters)
     if speculation is not None:
       return self._spec_run(
-        weights, caches, state, inputs, stop_at, spec=speculation
+        weights,
+        caches,
+        state,
+        inputs,
+        stop_at,
+        self._draft_for(speculation),
+        spec=speculation,
       )
     return self._run(weights, caches, state, inputs, stop_at)
 
@@ -212,7 +246,8 @@ class ReferenceEngine:
   ):
     args = (self._weights(adapters), caches, state, inputs, max_steps)
     if speculation is not None:
-      return self._spec_slot_run(*args, until_free, spec=speculation)
+      draft = self._draft_for(speculation)
+      return self._spec_slot_run(*args, until_free, draft, spec=speculation)
     return self._slot_run(*args, until_free)
 
 
@@ -250,6 +285,7 @@ def make_engines(
       f"weights shuffled for {weights.tag} cannot run the reference "
       "layout, which needs plain weights"
     )
+  custom = infer_fn is not None
   if infer_fn is None:
     check_shapes(
       hparams,
@@ -267,7 +303,11 @@ def make_engines(
       continue
     if lay.kind is LayoutKind.REFERENCE:
       engines[lay] = ReferenceEngine(
-        infer_fn, weights, precision=precision, numerics=numerics
+        infer_fn,
+        weights,
+        precision=precision,
+        numerics=numerics,
+        hparams=None if custom else hparams,
       )
       continue
     # Weights already placed by another layout are reused, unless shuffled

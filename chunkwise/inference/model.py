@@ -350,6 +350,20 @@ class InferenceModel:
     )
     return tagged(result, names)
 
+  def _drafting(self, spec: Speculation | None) -> Speculation | None:
+    """`spec` (checked), once its drafter can run here: the "draft"
+    drafter's int8 weights are made now, before any other work.
+    ValueError for int8 weights (nothing cheaper to draft with) or a
+    custom infer_fn."""
+    if spec is not None and spec.drafter == "draft":
+      if planner_choice.weights_name(self.weights) == "int8":
+        raise ValueError(
+          'Speculation(drafter="draft") drafts with the int8 copy of float '
+          "weights; this model's weights are int8 already"
+        )
+      self._generate_engine.draft_weights()
+    return spec
+
   def _start(self, prefix, args: dict):
     """(caches, state, inputs, engine adapters, per-row names, checked
     speculation) of a validated generate call."""
@@ -362,6 +376,7 @@ class InferenceModel:
       batch,
       steps if isinstance(steps, (int, np.integer)) and steps > 0 else 1,
     )
+    self._drafting(spec)
     on = self._adapters_for(self._generate_engine, ids)
     caches, state, inputs = start_loop(
       self._generate_engine,
@@ -486,7 +501,7 @@ class InferenceModel:
         batch_split=self._batch_split(),
       )
     )
-    speculation = speculation_lib.for_requests(speculation)
+    speculation = self._drafting(speculation_lib.for_requests(speculation))
     return live.LiveSlots(
       speculation=speculation,
       hparams=self._hparams,
@@ -568,7 +583,7 @@ class InferenceModel:
       adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
-    speculation = speculation_lib.for_requests(speculation)
+    speculation = self._drafting(speculation_lib.for_requests(speculation))
     return continuous.run_many(
       call,
       prefix,

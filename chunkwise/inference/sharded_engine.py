@@ -139,6 +139,7 @@ class ShardedEngine:
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
     self._programs: dict = {}
+    self._draft = None  # (weights, specs) of the "draft" drafter
     self._abstract = any(
       isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(weights)
     )
@@ -190,6 +191,26 @@ class ShardedEngine:
       self._plain_specs,
     )
     return self._call(unshuffle, (self.weights,), self._plain_specs)
+
+  def draft_weights(self):
+    """(weights, specs) of the "draft" drafter: these weights in int8,
+    placed (and shuffled) for this layout; made on first use."""
+    if self._draft is None:
+      specs = Weights.axes(self.hparams)
+      fn = lambda w: quantized.quantize_weights(w, specs)
+      plain = self.plain_weights()
+      q = jax.eval_shape(fn, plain) if self._abstract else jax.jit(fn)(plain)
+      engine = ShardedEngine(
+        self.hparams,
+        q,
+        self.mesh,
+        self.layout,
+        **self._dtypes,
+        precision=self._precision,
+        numerics=self._numerics,
+      )
+      self._draft = engine.weights, engine._weight_specs
+    return self._draft
 
   def place_adapters(self, stacks):
     """LoRA stacks (`lora.stack`) placed like their base weights (the
@@ -369,6 +390,7 @@ class ShardedEngine:
       name = ("spec_run", speculation)
       fn = functools.partial(speculative.run, spec=speculation)
       extra = dict(kv_rows=self._kv_rows(plan))
+    draft = self._draft_for(speculation)
     per_device = functools.partial(
       fn, self._infer(plan), shards=self._shards(plan), **extra
     )
@@ -385,7 +407,14 @@ class ShardedEngine:
       generate.LoopInputs.axes(inputs.processors),
       stop_at,
       adapters=adapters,
+      draft=draft,
     )
+
+  def _draft_for(self, speculation):
+    """`draft_weights()` when `speculation` drafts with them, else None."""
+    if speculation is None or speculation.drafter != "draft":
+      return None
+    return self.draft_weights()
 
   def _kv_rows(self, plan: Plan):
     """Maps a per-row array to the rows of the K/V buffer this device
@@ -436,6 +465,7 @@ class ShardedEngine:
     else:
       name = ("spec_slot_run", speculation)
       fn = functools.partial(speculative.slot_run, spec=speculation)
+    draft = self._draft_for(speculation)
     per_device = functools.partial(
       fn,
       self._infer(plan),
@@ -456,6 +486,7 @@ class ShardedEngine:
       max_steps,
       until_free,
       adapters=adapters,
+      draft=draft,
     )
 
   def _loop(
@@ -470,9 +501,11 @@ class ShardedEngine:
     inputs_axes,
     *scalars,
     adapters=None,
+    draft=None,
   ):
     """Runs a loop program `per_device(weights, caches, state, inputs,
-    *scalars)` that returns the state (donated)."""
+    *scalars[, draft weights])` that returns the state (donated); `draft`
+    is `draft_weights()` or None."""
     (caches, _), (cache_specs, _), _ = self._prefix_args(plan, caches, None)
     weights, weight_specs, adapter_key = self._weights(adapters)
     rules = plan.rules()
@@ -489,10 +522,18 @@ class ShardedEngine:
         adapter_key,
       ),
       per_device,
-      (weight_specs, cache_specs, state_spec, inputs_spec, *scalar_specs),
+      (
+        weight_specs,
+        cache_specs,
+        state_spec,
+        inputs_spec,
+        *scalar_specs,
+        *([] if draft is None else [draft[1]]),
+      ),
       state_spec,
       donate_argnums=(2,),
     )
+    args = (weights, caches, state, inputs, *scalars)
     return self._call(
-      program, (weights, caches, state, inputs, *scalars), state_spec
+      program, args + (() if draft is None else (draft[0],)), state_spec
     )

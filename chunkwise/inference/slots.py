@@ -41,7 +41,7 @@ from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
-from chunkwise.inference.speculation import PRIOR, SpecRows
+from chunkwise.inference.speculation import SpecRows
 from chunkwise.partitioning import axes as ax
 from chunkwise.processors import StepInfo
 
@@ -200,7 +200,7 @@ def admit(
       .at[at, :width]
       .set(prompt_tokens[:, :width].astype(jnp.int32), mode="drop"),
       filled=set_rows(spec.filled, prompt_lengths),
-      rate=set_rows(spec.rate, jnp.full(at.shape, PRIOR)),
+      rate=set_rows(spec.rate, jnp.full(at.shape, spec.prior)),
       drafts=set_rows(spec.drafts, zeros),
       draft_tokens=set_rows(spec.draft_tokens, zeros),
       accepted_tokens=set_rows(spec.accepted_tokens, zeros),

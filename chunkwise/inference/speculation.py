@@ -23,6 +23,10 @@ Drafters (all on device, in the loop):
             context (`context` tokens, then everything it generated)
             proposes the tokens that followed it. Per row, never shared.
   "forced"  only the tokens the processors force (below).
+  "draft"   the target's own weights in int8 (`draft.py`): w single-token
+            steps that read the target's K/V of the past and draw each
+            draft with its position's key, so a close distribution draws
+            the same token. Dense models with float weights only.
 With `forced` (default), wherever the processors (a constraint's automaton,
 bans) allow exactly one token, that token is drafted, whatever the drafter
 proposed: it is always accepted.
@@ -35,7 +39,8 @@ rows of w + 1 positions costs `weight_rows` + B (w + 1): reading the
 weights costs as much as computing `weight_rows` positions (the machine's
 ridge point, in rows; about 20 for SmolLM2 on a 2-core CPU, hundreds on
 accelerators). So batch 1 drafts freely, while a wide batch drafts only
-where acceptance pays for the extra positions. Rows whose drafts stop
+where acceptance pays for the extra positions. The "draft" drafter adds
+w draft steps, each `draft_cost` times a plain step. Rows whose drafts stop
 paying fall back to plain steps; their rate drifts back towards the
 prior, so they try again later.
 """
@@ -43,7 +48,6 @@ prior, so they try again later.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -54,8 +58,11 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise.partitioning import axes as ax
 
-DRAFTERS = ("ngram", "forced")
-PRIOR = 0.5  # a row's acceptance rate before it has drafted anything
+DRAFTERS = ("ngram", "forced", "draft")
+# A row's acceptance rate before it has drafted anything, per drafter: the
+# int8 draft of the same weights agrees with it most of the time (0.9 on
+# SmolLM2's chat workload, README).
+PRIORS = {"ngram": 0.5, "forced": 0.5, "draft": 0.8}
 RATE = 0.3  # weight of a pass's observed acceptance in the running rate
 DRIFT = 0.05  # how far a skipped row's rate moves back to the prior
 
@@ -65,8 +72,8 @@ class Speculation:
   """Speculative decoding settings (module docstring).
 
   Attributes:
-    drafter: "ngram" (prompt lookup) or "forced" (processor-forced tokens
-      only).
+    drafter: "ngram" (prompt lookup), "forced" (processor-forced tokens
+      only) or "draft" (the target's weights in int8).
     k: most tokens drafted per pass (the widest compiled pass).
     ngram_min, ngram_max: lengths of the suffix matched by "ngram".
     forced: draft the tokens the processors force.
@@ -74,6 +81,8 @@ class Speculation:
       is always one); default: powers of two from 2 up to `k`, and `k`.
     weight_rows: the cost of one pass's weight reads, in computed
       positions (module docstring).
+    draft_cost: for "draft": one draft step's cost over a plain step's
+      (int8 at batch 1 on a 2-core CPU: ~0.5).
     context: for `generate`: the tokens before the call (a `Chunk` or a
       list of them, oldest first; batches divide the call's, rows repeat
       each as prefixes do) that "ngram" searches with the generated ones.
@@ -88,6 +97,7 @@ class Speculation:
   forced: bool = True
   widths: tuple[int, ...] | None = None
   weight_rows: float = 20.0
+  draft_cost: float = 0.5
   context: Any = dataclasses.field(default=None, compare=False, hash=False)
 
   def checked(self) -> Speculation:
@@ -119,15 +129,20 @@ class Speculation:
         f"Speculation.widths must include k={k} (the widest pass), got "
         f"{self.widths!r}"
       )
-    cost = self.weight_rows
-    if (
-      isinstance(cost, bool)
-      or not isinstance(cost, (int, float))
-      or not 0 <= cost <= 1e6
-    ):
-      raise ValueError(
-        f"Speculation.weight_rows must be a number in [0, 1e6], got {cost!r}"
-      )
+
+    def number(name, value, hi):
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value <= hi
+      ):
+        raise ValueError(
+          f"Speculation.{name} must be a number in [0, {hi:g}], got {value!r}"
+        )
+      return float(value)
+
+    cost = number("weight_rows", self.weight_rows, 1e6)
+    draft_cost = number("draft_cost", self.draft_cost, 100)
     return Speculation(
       drafter=self.drafter,
       k=k,
@@ -135,7 +150,8 @@ class Speculation:
       ngram_max=hi,
       forced=bool(self.forced),
       widths=widths,
-      weight_rows=float(cost),
+      weight_rows=cost,
+      draft_cost=draft_cost,
     )
 
 
@@ -182,6 +198,7 @@ class SpecRows:
   history: jax.Array  # int32[rows, H]: context, then the kept tokens
   filled: jax.Array  # int32[rows]: tokens in `history`
   rate: jax.Array  # f32[rows]: running acceptance rate of drafts
+  prior: jax.Array  # f32[]: the drafter's rate before any draft (PRIORS)
   drafts: jax.Array  # int32[rows]: the counts of `SpeculationStats`
   draft_tokens: jax.Array
   accepted_tokens: jax.Array
@@ -196,6 +213,7 @@ class SpecRows:
       history=P(ax.BATCH, ax.TIME),
       filled=rows,
       rate=rows,
+      prior=P(),
       drafts=rows,
       draft_tokens=rows,
       accepted_tokens=rows,
@@ -204,14 +222,18 @@ class SpecRows:
     )
 
   @classmethod
-  def start(cls, history: np.ndarray, filled: np.ndarray) -> SpecRows:
-    """Rows with `history` (int32[rows, H]) of `filled` tokens each."""
+  def start(
+    cls, history: np.ndarray, filled: np.ndarray, prior: float
+  ) -> SpecRows:
+    """Rows with `history` (int32[rows, H]) of `filled` tokens each, and
+    the drafter's `prior` rate."""
     rows = history.shape[0]
     zeros = np.zeros(rows, np.int32)
     return cls(
       history=np.asarray(history, np.int32),
       filled=np.asarray(filled, np.int32),
-      rate=np.full(rows, PRIOR, np.float32),
+      rate=np.full(rows, prior, np.float32),
+      prior=np.float32(prior),
       drafts=zeros,
       draft_tokens=zeros,
       accepted_tokens=zeros,
@@ -248,7 +270,8 @@ def prepare(
     )
   checked = speculation.checked()
   history, filled = context_rows(speculation.context, batch, width)
-  return checked, jax.tree.map(jnp.asarray, SpecRows.start(history, filled))
+  rows = SpecRows.start(history, filled, PRIORS[checked.drafter])
+  return checked, jax.tree.map(jnp.asarray, rows)
 
 
 def for_requests(speculation) -> Speculation | None:
@@ -335,18 +358,21 @@ def ngram_drafts(
 
 
 def choose_width(
-  widths: Sequence[int],
+  spec: Speculation,
   live: jax.Array,
   counts: jax.Array,
   rate: jax.Array,
-  weight_rows: float,
   sure: jax.Array | None = None,
 ) -> jax.Array:
-  """The index into `widths` of the pass with the most expected tokens per
-  cost: each `live` row gives its next token, and a row with c drafts, the
-  first s of them `sure` (forced), at acceptance rate a expects min(s, w)
-  + sum_{s<j<=min(c, w)} a^(j-s) more from a pass of width w, which costs
-  weight_rows + rows * (w + 1)."""
+  """The index into `spec.widths` (checked settings) of the pass with the
+  most expected tokens per cost: each `live` row gives its next token, and
+  a row with c drafts, the first s of them `sure` (forced), at acceptance
+  rate a expects min(s, w) + sum_{s<j<=min(c, w)} a^(j-s) more from a pass
+  of width w, which costs weight_rows + rows * (w + 1), plus, for the
+  "draft" drafter, w draft steps of `draft_cost` times a plain step
+  (weight_rows + rows) each."""
+  widths, weight_rows = spec.widths, spec.weight_rows
+  draft_cost = spec.draft_cost if spec.drafter == "draft" else 0.0
   live = jnp.sum(live).astype(jnp.float32)
   sure = jnp.zeros_like(counts) if sure is None else sure
   j = jnp.arange(1, widths[-1] + 1)[None, :]
@@ -358,13 +384,14 @@ def choose_width(
   for w in widths:
     taken = j[:, :w] <= counts[:, None]
     gain = jnp.sum(jnp.where(taken, chance[:, :w], 0.0))
-    cost = weight_rows + counts.shape[0] * (w + 1)
+    rows = counts.shape[0]
+    cost = weight_rows + rows * (w + 1) + w * draft_cost * (weight_rows + rows)
     scores.append((live + gain) / cost)
   return jnp.argmax(jnp.stack(scores)).astype(jnp.int32)
 
 
 def update_rate(
-  rate: jax.Array, offered: jax.Array, accepted: jax.Array
+  rate: jax.Array, offered: jax.Array, accepted: jax.Array, prior: jax.Array
 ) -> jax.Array:
   """Rows that had drafts verified: a step towards what they saw (accepted
   over the trials until the first rejection); rows that had drafts but no
@@ -375,5 +402,5 @@ def update_rate(
   return jnp.where(
     offered > 0,
     verified,
-    jnp.where(offered < 0, rate + DRIFT * (PRIOR - rate), rate),
+    jnp.where(offered < 0, rate + DRIFT * (prior - rate), rate),
   ).astype(jnp.float32)

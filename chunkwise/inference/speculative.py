@@ -1,6 +1,6 @@
 """Speculative twins of the two device loops: `generate.run` and `slots.run`.
 
-  state = state.replace(spec=SpecRows.start(history, filled))
+  state = state.replace(spec=SpecRows.start(history, filled, prior))
   state = run(infer, weights, caches, state, inputs, stop_at, spec=spec)
   state = slot_run(infer, weights, caches, slot_state, slot_inputs,
                    max_steps, until_free, spec=spec)
@@ -8,15 +8,16 @@
 Each iteration (`_iterate`), for every live row: draw y0 exactly as the
 plain step does (`generate.draw`); draft what may follow it
 (`speculation`: prompt lookup over the row's history, processor-forced
-tokens); pick the pass width for the batch (`speculation.choose_width`;
-width 0 is the plain step); run that pass (`verify.check`, one compiled
-branch per width under `lax.switch`); write what it emitted to the row's
-next columns. Rows advance by different amounts, so every row writes at
-its own columns, as the slots always do; a step's K/V are written by the
-next iteration, as in the plain loops (the write is then the buffer's
-first use). The loops end on the same conditions as their plain twins, so
-`finish`, `segment`, `window` and the slots' host side read the state
-unchanged; tests compare both twins token for token.
+tokens) and pick the pass width for the batch (`speculation.choose_width`;
+width 0 is the plain step), or, for the int8 draft (`draft.py`), pick the
+width first and run that many draft steps; run that pass (`verify.check`,
+one compiled branch per width under `lax.switch`); write what it emitted
+to the row's next columns. Rows advance by different amounts, so every row
+writes at its own columns, as the slots always do; a step's K/V are
+written by the next iteration, as in the plain loops (the write is then
+the buffer's first use). The loops end on the same conditions as their
+plain twins, so `finish`, `segment`, `window` and the slots' host side
+read the state unchanged; tests compare both twins token for token.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from chunkwise.inference import generate, slots, speculation, verify
+from chunkwise.inference import draft, generate, slots, speculation, verify
 from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.speculation import SpecRows, Speculation
@@ -70,10 +71,12 @@ def _iterate(
   inputs,
   state,
   rows: verify.Rows,
+  draft_weights,
 ) -> tuple[verify.Verified, SpecRows]:
   """One iteration (module docstring) of a loop's `state` (a `LoopState`
   or `SlotState`): what every row emitted, padded to `spec.k` + 1
-  positions, and the rows' speculation state after it."""
+  positions, and the rows' speculation state after it. `draft_weights`:
+  the "draft" drafter's (None for the others)."""
   buffer, next_logits = state.cache, state.next_logits
   processor_states, rows_spec = state.processor_states, state.spec
   top_n = state.top_ids.shape[-1]
@@ -97,7 +100,25 @@ def _iterate(
     jnp.where(keep0, rows_spec.filled, history.shape[1])[:, None],
   )
   filled = rows_spec.filled + keep0.astype(jnp.int32)
-  if spec.drafter == "ngram":
+  pick = None
+  if spec.drafter == "draft":
+    # The draft proposes up to k: the width is chosen before it runs.
+    counts = jnp.where(keep0, jnp.clip(k, 0, rows.room - 1), 0)
+    pick = speculation.choose_width(spec, rows.live, counts, rows_spec.rate)
+    drafts = draft.propose(
+      infer,
+      shards,
+      draft_weights,
+      caches,
+      buffer,
+      inputs,
+      rows,
+      y0,
+      keep0,
+      width=k,
+      steps=jnp.asarray(spec.widths, jnp.int32)[pick],
+    )
+  elif spec.drafter == "ngram":
     drafts, counts = speculation.ngram_drafts(
       seen, filled, k, spec.ngram_min, spec.ngram_max
     )
@@ -118,14 +139,10 @@ def _iterate(
     )
   # Position j of a pass writes column generated + j: within the room.
   counts = jnp.where(keep0, jnp.clip(counts, 0, rows.room - 1), 0)
-  pick = speculation.choose_width(
-    spec.widths,
-    rows.live,
-    counts,
-    rows_spec.rate,
-    spec.weight_rows,
-    jnp.minimum(sure, counts),
-  )
+  if pick is None:
+    pick = speculation.choose_width(
+      spec, rows.live, counts, rows_spec.rate, jnp.minimum(sure, counts)
+    )
 
   def branch(w):
     def verified():
@@ -159,7 +176,9 @@ def _iterate(
       jnp.where(j < out.kept[:, None], rows_spec.filled[:, None] + j, 1 << 30),
     ),
     filled=rows_spec.filled + out.kept,
-    rate=speculation.update_rate(rows_spec.rate, seen_offered, out.accepted),
+    rate=speculation.update_rate(
+      rows_spec.rate, seen_offered, out.accepted, rows_spec.prior
+    ),
     drafts=rows_spec.drafts + (offered > 0).astype(jnp.int32),
     draft_tokens=rows_spec.draft_tokens + offered,
     accepted_tokens=rows_spec.accepted_tokens + out.accepted,
@@ -198,6 +217,7 @@ def run(
   state: generate.LoopState,
   inputs: generate.LoopInputs,
   stop_at: jax.Array,
+  draft_weights=None,
   *,
   spec: Speculation,
   shards: LogitsShards | None = None,
@@ -206,6 +226,7 @@ def run(
   """`generate.run` with speculation: runs until every row has stopped or
   filled `stop_at` columns (no row passes it, so a segment ends where the
   plain loop's does and its next-token logits are its last column's).
+  `draft_weights`: the "draft" drafter's (`draft.py`).
 
   `kv_rows` maps a per-row array to the rows this device holds of the K/V
   buffer (under `shard_map`; identity by default)."""
@@ -231,7 +252,7 @@ def run(
       stop_ids=inputs.stop_ids,
     )
     out, rows_spec = _iterate(
-      infer, shards, spec, weights, caches, inputs, state, rows
+      infer, shards, spec, weights, caches, inputs, state, rows, draft_weights
     )
     cols, at = _columns(out, lengths, lengths, steps)
     new_lengths = lengths + out.kept
@@ -261,6 +282,7 @@ def slot_run(
   inputs: slots.SlotInputs,
   max_steps: jax.Array,
   until_free: jax.Array,
+  draft_weights=None,
   *,
   spec: Speculation,
   shards: LogitsShards | None = None,
@@ -285,7 +307,7 @@ def slot_run(
       stop_ids=inputs.stop_ids,
     )
     out, rows_spec = _iterate(
-      infer, shards, spec, weights, caches, inputs, state, rows
+      infer, shards, spec, weights, caches, inputs, state, rows, draft_weights
     )
     cols, at = _columns(out, state.generated, state.cache.lengths, width)
     generated = state.generated + out.kept

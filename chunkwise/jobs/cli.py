@@ -387,7 +387,8 @@ class SpeculationFlags:
       list(Speculation.DRAFTERS),
       "Speculative decoding: draft tokens and verify them in one pass; the "
       "tokens are those without it. ngram: prompt lookup (each sample's "
-      "prompt and tokens); forced: only tokens a constraint forces.",
+      "prompt and tokens); forced: only tokens a constraint forces; draft: "
+      "the model's own weights in int8 (float weights only).",
     )
     self.k = _define(
       flags.DEFINE_integer,
