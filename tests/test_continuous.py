@@ -49,9 +49,12 @@ def _requests(model, n, seed):
 
 
 def _alone(model, prefix, request, **kwargs):
-  """`generate` of one request after `prefix` and its prompt."""
+  """`generate` of one request after `prefix` and its prompt (padded to
+  16 columns: padding changes no number, and prompts of nearby lengths
+  share one compiled prefill)."""
   prompt = np.asarray(request.tokens, np.int32)[None]
   chunk = cw.Chunk(tokens=prompt, lengths=np.array([prompt.shape[1]], np.int32))
+  chunk = chunk.pad_to_length(-(-prompt.shape[1] // 16) * 16)
   full = (
     [*prefix, model.prefill(chunk, prefix=prefix)] if prompt.size else prefix
   )

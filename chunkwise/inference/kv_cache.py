@@ -115,6 +115,28 @@ class LayerKV:
 
     return self.replace(k=put(self.k, k), v=put(self.v, v))
 
+  def write_columns(self, k: jax.Array, v: jax.Array, cols: jax.Array):
+    """Column cols[b, j] of row b set to k, v [layers, rows, W, kv_heads,
+    head_dim] (this device's rows; rows write at their own columns, as
+    the slots and speculative loops do); columns past the buffer are
+    dropped."""
+    rows = jnp.arange(cols.shape[0])[:, None]
+
+    def put(buffers, new):
+      return tuple(
+        b.at[rows, :, cols].set(n.astype(b.dtype), mode="drop")
+        for b, n in zip(buffers, new, strict=True)
+      )
+
+    return self.replace(k=put(self.k, k), v=put(self.v, v))
+
+  def nothing(self, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(k, v, cols) of a `write_columns` of `width` columns that writes
+    nothing (every column past the buffer): a loop's first pending write."""
+    rows, heads, time, dim = self.k[0].shape
+    zeros = jnp.zeros((len(self.k), rows, width, heads, dim), self.k[0].dtype)
+    return zeros, zeros, jnp.full((rows, width), time, jnp.int32)
+
   def read(self, at: jax.Array, time: int) -> tuple[jax.Array, jax.Array]:
     """Slots [at, at + time) as a `KVCache`'s k, v (traced `at`)."""
 

@@ -220,24 +220,11 @@ def admit(
   )
 
 
-def _write_rows(cache: LayerKV, k, v, at: jax.Array) -> LayerKV:
-  """Column at[b] of row b set to K/V [layers, rows, 1, heads, dim]; rows
-  with `at` past the buffer are left alone."""
-  rows = jnp.arange(at.shape[0])
-
-  def put(buffers, new):
-    return tuple(
-      b.at[rows, :, at].set(n[:, 0].astype(b.dtype), mode="drop")
-      for b, n in zip(buffers, new, strict=True)
-    )
-
-  return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
-
-
-def _set_columns(buffer: jax.Array, column: jax.Array, at: jax.Array):
-  """buffer[b, at[b]] = column[b] (dropped where at[b] is past the end)."""
-  rows = jnp.arange(at.shape[0])
-  return buffer.at[rows, at].set(column.astype(buffer.dtype), mode="drop")
+def set_columns(buffer: jax.Array, values: jax.Array, cols: jax.Array):
+  """buffer[b, cols[b, j]] = values[b, j] (buffer [rows, T, ...], values
+  [rows, W, ...]); columns past the buffer are dropped."""
+  rows = jnp.arange(cols.shape[0])[:, None]
+  return buffer.at[rows, cols].set(values.astype(buffer.dtype), mode="drop")
 
 
 def _step(
@@ -272,20 +259,20 @@ def _step(
   chunk = Chunk(tokens=token[:, None], lengths=keep.astype(jnp.int32))
   full = infer(weights, (*caches, state.cache), chunk)
   # Results go to each live row's next column; done rows write nothing.
-  column = jnp.where(live, state.generated, state.tokens.shape[1])
+  at = jnp.where(live, state.generated, state.tokens.shape[1])[:, None]
   generated = state.generated + keep.astype(jnp.int32)
   # A kept token's K/V go to its slot's next column, written by the next
   # step (as in `generate`: the write is then the buffer's first use).
-  write_at = jnp.where(keep, state.cache.lengths, _past(state.cache))
+  write_at = jnp.where(keep, state.cache.lengths, state.cache.k[0].shape[2])
   new = SlotState(
     cache=state.cache.replace(
       lengths=state.cache.lengths + keep.astype(jnp.int32)
     ),
     generated=generated,
-    tokens=_set_columns(state.tokens, token, column),
-    scores=_set_columns(state.scores, score, column),
-    top_ids=_set_columns(state.top_ids, top_ids, column),
-    top_logprobs=_set_columns(state.top_logprobs, top_logprobs, column),
+    tokens=set_columns(state.tokens, token[:, None], at),
+    scores=set_columns(state.scores, score[:, None], at),
+    top_ids=set_columns(state.top_ids, top_ids[:, None], at),
+    top_logprobs=set_columns(state.top_logprobs, top_logprobs[:, None], at),
     next_logits=jnp.where(
       shards.rows(keep)[:, None], full.logits[:, 0], state.next_logits
     ),
@@ -293,12 +280,7 @@ def _step(
     stopped=state.stopped | (live & stop),
     processor_states=processor_states,
   )
-  return new, (full.kv_cache.k, full.kv_cache.v, kv_rows(write_at))
-
-
-def _past(cache: LayerKV) -> int:
-  """A column index past the buffer: writes there are dropped."""
-  return cache.k[0].shape[2]
+  return new, (full.kv_cache.k, full.kv_cache.v, kv_rows(write_at[:, None]))
 
 
 def run(
@@ -324,22 +306,16 @@ def run(
 
   def body(carry):
     state, pending, i = carry
-    state = state.replace(cache=_write_rows(state.cache, *pending))
+    state = state.replace(cache=state.cache.write_columns(*pending))
     state, pending = _step(
       infer, shards, kv_rows, weights, caches, inputs, state
     )
     return state, pending, i + 1
 
-  # Nothing pending on entry: K/V of zeros written past the buffer.
-  k = state.cache.k
-  zeros = jnp.zeros(
-    (len(k), k[0].shape[0], 1, k[0].shape[1], k[0].shape[3]), k[0].dtype
-  )
-  nowhere = jnp.full((k[0].shape[0],), _past(state.cache), jnp.int32)
   state, pending, _ = lax.while_loop(
-    cond, body, (state, (zeros, zeros, nowhere), jnp.int32(0))
+    cond, body, (state, state.cache.nothing(1), jnp.int32(0))
   )
-  return state.replace(cache=_write_rows(state.cache, *pending))
+  return state.replace(cache=state.cache.write_columns(*pending))
 
 
 def running(state: SlotState, max_steps: jax.Array, until_free: jax.Array):

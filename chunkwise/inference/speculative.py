@@ -29,37 +29,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.inference import draft, generate, slots, speculation, verify
-from chunkwise.inference.kv_cache import KVCache, LayerKV
+from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.speculation import SpecRows, Speculation
-
-
-def _set(buffer: jax.Array, values: jax.Array, cols: jax.Array) -> jax.Array:
-  """buffer[b, cols[b, j]] = values[b, j] (buffer [rows, T, ...], values
-  [rows, W, ...]); columns past the buffer are dropped."""
-  rows = jnp.arange(cols.shape[0])[:, None]
-  return buffer.at[rows, cols].set(values.astype(buffer.dtype), mode="drop")
-
-
-def _write(cache: LayerKV, k, v, cols: jax.Array) -> LayerKV:
-  """K/V [layers, rows, W, heads, dim] into columns cols[b, j] of this
-  device's rows (columns past the buffer are dropped)."""
-  rows = jnp.arange(cols.shape[0])[:, None]
-
-  def put(buffers, new):
-    return tuple(
-      b.at[rows, :, cols].set(n.astype(b.dtype), mode="drop")
-      for b, n in zip(buffers, new, strict=True)
-    )
-
-  return cache.replace(k=put(cache.k, k), v=put(cache.v, v))
-
-
-def _nothing(cache: LayerKV, width: int):
-  """A pending write that writes nothing (every column past the buffer)."""
-  b, heads, time, dim = cache.k[0].shape
-  zeros = jnp.zeros((len(cache.k), b, width, heads, dim), cache.k[0].dtype)
-  return zeros, zeros, jnp.full((b, width), time, jnp.int32)
 
 
 def _iterate(
@@ -94,17 +66,33 @@ def _iterate(
   k = spec.k
   history = rows_spec.history
   # Drafting sees y0 as the row's last token.
-  seen = _set(
+  seen = slots.set_columns(
     history,
     y0[:, None],
     jnp.where(keep0, rows_spec.filled, history.shape[1])[:, None],
   )
   filled = rows_spec.filled + keep0.astype(jnp.int32)
-  pick = None
+  # Position j of a pass writes column generated + j: within the room.
+  most = jnp.where(keep0, jnp.clip(k, 0, rows.room - 1), 0)
+  forcing = spec.forced and bool(inputs.processors)
+
+  def force(drafts, counts):
+    if not forcing:
+      return drafts, counts, jnp.zeros_like(counts)
+    return verify.forced(
+      inputs.processors,
+      states,
+      rows,
+      keep0,
+      drafts,
+      counts,
+      shards.vocab,
+      only=spec.drafter == "forced",
+    )
+
   if spec.drafter == "draft":
     # The draft proposes up to k: the width is chosen before it runs.
-    counts = jnp.where(keep0, jnp.clip(k, 0, rows.room - 1), 0)
-    pick = speculation.choose_width(spec, rows.live, counts, rows_spec.rate)
+    pick = speculation.choose_width(spec, rows.live, most, rows_spec.rate)
     drafts = draft.propose(
       infer,
       shards,
@@ -118,31 +106,40 @@ def _iterate(
       width=k,
       steps=jnp.asarray(spec.widths, jnp.int32)[pick],
     )
-  elif spec.drafter == "ngram":
-    drafts, counts = speculation.ngram_drafts(
-      seen, filled, k, spec.ngram_min, spec.ngram_max
-    )
+    drafts, counts, _ = force(drafts, most)
+    counts = jnp.minimum(counts, most)
+    tried = most > 0
   else:
-    drafts = jnp.zeros((y0.shape[0], k), jnp.int32)
-    counts = jnp.zeros_like(y0)
-  sure = jnp.zeros_like(counts)
-  if spec.forced and inputs.processors:
-    drafts, counts, sure = verify.forced(
-      inputs.processors,
-      states,
-      rows,
-      keep0,
-      drafts,
-      counts,
-      shards.vocab,
-      only=spec.drafter == "forced",
+
+    def proposed():
+      if spec.drafter == "ngram":
+        drafts, counts = speculation.ngram_drafts(
+          seen, filled, k, spec.ngram_min, spec.ngram_max
+        )
+      else:
+        drafts = jnp.zeros((y0.shape[0], k), jnp.int32)
+        counts = jnp.zeros_like(y0)
+      return force(drafts, counts)
+
+    def skipped():
+      zeros = jnp.zeros_like(y0)
+      return jnp.zeros((y0.shape[0], k), jnp.int32), zeros, zeros
+
+    # Drafting takes time too: skipped when even k drafts per row, taken
+    # at the rows' rates (sure, where processors may force them), could
+    # not pay for a pass, as in a wide batch at the prior rate.
+    worth = (
+      speculation.choose_width(
+        spec, rows.live, most, rows_spec.rate, most if forcing else None
+      )
+      > 0
     )
-  # Position j of a pass writes column generated + j: within the room.
-  counts = jnp.where(keep0, jnp.clip(counts, 0, rows.room - 1), 0)
-  if pick is None:
+    drafts, counts, sure = lax.cond(worth, proposed, skipped)
+    counts = jnp.minimum(counts, most)
     pick = speculation.choose_width(
       spec, rows.live, counts, rows_spec.rate, jnp.minimum(sure, counts)
     )
+    tried = jnp.where(worth, counts > 0, keep0)
 
   def branch(w):
     def verified():
@@ -165,12 +162,13 @@ def _iterate(
   out = lax.switch(pick, [branch(w) for w in spec.widths])
   width = jnp.asarray(spec.widths, jnp.int32)[pick]
   offered = jnp.minimum(counts, width)
-  # Rows with drafts that the batch did not verify drift to the prior.
-  seen_offered = jnp.where(width > 0, offered, -(counts > 0).astype(jnp.int32))
+  # Rows with drafts that the batch did not verify (or did not draft, as
+  # it could not pay) drift to the prior.
+  seen_offered = jnp.where(width > 0, offered, -tried.astype(jnp.int32))
   j = jnp.arange(k + 1)[None, :]
   live = rows.live.astype(jnp.int32)
   rows_spec = rows_spec.replace(
-    history=_set(
+    history=slots.set_columns(
       history,
       out.tokens,
       jnp.where(j < out.kept[:, None], rows_spec.filled[:, None] + j, 1 << 30),
@@ -203,10 +201,10 @@ def _columns(
 def _emit(state, out: verify.Verified, cols: jax.Array):
   """`state`'s result buffers with what `out` emitted at `cols`."""
   return state.replace(
-    tokens=_set(state.tokens, out.tokens, cols),
-    scores=_set(state.scores, out.scores, cols),
-    top_ids=_set(state.top_ids, out.top_ids, cols),
-    top_logprobs=_set(state.top_logprobs, out.top_logprobs, cols),
+    tokens=slots.set_columns(state.tokens, out.tokens, cols),
+    scores=slots.set_columns(state.scores, out.scores, cols),
+    top_ids=slots.set_columns(state.top_ids, out.top_ids, cols),
+    top_logprobs=slots.set_columns(state.top_logprobs, out.top_logprobs, cols),
   )
 
 
@@ -241,7 +239,7 @@ def run(
 
   def body(carry):
     state, pending = carry
-    state = state.replace(cache=_write(state.cache, *pending))
+    state = state.replace(cache=state.cache.write_columns(*pending))
     lengths = state.cache.lengths
     rows = verify.Rows(
       positions=inputs.start + lengths,
@@ -269,9 +267,9 @@ def run(
   state, pending = lax.while_loop(
     lambda carry: jnp.any(live(carry[0])),
     body,
-    (state, _nothing(state.cache, spec.k + 1)),
+    (state, state.cache.nothing(spec.k + 1)),
   )
-  return state.replace(cache=_write(state.cache, *pending))
+  return state.replace(cache=state.cache.write_columns(*pending))
 
 
 def slot_run(
@@ -297,7 +295,7 @@ def slot_run(
 
   def body(carry):
     state, pending, i = carry
-    state = state.replace(cache=_write(state.cache, *pending))
+    state = state.replace(cache=state.cache.write_columns(*pending))
     rows = verify.Rows(
       positions=inputs.start + state.cache.lengths,
       generated=state.generated,
@@ -323,6 +321,6 @@ def slot_run(
     return state, (out.k, out.v, kv_rows(at)), i + 1
 
   state, pending, _ = lax.while_loop(
-    cond, body, (state, _nothing(state.cache, spec.k + 1), jnp.int32(0))
+    cond, body, (state, state.cache.nothing(spec.k + 1), jnp.int32(0))
   )
-  return state.replace(cache=_write(state.cache, *pending))
+  return state.replace(cache=state.cache.write_columns(*pending))
