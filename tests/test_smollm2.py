@@ -273,8 +273,9 @@ def saved_smol(smol, tmp_path_factory):
 def test_checkpoint_round_trip_onto_another_layout(
   smol, saved_smol, layout, shape
 ):
-  """Saved from the reference, restored sharded: the same weights, scores
-  and tokens as the original placed on that layout, and the tokenizer
+  """Saved from the reference, restored sharded: the same weights as the
+  original (so its programs there give what the original's would), scores
+  within tolerance of the reference and its greedy tokens, and the tokenizer
   (saving from and restoring onto shuffled layouts is tests/test_store.py's,
   on the tiny model; SmolLM2 on a shuffled 3-device layout is
   test_three_device_mesh_gives_single_device_greedy_tokens's)."""
@@ -290,18 +291,12 @@ def test_checkpoint_round_trip_onto_another_layout(
     strict=True,
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  direct = cw.InferenceModel(
-    smol.hparams,
-    smol.weights,
-    smol.vocab,
-    mesh=mesh,
-    layout=layout,
-    bos_id=smol.bos_id,
-    eos_id=smol.eos_id,
-  )
   chunk = cw.Chunk.tokenize(smol.vocab, PROMPTS, is_first_chunk=True)
+  # The weights are equal, so the layout's programs give what they give
+  # the original placed there: scores within §4.9's tolerance of the
+  # reference, the same greedy tokens.
   outs = []
-  for model in (loaded, direct, smol):
+  for model in (loaded, smol):
     first = model.prefill(chunk, top_n=2)
     tokens, _ = model.generate(
       [first],
@@ -310,8 +305,8 @@ def test_checkpoint_round_trip_onto_another_layout(
       sampling=cw.Sampling(temperature=0.0),
     )
     outs.append((np.asarray(first.per_token_scores), tokens.to_lists()))
-  np.testing.assert_array_equal(outs[0][0], outs[1][0])
-  assert outs[0][1] == outs[1][1] == outs[2][1]
+  np.testing.assert_allclose(outs[0][0], outs[1][0], atol=ATOL)
+  assert outs[0][1] == outs[1][1]
 
 
 def test_int8_quality_against_f32(smol):
