@@ -19,6 +19,11 @@ consecutive context, so slot j of piece i sits at position (lengths of the
 pieces before i) + j, and the chunk's row r at (all prefix lengths) + r:
 keys more than `window - 1` positions behind a query are masked, in prefix
 caches as in the chunk.
+
+A long chunk (`blocked_attention.wanted`) reads its context in key blocks
+instead (`blocked_attention`): the same result, bit for bit under
+invariant numerics, with O(T · block) memory; this module's unblocked
+path is its plain twin.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from jax import lax
 
 from chunkwise import numerics
 from chunkwise.configs import HParams
+from chunkwise.models import blocked_attention
 
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
 # (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
@@ -356,6 +362,18 @@ def attend(
       start = start + _repeat_rows(piece.lengths, batch)
     q_positions = start[:, None] + jnp.arange(time)  # [B, T]
 
+  if blocked_attention.wanted(time, time + sum(p.width for p in prefix)):
+    live = [(p.sliced(), i) for i, p in enumerate(prefix) if p.width]
+    return blocked_attention.attend(
+      q,
+      k,
+      v,
+      [p for p, _ in live],
+      None if window is None else [starts[i] for _, i in live],
+      None if window is None else q_positions,
+      options,
+      _attend_piece,
+    )
   pieces = []
   for i, piece in enumerate(prefix):
     lengths, width = piece.lengths, piece.width
