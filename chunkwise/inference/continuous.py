@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.configs import HParams
-from chunkwise.inference import slots
+from chunkwise.inference import long_prefill, slots
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -107,15 +108,31 @@ def run_many(
   trace: Callable[[str, list[int]], None] | None = None,
   served=None,
   speculation=None,
+  piece: int | None = None,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
   segment that computed their first tokens, and ("steps", [k]) after each
   segment of k decode steps. `served` (an `adapters.AdapterSet`) runs
-  each request's adapter."""
+  each request's adapter. A prompt longer than `piece` columns (default
+  `long_prefill.columns`) is prefilled one piece per segment, its slot
+  held meanwhile (chunked prefill: the other slots keep decoding)."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
+
+  def _staged(a: Admission, caches, prev) -> long_prefill.Staged:
+    run = functools.partial(
+      prefill_engine.prefill,
+      top_n=0,
+      bos_id=bos_id,
+      adapters=adapters_of(prefill_engine, np.int32([a.adapter_id])),
+    )
+    chunk = Chunk(
+      tokens=a.prompt[None].astype(np.int32),
+      lengths=np.int32([a.prompt.size]),
+    )
+    return long_prefill.Staged(run, caches, prev, chunk, width=piece)
 
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
@@ -140,35 +157,51 @@ def run_many(
   occupant = np.full(slots_n, -1)
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
+  piece = piece or long_prefill.columns(hparams, 1)
+  staged: dict[int, tuple[int, long_prefill.Staged]] = {}  # slot -> long
+
+  def admission(i: int, slot: int) -> Admission:
+    return Admission(
+      prompt=call.prompts[i],
+      adapter_id=int(call.adapter_ids[i]),
+      slot=slot,
+      processor_state=jax.tree.map(
+        lambda s: s[i : i + 1], call.processor_states
+      ),
+    )
+
   bar = _progress_bar(n, progress)
   try:
-    while waiting or (occupant >= 0).any():
-      free = np.flatnonzero(occupant < 0)
-      if waiting and free.size:
-        take = [waiting.popleft() for _ in range(min(free.size, len(waiting)))]
+    while waiting or (occupant >= 0).any() or staged:
+      free = [s for s in np.flatnonzero(occupant < 0) if s not in staged]
+      take = []
+      while waiting and free:
+        i, slot = waiting.popleft(), int(free.pop(0))
+        if call.prompts[i].size > piece:
+          staged[slot] = (i, _staged(admission(i, slot), caches, prev))
+        else:
+          take.append((i, slot))
+      if take:
         state = prefill_into(
           state,
-          [
-            Admission(
-              prompt=call.prompts[i],
-              adapter_id=int(call.adapter_ids[i]),
-              slot=int(slot),
-              processor_state=jax.tree.map(
-                lambda s, i=i: s[i : i + 1], call.processor_states
-              ),
-            )
-            for i, slot in zip(take, free[: len(take)], strict=True)
-          ],
+          [admission(i, slot) for i, slot in take],
           caches,
           prev,
           prefill_engine,
           bos_id,
           adapters_of,
         )
-        occupant[free[: len(take)]] = take
-        before[free[: len(take)]] = 0
-      else:
-        take = []
+      if staged:  # one piece of the longest-waiting long prompt
+        slot = next(iter(staged))
+        i, pending = staged[slot]
+        result = pending.advance()
+        if result is not None:
+          del staged[slot]
+          state = admit_prefilled(state, admission(i, slot), result)
+          take.append((i, slot))
+      for i, slot in take:
+        occupant[slot], before[slot] = i, 0
+      take = [i for i, _ in take]
       inputs = _inputs(call, occupant)
       ids = np.where(occupant >= 0, call.adapter_ids[occupant], -1)
       state = generate_engine.slot_run(
@@ -285,6 +318,21 @@ def prefill_into(
       processor_rows = jax.tree.map(lambda *s: np.concatenate(s, axis=0), *fill)
       state = _admit(state, result, slots_at, lengths, processor_rows, tokens)
   return state
+
+
+def admit_prefilled(
+  state: slots.SlotState, a: Admission, result: ChunkResult
+) -> slots.SlotState:
+  """Puts one prompt prefilled already (`result`, one row) into its
+  slot."""
+  return _admit(
+    state,
+    result,
+    np.int32([a.slot]),
+    np.int32([a.prompt.size]),
+    a.processor_state,
+    a.prompt[None].astype(np.int32),
+  )
 
 
 def _inputs(call: _Checked, occupant: np.ndarray) -> slots.SlotInputs:

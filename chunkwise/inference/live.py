@@ -34,6 +34,7 @@ the same calls stay in lockstep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -45,7 +46,8 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
-from chunkwise.inference import continuous, slots
+from chunkwise.inference import continuous, long_prefill, slots
+from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -127,8 +129,13 @@ class LiveSlots:
     stop_width: int,
     admit_rows: int = 1,
     speculation: Speculation | None = None,
+    piece: int | None = None,
   ):
     h = hparams
+    # Prompts longer than this are prefilled one piece per step, their
+    # slot held meanwhile (chunked prefill): the other slots keep decoding.
+    self._piece = piece or long_prefill.columns(h, 1)
+    self._staged: dict[int, tuple[Admission, long_prefill.Staged]] = {}
     self._h = h
     self._prefill_engine = prefill_engine
     self._generate_engine = generate_engine
@@ -314,7 +321,10 @@ class LiveSlots:
     steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
     self._admit_waiting()
-    live = np.array([k is not None for k in self._key])
+    self._advance_staged()
+    live = np.array(
+      [k is not None and s not in self._staged for s, k in enumerate(self._key)]
+    )
     if not live.any():
       return []
     engine = self._generate_engine
@@ -354,6 +364,7 @@ class LiveSlots:
 
   def _free(self, s: int) -> None:
     self._key[s] = None
+    self._staged.pop(s, None)
     self._grammars.give_back(int(self._grammar[s]))
     self._grammar[s] = 0
     self._budget[s] = 0
@@ -378,14 +389,18 @@ class LiveSlots:
       self._read[s] = 0
       # The constraint processor's state: (grammar, automaton state 0).
       states = (*p.processor_state, (np.int32([g]), np.int32([0])))
-      admissions.append(
-        Admission(
-          prompt=p.prompt,
-          adapter_id=p.adapter_id,
-          slot=s,
-          processor_state=states,
-        )
+      a = Admission(
+        prompt=p.prompt,
+        adapter_id=p.adapter_id,
+        slot=s,
+        processor_state=states,
       )
+      if p.prompt.size > self._piece:
+        self._staged[s] = (a, self._stage(a))
+      else:
+        admissions.append(a)
+    if not admissions:
+      return
     self._state = continuous.prefill_into(
       self._state,
       admissions,
@@ -396,6 +411,35 @@ class LiveSlots:
       self._adapters,
       rows=self.admit_rows,
     )
+
+  def _stage(self, a: Admission) -> long_prefill.Staged:
+    engine = self._prefill_engine
+    return long_prefill.Staged(
+      functools.partial(
+        engine.prefill,
+        top_n=0,
+        bos_id=self._bos_id,
+        adapters=self._adapters(engine, np.int32([a.adapter_id])),
+      ),
+      self._caches,
+      self._prev,
+      Chunk(
+        tokens=a.prompt[None].astype(np.int32),
+        lengths=np.int32([a.prompt.size]),
+      ),
+      width=self._piece,
+    )
+
+  def _advance_staged(self) -> None:
+    """One piece of the longest-held long prompt; into its slot after its
+    last."""
+    if not self._staged:
+      return
+    s, (admission, staged) = next(iter(self._staged.items()))
+    result = staged.advance()
+    if result is not None:
+      del self._staged[s]
+      self._state = continuous.admit_prefilled(self._state, admission, result)
 
   def _collect(self, live: np.ndarray) -> list[SlotUpdate]:
     state = self._state

@@ -13,6 +13,7 @@ engine of its phase (`engine.py`), which owns the compiled programs.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -24,7 +25,7 @@ from chunkwise import memory
 from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, continuous, live
+from chunkwise.inference import checks, continuous, live, long_prefill
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import (
   AdapterSet,
@@ -91,6 +92,11 @@ class InferenceModel:
       None: "invariant", "fast" for int8 weights. See `chunkwise.numerics`.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
+    prefill_chunk: a chunk longer than this many columns is prefilled in
+      pieces of that many (`long_prefill`: the same result, its logits
+      bounded), and in `generate_many` and `live_slots` such a prompt is
+      prefilled one piece per segment while the other slots decode; None:
+      `long_prefill.columns` (1024 to 4096 columns by vocabulary and rows).
 
   A first chunk starts with `bos_id`: when it differs from the vocabulary's
   (or the vocabulary has none and it is not 0), pass it to
@@ -116,9 +122,11 @@ class InferenceModel:
     infer_fn: InferFn | None = None,
     workload=None,
     numerics: str | None = None,
+    prefill_chunk: int | None = None,
   ):
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
+    self._prefill_chunk = long_prefill.check_columns(prefill_chunk)
     self._precision = resolve_precision(precision, compute_dtype)
     self._numerics = numerics_lib.resolve(
       numerics, planner_choice.weights_name(weights) == "int8"
@@ -289,6 +297,13 @@ class InferenceModel:
     model._served = served
     return model
 
+  def with_prefill_chunk(self, prefill_chunk: int | None) -> InferenceModel:
+    """This model (its weights, engines and compiled programs) cutting
+    chunks longer than `prefill_chunk` columns (see the class)."""
+    model = copy.copy(self)
+    model._prefill_chunk = long_prefill.check_columns(prefill_chunk)
+    return model
+
   @property
   def adapters(self) -> dict:
     """The LoRA adapters served ({name: Adapter}; empty without)."""
@@ -340,14 +355,17 @@ class InferenceModel:
       )
       return tagged(result, names)
     engine = self._prefill_engine
-    result = engine.prefill(
-      caches,
-      prev,
-      chunk,
+    run = functools.partial(
+      engine.prefill,
       top_n=top_n,
       bos_id=self._bos_id,
       adapters=self._adapters_for(engine, ids),
     )
+    width = self._prefill_chunk or long_prefill.columns(h, chunk.batch)
+    if chunk.time > width:  # in pieces: bounded logits, the same result
+      result = long_prefill.prefill(run, caches, prev, chunk, width=width)
+    else:
+      result = run(caches, prev, chunk)
     return tagged(result, names)
 
   def _drafting(self, spec: Speculation | None) -> Speculation | None:
@@ -518,6 +536,7 @@ class InferenceModel:
       processors=processors,
       prefix=prefix,
       stop_width=stop_width,
+      piece=self._prefill_chunk,
     )
 
   def generate_many(
@@ -598,6 +617,7 @@ class InferenceModel:
       trace=trace,
       served=self._served,
       speculation=speculation,
+      piece=self._prefill_chunk,
     )
 
   def generate_stream(
