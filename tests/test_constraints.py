@@ -7,7 +7,6 @@ import os
 import re
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -289,40 +288,9 @@ def test_smollm2_64_sampled_rows_match(smol, name):
     assert _valid(name, text), text
 
 
-# SmolLM2's 9 query / 3 K/V heads split over no 8-device mesh (every layout
-# splits heads over 4 or 8 devices there): 3 devices, as in
-# test_smollm2.py; the (2,2,2) mesh is covered with the tiny model above.
-LAYOUT_SMOL = "ws_2d"
-
-
-@pytest.mark.slow
-def test_smollm2_mesh_identical_to_one_device(smol):
-  prompt = cw.Chunk.tokenize(
-    smol.vocab,
-    ["Extract the person as JSON: Bo is 7.\n", "Pick a date:"],
-    is_first_chunk=True,
-  )
-  per_row = [CONSTRAINTS["json"], CONSTRAINTS["date"], None, None] * 2
-  kwargs = dict(
-    sample_ids=jnp.arange(8),
-    steps=32,
-    sampling=cw.Sampling(temperature=1.0, seed=11),
-    constraint=per_row,
-    budget_forcing=True,
-  )
-  want, _ = smol.generate([smol.prefill(prompt)], **kwargs)
-  mesh_model = cw.InferenceModel(
-    smol.hparams,
-    smol.weights,
-    smol.vocab,
-    mesh=make_mesh((1, 1, 3), jax.devices()[:3]),
-    layout=LAYOUT_SMOL,
-    bos_id=smol.bos_id,
-    eos_id=smol.eos_id,
-  )
-  got, _ = mesh_model.generate([mesh_model.prefill(prompt)], **kwargs)
-  np.testing.assert_array_equal(got.tokens, want.tokens)
-  np.testing.assert_array_equal(got.lengths, want.lengths)
+# Constraints on a mesh are test_tiny_mesh_layouts_match_one_device's (the
+# tables are replicated, rows masked where the sampler holds them whole);
+# SmolLM2 on a 3-device ws_2d mesh is tests/test_smollm2.py's.
 
 
 # -- compile limits (the compiler runs in a worker process) -----------------

@@ -32,24 +32,9 @@ def _check_scores(lines, header, count, max_tokens):
     assert abs(sum(scores) - total) <= 0.006 * len(scores) + 0.006
 
 
-@pytest.mark.slow
-def test_main_job_on_the_default_model(tmp_path):
-  result = _run(tmp_path, "--samples=2", "--steps=6")
-  assert result.returncode == 0, result.stderr
-  lines = result.stdout.splitlines()
-  assert lines[0].startswith("model: smollm2-135m, 134.5M parameters")
-  _check_scores(lines, "'", 3, 20)  # the three scored sentences
-  _check_scores(lines, "task ", 4, 6)  # 2 tasks x 2 samples
-  # The real model prefers the sensible sentence and knows Rome.
-  totals = [
-    float(re.search(r"log-prob (-?[\d.]+)", line).group(1))
-    for line in lines
-    if line.startswith("'The ")
-  ]
-  assert totals[0] > totals[1]
-  assert any("Rome" in line for line in lines if line.startswith("task "))
-  answer = lines[lines.index("assistant: ") + 1]
-  assert "Paris" in answer
+# The job on SmolLM2 itself (it prefers the sensible sentence, knows Rome
+# and Paris) is the notebook's: tests/test_notebook.py runs the same API
+# on the same model; here the job's own code runs on random weights.
 
 
 def test_main_job_with_random_weights(tmp_path):

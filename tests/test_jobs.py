@@ -743,7 +743,9 @@ def _two_processes(name, args, out, env):
 
 @pytest.mark.slow
 @pytest.mark.multihost
-@pytest.mark.parametrize("name", ["score", "generate"])
+# The scoring job over two processes is tests/test_jobs_adapters.py's
+# test_two_processes_match_one_with_adapters (base rows among adapters').
+@pytest.mark.parametrize("name", ["generate"])
 def test_two_processes_match_one(tmp_path, name):
   lines = [
     json.dumps({"id": f"e{i}", "text": "word " * (3 * i + 1) + str(i)})

@@ -26,7 +26,9 @@ VARIANTS = ["one_way", "latency", "throughput"]
 # mesh and attention batch runs with XLA's collectives above. 1x2x4's ring
 # over y·z of unequal sizes runs with ws_2d's collectives only.
 COLLECTIVE_MESHES = [(8, 1, 1), (2, 2, 2), (1, 2, 4)]
-COLLECTIVE_LAYOUTS = ["ws_1d", "ws_2d", "ws_2d/yz", "wg"]
+# Attention's batch sharding does not change the fused matmuls (above):
+# ws_2d/yz runs with XLA's collectives in test_layout_matches_reference.
+COLLECTIVE_LAYOUTS = ["ws_1d", "ws_2d", "wg"]
 ATOL = 2e-4
 # The parallel block's preset runs every layout on the two meshes that
 # split heads most differently (all over x; over x, y and z); the mesh
@@ -165,6 +167,9 @@ def _with(layout, variant):
 def _collective_grid():
   for shape in COLLECTIVE_MESHES:
     layouts = ["ws_2d"] if shape == (1, 2, 4) else COLLECTIVE_LAYOUTS
+    if shape == (8, 1, 1):
+      # ws_1d's ring shifts over (x, y, z): a ring of 8 on 2x2x2 as here.
+      layouts = [name for name in layouts if name != "ws_1d"]
     for layout in _distinct(shape, layouts):
       for variant in VARIANTS:
         name = "x".join(map(str, shape))
@@ -196,9 +201,12 @@ def test_collectives_match_reference(shape, layout, variant):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("layout", ["ws_1d", "ws_2d/yz", "wg"])
+@pytest.mark.parametrize("layout", ["ws_1d", "ws_2d/yz"])
 def test_collectives_parallel_block(layout, variant):
-  """The parallel block with one K/V head, on (2, 2, 2)."""
+  """The parallel block with one K/V head, on (2, 2, 2): the weight-
+  stationary layouts' shared reduce, which only the parallel block has.
+  (wg streams every matrix alike whatever the block; the parallel block
+  on wg is test_layout_matches_reference's.)"""
   h = cw.configs.get("tiny-parallel")
   weights = cw.InferenceModel.random(h, seed=0).weights
   model = cw.InferenceModel(
