@@ -45,8 +45,10 @@ from absl import app, flags, logging
 
 from chunkwise import checkpoints, constraints, memory, partitioning
 from chunkwise.bench import adapters as bench_adapters
+from chunkwise.bench import chunked_prefill as bench_chunked
 from chunkwise.bench import continuous as bench_continuous
 from chunkwise.bench import (
+  long_prompts,
   machine,
   profile,
   reference,
@@ -212,6 +214,41 @@ _SPECULATE_BATCHES = flags.DEFINE_list(
 _SPECULATE_ROUNDS = flags.DEFINE_integer(
   "speculate_rounds", 3, "Interleaved rounds of --speculate."
 )
+_LONG_PROMPT = flags.DEFINE_list(
+  "long_prompt_lengths",
+  [],
+  "Time only long-prompt prefill, one prompt of each length: chunkwise "
+  "(key-blocked attention, a long chunk in pieces) against its one-chunk "
+  "twin and transformers, each in its own process for its peak RSS "
+  "(chunkwise/bench/long_prompts.py); writes --output and exits.",
+)
+_CHUNKED_PREFILL = flags.DEFINE_integer(
+  "chunked_prefill_length",
+  0,
+  "Also time decode inter-token latency while a prompt of this many "
+  "tokens is admitted into the slot loop, prefilled whole against in "
+  "pieces (chunkwise/bench/chunked_prefill.py); 0: not run.",
+  lower_bound=0,
+)
+_CHUNKED_PIECE = flags.DEFINE_integer(
+  "chunked_prefill_piece",
+  0,
+  "Columns per piece of --chunked_prefill_length (0: the model's default, "
+  "chunkwise/inference/long_prefill.py).",
+  lower_bound=0,
+)
+_LONG_RUNS = flags.DEFINE_integer(
+  "long_prompt_runs",
+  2,
+  "Timed --long_prompt_lengths prefills after the first (median); 0: the "
+  "first call only, compilation included.",
+  lower_bound=0,
+)
+_LONG_SIDES = flags.DEFINE_list(
+  "long_prompt_sides",
+  list(long_prompts.SIDES),
+  f"Which of {long_prompts.SIDES} --long_prompt_lengths runs.",
+)
 
 # Named constraints: the issue's acceptance set, plus free text (any
 # character but NUL), which never forces an early stop.
@@ -317,6 +354,40 @@ def _load(
   return InferenceModel(h, params, described.vocab, **common)
 
 
+def _long_prompts(described, kinds: Sequence[str], modes) -> None:
+  """--long_prompt_lengths: each side of each length in a child process
+  (chunkwise's in the first of --numerics, if given)."""
+  lengths = _positive_ints("long_prompt_lengths", _LONG_PROMPT.value)
+  sides = _one_of("long_prompt_sides", _LONG_SIDES.value, long_prompts.SIDES)
+  if kinds == ["int8"]:
+    raise app.UsageError("--long_prompt_lengths times float weights")
+  longest = max(lengths)
+  if longest > described.hparams.max_len:
+    raise app.UsageError(
+      f"--long_prompt_lengths: {longest} tokens exceed the model's "
+      f"max_len={described.hparams.max_len}"
+    )
+  if "transformers" in sides:
+    try:
+      reference.check_supported(described.hparams)
+    except ValueError as e:
+      raise app.UsageError(f"--long_prompt_sides: {e}") from None
+  reports = []
+  for n in lengths:
+    reports.append(
+      long_prompts.compare(
+        _MODEL.value,
+        n,
+        sides,
+        runs=_LONG_RUNS.value,
+        dtype=kinds[0],
+        numerics=modes[0] if modes else None,
+      )
+    )
+    print("\n".join(long_prompts.lines(reports[-1])), flush=True)
+  report.write_json(_OUTPUT.value, {"long_prompts": reports})
+
+
 def main(argv: Sequence[str]) -> None:
   try:
     run(argv)
@@ -378,6 +449,9 @@ def run(argv: Sequence[str]) -> None:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   described = _describe(_MODEL.value)
+  if _LONG_PROMPT.value:
+    _long_prompts(described, kinds, modes)
+    return
   h, vocab, bos_id = described.hparams, described.vocab, described.bos_id
   if vocab is None:
     raise app.UsageError(f"--model={_MODEL.value} has no tokenizer")
@@ -406,6 +480,7 @@ def run(argv: Sequence[str]) -> None:
       *prefill_lengths,
       len(prompt) + _STEPS.value,
       len(prompt) + 8 + (_CONTINUOUS_LONG.value if _CONTINUOUS.value else 0),
+      _CHUNKED_PREFILL.value + 4,
     ]
   )
   if longest > h.max_len:
@@ -506,6 +581,17 @@ def run(argv: Sequence[str]) -> None:
         rounds=_SPECULATE_ROUNDS.value,
       )
       logging.info("%s speculation: %s", config["name"], config["speculation"])
+    if _CHUNKED_PREFILL.value:
+      config["chunked_prefill"] = bench_chunked.compare(
+        model,
+        prompt,
+        long_length=_CHUNKED_PREFILL.value,
+        steps=_STEPS.value,
+        piece=_CHUNKED_PIECE.value or None,
+      )
+      logging.info(
+        "%s chunked prefill: %s", config["name"], config["chunked_prefill"]
+      )
     decode = []
     for b in decode_batches:
       point = timing.decode(
@@ -619,6 +705,11 @@ def run(argv: Sequence[str]) -> None:
       print(bench_continuous.table(config["continuous"]))
     if "adapters" in config:
       print(bench_adapters.table(config["adapters"]))
+    if "chunked_prefill" in config:
+      print(
+        f"{config['name']}, "
+        + "\n".join(bench_chunked.lines(config["chunked_prefill"]))
+      )
 
 
 def _build(name: str, described) -> dict:

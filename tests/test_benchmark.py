@@ -279,6 +279,8 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--speculate_k=2",
     "--speculate_batches=2",
     "--speculate_rounds=1",
+    "--chunked_prefill_length=40",
+    "--chunked_prefill_piece=16",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -293,6 +295,14 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert both["continuous"]["occupancy"] <= 1
   assert both["programs_compiled"] > 0 and both["speedup"] > 0
   assert "continuous / static" in result.stdout
+  # --chunked_prefill_length: a 40-token prompt admitted whole and in
+  # pieces of 16 while a request decodes, the same tokens.
+  chunked = data["configs"][0]["chunked_prefill"]
+  assert chunked["same_tokens"]
+  assert set(chunked["schedules"]) == {"whole", "pieces"}
+  assert chunked["schedules"]["pieces"]["piece"] == 16
+  assert all(r["itl_p99_ms"] > 0 for r in chunked["schedules"].values())
+  assert "p99 whole / pieces" in result.stdout
   # --numerics: both modes timed side by side; invariant rows do not drift.
   for c in data["configs"][::3]:
     report = c["numerics"]
@@ -412,3 +422,37 @@ def test_bad_flags_fail_before_measuring(tmp_path, flag, message):
   assert message in result.stderr
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert not (tmp_path / "benchmark.json").exists()
+
+
+@pytest.mark.slow
+def test_long_prompt_sides_each_in_their_own_process(tmp_path):
+  """--long_prompt_lengths: every side a child process of its own, with
+  its speed, peak RSS and chunkwise's ratios; nothing else is timed."""
+  out = tmp_path / "long.json"
+  result = _run(
+    tmp_path,
+    "--model=random:tiny",
+    "--long_prompt_lengths=40",
+    "--long_prompt_runs=1",
+    f"--output={out}",
+  )
+  assert result.returncode == 0, result.stderr
+  (report,) = json.loads(out.read_text())["long_prompts"]
+  assert report["length"] == 40
+  assert list(report["sides"]) == ["transformers", "one_chunk", "chunkwise"]
+  for side in report["sides"].values():
+    assert side["tokens_per_s"] > 0 and side["runs"] == 1
+    assert side["peak_rss_mb"] >= side["loaded_rss_mb"] > 0
+  assert set(report["ratios"]) == {"transformers", "one_chunk"}
+  assert "chunkwise / transformers" in result.stdout
+
+
+def test_long_prompt_flags_are_checked_first(tmp_path):
+  for flags, message in [
+    (["--long_prompt_lengths=0"], "not a positive integer"),
+    (["--long_prompt_lengths=8", "--long_prompt_sides=vllm"], "expected a"),
+    (["--long_prompt_lengths=99999"], "exceed the model's max_len"),
+  ]:
+    result = _run(tmp_path, "--model=random:tiny", *flags)
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr, result.stderr

@@ -115,8 +115,8 @@ def run_many(
   segment that computed their first tokens, and ("steps", [k]) after each
   segment of k decode steps. `served` (an `adapters.AdapterSet`) runs
   each request's adapter. A prompt longer than `piece` columns (default
-  `long_prefill.columns`) is prefilled one piece per segment, its slot
-  held meanwhile (chunked prefill: the other slots keep decoding)."""
+  `long_prefill.SLOT_COLUMNS`) is prefilled one piece per segment, its
+  slot held meanwhile (chunked prefill: the other slots keep decoding)."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
@@ -157,7 +157,7 @@ def run_many(
   occupant = np.full(slots_n, -1)
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
-  piece = piece or long_prefill.columns(hparams, 1)
+  piece = piece or long_prefill.SLOT_COLUMNS
   staged: dict[int, tuple[int, long_prefill.Staged]] = {}  # slot -> long
 
   def admission(i: int, slot: int) -> Admission:

@@ -134,7 +134,7 @@ class LiveSlots:
     h = hparams
     # Prompts longer than this are prefilled one piece per step, their
     # slot held meanwhile (chunked prefill): the other slots keep decoding.
-    self._piece = piece or long_prefill.columns(h, 1)
+    self._piece = piece or long_prefill.SLOT_COLUMNS
     self._staged: dict[int, tuple[Admission, long_prefill.Staged]] = {}
     self._h = h
     self._prefill_engine = prefill_engine

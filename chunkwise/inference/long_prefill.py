@@ -39,6 +39,9 @@ from chunkwise.inference.results import ChunkResult
 LOGIT_BYTES = 1 << 28
 MIN_COLUMNS = 1024
 MAX_COLUMNS = 4096
+# The slot loops' pieces: one runs between two decode segments, so its
+# time bounds the other slots' inter-token latency.
+SLOT_COLUMNS = 512
 
 
 def columns(hparams: HParams, batch: int) -> int:

@@ -96,7 +96,9 @@ class InferenceModel:
       pieces of that many (`long_prefill`: the same result, its logits
       bounded), and in `generate_many` and `live_slots` such a prompt is
       prefilled one piece per segment while the other slots decode; None:
-      `long_prefill.columns` (1024 to 4096 columns by vocabulary and rows).
+      `long_prefill.columns` for `prefill` (1024 to 4096 columns by
+      vocabulary and rows), `long_prefill.SLOT_COLUMNS` (512) in the slot
+      loops, where a piece's time bounds the others' inter-token latency.
 
   A first chunk starts with `bos_id`: when it differs from the vocabulary's
   (or the vocabulary has none and it is not 0), pass it to

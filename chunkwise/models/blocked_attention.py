@@ -13,7 +13,8 @@ slots past its longest row.
   The plain twin is `attention`'s unblocked path (tests compare the two
   within tolerance).
 - invariant numerics: two passes over the same blocks. The first takes the
-  exact max of every logit; the second chains exp(logit - max) · v over
+  exact max of every logit (keeping the logits for the second when a
+  query block's fit `KEPT_LOGITS`); the second chains exp(logit - max) · v over
   the keys in position order, the accumulator carried from block to block
   (`cpu_kernels.invariant_matmul`'s chain from `acc`). Every output is the
   same sequence of operations as the unblocked path's, so the two are
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from chunkwise import numerics
@@ -34,7 +36,10 @@ BLOCK = 512
 # Chunks of at least this many rows, whose logits over the whole context
 # take at least `MIN_LOGITS` per head, take the blocked path.
 MIN_TIME = 256
-MIN_LOGITS = 1 << 22
+MIN_LOGITS = 1 << 21
+# Invariant numerics: a query block's logits over a piece are kept between
+# the max pass and the chain pass up to this many bytes (else recomputed).
+KEPT_LOGITS = 1 << 28
 
 
 def wanted(time: int, context: int) -> bool:
@@ -223,19 +228,35 @@ def _invariant_block(qi, i, q_pos, pieces, options):
     mask = jnp.moveaxis(p.mask(i, j, q_pos, batch, options.window), 3, 1)
     return jnp.where(mask, logits, -1e30), vj
 
+  # A piece's logits for this query block are kept from the first pass to
+  # the second when they fit `KEPT_LOGITS` bytes, else computed again.
+  kept = []
   top = jnp.full((batch, kv_heads, rows, group), -1e30, jnp.float32)
   for p in pieces:
+    shape = (p.b, kv_heads, batch // p.b, rows, group, p.count * BLOCK)
+    keep = 4 * np.prod(shape) <= KEPT_LOGITS
 
-    def most(j, top, p=p):
+    def most(j, carry, p=p, keep=keep):
+      top, store = carry
       logits, _ = logits_of(p, j)
-      return jnp.maximum(top, common(jnp.max(logits, axis=-1), p.b))
+      if keep:
+        store = lax.dynamic_update_slice_in_dim(store, logits, j * BLOCK, 5)
+      return jnp.maximum(top, common(jnp.max(logits, axis=-1), p.b)), store
 
-    top = lax.fori_loop(*p.key_range(i, options.window), most, top)
+    store = jnp.zeros(shape if keep else (0,), jnp.float32)
+    top, store = lax.fori_loop(
+      *p.key_range(i, options.window), most, (top, store)
+    )
+    kept.append(store if keep else None)
   acc = jnp.zeros((batch, kv_heads, rows, group, dim + 1), jnp.float32)
-  for p in pieces:
+  for p, store in zip(pieces, kept, strict=True):
 
-    def chain(j, acc, p=p):
-      logits, vj = logits_of(p, j)
+    def chain(j, acc, p=p, store=store):
+      if store is None:
+        logits, vj = logits_of(p, j)
+      else:
+        logits = lax.dynamic_slice_in_dim(store, j * BLOCK, BLOCK, 5)
+        vj = p.block(j)[1]
       e = numerics.exp(logits - view(top, p.b)[..., None])
       per = batch // p.b * rows * group
       out = numerics.batched(
