@@ -186,6 +186,7 @@ class InferenceModel:
     keyword arguments go to the constructor. Raises ValueError, before
     drawing anything, when the weights would not fit on the device."""
     memory.check_random_weights(hparams.num_params(), dtype)
+    long_prefill.check_columns(kwargs.get("prefill_chunk"))  # before drawing
     weights = init_random(hparams, jax.random.key(seed), dtype)
     if vocab is None:
       vocab = random_model_vocab(hparams.vocab)
