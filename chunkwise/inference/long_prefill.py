@@ -122,7 +122,8 @@ class Staged:
       self._buffer = _zeros_like(result.kv_cache, chunk.time)
     self._buffer = _write(self._buffer, result.kv_cache, at)
     self._prev = result.next_token_logits
-    self._parts.append(result)
+    # The piece's K/V are in the buffer now: keep only its scores.
+    self._parts.append(result.replace(kv_cache=None))
     self._at = at + piece.time
     if not self.done:
       return None
