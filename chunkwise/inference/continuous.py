@@ -121,19 +121,6 @@ def run_many(
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
 
-  def _staged(a: Admission, caches, prev) -> long_prefill.Staged:
-    run = functools.partial(
-      prefill_engine.prefill,
-      top_n=0,
-      bos_id=bos_id,
-      adapters=adapters_of(prefill_engine, np.int32([a.adapter_id])),
-    )
-    chunk = Chunk(
-      tokens=a.prompt[None].astype(np.int32),
-      lengths=np.int32([a.prompt.size]),
-    )
-    return long_prefill.Staged(run, caches, prev, chunk, width=piece)
-
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
   state = generate_engine.slot_init(
@@ -158,7 +145,8 @@ def run_many(
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
   piece = piece or long_prefill.SLOT_COLUMNS
-  staged: dict[int, tuple[int, long_prefill.Staged]] = {}  # slot -> long
+  staged: dict[int, tuple[Admission, long_prefill.Staged]] = {}  # by slot
+  held: dict[int, int] = {}  # the request each staged slot holds
 
   def admission(i: int, slot: int) -> Admission:
     return Admission(
@@ -178,7 +166,12 @@ def run_many(
       while waiting and free:
         i, slot = waiting.popleft(), int(free.pop(0))
         if call.prompts[i].size > piece:
-          staged[slot] = (i, _staged(admission(i, slot), caches, prev))
+          a = admission(i, slot)
+          staged[slot] = (
+            a,
+            stage(a, caches, prev, prefill_engine, bos_id, adapters_of, piece),
+          )
+          held[slot] = i
         else:
           take.append((i, slot))
       if take:
@@ -191,14 +184,9 @@ def run_many(
           bos_id,
           adapters_of,
         )
-      if staged:  # one piece of the longest-waiting long prompt
-        slot = next(iter(staged))
-        i, pending = staged[slot]
-        result = pending.advance()
-        if result is not None:
-          del staged[slot]
-          state = admit_prefilled(state, admission(i, slot), result)
-          take.append((i, slot))
+      state, slot = advance_staged(state, staged)
+      if slot is not None:
+        take.append((held.pop(slot), slot))
       for i, slot in take:
         occupant[slot], before[slot] = i, 0
       take = [i for i, _ in take]
@@ -320,12 +308,38 @@ def prefill_into(
   return state
 
 
-def admit_prefilled(
-  state: slots.SlotState, a: Admission, result: ChunkResult
-) -> slots.SlotState:
-  """Puts one prompt prefilled already (`result`, one row) into its
-  slot."""
-  return _admit(
+def stage(
+  a: Admission, caches, prev, engine: Engine, bos_id: int, adapters_of, width
+) -> long_prefill.Staged:
+  """`a`'s prompt, to be prefilled after the shared prefix one piece of
+  `width` columns at a time (chunked prefill)."""
+  run = functools.partial(
+    engine.prefill,
+    top_n=0,
+    bos_id=bos_id,
+    adapters=adapters_of(engine, np.int32([a.adapter_id])),
+  )
+  chunk = Chunk(
+    tokens=a.prompt[None].astype(np.int32), lengths=np.int32([a.prompt.size])
+  )
+  return long_prefill.Staged(run, caches, prev, chunk, width=width)
+
+
+def advance_staged(
+  state: slots.SlotState,
+  staged: dict[int, tuple[Admission, long_prefill.Staged]],
+) -> tuple[slots.SlotState, int | None]:
+  """One piece of the longest-held staged prompt (`staged`: by slot);
+  after its last, the prompt goes into its slot and leaves `staged`.
+  Returns the state and that slot (None while pieces remain)."""
+  if not staged:
+    return state, None
+  slot, (a, pending) = next(iter(staged.items()))
+  result = pending.advance()
+  if result is None:
+    return state, None
+  del staged[slot]
+  state = _admit(
     state,
     result,
     np.int32([a.slot]),
@@ -333,6 +347,7 @@ def admit_prefilled(
     a.processor_state,
     a.prompt[None].astype(np.int32),
   )
+  return state, slot
 
 
 def _inputs(call: _Checked, occupant: np.ndarray) -> slots.SlotInputs:

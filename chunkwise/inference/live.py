@@ -34,7 +34,6 @@ the same calls stay in lockstep.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -47,7 +46,6 @@ from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
 from chunkwise.inference import continuous, long_prefill, slots
-from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -321,7 +319,7 @@ class LiveSlots:
     steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
     self._admit_waiting()
-    self._advance_staged()
+    self._state, _ = continuous.advance_staged(self._state, self._staged)
     live = np.array(
       [k is not None and s not in self._staged for s, k in enumerate(self._key)]
     )
@@ -396,7 +394,18 @@ class LiveSlots:
         processor_state=states,
       )
       if p.prompt.size > self._piece:
-        self._staged[s] = (a, self._stage(a))
+        self._staged[s] = (
+          a,
+          continuous.stage(
+            a,
+            self._caches,
+            self._prev,
+            self._prefill_engine,
+            self._bos_id,
+            self._adapters,
+            self._piece,
+          ),
+        )
       else:
         admissions.append(a)
     if not admissions:
@@ -411,35 +420,6 @@ class LiveSlots:
       self._adapters,
       rows=self.admit_rows,
     )
-
-  def _stage(self, a: Admission) -> long_prefill.Staged:
-    engine = self._prefill_engine
-    return long_prefill.Staged(
-      functools.partial(
-        engine.prefill,
-        top_n=0,
-        bos_id=self._bos_id,
-        adapters=self._adapters(engine, np.int32([a.adapter_id])),
-      ),
-      self._caches,
-      self._prev,
-      Chunk(
-        tokens=a.prompt[None].astype(np.int32),
-        lengths=np.int32([a.prompt.size]),
-      ),
-      width=self._piece,
-    )
-
-  def _advance_staged(self) -> None:
-    """One piece of the longest-held long prompt; into its slot after its
-    last."""
-    if not self._staged:
-      return
-    s, (admission, staged) = next(iter(self._staged.items()))
-    result = staged.advance()
-    if result is not None:
-      del self._staged[s]
-      self._state = continuous.admit_prefilled(self._state, admission, result)
 
   def _collect(self, live: np.ndarray) -> list[SlotUpdate]:
     state = self._state
