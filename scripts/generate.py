@@ -108,6 +108,14 @@ _STATIC_BATCHING = flags.DEFINE_bool(
   "(before continuous batching, the only way; --stream then prints the "
   "first sample as it grows, not when it finishes).",
 )
+_PREFIX_CACHE_MB = flags.DEFINE_integer(
+  "prefix_cache_mb",
+  0,
+  "MiB of K/V of prompts' full pages kept during the run: a prompt (or "
+  "another sample of it) that starts like an earlier one prefills only the "
+  "rest (continuous batching; 0: none).",
+  lower_bound=0,
+)
 
 
 SPECULATE = cli.SpeculationFlags()
@@ -159,6 +167,7 @@ def generate() -> None:
     slots=_SLOTS.value,
     static_batching=_STATIC_BATCHING.value,
     speculation=SPECULATE.speculation(),
+    prefix_cache_mb=_PREFIX_CACHE_MB.value,
   )
   cli.report(run_generate(job))
 

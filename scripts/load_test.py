@@ -41,11 +41,12 @@ import numpy as np
 from absl import app, flags
 
 import chunkwise as cw
-from chunkwise import jobs
+from chunkwise import jobs, serving
 from chunkwise.bench import continuous as bench_continuous
+from chunkwise.inference import slot_capacity
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.serving_helpers import Server
+from tests.serving_helpers import ROOT, Server
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Model to serve.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Slots of the server.")
@@ -60,6 +61,19 @@ _PROMPT = flags.DEFINE_string(
   "prompt",
   "The following are short answers to tasks.",
   "Text every request starts with (then ' Task i:').",
+)
+_SYSTEM = flags.DEFINE_integer(
+  "system_prompt_tokens",
+  0,
+  "Tokens of a system prompt (cut from scripts/data/eval_texts.jsonl) that "
+  "every request starts with, before --prompt (0: none).",
+  lower_bound=0,
+)
+_CACHE_MB = flags.DEFINE_list(
+  "prefix_cache_mb",
+  [str(serving.DEFAULT_PREFIX_CACHE_BYTES >> 20)],
+  "--prefix_cache_mb of the server; several: one server each, side by "
+  "side in the table (0: no prefix cache).",
 )
 _EVERY = flags.DEFINE_integer("every", None, "--every of the server.")
 _BUSY_EVERY = flags.DEFINE_integer(
@@ -87,14 +101,30 @@ def _pct(values) -> dict:
   return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
 
 
+def _system_prompt(model, tokens: int) -> str:
+  """Text of about `tokens` tokens from the evaluation texts ('' for 0)."""
+  if not tokens:
+    return ""
+  path = os.path.join(ROOT, "scripts", "data", "eval_texts.jsonl")
+  with open(path) as f:
+    text = " ".join(json.loads(line)["text"] for line in f)
+  ids = model.vocab.encode(text)
+  if len(ids) < tokens:
+    raise app.UsageError(
+      f"--system_prompt_tokens={tokens}: the texts have {len(ids)} tokens"
+    )
+  return model.vocab.decode(ids[:tokens]) + "\n"
+
+
 def _workload(model):
   """(inputs text, token ids, budget, sample id) per request; one seed."""
   requests = bench_continuous.workload(
     model, _REQUESTS.value, long=_LONG.value, seed=_SEED.value
   )
+  system = _system_prompt(model, _SYSTEM.value)
   out = []
   for i, r in enumerate(requests):
-    text = _PROMPT.value + f" Task {i}:"
+    text = system + _PROMPT.value + f" Task {i}:"
     ids = [model.bos_id, *model.vocab.encode(text)]
     out.append((text, ids, r.steps, r.sample_id))
   return out
@@ -112,14 +142,15 @@ def _requests(work):
   ]
 
 
-def _baseline(model, work, capacity):
+def _baseline(model, work, capacity, cache_mb):
   """generate_many on the same requests: (tokens per request, tokens/s)."""
   requests = _requests(work)
-  list(model.generate_many(requests, slots=_SLOTS.value, capacity=capacity))
-  start = time.perf_counter()
-  results = list(
-    model.generate_many(requests, slots=_SLOTS.value, capacity=capacity)
+  kwargs = dict(
+    slots=_SLOTS.value, capacity=capacity, prefix_cache_bytes=cache_mb << 20
   )
+  list(model.generate_many(requests, **kwargs))
+  start = time.perf_counter()
+  results = list(model.generate_many(requests, **kwargs))
   seconds = time.perf_counter() - start
   tokens = {r.index: r.tokens.tolist() for r in results}
   return tokens, sum(map(len, tokens.values())) / seconds, seconds
@@ -275,22 +306,55 @@ async def _soak(server, work, seconds):
   return counts
 
 
+def _cache_counts(server) -> dict | None:
+  """The server's prefix cache counters from /metrics (None: no cache)."""
+  _, text = server.get("/metrics")
+  names = {
+    "vllm:prefix_cache_queries_total": "queried_tokens",
+    "vllm:prefix_cache_hits_total": "hit_tokens",
+    'result="hit"': "hit_requests",
+    'result="miss"': "miss_requests",
+  }
+  out = {}
+  for line in text.decode().splitlines():
+    for name, key in names.items():
+      if not line.startswith("#") and name in line.split(" ")[0]:
+        out[key] = float(line.rsplit(" ", 1)[1])
+  return out or None
+
+
+def _cache_delta(before, after) -> dict | None:
+  if after is None:
+    return None
+  return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
 def table(report: dict) -> str:
   rows = [
-    "| rate | tok/s | vs generate_many | TTFT p50 / p90 / p99 (s) | "
-    "inter-token p50 / p90 / p99 (s) | e2e p50 / p99 (s) | errors | lost | "
+    "| prefix cache | rate | tok/s | vs generate_many | "
+    "TTFT p50 / p90 / p99 (s) | inter-token p50 / p90 / p99 (s) | "
+    "e2e p50 / p99 (s) | cache hits / misses | errors | lost | "
     "truncated | mismatched |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   base = report["generate_many"]["tokens_per_s"]
   for r in report["rates"]:
     f = lambda d, qs: " / ".join(f"{d[q]:.3f}" for q in qs)
+    mb = r.get("prefix_cache_mb", 0)
+    c = r.get("prefix_cache")
+    cache = (
+      "-"
+      if c is None
+      else (f"{c['hit_requests']:.0f} / {c['miss_requests']:.0f}")
+    )
     rows.append(
-      f"| {r['rate']} | {r['tokens_per_s']:.1f} | "
+      f"| {f'{mb} MiB' if mb else 'off'} | {r['rate']} | "
+      f"{r['tokens_per_s']:.1f} | "
       f"{r['tokens_per_s'] / base:.2f}x | "
       f"{f(r['ttft_s'], ('p50', 'p90', 'p99'))} | "
       f"{f(r['itl_s'], ('p50', 'p90', 'p99'))} | "
-      f"{f(r['e2e_s'], ('p50', 'p99'))} | {r['errors']} | {r['lost']} | "
+      f"{f(r['e2e_s'], ('p50', 'p99'))} | {cache} | "
+      f"{r['errors']} | {r['lost']} | "
       f"{r['truncated']} | {r['mismatched']} |"
     )
   return "\n".join(rows)
@@ -311,11 +375,17 @@ def main(argv):
     rates.append(1.0)
   if _REQUESTS.value < 1 or _RUNS.value < 1 or _SLOTS.value < 1:
     raise app.UsageError("--requests, --runs and --slots must be >= 1")
+  caches = []
+  for mb in _CACHE_MB.value:
+    if not mb.isdigit():
+      raise app.UsageError(
+        f"--prefix_cache_mb: {mb!r} is not a number of MiB (0: none)"
+      )
+    caches.append(int(mb))
   model = jobs.load_served(jobs.ModelConfig(name=_MODEL.value))
   work = _workload(model)
-  capacity = -(-max(len(ids) + b for _, ids, b, _ in work) // 64) * 64
-  capacity = max(capacity, 128)
-  want_tokens, base_tps, base_s = _baseline(model, work, capacity)
+  capacity = max(slot_capacity(_requests(work)), 128)
+  want_tokens, base_tps, base_s = _baseline(model, work, capacity, max(caches))
   want = [want_tokens[k] for k in range(len(work))]
   print(f"generate_many: {base_tps:.1f} tokens/s ({base_s:.1f} s)", flush=True)
   flags_ = [
@@ -328,61 +398,77 @@ def main(argv):
     flags_.append(f"--every={_EVERY.value}")
   if _BUSY_EVERY.value:
     flags_.append(f"--busy_every={_BUSY_EVERY.value}")
-  server = Server(*flags_)
   report = {
     "model": _MODEL.value,
     "slots": _SLOTS.value,
     "requests": _REQUESTS.value,
+    "system_prompt_tokens": _SYSTEM.value,
     "server_flags": flags_,
-    "generate_many": {"tokens_per_s": base_tps, "seconds": base_s},
+    "generate_many": {
+      "tokens_per_s": base_tps,
+      "seconds": base_s,
+      "prefix_cache_mb": max(caches),
+    },
     "rates": [],
   }
-  try:
-    # Warm-up: compiles the server's programs (not timed).
-    asyncio.run(_rate_run(server.url, work[: _SLOTS.value], None, 0))
-    saturation = None
-    for fraction in sorted(rates, reverse=True):
-      runs = []
-      for k in range(_RUNS.value):
-        rate = None if fraction == 1 else fraction * saturation
-        results = asyncio.run(
-          _rate_run(server.url, work, rate, _SEED.value + 100 * k)
-        )
-        runs.append(_summary(results, work, want))
-      summary = _median_of(runs)
-      if fraction == 1:
-        saturation = summary["requests_per_s"]
-      summary["rate"] = (
-        "saturation (all at once)"
-        if fraction == 1
-        else f"{fraction:g} x ({fraction * saturation:.2f} req/s)"
-      )
-      report["rates"].append(summary)
-      print(json.dumps(summary), flush=True)
-    if _SOAK.value:
-      start_rss = _rss_kib(server.proc.pid)
-      counts = asyncio.run(_soak(server, work, _SOAK.value))
-      server.wait_for("vllm:num_requests_running", 0.0, timeout=120)
-      server.wait_for("vllm:num_requests_waiting", 0.0, timeout=120)
-      end_rss = _rss_kib(server.proc.pid)
-      report["soak"] = {
-        "seconds": _SOAK.value,
-        **counts,
-        "rss_start_mib": start_rss / 1024,
-        "rss_end_mib": end_rss / 1024,
-        "rss_growth": end_rss / start_rss - 1,
-        "slots_free_at_end": True,
-      }
-      print(json.dumps(report["soak"]), flush=True)
-  finally:
-    code = server.stop()
-  report["server_exit_code"] = code
+  codes = []
+  for n, mb in enumerate(caches):
+    server = Server(*flags_, f"--prefix_cache_mb={mb}")
+    try:
+      _serve(server, report, work, want, rates, mb, n == len(caches) - 1)
+    finally:
+      codes.append(server.stop())
+    if codes[-1] != 0:
+      print(server.log()[-3000:], file=sys.stderr)
+  report["server_exit_code"] = max(codes)
   with open(_OUTPUT.value, "w") as f:
     json.dump(report, f, indent=1)
   print(table(report))
-  if code != 0:
-    print(server.log()[-3000:], file=sys.stderr)
+  if max(codes) != 0:
     sys.exit(1)
+
+
+def _serve(server, report, work, want, rates, mb, soak):
+  """The rate runs (and, with `soak`, the soak) against one server."""
+  # Warm-up: compiles the server's programs (not timed).
+  asyncio.run(_rate_run(server.url, work[: _SLOTS.value], None, 0))
+  saturation = None
+  for fraction in sorted(rates, reverse=True):
+    runs = []
+    before = _cache_counts(server)
+    for k in range(_RUNS.value):
+      rate = None if fraction == 1 else fraction * saturation
+      results = asyncio.run(
+        _rate_run(server.url, work, rate, _SEED.value + 100 * k)
+      )
+      runs.append(_summary(results, work, want))
+    summary = _median_of(runs)
+    if fraction == 1:
+      saturation = summary["requests_per_s"]
+    summary["rate"] = (
+      "saturation (all at once)"
+      if fraction == 1
+      else f"{fraction:g} x ({fraction * saturation:.2f} req/s)"
+    )
+    summary["prefix_cache_mb"] = mb
+    summary["prefix_cache"] = _cache_delta(before, _cache_counts(server))
+    report["rates"].append(summary)
+    print(json.dumps(summary), flush=True)
+  if soak and _SOAK.value:
+    start_rss = _rss_kib(server.proc.pid)
+    counts = asyncio.run(_soak(server, work, _SOAK.value))
+    server.wait_for("vllm:num_requests_running", 0.0, timeout=120)
+    server.wait_for("vllm:num_requests_waiting", 0.0, timeout=120)
+    end_rss = _rss_kib(server.proc.pid)
+    report["soak"] = {
+      "seconds": _SOAK.value,
+      **counts,
+      "rss_start_mib": start_rss / 1024,
+      "rss_end_mib": end_rss / 1024,
+      "rss_growth": end_rss / start_rss - 1,
+      "slots_free_at_end": True,
+    }
+    print(json.dumps(report["soak"]), flush=True)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,46 @@ def test_tgi_sampled_with_seed_and_top_n_tokens(saved, server):
   assert again.generated_text == first.generated_text
 
 
+def test_requests_that_start_alike_reuse_the_cached_pages(saved, server):
+  """Prompts with one system prompt: the second of each adapter reuses the
+  first's cached pages (/metrics counts them), and every response is still
+  `generate` alone on its request."""
+  _, model = saved
+  system = (
+    "You are a terse assistant: answer each question in one word, "
+    "lower case, and never explain. "
+  )
+  client = lorax.Client(server.url, headers=AUTH)
+
+  def hits():
+    return server.metric("vllm:prefix_cache_hits", AUTH)
+
+  def requests_hit():
+    return server.metric(
+      'chunkwise_prefix_cache_requests_total{model_name="tiny",result="hit"}',
+      AUTH,
+    )
+
+  before = hits(), requests_hit()
+  n = 1 + len(model.vocab.encode(system + "sky?"))
+  assert 80 < n <= 128  # one full page of the default 64 tokens
+  for q, adapter in (
+    ("sky?", None),
+    ("sea?", None),
+    ("sun?", "a"),
+    ("x?", "a"),
+  ):
+    r = client.generate(
+      system + q, max_new_tokens=6, adapter_id=adapter, details=True
+    )
+    ids, _, _ = _offline(
+      model, system + q, max_new_tokens=6, temperature=0, adapter=adapter
+    )
+    assert [t.id for t in r.details.tokens if not t.special] == ids, q
+  assert hits() - before[0] == 2 * 64
+  assert requests_hit() - before[1] == 2
+
+
 def test_streams_equal_the_whole_response(saved, server):
   _, model = saved
   tgi = text_generation.Client(server.url, headers=AUTH, timeout=60)
@@ -493,6 +533,8 @@ def test_a_client_that_goes_away_frees_its_slot(saved, server):
     "vllm:time_to_first_token_seconds_bucket",
     "vllm:inter_token_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_sum",
+    "vllm:prefix_cache_queries_total",
+    "chunkwise_prefix_cache_bytes",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "tgi_queue_size",

@@ -1,7 +1,8 @@
 """`scripts/load_test.py`, short: Poisson arrivals and a soak with clients
-that leave mid-stream, against the real server (tiny model): no error,
-nothing lost or truncated, every response equal to `generate_many`'s, every
-slot free at the end, the server exits 0."""
+that leave mid-stream, against the real server (tiny model), with and
+without a prefix cache for the requests' shared system prompt: no error,
+nothing lost or truncated, every response equal to `generate_many`'s,
+cache hits counted, every slot free at the end, the server exits 0."""
 
 import json
 import subprocess
@@ -25,6 +26,8 @@ def test_load_test_and_soak(tmp_path):
       "--requests=12",
       "--long=24",
       "--rates=1,0.5",
+      "--system_prompt_tokens=100",
+      "--prefix_cache_mb=0,16",
       "--soak_seconds=6",
       "--soak_clients=6",
       "--disconnect_share=0.5",
@@ -38,10 +41,18 @@ def test_load_test_and_soak(tmp_path):
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["server_exit_code"] == 0
-  assert [r["rate"].split()[0] for r in report["rates"]] == [
-    "saturation",
-    "0.5",
-  ]
+  assert [
+    (r["prefix_cache_mb"], r["rate"].split()[0]) for r in report["rates"]
+  ] == [(0, "saturation"), (0, "0.5"), (16, "saturation"), (16, "0.5")]
+  # With the cache, every timed request reuses the system prompt's pages
+  # (the warm-up stored them); without it there are no counts.
+  for r in report["rates"]:
+    c = r["prefix_cache"]
+    if r["prefix_cache_mb"]:
+      assert (c["hit_requests"], c["miss_requests"]) == (12, 0), c
+      assert c["hit_tokens"] >= 12 * 64  # at least a page each
+    else:
+      assert c is None
   for r in report["rates"]:
     assert r["requests"] == 12 and r["tokens"] > 0
     assert (r["errors"], r["lost"], r["truncated"], r["mismatched"]) == (

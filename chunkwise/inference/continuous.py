@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.configs import HParams
-from chunkwise.inference import long_prefill, slots
+from chunkwise.inference import long_prefill, prefix_cache, slots
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -79,7 +79,7 @@ def admit_programs() -> int:
   return sum(p._cache_size() for p in _ADMIT.values())
 
 
-def _admit(state, prompts, at, lengths, rows, tokens):
+def _admit(state, prompts, at, lengths, rows, tokens, head=None):
   at, lengths, rows, tokens = replicated_like(
     state, (at, lengths, rows, tokens)
   )
@@ -90,7 +90,7 @@ def _admit(state, prompts, at, lengths, rows, tokens):
     _ADMIT[key] = jax.jit(
       slots.admit, donate_argnums=0, out_shardings=shardings
     )
-  return _ADMIT[key](state, prompts, at, lengths, rows, tokens)
+  return _ADMIT[key](state, prompts, at, lengths, rows, tokens, head)
 
 
 def run_many(
@@ -109,6 +109,7 @@ def run_many(
   served=None,
   speculation=None,
   piece: int | None = None,
+  cache: prefix_cache.PrefixCache | None = None,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
@@ -116,7 +117,9 @@ def run_many(
   segment of k decode steps. `served` (an `adapters.AdapterSet`) runs
   each request's adapter. A prompt longer than `piece` columns (default
   `long_prefill.SLOT_COLUMNS`) is prefilled one piece per segment, its
-  slot held meanwhile (chunked prefill: the other slots keep decoding)."""
+  slot held meanwhile (chunked prefill: the other slots keep decoding).
+  With a prefix `cache`, a prompt prefills only what follows its longest
+  cached start (`prefix_cache`), and its full pages are stored there."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
@@ -165,26 +168,28 @@ def run_many(
       take = []
       while waiting and free:
         i, slot = waiting.popleft(), int(free.pop(0))
-        if call.prompts[i].size > piece:
-          a = admission(i, slot)
+        a = admission(i, slot).looked_up(cache)
+        if a.prompt.size - a.cached > piece:
           staged[slot] = (
             a,
             stage(a, caches, prev, prefill_engine, bos_id, adapters_of, piece),
           )
           held[slot] = i
         else:
-          take.append((i, slot))
+          take.append((i, a))
       if take:
         state = prefill_into(
           state,
-          [admission(i, slot) for i, slot in take],
+          [a for _, a in take],
           caches,
           prev,
           prefill_engine,
           bos_id,
           adapters_of,
+          cache=cache,
         )
-      state, slot = advance_staged(state, staged)
+      state, slot = advance_staged(state, staged, cache)
+      take = [(i, a.slot) for i, a in take]
       if slot is not None:
         take.append((held.pop(slot), slot))
       for i, slot in take:
@@ -262,6 +267,33 @@ class Admission:
   adapter_id: int
   slot: int
   processor_state: tuple
+  hit: prefix_cache.Hit | None = None  # its cached start, pinned
+
+  @property
+  def cached(self) -> int:
+    """Tokens of the prompt whose K/V come from the prefix cache."""
+    return 0 if self.hit is None else self.hit.tokens
+
+  @property
+  def head(self):
+    """The cached start's K/V (a batch-1 `KVCache`), or None."""
+    return self.hit.head if self.cached else None
+
+  def looked_up(self, cache: prefix_cache.PrefixCache | None) -> Admission:
+    """This admission with its prompt's longest cached prefix."""
+    if cache is None:
+      return self
+    return dataclasses.replace(
+      self, hit=cache.lookup(self.adapter_id, self.prompt)
+    )
+
+  def store(self, cache, kv, row: int) -> None:
+    """Stores the full pages of its prompt (row `row` of `kv`, the K/V of
+    what followed the cached start) and unpins its hit."""
+    if cache is None:
+      return
+    cache.insert(self.adapter_id, self.prompt, kv, row=row, offset=self.cached)
+    cache.release(self.hit)
 
 
 def prefill_into(
@@ -273,29 +305,37 @@ def prefill_into(
   bos_id: int,
   adapters_of,
   rows: int | None = None,
+  cache: prefix_cache.PrefixCache | None = None,
 ) -> slots.SlotState:
   """Prefills `admissions` after the shared prefix and puts them into
   their slots: one prefill of `rows` rows (default `admit_rows`) per
-  group of prompts of the same length bucket."""
+  group of prompts of the same length bucket and cached start (only what
+  follows `Admission.looked_up`'s start is prefilled; the full pages of
+  what was go into the prefix `cache`)."""
   rows = rows or admit_rows(state.slots)
-  groups: dict[int, list[Admission]] = {}
+  groups: dict[tuple[int, int], list[Admission]] = {}
   for a in admissions:
-    groups.setdefault(prompt_bucket(a.prompt.size), []).append(a)
-  for time, group in sorted(groups.items()):
+    key = (prompt_bucket(a.prompt.size - a.cached), _head_key(a))
+    groups.setdefault(key, []).append(a)
+  for (time, _), group in sorted(groups.items()):
     for lo in range(0, len(group), rows):
       part = group[lo : lo + rows]
+      head, skip = part[0].head, part[0].cached
       lengths = np.zeros(rows, np.int32)
       tokens = np.zeros((rows, time), np.int32)
+      widest = max(a.prompt.size for a in part)
+      whole = np.zeros((rows, prompt_bucket(widest)), np.int32)
       slots_at = np.full(rows, state.slots, np.int32)  # padding: dropped
       ids = np.full(rows, -1, np.int32)
       for j, a in enumerate(part):
-        lengths[j] = a.prompt.size
-        tokens[j, : lengths[j]] = a.prompt
+        lengths[j] = a.prompt.size - skip
+        tokens[j, : lengths[j]] = a.prompt[skip:]
+        whole[j, : a.prompt.size] = a.prompt
         slots_at[j], ids[j] = a.slot, a.adapter_id
       ids = np.where(lengths > 0, ids, -1).astype(np.int32)
       result = engine.prefill(
-        caches,
-        prev,
+        caches if head is None else (*caches, head),
+        prev if head is None else None,
         Chunk(tokens=tokens, lengths=lengths),
         top_n=0,
         bos_id=bos_id,
@@ -304,34 +344,55 @@ def prefill_into(
       # Padding rows repeat the first admission's states (never used).
       fill = [part[min(j, len(part) - 1)].processor_state for j in range(rows)]
       processor_rows = jax.tree.map(lambda *s: np.concatenate(s, axis=0), *fill)
-      state = _admit(state, result, slots_at, lengths, processor_rows, tokens)
+      state = _admit(
+        state,
+        result,
+        slots_at,
+        np.where(lengths > 0, lengths + skip, 0).astype(np.int32),
+        processor_rows,
+        whole,
+        head,
+      )
+      for j, a in enumerate(part):
+        a.store(cache, result.kv_cache, j)
   return state
+
+
+def _head_key(a: Admission) -> int:
+  """Admissions with the same cached start share one prefill (-1: none)."""
+  return -1 if not a.cached else a.hit.key
 
 
 def stage(
   a: Admission, caches, prev, engine: Engine, bos_id: int, adapters_of, width
 ) -> long_prefill.Staged:
-  """`a`'s prompt, to be prefilled after the shared prefix one piece of
-  `width` columns at a time (chunked prefill)."""
+  """`a`'s prompt (after its cached start, if any), to be prefilled after
+  the shared prefix one piece of `width` columns at a time (chunked
+  prefill)."""
   run = functools.partial(
     engine.prefill,
     top_n=0,
     bos_id=bos_id,
     adapters=adapters_of(engine, np.int32([a.adapter_id])),
   )
+  rest = a.prompt[a.cached :]
   chunk = Chunk(
-    tokens=a.prompt[None].astype(np.int32), lengths=np.int32([a.prompt.size])
+    tokens=rest[None].astype(np.int32), lengths=np.int32([rest.size])
   )
+  if a.head is not None:
+    caches, prev = (*caches, a.head), None
   return long_prefill.Staged(run, caches, prev, chunk, width=width)
 
 
 def advance_staged(
   state: slots.SlotState,
   staged: dict[int, tuple[Admission, long_prefill.Staged]],
+  cache: prefix_cache.PrefixCache | None = None,
 ) -> tuple[slots.SlotState, int | None]:
   """One piece of the longest-held staged prompt (`staged`: by slot);
-  after its last, the prompt goes into its slot and leaves `staged`.
-  Returns the state and that slot (None while pieces remain)."""
+  after its last, the prompt goes into its slot and leaves `staged` (its
+  full pages into the prefix `cache`). Returns the state and that slot
+  (None while pieces remain)."""
   if not staged:
     return state, None
   slot, (a, pending) = next(iter(staged.items()))
@@ -346,7 +407,9 @@ def advance_staged(
     np.int32([a.prompt.size]),
     a.processor_state,
     a.prompt[None].astype(np.int32),
+    a.head,
   )
+  a.store(cache, result.kv_cache, 0)
   return state, slot
 
 

@@ -46,6 +46,7 @@ from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
 from chunkwise.inference import continuous, long_prefill, slots
+from chunkwise.inference import prefix_cache as prefix_cache_lib
 from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -128,8 +129,12 @@ class LiveSlots:
     admit_rows: int = 1,
     speculation: Speculation | None = None,
     piece: int | None = None,
+    prefix_cache: prefix_cache_lib.PrefixCache | None = None,
   ):
     h = hparams
+    # Full pages of prompts' K/V, shared by the requests that start alike
+    # (`prefix_cache`; its `stats` are the server's /metrics counters).
+    self.prefix_cache = prefix_cache
     # Prompts longer than this are prefilled one piece per step, their
     # slot held meanwhile (chunked prefill): the other slots keep decoding.
     self._piece = piece or long_prefill.SLOT_COLUMNS
@@ -319,7 +324,9 @@ class LiveSlots:
     steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
     self._admit_waiting()
-    self._state, _ = continuous.advance_staged(self._state, self._staged)
+    self._state, _ = continuous.advance_staged(
+      self._state, self._staged, self.prefix_cache
+    )
     live = np.array(
       [k is not None and s not in self._staged for s, k in enumerate(self._key)]
     )
@@ -362,7 +369,9 @@ class LiveSlots:
 
   def _free(self, s: int) -> None:
     self._key[s] = None
-    self._staged.pop(s, None)
+    a, _ = self._staged.pop(s, (None, None))
+    if a is not None and a.hit is not None:
+      self.prefix_cache.release(a.hit)
     self._grammars.give_back(int(self._grammar[s]))
     self._grammar[s] = 0
     self._budget[s] = 0
@@ -392,8 +401,8 @@ class LiveSlots:
         adapter_id=p.adapter_id,
         slot=s,
         processor_state=states,
-      )
-      if p.prompt.size > self._piece:
+      ).looked_up(self.prefix_cache)
+      if a.prompt.size - a.cached > self._piece:
         self._staged[s] = (
           a,
           continuous.stage(
@@ -419,6 +428,7 @@ class LiveSlots:
       self._bos_id,
       self._adapters,
       rows=self.admit_rows,
+      cache=self.prefix_cache,
     )
 
   def _collect(self, live: np.ndarray) -> list[SlotUpdate]:

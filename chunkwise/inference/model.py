@@ -25,7 +25,13 @@ from chunkwise import memory
 from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, continuous, live, long_prefill
+from chunkwise.inference import (
+  checks,
+  continuous,
+  live,
+  long_prefill,
+  prefix_cache,
+)
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import (
   AdapterSet,
@@ -486,6 +492,7 @@ class InferenceModel:
     prefix: Sequence[ChunkResult] = (),
     stop_width: int = live.STOP_WIDTH,
     speculation: Speculation | None = None,
+    prefix_cache_bytes: int = 0,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -508,7 +515,12 @@ class InferenceModel:
       speculation: a `cw.Speculation` (without `context`): each request
         drafts from its prompt and tokens; finished requests' updates
         carry their counts, `speculation_totals` all of them.
+      prefix_cache_bytes: keep up to this many bytes of K/V of prompts'
+        full pages (`inference/prefix_cache.py`): a request prefills only
+        what follows its longest cached start (0: no cache). Its counts
+        are the loop's `prefix_cache.stats`.
     """
+    cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
       checks.check_live(
         self._hparams,
@@ -540,6 +552,7 @@ class InferenceModel:
       prefix=prefix,
       stop_width=stop_width,
       piece=self._prefill_chunk,
+      prefix_cache=cache,
     )
 
   def generate_many(
@@ -556,6 +569,7 @@ class InferenceModel:
     progress: bool = False,
     trace=None,
     speculation: Speculation | None = None,
+    prefix_cache_bytes: int = 0,
   ) -> Iterator[continuous.RequestResult]:
     """Generates every request through `slots` rows (continuous batching):
     a finished row's slot takes the next waiting request.
@@ -583,6 +597,10 @@ class InferenceModel:
       speculation: a `cw.Speculation` (without `context`: each request
         drafts from its own prompt and tokens); each result's
         `speculation` has its counts.
+      prefix_cache_bytes: keep up to this many bytes of K/V of the
+        requests' full prompt pages during the call: a request prefills
+        only what follows its longest start cached by an earlier one
+        (`inference/prefix_cache.py`; 0: none).
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -605,6 +623,7 @@ class InferenceModel:
       adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
+    cache = prefix_cache.make(prefix_cache_bytes)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return continuous.run_many(
       call,
@@ -621,6 +640,7 @@ class InferenceModel:
       served=self._served,
       speculation=speculation,
       piece=self._prefill_chunk,
+      cache=cache,
     )
 
   def generate_stream(

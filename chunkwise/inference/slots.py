@@ -158,32 +158,51 @@ def admit(
   prompt_lengths: jax.Array,
   processor_rows: tuple,
   prompt_tokens: jax.Array | None = None,
+  head: KVCache | None = None,
 ) -> SlotState:
   """Puts prefilled prompts into slots (a global program, any placement).
 
   Args:
     state: the slots; those at `at` are free.
     prompts: the prefill result of a [rows, T] chunk of prompts (after the
-      shared prefix): its K/V fill columns [0, T) of the slots' buffers.
+      shared prefix and `head`): its K/V fill columns [h, h + T) of the
+      slots' buffers, h = head's length (0 without one).
     at: int32[rows]: each prompt's slot; `state.slots` for padding rows,
       whose writes are dropped.
-    prompt_lengths: int32[rows]: each prompt's tokens.
+    prompt_lengths: int32[rows]: each prompt's tokens (`head`'s included).
     processor_rows: each processor's initial state for these rows.
-    prompt_tokens: int32[rows, T], the prompts (with speculation: the
-      history its drafter searches).
+    prompt_tokens: int32[rows, n], the whole prompts (with speculation:
+      the history its drafter searches).
+    head: the cached start of every row's prompt (`prefix_cache`, batch
+      1): its K/V fill columns [0, h).
   """
-  time = prompts.kv_cache.k.shape[2]
-
-  def put(buffers, new):
-    return tuple(
-      b.at[at, :, :time].set(jnp.swapaxes(n, 1, 2).astype(b.dtype), mode="drop")
-      for b, n in zip(buffers, new, strict=True)
-    )
-
   cache = state.cache
+
+  def put(buffers, new, offset):
+    """Columns [offset, offset + width) of rows `at` set to `new` ([1 or
+    rows, width, kv_heads, head_dim] per layer), clipped to the buffer."""
+    width = min(new.shape[2], buffers[0].shape[2])
+    out = []
+    for b, n in zip(buffers, new[:, :, :width], strict=True):
+      n = jnp.swapaxes(n, 1, 2).astype(b.dtype)
+      n = jnp.broadcast_to(n, (at.size, *n.shape[1:]))
+      if offset is None:
+        out.append(b.at[at, :, :width].set(n, mode="drop"))
+      else:
+        cols = offset + jnp.arange(width)
+        out.append(
+          b.at[at[:, None], :, cols[None]].set(
+            jnp.swapaxes(n, 1, 2), mode="drop"
+          )
+        )
+    return tuple(out)
+
+  k, v, offset = cache.k, cache.v, None
+  if head is not None:
+    k, v, offset = put(k, head.k, None), put(v, head.v, None), head.lengths[0]
   cache = cache.replace(
-    k=put(cache.k, prompts.kv_cache.k),
-    v=put(cache.v, prompts.kv_cache.v),
+    k=put(k, prompts.kv_cache.k, offset),
+    v=put(v, prompts.kv_cache.v, offset),
     lengths=cache.lengths.at[at].set(prompt_lengths, mode="drop"),
   )
 
@@ -192,7 +211,7 @@ def admit(
 
   spec = state.spec
   if spec is not None:
-    width = min(time, spec.history.shape[1])
+    width = min(prompt_tokens.shape[1], spec.history.shape[1])
     zeros = jnp.zeros_like(at)
     spec = spec.replace(
       history=spec.history.at[at]

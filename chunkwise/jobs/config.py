@@ -224,10 +224,25 @@ class GenerateJob(Job):
   # Speculative decoding (`cw.Speculation`, no context: each sample drafts
   # from its prompt). It changes no token, so resuming ignores it.
   speculation: Speculation | None = None
+  # MiB of K/V of prompts' full pages kept during a continuous run: a
+  # prompt (or another sample of it) that starts like an earlier one
+  # prefills only the rest (`prefix_cache`; 0: none).
+  prefix_cache_mb: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     _positive("num_samples", self.num_samples)
+    mb = self.prefix_cache_mb
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+      raise ValueError(
+        f"prefix_cache_mb={mb!r}: expected a non-negative number of MiB "
+        "(0: no prefix cache)"
+      )
+    if mb and self.static_batching:
+      raise ValueError(
+        f"prefix_cache_mb={mb} needs continuous batching: drop "
+        "static_batching (a static batch prefills its prompts together)"
+      )
     if self.speculation is not None:
       if not isinstance(self.speculation, Speculation):
         raise ValueError(

@@ -233,6 +233,7 @@ def generate_items(
   stream: tuple[object, Callable[[str], None]] | None = None,
   speculation: Speculation | None = None,
   on_stats: Callable[[SpeculationStats], None] = lambda _: None,
+  prefix_cache_bytes: int = 0,
 ):
   """Continuous batching: every (prompt, sample index) of `work` through
   `model.generate_many` in `slots` rows, each running its example's
@@ -240,7 +241,8 @@ def generate_items(
   `prefix` is the job's `adapters.SharedPrefix` (or a prefix list every
   request continues); `stream=(example id, emit)` passes that example's
   first sample to `emit` when it finishes; `speculation` drafts from each
-  request's prompt, and `on_stats` gets each request's counts."""
+  request's prompt, and `on_stats` gets each request's counts; prompts
+  that start alike share `prefix_cache_bytes` of cached pages."""
   for group, prefix_list in _groups(prefix, work):
     requests = [
       Request(
@@ -261,6 +263,7 @@ def generate_items(
       budget_forcing=budget_forcing,
       capacity=capacity,
       speculation=speculation,
+      prefix_cache_bytes=prefix_cache_bytes,
     ):
       if r.speculation is not None:
         on_stats(r.speculation)
@@ -482,6 +485,7 @@ def run_generate(
       stream=(first, shown) if job.stream else None,
       speculation=job.speculation,
       on_stats=on_stats,
+      prefix_cache_bytes=job.prefix_cache_mb << 20,
     )
 
   continuous = not job.static_batching

@@ -10,7 +10,12 @@ clients (`scripts/serve.py`).
 """
 
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.engine import DEFAULT_BUSY_EVERY, DEFAULT_EVERY, Engine
+from chunkwise.serving.engine import (
+  DEFAULT_BUSY_EVERY,
+  DEFAULT_EVERY,
+  DEFAULT_PREFIX_CACHE_BYTES,
+  Engine,
+)
 from chunkwise.serving.http import Server
 from chunkwise.serving.launch import Background, serve
 from chunkwise.serving.stream import (
@@ -25,6 +30,7 @@ from chunkwise.serving.stream import (
 __all__ = [
   "DEFAULT_BUSY_EVERY",
   "DEFAULT_EVERY",
+  "DEFAULT_PREFIX_CACHE_BYTES",
   "ApiError",
   "Background",
   "Closed",

@@ -70,6 +70,8 @@ log = logging.getLogger("chunkwise.serving")
 # measured in README "Serving".
 DEFAULT_EVERY = 1
 DEFAULT_BUSY_EVERY = 8
+# K/V of cached prompt pages: 256 MiB holds ~11k tokens of SmolLM2 (f32).
+DEFAULT_PREFIX_CACHE_BYTES = 256 << 20
 _HEARTBEAT_S = 2.0  # an idle pod's process 0 shares an empty decision
 
 
@@ -98,6 +100,10 @@ class Engine:
     speculation: a `cw.Speculation` (no context: each request drafts from
       its prompt and tokens); tokens are unchanged, `speculation_totals`
       counts what finished requests drafted and accepted (/metrics).
+    prefix_cache_bytes: K/V of prompts' full pages kept for the requests
+      that start alike (a system prompt, a few-shot head): each prefills
+      only what follows its longest cached start; 0: none. Counted in
+      `prefix_cache_stats` (/metrics).
   """
 
   def __init__(
@@ -112,6 +118,7 @@ class Engine:
     max_queue: int = 256,
     on_finish: Callable[[TokenStream], None] | None = None,
     speculation=None,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
   ):
     if model.vocab is None:
       raise ValueError("serving needs a model with a vocabulary")
@@ -128,6 +135,7 @@ class Engine:
       every=max(every, busy_every),
       processors=(processors_lib.penalties(),),
       speculation=speculation,
+      prefix_cache_bytes=prefix_cache_bytes,
     )
     self._loop = self._make()
     self.speculation = self._loop.speculation  # checked, or None
@@ -152,6 +160,13 @@ class Engine:
       self._thread.start()
 
   # -- any thread -----------------------------------------------------------
+
+  @property
+  def prefix_cache_stats(self):
+    """The prefix cache's counts (`prefix_cache.Stats`), None without
+    one."""
+    cache = self._loop.prefix_cache
+    return None if cache is None else cache.stats
 
   @property
   def waiting(self) -> int:

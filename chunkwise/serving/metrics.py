@@ -197,6 +197,9 @@ class _Collector:
     yield g
     if engine.speculation is not None:
       yield from _speculation(m.model_id, engine.speculation_totals)
+    stats = engine.prefix_cache_stats
+    if stats is not None:
+      yield from _prefix_cache(m.model_id, stats)
 
 
 def _speculation(model_id: str, totals):
@@ -219,3 +222,36 @@ def _speculation(model_id: str, totals):
     c = CounterMetricFamily(name, doc, labels=["model_name"])
     c.add_metric([model_id], float(value))
     yield c
+
+
+def _prefix_cache(model_id: str, stats):
+  """vLLM's prefix cache counters (prompt tokens looked up and found), the
+  requests that found some or none, and what the cache holds."""
+  label = ["model_name"]
+  for name, doc, value in (
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up.", stats.queries),
+    ("vllm:prefix_cache_hits", "Prompt tokens found cached.", stats.hits),
+    (
+      "chunkwise_prefix_cache_evictions",
+      "Cached pages evicted.",
+      stats.evicted,
+    ),
+  ):
+    c = CounterMetricFamily(name, doc, labels=label)
+    c.add_metric([model_id], float(value))
+    yield c
+  c = CounterMetricFamily(
+    "chunkwise_prefix_cache_requests",
+    "Requests that found a cached start (hit) or none (miss).",
+    labels=["model_name", "result"],
+  )
+  c.add_metric([model_id, "hit"], float(stats.hit_requests))
+  c.add_metric([model_id, "miss"], float(stats.miss_requests))
+  yield c
+  for name, doc, value in (
+    ("chunkwise_prefix_cache_pages", "Pages cached.", stats.pages),
+    ("chunkwise_prefix_cache_bytes", "K/V bytes cached.", stats.bytes),
+  ):
+    g = GaugeMetricFamily(name, doc, labels=label)
+    g.add_metric([model_id], float(value))
+    yield g
