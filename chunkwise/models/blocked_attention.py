@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from chunkwise import numerics
+from chunkwise.models import schedule
 
 # Query rows per query block and keys per key block.
 BLOCK = 512
@@ -62,14 +63,18 @@ def _blocks(n: int) -> int:
 
 class _Piece:
   """One piece of context in key blocks: k, v [b, kv, S', D] (heads
-  major, padded to whole blocks), its rows' lengths, the first slot's
-  absolute position per query row (with a window), and whether it is the
-  chunk itself (causal)."""
+  major) or [b, S', kv, D] (time major, a `KVCache`'s order), padded to
+  whole blocks, its rows' lengths, the first slot's absolute position per
+  query row (with a window), and whether it is the chunk itself (causal).
+  A time-major piece is read as it is and each key block turned heads
+  major on its own: turning a 32k-token cache whole would copy it (2 GB
+  for Llama-3.2-1B, every layer's copy live at once)."""
 
-  def __init__(self, k, v, lengths, start, causal):
-    width = _blocks(k.shape[2]) * BLOCK
-    self.k = _pad_to(k, 2, width)
-    self.v = _pad_to(v, 2, width)
+  def __init__(self, k, v, lengths, start, causal, heads_major=True):
+    self.axis = 2 if heads_major else 1
+    width = _blocks(k.shape[self.axis]) * BLOCK
+    self.k = _pad_to(k, self.axis, width)
+    self.v = _pad_to(v, self.axis, width)
     self.b = k.shape[0]
     self.lengths = lengths
     self.start = start
@@ -86,10 +91,13 @@ class _Piece:
 
   def block(self, j):
     """Keys and values of key block j: [b, kv, BLOCK, D]."""
-    return tuple(
-      lax.dynamic_slice_in_dim(a, j * BLOCK, BLOCK, axis=2)
+    blocks = (
+      lax.dynamic_slice_in_dim(a, j * BLOCK, BLOCK, axis=self.axis)
       for a in (self.k, self.v)
     )
+    if self.axis == 2:
+      return tuple(blocks)
+    return tuple(jnp.swapaxes(a, 1, 2) for a in blocks)
 
   def mask(self, i, j, q_pos, batch, window):
     """bool [b, r, BLOCK, 1, 1, BLOCK]: which keys of block j the rows of
@@ -134,11 +142,13 @@ def attend(q, k, v, prefix, starts, q_positions, options, piece_fn):
   batch, time, kv_heads, group, dim = q.shape
   pieces = []
   for n, p in enumerate(prefix):
-    pk, pv = p.k, p.v
-    if not p.heads_major:
-      pk, pv = jnp.swapaxes(pk, 1, 2), jnp.swapaxes(pv, 1, 2)
     start = None if starts is None else starts[n]
-    pieces.append(_Piece(pk, pv, p.lengths, start, causal=False))
+    pk, pv = p.k, p.v
+    if not p.heads_major:  # a `KVCache`'s layer slice: copied in turn
+      pk, pv = schedule.after(q, (pk, pv))
+    pieces.append(
+      _Piece(pk, pv, p.lengths, start, False, heads_major=p.heads_major)
+    )
   pieces.append(
     _Piece(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), None, None, True)
   )

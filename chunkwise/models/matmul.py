@@ -34,6 +34,7 @@ from jax import lax
 
 from chunkwise import cpu_kernels, numerics
 from chunkwise.contract import contract, contract_dims
+from chunkwise.models import schedule
 from chunkwise.models.quantized import QArray
 
 # Rows (product of x's free dims) up to which the kernel runs: beyond, the
@@ -46,8 +47,15 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def plain(eq: str, x: jax.Array, w) -> jax.Array:
-  """The XLA twin: the weight cast (a QArray dequantized) to x's dtype."""
-  return contract(eq, x, w.astype(x.dtype))
+  """The XLA twin: the weight cast (a QArray dequantized) to x's dtype. On
+  the CPU a cast waits for x (`schedule.after`): else XLA casts every
+  layer's weights at once, before the first layer runs."""
+  cast = w.astype(x.dtype)
+  if jax.default_backend() == "cpu" and (
+    isinstance(w, QArray) or w.dtype != x.dtype
+  ):
+    cast = schedule.after(x, cast)
+  return contract(eq, x, cast)
 
 
 def _form(eq: str, x, w) -> bool | None:
