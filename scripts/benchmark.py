@@ -57,6 +57,7 @@ from chunkwise.bench import (
   timing,
 )
 from chunkwise.bench import numerics as bench_numerics
+from chunkwise.bench import slot_step as bench_slot_step
 from chunkwise.bench import speculation as bench_speculation
 from chunkwise.constraints import disk_cache
 from chunkwise.constraints import tables as constraint_tables
@@ -235,6 +236,14 @@ _CHUNKED_PIECE = flags.DEFINE_integer(
   0,
   "Columns per piece of --chunked_prefill_length (0: the model's default, "
   "chunkwise/inference/long_prefill.py).",
+  lower_bound=0,
+)
+_SLOT_STEP = flags.DEFINE_integer(
+  "slot_step_capacity",
+  0,
+  "Also time a decode step of the slot loop (--slots slots of this many "
+  "columns) against plain generate at the same batch and context "
+  "(chunkwise/bench/slot_step.py); 0: not run.",
   lower_bound=0,
 )
 _LONG_RUNS = flags.DEFINE_integer(
@@ -468,6 +477,17 @@ def run(argv: Sequence[str]) -> None:
     ):
       if flag.value < 1:
         raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+  if _SLOT_STEP.value:
+    try:
+      bench_slot_step.check(
+        _SLOTS.value,
+        _SLOT_STEP.value,
+        len(prompt),
+        h.max_len,
+        max(_RUNS.value, 1),
+      )
+    except ValueError as e:
+      raise app.UsageError(f"--slot_step_capacity: {e}") from None
   for name, flag, low in (
     ("adapters", _ADAPTERS, 0),
     ("adapter_rank", _ADAPTER_RANK, 1),
@@ -581,6 +601,15 @@ def run(argv: Sequence[str]) -> None:
         rounds=_SPECULATE_ROUNDS.value,
       )
       logging.info("%s speculation: %s", config["name"], config["speculation"])
+    if i == 0 and _SLOT_STEP.value:
+      config["slot_step"] = bench_slot_step.compare(
+        model,
+        prompt,
+        slots=_SLOTS.value,
+        capacity=_SLOT_STEP.value,
+        runs=max(_RUNS.value, 1),
+      )
+      logging.info("%s slot step: %s", config["name"], config["slot_step"])
     if _CHUNKED_PREFILL.value:
       config["chunked_prefill"] = bench_chunked.compare(
         model,
@@ -705,6 +734,11 @@ def run(argv: Sequence[str]) -> None:
       print(bench_continuous.table(config["continuous"]))
     if "adapters" in config:
       print(bench_adapters.table(config["adapters"]))
+    if "slot_step" in config:
+      print(
+        f"{config['name']}, "
+        + "\n".join(bench_slot_step.lines(config["slot_step"]))
+      )
     if "chunked_prefill" in config:
       print(
         f"{config['name']}, "

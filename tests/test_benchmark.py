@@ -281,6 +281,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--speculate_rounds=1",
     "--chunked_prefill_length=40",
     "--chunked_prefill_piece=16",
+    "--slot_step_capacity=192",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -303,6 +304,12 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert chunked["schedules"]["pieces"]["piece"] == 16
   assert all(r["itl_p99_ms"] > 0 for r in chunked["schedules"].values())
   assert "p99 whole / pieces" in result.stdout
+  # --slot_step_capacity: both step costs, 3 slots of 192 columns.
+  step = data["configs"][0]["slot_step"]
+  assert (step["slots"], step["capacity"]) == (3, 192)
+  assert step["generate_ms"] > 0 and step["slots_ms"] > 0
+  assert len(step["slots_runs_ms"]) == 2 * len(step["generate_runs_ms"]) == 4
+  assert "slot loop" in result.stdout
   # --numerics: both modes timed side by side; invariant rows do not drift.
   for c in data["configs"][::3]:
     report = c["numerics"]
@@ -452,6 +459,8 @@ def test_long_prompt_flags_are_checked_first(tmp_path):
     (["--long_prompt_lengths=0"], "not a positive integer"),
     (["--long_prompt_lengths=8", "--long_prompt_sides=vllm"], "expected a"),
     (["--long_prompt_lengths=99999"], "exceed the model's max_len"),
+    (["--slot_step_capacity=40"], "--slot_step_capacity: capacity=40"),
+    (["--slot_step_capacity=9999"], "within the model's max_len"),
   ]:
     result = _run(tmp_path, "--model=random:tiny", *flags)
     assert result.returncode == 1, result.stderr
