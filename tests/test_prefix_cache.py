@@ -139,7 +139,8 @@ def _shared_start(vocab, n, *, start=40, seed=0):
   systems = [rng.integers(3, vocab, start).tolist() for _ in range(2)]
   out = []
   for i in range(n):
-    tail = rng.integers(3, vocab, int(rng.choice([1, 5, 13]))).tolist()
+    n = 8 if i == 5 else int(rng.choice([1, 5, 13]))  # 5: whole pages
+    tail = rng.integers(3, vocab, n).tolist()
     tokens = systems[i % 2] + (tail if i % 4 else [7, 8, 9])
     out.append(
       cw.Request(
@@ -211,6 +212,21 @@ def test_generate_many_with_a_prefix_cache_equals_generate_alone(
   }
   _check(got, want)
   assert seen[:3] == [0, 0, 0] and seen[3:] == [40] * 7, seen
+  # A cap of 5 pages (one start's): the two starts evict each other, and
+  # every request is still `generate` alone.
+  del seen[:]
+  page = 2 * PAGE * tiny.hparams.kv_heads * tiny.hparams.head_dim * 4
+  got = {
+    r.index: (r.tokens, r.per_token_scores)
+    for r in tiny.generate_many(
+      requests,
+      slots=3,
+      every=3,
+      prefix_cache_bytes=5 * page * tiny.hparams.layers,
+    )
+  }
+  _check(got, want)
+  assert 0 < seen.count(40) < 7 and seen.count(0) > 3, seen
 
 
 def test_live_slots_with_a_prefix_cache(monkeypatch, tiny, shared):
@@ -262,12 +278,22 @@ def test_live_slots_with_a_prefix_cache(monkeypatch, tiny, shared):
   assert not loop.busy
   chain = sorted(loop.prefix_cache._pages.values(), key=lambda p: p.id)
   assert all(p.refs == sum(q.parent is p for q in chain) for p in chain)
+  # The pages `long` stored after its hit (offset 40) are read back.
+  again = cw.Request(tokens=[*long.tokens, 5, 6, 7], sample_id=52, steps=5)
+  hits = loop.prefix_cache.stats.hits
+  loop.add("again", loop.prepare(again))
+  tokens = []
+  while loop.busy:
+    tokens += [t for u in loop.step() for t in u.tokens.tolist()]
+  assert loop.prefix_cache.stats.hits - hits == 64
+  np.testing.assert_array_equal(tokens, _alone(model, again)[0])
 
 
 def test_prefix_cache_on_a_mesh_and_after_a_shared_prefix(tiny, seen):
   """A (2, 2, 2) mesh (ws_2d), requests after a shared `prefix` chunk and
-  with speculation (its drafter's history is the whole prompt): the same
-  tokens with the cache as without it."""
+  with speculation (its drafter's history is the whole prompt, so it
+  drafts and accepts alike): the same tokens and speculation counts with
+  the cache as without it."""
   mesh = make_mesh((2, 2, 2), jax.devices()[:8])
   model = cw.InferenceModel(
     tiny.hparams, tiny.weights, tiny.vocab, mesh=mesh, layout="ws_2d"
@@ -278,7 +304,7 @@ def test_prefix_cache_on_a_mesh_and_after_a_shared_prefix(tiny, seen):
   for size in (0, 1 << 20):
     runs.append(
       {
-        r.index: r.tokens.tolist()
+        r.index: (r.tokens.tolist(), r.speculation)
         for r in model.generate_many(
           requests,
           slots=2,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from chunkwise.models import schedule
-from chunkwise.models.matmul import plain
+from chunkwise.models.matmul import AFTER_ROWS, plain
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -30,7 +30,7 @@ def test_casts_wait_for_their_layer():
   hold about one cast weight, not sixteen."""
   layers, d = 16, 256
   weights = [jax.ShapeDtypeStruct((d, 4 * d), jnp.bfloat16)] * layers
-  x = jax.ShapeDtypeStruct((64, d), jnp.float32)
+  x = jax.ShapeDtypeStruct((AFTER_ROWS, d), jnp.float32)
   one = d * 4 * d * 4  # bytes of one weight cast to f32
 
   def forward(matmul):
@@ -88,3 +88,21 @@ def test_blocked_attention_copies_one_layer_of_a_long_cache_at_a_time(
   ).compile()
   layer = 2 * width * h.kv_heads * h.head_dim * 4  # k and v, one layer
   assert compiled.memory_analysis().temp_size_in_bytes < 3 * layer
+
+
+def test_decode_sized_casts_stay_hoisted_out_of_loops():
+  """Fewer than `AFTER_ROWS` rows (decode): the cast is not tied to x, so
+  XLA keeps it out of a loop's body (made once per call) instead of a
+  select over the cast weight at every step; a prefill's is tied."""
+  w = jnp.ones((8, 8), jnp.bfloat16)
+
+  def primitives(rows):
+    x = jnp.ones((rows, 8), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda x, w: plain("bd,de->be", x, w))(x, w)
+    return {e.primitive.name for e in jaxpr.jaxpr.eqns}
+
+  if jax.default_backend() != "cpu":
+    pytest.skip("the tie is XLA:CPU's")
+  assert "bitcast_convert_type" not in primitives(16)
+  assert "bitcast_convert_type" not in primitives(AFTER_ROWS - 1)
+  assert "bitcast_convert_type" in primitives(AFTER_ROWS)

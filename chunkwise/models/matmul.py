@@ -44,15 +44,26 @@ from chunkwise.models.quantized import QArray
 # at 4; not a script in this repository).
 MAX_ROWS = 16
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Rows from which `plain` casts a weight in its layer's turn (see there).
+AFTER_ROWS = 256
 
 
 def plain(eq: str, x: jax.Array, w) -> jax.Array:
-  """The XLA twin: the weight cast (a QArray dequantized) to x's dtype. On
-  the CPU a cast waits for x (`schedule.after`): else XLA casts every
-  layer's weights at once, before the first layer runs."""
+  """The XLA twin: the weight cast (a QArray dequantized) to x's dtype.
+
+  On the CPU, a matmul of at least `AFTER_ROWS` rows (a prefill's) casts
+  its weight only once x is there (`schedule.after`): else XLA casts every
+  layer's weights at the program's start, all live at once. Fewer rows
+  (decode, inside a loop) keep XLA's cast hoisted out of the loop, made
+  once per call: tied to x, it would be a select over the cast weight at
+  every step."""
   cast = w.astype(x.dtype)
-  if jax.default_backend() == "cpu" and (
-    isinstance(w, QArray) or w.dtype != x.dtype
+  lhs = contract_dims(eq)[0]
+  rows = math.prod(n for d, n in enumerate(x.shape) if d not in lhs)
+  if (
+    jax.default_backend() == "cpu"
+    and (isinstance(w, QArray) or w.dtype != x.dtype)
+    and rows >= AFTER_ROWS
   ):
     cast = schedule.after(x, cast)
   return contract(eq, x, cast)
