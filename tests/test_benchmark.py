@@ -281,7 +281,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--speculate_rounds=1",
     "--chunked_prefill_length=40",
     "--chunked_prefill_piece=16",
-    "--slot_step_capacity=192",
+    "--slot_step_capacity=128",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -304,9 +304,9 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert chunked["schedules"]["pieces"]["piece"] == 16
   assert all(r["itl_p99_ms"] > 0 for r in chunked["schedules"].values())
   assert "p99 whole / pieces" in result.stdout
-  # --slot_step_capacity: both step costs, 3 slots of 192 columns.
+  # --slot_step_capacity: both step costs, 3 slots of 128 columns.
   step = data["configs"][0]["slot_step"]
-  assert (step["slots"], step["capacity"]) == (3, 192)
+  assert (step["slots"], step["capacity"]) == (3, 128)
   assert step["generate_ms"] > 0 and step["slots_ms"] > 0
   assert len(step["slots_runs_ms"]) == 2 * len(step["generate_runs_ms"]) == 4
   assert "slot loop" in result.stdout

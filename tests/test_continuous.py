@@ -272,7 +272,6 @@ def test_smollm2_three_devices_match_generate_alone():
     "Q: 3+3? A:",
     "Q: What is the capital of France? A:",
     " Q: Name a colour. A:",
-    "Q: 10-1? A:",
   ]
   requests = [
     cw.Request(

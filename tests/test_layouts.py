@@ -172,6 +172,10 @@ def _collective_grid():
       layouts = [name for name in layouts if name != "ws_1d"]
     for layout in _distinct(shape, layouts):
       for variant in VARIANTS:
+        if shape == (8, 1, 1) and layout == "wg" and variant == "throughput":
+          # wg's throughput form (shards in halves) runs on 2x2x2, its
+          # ring of 8 in the latency form here: CI time.
+          continue
         name = "x".join(map(str, shape))
         yield pytest.param(
           shape, layout, variant, id=f"{name}-{layout}-{variant}"
