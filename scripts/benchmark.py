@@ -57,6 +57,7 @@ from chunkwise.bench import (
   timing,
 )
 from chunkwise.bench import numerics as bench_numerics
+from chunkwise.bench import paged as bench_paged
 from chunkwise.bench import slot_step as bench_slot_step
 from chunkwise.bench import speculation as bench_speculation
 from chunkwise.constraints import disk_cache
@@ -222,6 +223,22 @@ _LONG_PROMPT = flags.DEFINE_list(
   "(key-blocked attention, a long chunk in pieces) against its one-chunk "
   "twin and transformers, each in its own process for its peak RSS "
   "(chunkwise/bench/long_prompts.py); writes --output and exits.",
+)
+_PAGED_SLOTS = flags.DEFINE_integer(
+  "paged_slots",
+  0,
+  "Also run the --continuous workload through --slots fixed slots against "
+  "this many slots sharing the same K/V memory in pages (generate_many's "
+  "kv_pages; chunkwise/bench/continuous.py); 0: not run.",
+  lower_bound=0,
+)
+_PAGED_ATTENTION = flags.DEFINE_list(
+  "paged_attention_contexts",
+  [],
+  "Also time one layer's decode attention of --slots rows over a paged "
+  "K/V pool holding these many columns per row: the Pallas GPU kernel "
+  "against the plain view (chunkwise/bench/paged.py; the kernel on a GPU "
+  "only).",
 )
 _CHUNKED_PREFILL = flags.DEFINE_integer(
   "chunked_prefill_length",
@@ -477,6 +494,11 @@ def run(argv: Sequence[str]) -> None:
     ):
       if flag.value < 1:
         raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
+  for c in _PAGED_ATTENTION.value:
+    if not c.isdigit() or int(c) < 1:
+      raise app.UsageError(
+        f"--paged_attention_contexts: {c!r} is not a count of columns >= 1"
+      )
   if _SLOT_STEP.value:
     try:
       bench_slot_step.check(
@@ -601,6 +623,14 @@ def run(argv: Sequence[str]) -> None:
         rounds=_SPECULATE_ROUNDS.value,
       )
       logging.info("%s speculation: %s", config["name"], config["speculation"])
+    if i == 0 and _PAGED_ATTENTION.value:
+      config["paged_attention"] = bench_paged.compare(
+        h,
+        rows=_SLOTS.value,
+        contexts=[int(c) for c in _PAGED_ATTENTION.value],
+        runs=max(_RUNS.value, 1),
+      )
+      logging.info("paged attention: %s", config["paged_attention"])
     if i == 0 and _SLOT_STEP.value:
       config["slot_step"] = bench_slot_step.compare(
         model,
@@ -658,6 +688,21 @@ def run(argv: Sequence[str]) -> None:
         model, prompt, requests, slots=_SLOTS.value, runs=_RUNS.value
       )
       logging.info("%s continuous: %s", config["name"], config["continuous"])
+    if i == 0 and _PAGED_SLOTS.value:
+      config["paged"] = bench_continuous.compare_paged(
+        model,
+        prompt,
+        bench_continuous.workload(
+          model,
+          _CONTINUOUS_REQUESTS.value,
+          long=_CONTINUOUS_LONG.value,
+          seed=_SEED.value,
+        ),
+        slots=_SLOTS.value,
+        paged_slots=_PAGED_SLOTS.value,
+        runs=max(_RUNS.value, 1),
+      )
+      logging.info("%s paged: %s", config["name"], config["paged"])
     if i == 0 and _ADAPTERS.value:
       config["adapters"] = bench_adapters.compare(
         model,
@@ -734,6 +779,10 @@ def run(argv: Sequence[str]) -> None:
       print(bench_continuous.table(config["continuous"]))
     if "adapters" in config:
       print(bench_adapters.table(config["adapters"]))
+    if "paged" in config:
+      print(bench_continuous.paged_table(config["paged"]))
+    if "paged_attention" in config:
+      print("\n".join(bench_paged.lines(config["paged_attention"])))
     if "slot_step" in config:
       print(
         f"{config['name']}, "

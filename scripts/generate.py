@@ -108,6 +108,15 @@ _STATIC_BATCHING = flags.DEFINE_bool(
   "(before continuous batching, the only way; --stream then prints the "
   "first sample as it grows, not when it finishes).",
 )
+_KV_PAGES = flags.DEFINE_integer(
+  "kv_pages",
+  0,
+  "Hold the slots' K/V in one pool of this many pages (paged K/V, one "
+  "device): samples are admitted as their pages fit, so --slots can exceed "
+  "what fixed rows of the longest sample's columns would fit (0: fixed "
+  "slots).",
+  lower_bound=0,
+)
 _PREFIX_CACHE_MB = flags.DEFINE_integer(
   "prefix_cache_mb",
   0,
@@ -168,6 +177,7 @@ def generate() -> None:
     static_batching=_STATIC_BATCHING.value,
     speculation=SPECULATE.speculation(),
     prefix_cache_mb=_PREFIX_CACHE_MB.value,
+    kv_pages=_KV_PAGES.value,
   )
   cli.report(run_generate(job))
 

@@ -102,6 +102,16 @@ _PREFIX_CACHE_MB = flags.DEFINE_integer(
   "start (0: no prefix cache). Hits and misses are in /metrics.",
   lower_bound=0,
 )
+_KV_PAGES = flags.DEFINE_integer(
+  "kv_pages",
+  0,
+  "Hold the slots' K/V in one pool of this many pages of 32 columns "
+  "(paged K/V, one device; at least --max_total_tokens / 32): --slots may "
+  "then exceed what fixed rows of --max_total_tokens columns fit, requests "
+  "taking a slot as their pages fit (0: fixed slots). Use and preemptions "
+  "are in /metrics.",
+  lower_bound=0,
+)
 _MODEL_ID = flags.DEFINE_string(
   "model_id", None, "The base model's name in the APIs (default: --model)."
 )
@@ -133,6 +143,7 @@ def main(argv):
       max_queue=_MAX_QUEUE.value,
       speculation=SPECULATE.speculation(),
       prefix_cache_bytes=_PREFIX_CACHE_MB.value << 20,
+      kv_pages=_KV_PAGES.value,
     )
   except ValueError as e:
     cli.fail(str(e))

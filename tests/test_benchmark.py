@@ -282,6 +282,8 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--chunked_prefill_length=40",
     "--chunked_prefill_piece=16",
     "--slot_step_capacity=128",
+    "--paged_slots=6",
+    "--paged_attention_contexts=64",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -304,6 +306,17 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert chunked["schedules"]["pieces"]["piece"] == 16
   assert all(r["itl_p99_ms"] > 0 for r in chunked["schedules"].values())
   assert "p99 whole / pieces" in result.stdout
+  # --paged_slots: 6 slots sharing the K/V of 3 fixed ones, the same
+  # tokens; more requests held at once.
+  paged = data["configs"][0]["paged"]
+  assert paged["workload"]["kv_columns"] == 3 * paged["workload"]["capacity"]
+  assert paged["fixed"]["tokens"] == paged["paged"]["tokens"] > 0
+  assert paged["fixed"]["held_max"] == 3 < paged["paged"]["held_max"] <= 6
+  assert paged["speedup"] > 0 and "paged / fixed" in result.stdout
+  # --paged_attention_contexts: the plain view timed (no GPU here).
+  (row,) = data["configs"][0]["paged_attention"]
+  assert (row["rows"], row["context"]) == (3, 64) and row["view_ms"] > 0
+  assert "kernel_ms" not in row and "paged decode attention" in result.stdout
   # --slot_step_capacity: both step costs, 3 slots of 128 columns.
   step = data["configs"][0]["slot_step"]
   assert (step["slots"], step["capacity"]) == (3, 128)
@@ -417,6 +430,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     ("--weights=float16", "--weights=float16: expected a list of"),
     ("--constraints=yaml", "--constraints=yaml: expected a list of"),
     ("--numerics=exact", "--numerics=exact: expected a list of"),
+    ("--paged_attention_contexts=0", "'0' is not a count of columns"),
     ("--prefill_lengths=9999", "9999 tokens"),
     ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
     ("--model=random:nope", "unknown preset 'nope'"),

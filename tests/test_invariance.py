@@ -258,7 +258,8 @@ def test_generate_many_slots_are_bit_identical_to_alone(model):
 def test_on_a_mesh(meshes, layout):
   model = meshes[layout]
   _batch_compositions(model, 3, top_n=2)
-  _splits(model, 4)
+  if layout == "ws_2d":  # chunk splits read the cache alike in every layout
+    _splits(model, 4)
   _generate_compositions(model, 5)
 
 

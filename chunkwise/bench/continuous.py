@@ -126,25 +126,43 @@ def run_static(
   return _summary("static", total, tokens, ran * slots, first, done)
 
 
-def run_continuous(model, prefix, requests, slots: int, capacity=None) -> dict:
+def run_continuous(
+  model, prefix, requests, slots: int, capacity=None, kv_pages=0, every=64
+) -> dict:
   start = time.perf_counter()
   first, done, tokens, steps = {}, {}, 0, [0]
+  held, preempted = [], [0]
 
   def trace(event, values):
     now = time.perf_counter() - start
     if event == "steps":
       steps[0] += values[0]
-      return
-    for i in values:
-      first[i] = now
+    elif event == "held":
+      held.append(values[0])
+    elif event == "preempted":
+      preempted[0] += len(values)
+    else:
+      for i in values:
+        first[i] = now
 
   for r in model.generate_many(
-    requests, slots=slots, prefix=prefix, trace=trace, capacity=capacity
+    requests,
+    slots=slots,
+    prefix=prefix,
+    trace=trace,
+    capacity=capacity,
+    kv_pages=kv_pages,
+    every=every,
   ):
     done[r.index] = time.perf_counter() - start
     tokens += r.tokens.shape[0]
   total = time.perf_counter() - start
-  return _summary("continuous", total, tokens, steps[0] * slots, first, done)
+  mode = f"paged x{slots}" if kv_pages else "continuous"
+  return _summary(mode, total, tokens, steps[0] * slots, first, done) | {
+    "held_max": max(held, default=0),
+    "held_mean": float(np.mean(held)) if held else 0.0,
+    "preempted": preempted[0],
+  }
 
 
 def _summary(mode, total, tokens, slot_steps, first, done) -> dict:
@@ -212,19 +230,100 @@ def compare(
     },
     "runs": runs,
   }
+  out |= _side_by_side(timed, "static", "continuous")
+  out["programs_compiled"] = _programs(model) - before
+  return out
+
+
+def _side_by_side(timed: dict, base: str, other: str) -> dict:
+  """Each mode's median run (by tokens/s, with every run's), and the
+  median of `other` / `base` tokens/s over runs made side by side."""
+  out = {}
   for mode, rows in timed.items():
     middle = sorted(rows, key=lambda r: r["tokens_per_s"])[len(rows) // 2]
     out[mode] = middle | {
       "tokens_per_s_runs": [r["tokens_per_s"] for r in rows]
     }
   ratios = [
-    c["tokens_per_s"] / s["tokens_per_s"]
-    for s, c in zip(timed["static"], timed["continuous"], strict=True)
+    b["tokens_per_s"] / a["tokens_per_s"]
+    for a, b in zip(timed[base], timed[other], strict=True)
   ]
   out["speedup"] = statistics.median(ratios)
   out["speedup_runs"] = ratios
-  out["programs_compiled"] = _programs(model) - before
   return out
+
+
+def compare_paged(
+  model: InferenceModel,
+  prompt: Sequence[int],
+  requests: Sequence[Request],
+  *,
+  slots: int,
+  paged_slots: int,
+  runs: int = 1,
+  every: int = 16,
+) -> dict:
+  """Fixed slots against a paged pool of the same K/V memory: `slots`
+  slots of the workload's capacity, and `paged_slots` slots sharing
+  slots * capacity columns in pages (`generate_many(kv_pages=)`), side by
+  side `runs` times after a warm-up of each; medians, with requests held
+  at once (per segment) and preemptions."""
+  from chunkwise.inference.paged_kv import PAGE
+
+  chunk = Chunk(
+    tokens=np.asarray([prompt], np.int32),
+    lengths=np.array([len(prompt)], np.int32),
+  )
+  prefix = [model.prefill(chunk)]
+  requests = list(requests)
+  capacity = continuous_lib.slot_capacity(requests)
+  pages = slots * capacity // PAGE
+  modes = {
+    "fixed": dict(slots=slots),
+    "paged": dict(slots=paged_slots, kv_pages=pages),
+  }
+  warm = [dataclasses.replace(r, steps=2) for r in requests[:paged_slots]]
+  for kw in modes.values():
+    run_continuous(model, prefix, warm, capacity=capacity, every=every, **kw)
+  timed = {mode: [] for mode in modes}
+  for _ in range(runs):
+    for mode, kw in modes.items():
+      timed[mode].append(
+        run_continuous(
+          model, prefix, requests, capacity=capacity, every=every, **kw
+        )
+      )
+  out = {
+    "workload": {
+      "requests": len(requests),
+      "capacity": capacity,
+      "kv_columns": slots * capacity,
+      "pages": pages,
+      "every": every,
+    },
+    "runs": runs,
+  }
+  return out | _side_by_side(timed, "fixed", "paged")
+
+
+def paged_table(result: dict) -> str:
+  w = result["workload"]
+  lines = [
+    f"paged K/V: {w['requests']} requests, {w['kv_columns']} K/V columns "
+    f"({w['pages']} pages) either way, capacity {w['capacity']}, every "
+    f"{w['every']}, median of {result['runs']} run(s)",
+    "mode     slots  held max/mean  preempted   tok/s  TTFT p50 s",
+  ]
+  for mode in ("fixed", "paged"):
+    r = result[mode]
+    slots = r["mode"].split("x")[-1] if mode == "paged" else "-"
+    lines.append(
+      f"{mode:<8} {slots:>5}  {r['held_max']:4d} / {r['held_mean']:5.1f}"
+      f"  {r['preempted']:9d}  {r['tokens_per_s']:6.1f}  "
+      f"{r['ttft_s']['p50']:9.1f}"
+    )
+  lines.append(f"paged / fixed: {result['speedup']:.2f}x tokens/s")
+  return "\n".join(lines)
 
 
 def table(result: dict) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -37,7 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.configs import HParams
-from chunkwise.inference import long_prefill, prefix_cache, slots
+from chunkwise.inference import (
+  long_prefill,
+  page_table,
+  paged_kv,
+  prefix_cache,
+  slots,
+)
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engine import Engine, prefix_inputs
 from chunkwise.inference.results import ChunkResult
@@ -93,6 +100,17 @@ def _admit(state, prompts, at, lengths, rows, tokens, head=None):
   return _ADMIT[key](state, prompts, at, lengths, rows, tokens, head)
 
 
+_VACATE = jax.jit(slots.vacate, donate_argnums=0)
+
+
+def with_table(state: slots.SlotState, pool: page_table.Pages | None):
+  """`state` with the pool's page table (a paged pool) on device."""
+  if pool is None:
+    return state
+  table = replicated_like(state, pool.table())
+  return state.replace(cache=state.cache.replace(table=table))
+
+
 def run_many(
   call: _Checked,
   prefix: tuple[ChunkResult, ...],
@@ -110,6 +128,7 @@ def run_many(
   speculation=None,
   piece: int | None = None,
   cache: prefix_cache.PrefixCache | None = None,
+  pages: int = 0,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
@@ -119,13 +138,22 @@ def run_many(
   `long_prefill.SLOT_COLUMNS`) is prefilled one piece per segment, its
   slot held meanwhile (chunked prefill: the other slots keep decoding).
   With a prefix `cache`, a prompt prefills only what follows its longest
-  cached start (`prefix_cache`), and its full pages are stored there."""
+  cached start (`prefix_cache`), and its full pages are stored there.
+
+  With `pages`, the slots' K/V are one pool of that many pages
+  (`paged_kv`): a request is admitted when its prompt's pages and its next
+  segment's fit, and before each segment every running request gets the
+  pages its next `every` steps may fill; where they don't fit, the
+  requests admitted last are preempted, to be run again from their
+  prompts when pages free up (the same tokens: a request's result never
+  depends on its neighbours or when it ran)."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
 
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
+  paging = {"pages": pages, "page": paged_kv.PAGE} if pages else {}
   state = generate_engine.slot_init(
     caches,
     slots=slots_n,
@@ -133,7 +161,18 @@ def run_many(
     steps=call.capacity,
     top_n=top_n,
     vocab=hparams.vocab,
+    **paging,
   )
+  pool = None
+  if pages:
+    pool = page_table.Pages(
+      pages=pages, page=paged_kv.PAGE, slots=slots_n, columns=call.capacity
+    )
+  # Columns a segment may add to a running request.
+  ahead = every * (1 + (speculation.k if speculation is not None else 0))
+  admitted = {}  # slot -> admission count (the latest is preempted first)
+  tick = itertools.count()
+  generated = np.zeros(slots_n, np.int64)
   # Free slots hold request 0's initial processor states.
   state = state.replace(
     processor_states=replicated_like(
@@ -164,10 +203,32 @@ def run_many(
   bar = _progress_bar(n, progress)
   try:
     while waiting or (occupant >= 0).any() or staged:
+      if pool is not None:
+        running = np.flatnonzero(occupant >= 0)
+        preempted = pool.make_room(
+          {
+            int(s): call.prompts[occupant[s]].size + int(generated[s]) + ahead
+            for s in running
+          },
+          admitted,
+        )
+        for s in preempted:
+          waiting.appendleft(int(occupant[s]))
+          occupant[s] = -1
+        if preempted:
+          state = _VACATE(state, replicated_like(state, np.int32(preempted)))
+          if trace is not None:
+            trace("preempted", [waiting[j] for j in range(len(preempted))])
       free = [s for s in np.flatnonzero(occupant < 0) if s not in staged]
       take = []
       while waiting and free:
+        i = waiting[0]
+        if pool is not None and not pool.reserve(
+          int(free[0]), call.prompts[i].size + ahead
+        ):
+          break  # in order: the next request waits for pages
         i, slot = waiting.popleft(), int(free.pop(0))
+        admitted[slot] = next(tick)
         a = admission(i, slot).looked_up(cache)
         if a.prompt.size - a.cached > piece:
           staged[slot] = (
@@ -177,6 +238,7 @@ def run_many(
           held[slot] = i
         else:
           take.append((i, a))
+      state = with_table(state, pool)
       if take:
         state = prefill_into(
           state,
@@ -212,6 +274,7 @@ def run_many(
       if trace is not None:
         if take:
           trace("first_token", take)
+        trace("held", [int((occupant >= 0).sum())])
         ran = np.where(occupant >= 0, generated - before, 0)
         trace("steps", [int(ran.max(initial=0))])
         before = generated.copy()
@@ -233,6 +296,8 @@ def run_many(
           speculation=None if state.spec is None else state.spec.stats(s),
         )
         occupant[s] = -1
+        if pool is not None:
+          pool.release(s)
         bar.update(1)
   finally:
     bar.close()

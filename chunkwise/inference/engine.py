@@ -158,7 +158,15 @@ class ReferenceEngine:
     self._run = jax.jit(traced(generate.run), donate_argnames=("state",))
     self._slot_init = jax.jit(
       traced(slots_lib.init),
-      static_argnames=("slots", "capacity", "steps", "top_n", "vocab"),
+      static_argnames=(
+        "slots",
+        "capacity",
+        "steps",
+        "top_n",
+        "vocab",
+        "pages",
+        "page",
+      ),
     )
     self._slot_run = jax.jit(traced(slots_lib.run), donate_argnames=("state",))
     self._spec_run, self._spec_slot_run = (

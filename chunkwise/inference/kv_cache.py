@@ -99,6 +99,11 @@ class LayerKV:
     zeros = tuple(jnp.zeros(shape, like.dtype) for _ in range(layers))
     return cls(k=zeros, v=zeros, lengths=jnp.zeros((rows,), jnp.int32))
 
+  @property
+  def columns(self) -> int:
+    """Columns per row."""
+    return self.k[0].shape[2]
+
   def layer(self, i: int) -> PrefixLayer:
     """Layer i, as attention reads it (in place)."""
     return PrefixLayer(self.k[i], self.v[i], self.lengths, heads_major=True)
@@ -127,6 +132,31 @@ class LayerKV:
         b.at[rows, :, cols].set(n.astype(b.dtype), mode="drop")
         for b, n in zip(buffers, new, strict=True)
       )
+
+    return self.replace(k=put(self.k, k), v=put(self.v, v))
+
+  def put_rows(self, k, v, rows: jax.Array, offset=None) -> LayerKV:
+    """Columns [offset, offset + W) of rows `rows` set to k, v ([layers, 1
+    or len(rows), W, kv_heads, head_dim], clipped to the buffer; `offset`
+    None: 0, static, may be traced); rows past the buffer are dropped (an
+    admission's padding rows)."""
+    width = min(k.shape[2], self.k[0].shape[2])
+
+    def put(buffers, new):
+      out = []
+      for b, n in zip(buffers, new[:, :, :width], strict=True):
+        n = jnp.swapaxes(n, 1, 2).astype(b.dtype)
+        n = jnp.broadcast_to(n, (rows.size, *n.shape[1:]))
+        if offset is None:
+          out.append(b.at[rows, :, :width].set(n, mode="drop"))
+        else:
+          cols = offset + jnp.arange(width)
+          out.append(
+            b.at[rows[:, None], :, cols[None]].set(
+              jnp.swapaxes(n, 1, 2), mode="drop"
+            )
+          )
+      return tuple(out)
 
     return self.replace(k=put(self.k, k), v=put(self.v, v))
 

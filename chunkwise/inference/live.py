@@ -45,7 +45,13 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
-from chunkwise.inference import continuous, long_prefill, slots
+from chunkwise.inference import (
+  continuous,
+  long_prefill,
+  page_table,
+  paged_kv,
+  slots,
+)
 from chunkwise.inference import prefix_cache as prefix_cache_lib
 from chunkwise.inference.continuous import Admission, Request
 from chunkwise.inference.engine import Engine, prefix_inputs
@@ -130,6 +136,7 @@ class LiveSlots:
     speculation: Speculation | None = None,
     piece: int | None = None,
     prefix_cache: prefix_cache_lib.PrefixCache | None = None,
+    kv_pages: int = 0,
   ):
     h = hparams
     # Full pages of prompts' K/V, shared by the requests that start alike
@@ -171,6 +178,18 @@ class LiveSlots:
     )
     self._loop_forms = procs[:-1]
     self._caches, self._prev = prefix_inputs(prefix)
+    # With `kv_pages`, the slots' K/V are one pool of pages (`paged_kv`):
+    # a request takes a slot once its pages fit, and running requests that
+    # outgrow the pool preempt the latest admitted (`page_table`), which
+    # runs again later and reports only the tokens it had not reported.
+    self.pages = None
+    paging = {}
+    if kv_pages:
+      self.pages = page_table.Pages(
+        pages=kv_pages, page=paged_kv.PAGE, slots=slots_n, columns=capacity
+      )
+      paging = {"pages": kv_pages, "page": paged_kv.PAGE}
+    self.preempted = 0  # requests preempted so far
     state = generate_engine.slot_init(
       self._caches,
       slots=slots_n,
@@ -178,6 +197,7 @@ class LiveSlots:
       steps=capacity,
       top_n=top_n,
       vocab=h.vocab,
+      **paging,
     )
     self._state = continuous.with_speculation(
       state.replace(processor_states=continuous.replicated_like(state, states)),
@@ -205,6 +225,11 @@ class LiveSlots:
     self._budget = np.zeros(n, np.int32)
     self._adapter = np.full(n, -1, np.int32)
     self._read = np.zeros(n, np.int32)  # tokens handed back per slot
+    self._generated = np.zeros(n, np.int32)  # at the last look
+    self._prepared: list[Prepared | None] = [None] * n
+    self._admitted = np.zeros(n, np.int64)  # admission order (preemption)
+    self._admissions = 0
+    self._reported: dict[Hashable, int] = {}  # preempted: tokens reported
     self._waiting: list[tuple[Hashable, Prepared]] = []
     self._cancelled: set[Hashable] = set()
     self.admitted: list[Hashable] = []  # keys the last step put in slots
@@ -323,6 +348,7 @@ class LiveSlots:
     their slots are free again)."""
     steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
+    self._make_room()
     self._admit_waiting()
     self._state, _ = continuous.advance_staged(
       self._state, self._staged, self.prefix_cache
@@ -343,7 +369,7 @@ class LiveSlots:
     )
     self._state = engine.slot_run(
       self._caches,
-      self._state,
+      continuous.with_table(self._state, self.pages),
       inputs,
       jnp.int32(steps),
       jnp.bool_(True),
@@ -358,6 +384,8 @@ class LiveSlots:
     self._waiting = [
       (k, p) for k, p in self._waiting if k not in self._cancelled
     ]
+    for k in self._cancelled:
+      self._reported.pop(k, None)
     free = np.array([k in self._cancelled for k in self._key])
     self._cancelled.clear()
     if free.any():
@@ -367,8 +395,41 @@ class LiveSlots:
         self._state, continuous.replicated_like(self._state, free)
       )
 
+  def _make_room(self) -> None:
+    """Pages for every running request's next segment, preempting the
+    latest admitted where they don't fit (back to the queue's front)."""
+    if self.pages is None:
+      return
+    ahead = self._window - 1
+    running = [
+      s
+      for s, k in enumerate(self._key)
+      if k is not None and s not in self._staged
+    ]
+    demand = {
+      s: self._prepared[s].prompt.size + int(self._generated[s]) + ahead
+      for s in running
+    }
+    preempted = self.pages.make_room(demand, dict(enumerate(self._admitted)))
+    if not preempted:
+      return
+    for s in preempted:  # latest first: the earliest ends up in front
+      key = self._key[s]
+      self._reported[key] = int(self._read[s])
+      self._waiting.insert(0, (key, self._prepared[s]))
+      self._free(s)
+    self.preempted += len(preempted)
+    free = np.zeros(self.slots, bool)
+    free[preempted] = True
+    self._state = _RELEASE(
+      self._state, continuous.replicated_like(self._state, free)
+    )
+
   def _free(self, s: int) -> None:
     self._key[s] = None
+    self._prepared[s] = None
+    if self.pages is not None:
+      self.pages.release(s)
     a, _ = self._staged.pop(s, (None, None))
     if a is not None and a.hit is not None:
       self.prefix_cache.release(a.hit)
@@ -379,6 +440,12 @@ class LiveSlots:
   def _admit_waiting(self) -> None:
     free = [s for s, k in enumerate(self._key) if k is None]
     take = self._waiting[: len(free)]
+    if self.pages is not None:  # in order, while their pages fit
+      ahead = self._window - 1
+      for j, ((_, p), s) in enumerate(zip(take, free, strict=False)):
+        if not self.pages.reserve(s, p.prompt.size + ahead):
+          take = take[:j]
+          break
     self.admitted = [key for key, _ in take]
     if not take:
       return
@@ -393,7 +460,13 @@ class LiveSlots:
       self._stop_ids[s] = p.stop_ids
       self._budget[s] = p.steps
       self._adapter[s] = p.adapter_id
-      self._read[s] = 0
+      # A preempted request runs again from its prompt (the same tokens)
+      # and reports only those past what it reported before.
+      self._read[s] = self._reported.pop(key, 0)
+      self._generated[s] = 0
+      self._prepared[s] = p
+      self._admitted[s] = self._admissions
+      self._admissions += 1
       # The constraint processor's state: (grammar, automaton state 0).
       states = (*p.processor_state, (np.int32([g]), np.int32([0])))
       a = Admission(
@@ -417,6 +490,7 @@ class LiveSlots:
         )
       else:
         admissions.append(a)
+    self._state = continuous.with_table(self._state, self.pages)
     if not admissions:
       return
     self._state = continuous.prefill_into(
@@ -441,8 +515,9 @@ class LiveSlots:
       _WINDOW(state, start, self._window)
     )
     updates = []
+    self._generated = np.asarray(generated, np.int32).copy()
     for s in np.flatnonzero(live):
-      k = int(generated[s] - self._read[s])
+      k = max(int(generated[s] - self._read[s]), 0)
       finished = bool(done[s])
       if not k and not finished:
         continue
@@ -468,7 +543,7 @@ class LiveSlots:
           speculation=counts,
         )
       )
-      self._read[s] = generated[s]
+      self._read[s] = max(generated[s], self._read[s])
       if finished:
         self._free(int(s))
     return updates

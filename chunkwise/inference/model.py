@@ -30,6 +30,7 @@ from chunkwise.inference import (
   continuous,
   live,
   long_prefill,
+  paged_kv,
   prefix_cache,
 )
 from chunkwise.inference import speculation as speculation_lib
@@ -493,6 +494,7 @@ class InferenceModel:
     stop_width: int = live.STOP_WIDTH,
     speculation: Speculation | None = None,
     prefix_cache_bytes: int = 0,
+    kv_pages: int = 0,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -519,6 +521,10 @@ class InferenceModel:
         full pages (`inference/prefix_cache.py`): a request prefills only
         what follows its longest cached start (0: no cache). Its counts
         are the loop's `prefix_cache.stats`.
+      kv_pages: the slots share one pool of this many K/V pages (as in
+        `generate_many`; one device): `slots` may then exceed what fixed
+        rows of `capacity` columns would fit. The loop's `pages` and
+        `preempted` show its use. 0: fixed slots.
     """
     cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
@@ -534,6 +540,7 @@ class InferenceModel:
         batch_split=self._batch_split(),
       )
     )
+    kv_pages = self._check_pages(kv_pages, capacity)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return live.LiveSlots(
       speculation=speculation,
@@ -553,6 +560,7 @@ class InferenceModel:
       stop_width=stop_width,
       piece=self._prefill_chunk,
       prefix_cache=cache,
+      kv_pages=kv_pages,
     )
 
   def generate_many(
@@ -570,6 +578,7 @@ class InferenceModel:
     trace=None,
     speculation: Speculation | None = None,
     prefix_cache_bytes: int = 0,
+    kv_pages: int = 0,
   ) -> Iterator[continuous.RequestResult]:
     """Generates every request through `slots` rows (continuous batching):
     a finished row's slot takes the next waiting request.
@@ -601,6 +610,11 @@ class InferenceModel:
         requests' full prompt pages during the call: a request prefills
         only what follows its longest start cached by an earlier one
         (`inference/prefix_cache.py`; 0: none).
+      kv_pages: hold the slots' K/V in one pool of this many pages of
+        `paged_kv.PAGE` columns (paged K/V, one device) instead of
+        `capacity` columns per slot: requests are admitted as their pages
+        fit, so more slots share the same memory; a request that runs out
+        is preempted and run again later (same result). 0: fixed slots.
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -623,6 +637,7 @@ class InferenceModel:
       adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
+    kv_pages = self._check_pages(kv_pages, call.capacity)
     cache = prefix_cache.make(prefix_cache_bytes)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return continuous.run_many(
@@ -641,7 +656,27 @@ class InferenceModel:
       speculation=speculation,
       piece=self._prefill_chunk,
       cache=cache,
+      pages=kv_pages,
     )
+
+  def _check_pages(self, kv_pages, capacity: int) -> int:
+    """`kv_pages`, checked: 0, or enough pages for one request of
+    `capacity` columns, on a model without a mesh."""
+    kv_pages = checks.check_count("kv_pages", kv_pages, minimum=0)
+    if not kv_pages:
+      return 0
+    if self._mesh is not None:
+      raise ValueError(
+        f"kv_pages={kv_pages}: paged K/V runs on a model without a mesh "
+        "(the pool is not split across devices); pass kv_pages=0"
+      )
+    least = -(-capacity // paged_kv.PAGE)
+    if kv_pages < least:
+      raise ValueError(
+        f"kv_pages={kv_pages} cannot hold one request of {capacity} "
+        f"columns: at least {least} pages of {paged_kv.PAGE} are needed"
+      )
+    return kv_pages
 
   def generate_stream(
     self,

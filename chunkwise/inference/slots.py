@@ -39,6 +39,7 @@ from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn
 from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
+from chunkwise.inference.paged_kv import PAGE, PagedKV
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.speculation import SpecRows
@@ -80,7 +81,9 @@ class SlotInputs:
 class SlotState:
   """What the slots carry between segments (buffers `steps` wide)."""
 
-  cache: LayerKV  # prompt + generated K/V; lengths = tokens kept per slot
+  # Prompt + generated K/V (fixed slots, or a paged pool); lengths =
+  # tokens kept per slot.
+  cache: LayerKV | PagedKV
   generated: jax.Array  # int32[slots]: tokens generated (and kept)
   tokens: jax.Array  # int32[slots, steps]
   scores: jax.Array  # f32[slots, steps]
@@ -94,12 +97,16 @@ class SlotState:
 
   @classmethod
   def axes(
-    cls, layers: int, processor_states: tuple = (), spec: bool = False
+    cls,
+    layers: int,
+    processor_states: tuple = (),
+    spec: bool = False,
+    paged: bool = False,
   ) -> SlotState:
     rows = P(ax.BATCH, ax.TIME)
     top = P(ax.BATCH, ax.TIME, ax.TOP_N)
     return cls(
-      cache=LayerKV.axes(layers),
+      cache=(PagedKV if paged else LayerKV).axes(layers),
       generated=P(ax.BATCH),
       tokens=rows,
       scores=rows,
@@ -128,9 +135,13 @@ def init(
   top_n: int,
   vocab: int,
   shards: LogitsShards | None = None,
+  pages: int = 0,
+  page: int = PAGE,
 ) -> SlotState:
   """Every slot free: K/V buffers of `capacity` columns (prompt and
-  generated tokens), result buffers of `steps` columns."""
+  generated tokens), result buffers of `steps` columns. With `pages`, the
+  K/V are one pool of that many pages of `page` columns (`PagedKV`), a
+  slot's table addressing up to `capacity` columns."""
   shards = shards or LogitsShards(vocab=vocab)
   step_chunk = Chunk(
     tokens=jnp.zeros((slots, 1), jnp.int32),
@@ -139,7 +150,11 @@ def init(
   kv = jax.eval_shape(infer, weights, tuple(caches), step_chunk).kv_cache.k
   logits = shards.carried(None, slots, 0, False)
   return SlotState(
-    cache=LayerKV.zeros(kv, capacity, slots),
+    cache=(
+      PagedKV.zeros(kv, pages=pages, page=page, columns=capacity, rows=slots)
+      if pages
+      else LayerKV.zeros(kv, capacity, slots)
+    ),
     generated=jnp.zeros((slots,), jnp.int32),
     tokens=jnp.zeros((slots, steps), jnp.int32),
     scores=jnp.zeros((slots, steps), jnp.float32),
@@ -177,32 +192,12 @@ def admit(
       1): its K/V fill columns [0, h).
   """
   cache = state.cache
-
-  def put(buffers, new, offset):
-    """Columns [offset, offset + width) of rows `at` set to `new` ([1 or
-    rows, width, kv_heads, head_dim] per layer), clipped to the buffer."""
-    width = min(new.shape[2], buffers[0].shape[2])
-    out = []
-    for b, n in zip(buffers, new[:, :, :width], strict=True):
-      n = jnp.swapaxes(n, 1, 2).astype(b.dtype)
-      n = jnp.broadcast_to(n, (at.size, *n.shape[1:]))
-      if offset is None:
-        out.append(b.at[at, :, :width].set(n, mode="drop"))
-      else:
-        cols = offset + jnp.arange(width)
-        out.append(
-          b.at[at[:, None], :, cols[None]].set(
-            jnp.swapaxes(n, 1, 2), mode="drop"
-          )
-        )
-    return tuple(out)
-
-  k, v, offset = cache.k, cache.v, None
+  offset = None
   if head is not None:
-    k, v, offset = put(k, head.k, None), put(v, head.v, None), head.lengths[0]
-  cache = cache.replace(
-    k=put(k, prompts.kv_cache.k, offset),
-    v=put(v, prompts.kv_cache.v, offset),
+    cache, offset = cache.put_rows(head.k, head.v, at), head.lengths[0]
+  cache = cache.put_rows(
+    prompts.kv_cache.k, prompts.kv_cache.v, at, offset
+  ).replace(
     lengths=cache.lengths.at[at].set(prompt_lengths, mode="drop"),
   )
 
@@ -236,6 +231,18 @@ def admit(
     processor_states=jax.tree.map(
       set_rows, state.processor_states, processor_rows
     ),
+  )
+
+
+def vacate(state: SlotState, at: jax.Array) -> SlotState:
+  """Slots `at` freed before they finished (a paged pool's preemption):
+  done, holding nothing (`state.slots` for padding rows: dropped)."""
+  return state.replace(
+    cache=state.cache.replace(
+      lengths=state.cache.lengths.at[at].set(0, mode="drop")
+    ),
+    done=state.done.at[at].set(True, mode="drop"),
+    stopped=state.stopped.at[at].set(False, mode="drop"),
   )
 
 
@@ -282,7 +289,7 @@ def _step(
   generated = state.generated + keep.astype(jnp.int32)
   # A kept token's K/V go to its slot's next column, written by the next
   # step (as in `generate`: the write is then the buffer's first use).
-  write_at = jnp.where(keep, state.cache.lengths, state.cache.k[0].shape[2])
+  write_at = jnp.where(keep, state.cache.lengths, state.cache.columns)
   new = SlotState(
     cache=state.cache.replace(
       lengths=state.cache.lengths + keep.astype(jnp.int32)

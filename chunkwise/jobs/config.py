@@ -228,10 +228,24 @@ class GenerateJob(Job):
   # prompt (or another sample of it) that starts like an earlier one
   # prefills only the rest (`prefix_cache`; 0: none).
   prefix_cache_mb: int = 0
+  # Pages (`generate_many(kv_pages=)`) of one K/V pool the slots share
+  # instead of fixed rows of `capacity` columns (0: fixed slots). Like the
+  # prefix cache it changes no token, so resuming ignores it.
+  kv_pages: int = 0
 
   def __post_init__(self):
     super().__post_init__()
     _positive("num_samples", self.num_samples)
+    pages = self.kv_pages
+    if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
+      raise ValueError(
+        f"kv_pages={pages!r}: expected a non-negative number of pages "
+        "(0: fixed slots)"
+      )
+    if pages and self.static_batching:
+      raise ValueError(
+        f"kv_pages={pages} needs continuous batching: drop static_batching"
+      )
     mb = self.prefix_cache_mb
     if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
       raise ValueError(

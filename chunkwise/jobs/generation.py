@@ -234,6 +234,7 @@ def generate_items(
   speculation: Speculation | None = None,
   on_stats: Callable[[SpeculationStats], None] = lambda _: None,
   prefix_cache_bytes: int = 0,
+  kv_pages: int = 0,
 ):
   """Continuous batching: every (prompt, sample index) of `work` through
   `model.generate_many` in `slots` rows, each running its example's
@@ -242,7 +243,8 @@ def generate_items(
   request continues); `stream=(example id, emit)` passes that example's
   first sample to `emit` when it finishes; `speculation` drafts from each
   request's prompt, and `on_stats` gets each request's counts; prompts
-  that start alike share `prefix_cache_bytes` of cached pages."""
+  that start alike share `prefix_cache_bytes` of cached pages; with
+  `kv_pages`, the slots share one pool of that many K/V pages."""
   for group, prefix_list in _groups(prefix, work):
     requests = [
       Request(
@@ -264,6 +266,7 @@ def generate_items(
       capacity=capacity,
       speculation=speculation,
       prefix_cache_bytes=prefix_cache_bytes,
+      kv_pages=kv_pages,
     ):
       if r.speculation is not None:
         on_stats(r.speculation)
@@ -486,6 +489,7 @@ def run_generate(
       speculation=job.speculation,
       on_stats=on_stats,
       prefix_cache_bytes=job.prefix_cache_mb << 20,
+      kv_pages=job.kv_pages,
     )
 
   continuous = not job.static_batching

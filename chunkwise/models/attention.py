@@ -37,7 +37,7 @@ from jax import lax
 
 from chunkwise import numerics
 from chunkwise.configs import HParams
-from chunkwise.models import blocked_attention
+from chunkwise.models import blocked_attention, paged_attention
 
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
 # (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
@@ -346,8 +346,21 @@ def attend(
   Returns:
     f32[B, T, heads, D].
   """
-  prefix = [PrefixLayer(*p) for p in prefix]
   batch, time, heads, dim = q.shape
+  # A paged pool is read by the Pallas kernel where it runs, else through
+  # its gathered view (the plain twin), like any heads-major buffer.
+  kernels = [
+    p
+    for p in prefix
+    if isinstance(p, paged_attention.PagedLayer)
+    and paged_attention.read_in_place(time, options.window)
+    and not numerics.invariant()
+  ]
+  prefix = [
+    p.view() if isinstance(p, paged_attention.PagedLayer) else PrefixLayer(*p)
+    for p in prefix
+    if not any(p is k for k in kernels)
+  ]
   kv_heads = k.shape[2]
   group = heads // kv_heads
   scale = dim**-0.5 if options.scale is None else options.scale
@@ -362,7 +375,9 @@ def attend(
       start = start + _repeat_rows(piece.lengths, batch)
     q_positions = start[:, None] + jnp.arange(time)  # [B, T]
 
-  if blocked_attention.wanted(time, time + sum(p.width for p in prefix)):
+  if not kernels and blocked_attention.wanted(
+    time, time + sum(p.width for p in prefix)
+  ):
     live = [(p.sliced(), i) for i, p in enumerate(prefix) if p.width]
     return blocked_attention.attend(
       q,
@@ -408,6 +423,8 @@ def attend(
     )
   if numerics.invariant():
     return _attend_invariant(q, k, v, pieces, options)
+  for piece in kernels:  # one query per row: q's rows are the pool's
+    pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
   pieces.append(_attend_causal(q, k, v, options))
 
   big_m = pieces[0][0]

@@ -104,6 +104,10 @@ class Engine:
       that start alike (a system prompt, a few-shot head): each prefills
       only what follows its longest cached start; 0: none. Counted in
       `prefix_cache_stats` (/metrics).
+    kv_pages: the slots share one pool of this many K/V pages (paged K/V,
+      one device; at least `capacity` / 32): `slots` may then exceed what
+      fixed rows of `capacity` columns fit; 0: fixed slots. Its use and
+      preemptions are in `kv_pages_stats` (/metrics).
   """
 
   def __init__(
@@ -119,6 +123,7 @@ class Engine:
     on_finish: Callable[[TokenStream], None] | None = None,
     speculation=None,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    kv_pages: int = 0,
   ):
     if model.vocab is None:
       raise ValueError("serving needs a model with a vocabulary")
@@ -136,6 +141,7 @@ class Engine:
       processors=(processors_lib.penalties(),),
       speculation=speculation,
       prefix_cache_bytes=prefix_cache_bytes,
+      kv_pages=kv_pages,
     )
     self._loop = self._make()
     self.speculation = self._loop.speculation  # checked, or None
@@ -167,6 +173,15 @@ class Engine:
     one."""
     cache = self._loop.prefix_cache
     return None if cache is None else cache.stats
+
+  @property
+  def kv_pages_stats(self) -> tuple[int, int, int] | None:
+    """(pages held, pages in the pool, requests preempted so far) of a
+    paged pool, None with fixed slots."""
+    pages = self._loop.pages
+    if pages is None:
+      return None
+    return pages.pages - pages.free, pages.pages, self._loop.preempted
 
   @property
   def waiting(self) -> int:

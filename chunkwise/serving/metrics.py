@@ -200,6 +200,34 @@ class _Collector:
     stats = engine.prefix_cache_stats
     if stats is not None:
       yield from _prefix_cache(m.model_id, stats)
+    pages = engine.kv_pages_stats
+    if pages is not None:
+      yield from _kv_pages(m.model_id, *pages)
+
+
+def _kv_pages(model_id: str, held: int, total: int, preempted: int):
+  """vLLM's K/V cache use (a fraction, as vLLM v1 reports it) and
+  preemptions, and the pool's pages."""
+  label = ["model_name"]
+  for name, doc, value in (
+    (
+      "vllm:kv_cache_usage_perc",
+      "Share of K/V pages held (0-1).",
+      held / total,
+    ),
+    ("chunkwise_kv_pages_held", "K/V pages held by requests.", held),
+    ("chunkwise_kv_pages", "K/V pages in the pool.", total),
+  ):
+    g = GaugeMetricFamily(name, doc, labels=label)
+    g.add_metric([model_id], float(value))
+    yield g
+  c = CounterMetricFamily(
+    "vllm:num_preemptions",
+    "Requests preempted (run again later).",
+    labels=label,
+  )
+  c.add_metric([model_id], float(preempted))
+  yield c
 
 
 def _speculation(model_id: str, totals):
