@@ -93,6 +93,12 @@ def invariant() -> bool:
   return _CURRENT.get() == "invariant" and _kernels()
 
 
+def rows_invariant(numerics: str) -> bool:
+  """Whether programs run under `numerics` keep rows invariant here (the
+  host-side twin of `invariant`, outside any trace)."""
+  return numerics == "invariant" and _kernels()
+
+
 def _kernels() -> bool:
   return jax.default_backend() == "cpu" and cpu_kernels.load()
 

@@ -47,8 +47,19 @@ def pytest_addoption(parser):
     "--long",
     action="store_true",
     help="run the long variants (tests/test_hostile_inputs.py: thousands "
-    "of fuzz cases per format)",
+    "of fuzz cases per format) and the tests marked `long`",
   )
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked `long` (SmolLM2 variants that others mostly cover) run
+  with --long only: CI's time is bounded."""
+  if config.getoption("--long"):
+    return
+  skip = pytest.mark.skip(reason="long: run with --long")
+  for item in items:
+    if "long" in item.keywords:
+      item.add_marker(skip)
 
 
 def pytest_collectreport(report):

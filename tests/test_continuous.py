@@ -262,6 +262,7 @@ def test_bad_input_raises_before_device_work(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_three_devices_match_generate_alone():
   """A 3-device ws_2d mesh, 2 slots, bit-identical to `generate` alone on
   the same mesh (one device's slots are test_requests_equal_generate_alone's,

@@ -276,6 +276,7 @@ def test_fast_numerics_stay_available_and_names_are_checked(tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_rows_splits_and_steps():
   """SmolLM2 (30 f32 layers, tied 49152-word unembedding): a row among 16
   others, and its decode steps against one pass. (Its chunk splits and a

@@ -26,19 +26,23 @@ def _pool(rng, *, heads=2, pages=24, page=16, dim=64, rows=3, per_row=4):
   return k, v, jnp.asarray(table, jnp.int32)
 
 
-@pytest.mark.parametrize("group, softcap", [(3, None), (16, 30.0)])
-def test_the_pallas_kernel_equals_the_plain_view(group, softcap):
+@pytest.mark.parametrize("group, softcap, block", [(3, None, 8), (16, 30.0, 2)])
+def test_the_pallas_kernel_equals_the_plain_view(group, softcap, block):
   """JAX's Pallas GPU kernel body (interpret mode here; compiled on a
   GPU) gives the (m, s, o) of the plain view read by `_attend_piece`, for
-  a row within one page, an empty row and a full row; and an empty row's
-  weight vanishes in the merge."""
+  a row within one page, an empty row and a full row, in one split of
+  4-page blocks or two splits of 2-page blocks (merged across splits);
+  and an empty row's weight vanishes in the merge."""
   rng = np.random.default_rng(0)
   k, v, table = _pool(rng)
   lengths = jnp.array([5, 0, 64], jnp.int32)
   layer = pa.PagedLayer(k, v, table, lengths)
   q = jnp.asarray(rng.normal(size=(3, 1, 2, group, 64)), jnp.float32)
   interpret = jax.default_backend() != "gpu"
-  m, s, o = pa.kernel_piece(q, layer, softcap=softcap, interpret=interpret)
+  assert pa._splits(4, block) == ((1, 4) if block == 8 else (2, 2))
+  m, s, o = pa.kernel_piece(
+    q, layer, softcap=softcap, interpret=interpret, compute_block=block
+  )
   view = layer.view()
   mask = jnp.arange(view.width)[None] < lengths[:, None]
   want = attention._attend_piece(
@@ -126,7 +130,7 @@ def _requests(vocab, n=8, seed=1):
   rng = np.random.default_rng(seed)
   return [
     cw.Request(
-      tokens=rng.integers(3, vocab, int(rng.integers(3, 20))).tolist(),
+      tokens=rng.integers(3, vocab, int(rng.choice([4, 13]))).tolist(),
       sample_id=i,
       steps=int(rng.choice([5, 40, 70])),
       sampling=cw.Sampling(temperature=float(i % 2), seed=3),
@@ -149,13 +153,19 @@ def _alone(model, r):
   )
 
 
-def test_generate_many_with_paged_kv_equals_generate_alone(tiny):
+@pytest.fixture(scope="module")
+def alone(tiny):
+  """`_requests` and each one's `generate` alone."""
+  requests = _requests(tiny.hparams.vocab)
+  return requests, [_alone(tiny, r) for r in requests]
+
+
+def test_generate_many_with_paged_kv_equals_generate_alone(tiny, alone):
   """Eight requests through 4 slots over a pool of 4 pages (one request's
   128 columns): requests wait for pages, the latest admitted is preempted
   when the running ones outgrow the pool and runs again later, and every
   request is bit for bit `generate` alone; with speculation as well."""
-  requests = _requests(tiny.hparams.vocab)
-  want = [_alone(tiny, r) for r in requests]
+  requests, want = alone
   events = []
   got = {
     r.index: r
@@ -208,12 +218,77 @@ def test_fast_numerics_read_the_pool_in_place(tiny):
     )
 
 
+def test_paged_kv_after_a_cached_start_and_in_pieces(monkeypatch, tiny):
+  """Pages of a request whose start comes from the prefix cache (the
+  head's columns, then the rest at an offset) and of one prefilled in
+  pieces of 16 (chunked prefill): `generate_many` over a small pool is
+  bit for bit `generate` alone."""
+  from chunkwise.inference import prefix_cache as pc
+
+  monkeypatch.setattr(pc, "PAGE", 8)
+  rng = np.random.default_rng(4)
+  start = rng.integers(3, tiny.hparams.vocab, 24).tolist()
+  requests = [
+    cw.Request(
+      tokens=start + rng.integers(3, tiny.hparams.vocab, n).tolist(),
+      sample_id=i,
+      steps=int(rng.choice([6, 30])),
+      sampling=cw.Sampling(temperature=float(i % 2), seed=5),
+    )
+    for i, n in enumerate([3, 3, 30, 3, 30, 3])
+  ]
+  want = [_alone(tiny, r) for r in requests]
+  events = []
+  got = {
+    r.index: r
+    for r in tiny.with_prefill_chunk(16).generate_many(
+      requests,
+      slots=3,
+      every=4,
+      kv_pages=4,
+      prefix_cache_bytes=1 << 20,
+      trace=lambda e, v: events.append(e),
+    )
+  }
+  for i, (tokens, scores) in enumerate(want):
+    np.testing.assert_array_equal(got[i].tokens, tokens, err_msg=str(i))
+    np.testing.assert_array_equal(got[i].per_token_scores, scores)
+  assert "preempted" in events
+
+
+def test_live_slots_under_fast_numerics_never_preempt(tiny):
+  """A rerun need not repeat tokens already streamed under fast numerics:
+  there the live loop admits a request only once pages for all of its
+  steps fit, and never preempts; its tokens are fixed slots'."""
+  fast = cw.InferenceModel.random(tiny.hparams, seed=0, numerics="fast")
+  requests = _requests(tiny.hparams.vocab)
+  want = {r.index: r.tokens for r in fast.generate_many(requests, slots=4)}
+  loop = fast.live_slots(slots=4, capacity=128, every=8, kv_pages=5)
+  for i, r in enumerate(requests):
+    loop.add(i, loop.prepare(r))
+  got, busiest = {}, 0
+  while loop.busy:
+    for u in loop.step():
+      got[u.key] = [*got.get(u.key, []), *u.tokens.tolist()]
+    busiest = max(busiest, loop.running)
+  assert loop.preempted == 0 and loop.pages.peak <= 5 and busiest >= 2
+  for i, tokens in want.items():
+    assert got[i] == tokens.tolist(), i
+
+
 def test_bad_kv_pages_are_refused(tiny):
   request = cw.Request(tokens=[5, 6], sample_id=0, steps=100)
   with pytest.raises(ValueError, match=r"kv_pages=1 cannot hold .* 4 pages"):
     tiny.generate_many([request], slots=2, kv_pages=1)
   with pytest.raises(ValueError, match="kv_pages must be >= 0, got -2"):
     tiny.generate_many([request], slots=2, kv_pages=-2)
+  with pytest.raises(ValueError, match=r'kv_pages=8 with .*drafter="draft"'):
+    tiny.live_slots(
+      slots=2,
+      capacity=128,
+      kv_pages=8,
+      speculation=cw.Speculation(drafter="draft"),
+    )
   assert PAGE == 32
 
 
@@ -265,14 +340,13 @@ def test_generation_job_with_paged_kv_writes_the_same_records(tmp_path):
     )
 
 
-def test_live_slots_with_paged_kv_report_each_token_once(tiny):
+def test_live_slots_with_paged_kv_report_each_token_once(tiny, alone):
   """The server's loop over a pool of 5 pages: eight requests arriving at
   once through 4 slots; those preempted run again and report only tokens
   they had not reported, so each request's updates join to `generate`
   alone; a request cancelled while waiting for pages never runs; every
   page is free at the end."""
-  requests = _requests(tiny.hparams.vocab)
-  want = [_alone(tiny, r) for r in requests]
+  requests, want = alone
   loop = tiny.live_slots(slots=4, capacity=128, every=8, kv_pages=5)
   for i, r in enumerate(requests):
     loop.add(i, loop.prepare(r))
@@ -323,8 +397,10 @@ def test_server_engine_with_paged_kv_shows_its_pool_in_metrics(tiny):
       for r in requests
     ]
     for r, s in zip(requests, streams, strict=True):
-      got = [t.id for t in s if not t.special]
-      assert got == _alone(tiny, r)[0].tolist()
+      got = list(s)  # an EOS that ends a stream is not `generate`'s
+      if s.finish_reason != "length" and got and got[-1].special:
+        got = got[:-1]
+      assert [t.id for t in got] == _alone(tiny, r)[0].tolist()
     text = Metrics(engine, model_id="tiny").exposition().decode()
     held, total, preempted = engine.kv_pages_stats
     assert (held, total) == (0, 5) and preempted > 0

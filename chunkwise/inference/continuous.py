@@ -145,8 +145,9 @@ def run_many(
   segment's fit, and before each segment every running request gets the
   pages its next `every` steps may fill; where they don't fit, the
   requests admitted last are preempted, to be run again from their
-  prompts when pages free up (the same tokens: a request's result never
-  depends on its neighbours or when it ran)."""
+  prompts when pages free up (the same tokens under invariant numerics,
+  where a request's result never depends on its neighbours or when it
+  ran; under fast numerics, a rerun's, which may differ at a near tie)."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
@@ -203,6 +204,7 @@ def run_many(
   bar = _progress_bar(n, progress)
   try:
     while waiting or (occupant >= 0).any() or staged:
+      preempted = []
       if pool is not None:
         running = np.flatnonzero(occupant >= 0)
         preempted = pool.make_room(
@@ -220,6 +222,8 @@ def run_many(
           if trace is not None:
             trace("preempted", [waiting[j] for j in range(len(preempted))])
       free = [s for s in np.flatnonzero(occupant < 0) if s not in staged]
+      if pool is not None and preempted:
+        free = []  # a preempted request waits a segment (no churn)
       take = []
       while waiting and free:
         i = waiting[0]

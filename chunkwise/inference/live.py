@@ -137,6 +137,7 @@ class LiveSlots:
     piece: int | None = None,
     prefix_cache: prefix_cache_lib.PrefixCache | None = None,
     kv_pages: int = 0,
+    preempt: bool = True,
   ):
     h = hparams
     # Full pages of prompts' K/V, shared by the requests that start alike
@@ -182,7 +183,11 @@ class LiveSlots:
     # a request takes a slot once its pages fit, and running requests that
     # outgrow the pool preempt the latest admitted (`page_table`), which
     # runs again later and reports only the tokens it had not reported.
+    # That needs a rerun to give the same tokens; without `preempt` (fast
+    # numerics, where it may not) a request is admitted once pages for all
+    # of its steps fit, and is never preempted.
     self.pages = None
+    self._preempt = preempt
     paging = {}
     if kv_pages:
       self.pages = page_table.Pages(
@@ -348,8 +353,11 @@ class LiveSlots:
     their slots are free again)."""
     steps = self.every if steps is None else max(1, min(steps, self.every))
     self._drop_cancelled()
-    self._make_room()
-    self._admit_waiting()
+    if self._make_room():  # a preempted request waits a segment
+      self.admitted = []
+    else:
+      self._admit_waiting()
+    self._state = continuous.with_table(self._state, self.pages)
     self._state, _ = continuous.advance_staged(
       self._state, self._staged, self.prefix_cache
     )
@@ -369,7 +377,7 @@ class LiveSlots:
     )
     self._state = engine.slot_run(
       self._caches,
-      continuous.with_table(self._state, self.pages),
+      self._state,
       inputs,
       jnp.int32(steps),
       jnp.bool_(True),
@@ -395,24 +403,24 @@ class LiveSlots:
         self._state, continuous.replicated_like(self._state, free)
       )
 
-  def _make_room(self) -> None:
+  def _make_room(self) -> bool:
     """Pages for every running request's next segment, preempting the
-    latest admitted where they don't fit (back to the queue's front)."""
+    latest admitted where they don't fit (back to the queue's front).
+    Whether it preempted."""
     if self.pages is None:
-      return
-    ahead = self._window - 1
+      return False
     running = [
       s
       for s, k in enumerate(self._key)
       if k is not None and s not in self._staged
     ]
     demand = {
-      s: self._prepared[s].prompt.size + int(self._generated[s]) + ahead
+      s: self._columns(self._prepared[s], int(self._generated[s]))
       for s in running
     }
     preempted = self.pages.make_room(demand, dict(enumerate(self._admitted)))
     if not preempted:
-      return
+      return False
     for s in preempted:  # latest first: the earliest ends up in front
       key = self._key[s]
       self._reported[key] = int(self._read[s])
@@ -424,6 +432,14 @@ class LiveSlots:
     self._state = _RELEASE(
       self._state, continuous.replicated_like(self._state, free)
     )
+    return True
+
+  def _columns(self, p: Prepared, generated: int) -> int:
+    """Columns a request may reach by the end of its next segment (all
+    of its steps' without preemption)."""
+    if not self._preempt:
+      return p.prompt.size + p.steps
+    return p.prompt.size + generated + self._window - 1
 
   def _free(self, s: int) -> None:
     self._key[s] = None
@@ -441,9 +457,8 @@ class LiveSlots:
     free = [s for s, k in enumerate(self._key) if k is None]
     take = self._waiting[: len(free)]
     if self.pages is not None:  # in order, while their pages fit
-      ahead = self._window - 1
       for j, ((_, p), s) in enumerate(zip(take, free, strict=False)):
-        if not self.pages.reserve(s, p.prompt.size + ahead):
+        if not self.pages.reserve(s, self._columns(p, 0)):
           take = take[:j]
           break
     self.admitted = [key for key, _ in take]

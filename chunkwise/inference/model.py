@@ -524,7 +524,11 @@ class InferenceModel:
       kv_pages: the slots share one pool of this many K/V pages (as in
         `generate_many`; one device): `slots` may then exceed what fixed
         rows of `capacity` columns would fit. The loop's `pages` and
-        `preempted` show its use. 0: fixed slots.
+        `preempted` show its use. Under invariant numerics a request
+        that outgrows the pool is preempted and rerun (it reports only
+        new tokens: the rerun's are the same); elsewhere a rerun could
+        differ from tokens already reported, so a request is admitted
+        only once pages for all of its steps fit. 0: fixed slots.
     """
     cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
@@ -540,7 +544,7 @@ class InferenceModel:
         batch_split=self._batch_split(),
       )
     )
-    kv_pages = self._check_pages(kv_pages, capacity)
+    kv_pages = self._check_pages(kv_pages, capacity, speculation)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return live.LiveSlots(
       speculation=speculation,
@@ -561,6 +565,9 @@ class InferenceModel:
       piece=self._prefill_chunk,
       prefix_cache=cache,
       kv_pages=kv_pages,
+      # A preempted request reruns to the same tokens only where every sum
+      # is fixed whatever the batch and pages: invariant numerics (CPU).
+      preempt=numerics_lib.rows_invariant(self._numerics),
     )
 
   def generate_many(
@@ -614,7 +621,8 @@ class InferenceModel:
         `paged_kv.PAGE` columns (paged K/V, one device) instead of
         `capacity` columns per slot: requests are admitted as their pages
         fit, so more slots share the same memory; a request that runs out
-        is preempted and run again later (same result). 0: fixed slots.
+        is preempted and run again later (the same result under
+        invariant numerics). 0: fixed slots.
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -637,7 +645,7 @@ class InferenceModel:
       adapter_names=() if self._served is None else self._served.names,
     )
     every = checks.check_count("every", every, minimum=1)
-    kv_pages = self._check_pages(kv_pages, call.capacity)
+    kv_pages = self._check_pages(kv_pages, call.capacity, speculation)
     cache = prefix_cache.make(prefix_cache_bytes)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return continuous.run_many(
@@ -659,12 +667,18 @@ class InferenceModel:
       pages=kv_pages,
     )
 
-  def _check_pages(self, kv_pages, capacity: int) -> int:
+  def _check_pages(self, kv_pages, capacity: int, speculation=None) -> int:
     """`kv_pages`, checked: 0, or enough pages for one request of
-    `capacity` columns, on a model without a mesh."""
+    `capacity` columns, on a model without a mesh, without the "draft"
+    drafter (its scratch buffer is laid out like fixed slots)."""
     kv_pages = checks.check_count("kv_pages", kv_pages, minimum=0)
     if not kv_pages:
       return 0
+    if speculation is not None and speculation.drafter == "draft":
+      raise ValueError(
+        f'kv_pages={kv_pages} with Speculation(drafter="draft"): the int8 '
+        "draft reads fixed slots; use another drafter or kv_pages=0"
+      )
     if self._mesh is not None:
       raise ValueError(
         f"kv_pages={kv_pages}: paged K/V runs on a model without a mesh "

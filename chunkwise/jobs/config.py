@@ -229,8 +229,8 @@ class GenerateJob(Job):
   # prefills only the rest (`prefix_cache`; 0: none).
   prefix_cache_mb: int = 0
   # Pages (`generate_many(kv_pages=)`) of one K/V pool the slots share
-  # instead of fixed rows of `capacity` columns (0: fixed slots). Like the
-  # prefix cache it changes no token, so resuming ignores it.
+  # instead of fixed rows of `capacity` columns (0: fixed slots). Under
+  # invariant numerics it changes no byte, so resuming ignores it.
   kv_pages: int = 0
 
   def __post_init__(self):

@@ -425,8 +425,8 @@ class Engine:
       self._active.clear()
       self._loop = self._make()
       return []
-    for key in self._loop.admitted:
-      if key in self._active:
+    for key in self._loop.admitted:  # a preempted one: its first time
+      if key in self._active and self._active[key].admitted_at is None:
         self._active[key].admitted_at = started
     for u in updates:
       if u.speculation is not None:
