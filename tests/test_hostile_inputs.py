@@ -17,9 +17,9 @@ from tests import fuzz_inputs
 
 
 def test_fuzz_every_loader(request, tmp_path):
-  """150 mutants per format in CI (`--long`: thousands); the
+  """100 mutants per format in CI (`--long`: thousands); the
   outcome counts are printed (`pytest -s`)."""
-  cases = 3000 if request.config.getoption("--long") else 150
+  cases = 3000 if request.config.getoption("--long") else 100
   proc = subprocess.run(
     [
       sys.executable,

@@ -236,6 +236,7 @@ def test_weight_copy_sizes():
   assert hlo.weight_copy_sizes(lookup, 1) == []
 
 
+@pytest.mark.long
 def test_script(tmp_path):
   """scripts/simulate.py on 16 fake devices: the tiny preset (its 8 heads
   padded to 16 for ws_2d), both phases, two layouts."""

@@ -227,6 +227,7 @@ def test_batch_packing_invariance(smol, shared):
     )
 
 
+@pytest.mark.long
 def test_samples_independent_of_packing_and_splitting(smol, shared):
   few_shot, _, whole = shared
   tokens, result = smol.generate(
@@ -258,6 +259,7 @@ def saved_smol(smol, tmp_path_factory):
   return cw.save(smol, tmp_path_factory.mktemp("smol") / "ckpt")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(("layout", "shape"), [("ws_2d", (1, 1, 3))])
 def test_checkpoint_round_trip_onto_another_layout(
   smol, saved_smol, layout, shape
@@ -299,6 +301,7 @@ def test_checkpoint_round_trip_onto_another_layout(
   assert outs[0][1] == outs[1][1]
 
 
+@pytest.mark.long
 def test_int8_quality_against_f32(smol):
   """scripts/int8_quality.py's measure on its eight shortest texts. On all
   ten the script measured top-1 agreement 0.981, mean KL 0.0015 nats,

@@ -6,11 +6,13 @@
 
 A fixed number of slots decode side by side. Each slot holds one request:
 its prompt's K/V and the tokens it generated so far in its own rows of one
-heads-major buffer per layer (`LayerKV`, `capacity` columns), after an
-optional shared prefix (the call's `caches`, batch 1, read in place by every
-slot). Unlike `generate`'s loop, where every row writes the same column,
-each slot writes at its own length: a slot's request may have started many
-steps after its neighbours'.
+heads-major buffer per layer (`LayerKV`, `capacity` columns), or, with
+`pages`, in the pages its table names in one pool (`PagedKV`, filled by
+the host's `page_table`), after an optional shared prefix (the call's
+`caches`, batch 1, read in place by every slot). Unlike `generate`'s loop,
+where every row writes the same column, each slot writes at its own
+length: a slot's request may have started many steps after its
+neighbours'.
 
 Every step of `run` is `generate`'s step, row by row (the same sampler, RNG
 contract, processors and forward pass): with each row's absolute position
