@@ -47,6 +47,7 @@ from chunkwise import checkpoints, constraints, memory, partitioning
 from chunkwise.bench import adapters as bench_adapters
 from chunkwise.bench import chunked_prefill as bench_chunked
 from chunkwise.bench import continuous as bench_continuous
+from chunkwise.bench import kv_dtype as bench_kv_dtype
 from chunkwise.bench import (
   long_prompts,
   machine,
@@ -239,6 +240,13 @@ _PAGED_ATTENTION = flags.DEFINE_list(
   "K/V pool holding these many columns per row: the Pallas GPU kernel "
   "against the plain view (chunkwise/bench/paged.py; the kernel on a GPU "
   "only).",
+)
+_KV_DTYPE_CONTEXTS = flags.DEFINE_list(
+  "kv_dtype_contexts",
+  [],
+  "Also time greedy decoding of --slots rows for --steps steps after this "
+  "many columns of K/V each, float32 against int8 K/V with the same "
+  "weights (chunkwise/bench/kv_dtype.py).",
 )
 _CHUNKED_PREFILL = flags.DEFINE_integer(
   "chunked_prefill_length",
@@ -494,11 +502,18 @@ def run(argv: Sequence[str]) -> None:
     ):
       if flag.value < 1:
         raise app.UsageError(f"--{name} must be >= 1, got {flag.value}")
-  for c in _PAGED_ATTENTION.value:
-    if not c.isdigit() or int(c) < 1:
-      raise app.UsageError(
-        f"--paged_attention_contexts: {c!r} is not a count of columns >= 1"
-      )
+  for name, flag in (
+    ("paged_attention_contexts", _PAGED_ATTENTION),
+    ("kv_dtype_contexts", _KV_DTYPE_CONTEXTS),
+  ):
+    for c in flag.value:
+      if not c.isdigit() or int(c) < 1:
+        raise app.UsageError(f"--{name}: {c!r} is not a count of columns >= 1")
+      if int(c) + _STEPS.value > h.max_len:
+        raise app.UsageError(
+          f"--{name}: {c} columns and --steps={_STEPS.value} pass the "
+          f"model's {h.max_len} positions"
+        )
   if _SLOT_STEP.value:
     try:
       bench_slot_step.check(
@@ -631,6 +646,15 @@ def run(argv: Sequence[str]) -> None:
         runs=max(_RUNS.value, 1),
       )
       logging.info("paged attention: %s", config["paged_attention"])
+    if i == 0 and _KV_DTYPE_CONTEXTS.value:
+      config["kv_dtype"] = bench_kv_dtype.compare(
+        model,
+        rows=_SLOTS.value,
+        contexts=[int(c) for c in _KV_DTYPE_CONTEXTS.value],
+        steps=_STEPS.value,
+        runs=max(_RUNS.value, 1),
+      )
+      logging.info("kv dtype: %s", config["kv_dtype"])
     if i == 0 and _SLOT_STEP.value:
       config["slot_step"] = bench_slot_step.compare(
         model,
@@ -783,6 +807,11 @@ def run(argv: Sequence[str]) -> None:
       print(bench_continuous.paged_table(config["paged"]))
     if "paged_attention" in config:
       print("\n".join(bench_paged.lines(config["paged_attention"])))
+    if "kv_dtype" in config:
+      print(
+        f"{config['name']}, "
+        + "\n".join(bench_kv_dtype.lines(config["kv_dtype"]))
+      )
     if "slot_step" in config:
       print(
         f"{config['name']}, "

@@ -1,8 +1,9 @@
 """How close a quantized model stays to its float original: next-token
 top-1 agreement and KL divergence over a fixed set of English and code
-texts, and the weights' bytes.
+texts, the weights' bytes and the K/V bytes per token.
 
   python scripts/int8_quality.py                       # SmolLM2, int8
+  python scripts/int8_quality.py --quantize=none --kv_dtype=int8  # int8 K/V
   python scripts/int8_quality.py --model=path/to/ckpt --texts=more.jsonl
 
 Every position that predicts a token of a text (all but its BOS) counts:
@@ -24,7 +25,13 @@ TEXTS = os.path.join(os.path.dirname(__file__), "data", "eval_texts.jsonl")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Preset name or path.")
 _TEXTS = flags.DEFINE_string("texts", TEXTS, "JSONL of {id, text}.")
 _QUANTIZE = flags.DEFINE_enum(
-  "quantize", "int8", ["int8"], "The candidate's quantization."
+  "quantize", "int8", ["int8", "none"], "The candidate's weight quantization."
+)
+_KV_DTYPE = flags.DEFINE_enum(
+  "kv_dtype",
+  "float32",
+  ["float32", "bfloat16", "int8"],
+  "The candidate's K/V dtype (the original's is float32).",
 )
 _DTYPE = flags.DEFINE_enum(
   "dtype", "float32", ["float32", "bfloat16"], "The original's weight dtype."
@@ -40,7 +47,10 @@ def main(argv: Sequence[str]) -> None:
   texts = quality.read_texts(_TEXTS.value)
   original = cw.load(_MODEL.value, dtype=_DTYPE.value)
   candidate = cw.load(
-    _MODEL.value, dtype=_DTYPE.value, quantize=_QUANTIZE.value
+    _MODEL.value,
+    dtype=_DTYPE.value,
+    quantize=_QUANTIZE.value,
+    kv_dtype=_KV_DTYPE.value,
   )
   print(json.dumps(quality.measure(original, candidate, texts), indent=1))
 

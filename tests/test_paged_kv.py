@@ -192,10 +192,14 @@ def test_generate_many_with_paged_kv_equals_generate_alone(tiny, alone):
     np.testing.assert_array_equal(spec[i], tokens, err_msg=str(i))
 
 
-def test_fast_numerics_read_the_pool_in_place(tiny):
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_fast_numerics_read_the_pool_in_place(tiny, kv_dtype):
   """Under fast numerics a decode step reads the pool in place
-  (`pool_piece`): the tokens of fixed slots, scores to float rounding."""
-  fast = cw.InferenceModel.random(tiny.hparams, seed=0, numerics="fast")
+  (`pool_piece`, which decodes int8 pages there): the tokens of fixed
+  slots, scores to float rounding."""
+  fast = cw.InferenceModel.random(
+    tiny.hparams, seed=0, numerics="fast", kv_dtype=kv_dtype
+  )
   requests = _requests(tiny.hparams.vocab, n=6, seed=2)
   fixed = {r.index: r for r in fast.generate_many(requests, slots=3)}
   calls = []

@@ -30,6 +30,7 @@ from chunkwise.inference import (
   eos_ids_of,
   random_model_vocab,
 )
+from chunkwise.models import kv_int8
 from chunkwise.models.quantized import Quantization
 from chunkwise.partitioning.placement import check_placement
 from chunkwise.planner import choice as planner_choice
@@ -197,7 +198,7 @@ def load(
       logs the choice.
     vocab: replaces the checkpoint's vocabulary.
     **model_kwargs: passed to `InferenceModel` (`prefill_layout`,
-      `generate_layout`, `cache_dtype`, `compute_dtype`, `precision`,
+      `generate_layout`, `kv_dtype`, `compute_dtype`, `precision`,
       `bos_id`, `eos_id`, `eos_ids`).
 
   Raises:
@@ -211,6 +212,9 @@ def load(
       f"of {', '.join(WEIGHT_DTYPES)}"
     )
   quantize = Quantization.of(quantize)
+  for key in ("kv_dtype", "cache_dtype"):  # before reading any weight
+    if model_kwargs.get(key) is not None:
+      kv_int8.check_dtype(model_kwargs[key])
   if planner_choice.is_auto(
     layout,
     model_kwargs.get("prefill_layout"),
@@ -228,6 +232,9 @@ def load(
       else "f32"
       if dtype is None or jnp.dtype(dtype).name == "float32"
       else "bf16",
+      cache_dtype=jnp.dtype(
+        model_kwargs.get("kv_dtype") or model_kwargs.get("cache_dtype") or "f4"
+      ).name,
     )
     model_kwargs.update(prefill_layout=pre, generate_layout=gen)
   phases = check_placement(

@@ -1,8 +1,10 @@
 """How close a quantized model stays to its float original, measured on
-texts: next-token top-1 agreement, KL divergence and weight bytes
-(`scripts/int8_quality.py` prints it; a SmolLM2 test guards it).
+texts: next-token top-1 agreement, KL divergence, weight bytes and K/V
+bytes per token (`scripts/int8_quality.py` prints it; SmolLM2 tests guard
+int8 weights and int8 K/V).
 
   report = measure(cw.load(name), cw.load(name, quantize="int8"), texts)
+  report = measure(cw.load(name), cw.load(name, kv_dtype="int8"), texts)
 
 Every position that predicts a token of a text (all but its BOS) counts.
 """
@@ -15,8 +17,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from chunkwise import numerics
 from chunkwise.inference import Chunk, transformer_infer
-from chunkwise.models import quantized
+from chunkwise.models import kv_int8, quantized
 
 
 def read_texts(path: str) -> list[str]:
@@ -48,15 +51,20 @@ def _batches(vocab, texts):
 def _distributions(model, chunks):
   """Next-token log-probs [positions, vocab] of every row of every chunk
   (all but BOS), from the plain single-device forward over the model's
-  own (possibly quantized) weights: a full log-softmax, not a
+  own (possibly quantized) weights, K/V dtype (int8 K/V: every attention
+  reads keys and values as stored) and numerics (invariant: the same
+  numbers whatever the machine's threads): a full log-softmax, not a
   vocabulary-wide top-n."""
   hparams = model.hparams
   weights = jax.device_put(model.plain_weights(), jax.devices()[0])
 
-  @jax.jit
   def log_probs(weights, chunk):
-    full = transformer_infer(hparams, weights, (), chunk)
+    full = transformer_infer(
+      hparams, weights, (), chunk, cache_dtype=model.cache_dtype
+    )
     return jax.nn.log_softmax(full.logits, axis=-1)
+
+  log_probs = jax.jit(numerics.traced(log_probs, model.numerics))
 
   out = []
   for chunk in chunks:
@@ -66,7 +74,8 @@ def _distributions(model, chunks):
 
 
 def measure(original, candidate, texts: Sequence[str]) -> dict:
-  """Top-1 agreement, KL(original ‖ candidate) and weight bytes."""
+  """Top-1 agreement, KL(original ‖ candidate), weight bytes and K/V
+  bytes per token."""
   chunks = _batches(original.vocab, list(texts))
   p = _distributions(original, chunks)
   q = _distributions(candidate, chunks)
@@ -83,4 +92,13 @@ def measure(original, candidate, texts: Sequence[str]) -> dict:
     "original_weight_bytes": original_bytes,
     "candidate_weight_bytes": candidate_bytes,
     "bytes_ratio": candidate_bytes / original_bytes,
+    "original_kv_bytes_per_token": _kv_bytes(original),
+    "candidate_kv_bytes_per_token": _kv_bytes(candidate),
   }
+
+
+def _kv_bytes(model) -> int:
+  """K/V bytes one token holds in `model`'s caches (every layer)."""
+  h = model.hparams
+  per_head = kv_int8.bytes_per_vector(h.head_dim, model.cache_dtype)
+  return 2 * h.layers * h.kv_heads * per_head

@@ -26,6 +26,7 @@ from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
+from chunkwise.models import kv_int8
 from chunkwise.processors import LogitsProcessor
 
 
@@ -108,7 +109,8 @@ def check_prefix(
         f"prefix[{i}] must be a ChunkResult, got {type(p).__name__}"
       )
     k = p.kv_cache.k
-    want = (hparams.layers, hparams.kv_heads, hparams.head_dim)
+    dim = kv_int8.width(hparams.head_dim, k.dtype)  # int8: with its scale
+    want = (hparams.layers, hparams.kv_heads, dim)
     got = (k.shape[0], k.shape[3], k.shape[4]) if k.ndim == 5 else k.shape
     if got != want or p.next_token_logits.shape[-1] != hparams.vocab:
       raise ValueError(

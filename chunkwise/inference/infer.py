@@ -23,7 +23,7 @@ from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.results import FullChunkResult
-from chunkwise.models import forward
+from chunkwise.models import forward, kv_int8
 from chunkwise.models.attention import PrefixLayer, attend
 
 # infer(weights, prefix caches, chunk) -> FullChunkResult
@@ -55,16 +55,19 @@ def transformer_infer(
 ) -> FullChunkResult:
   """Runs the Transformer over `chunk`, attending to `prefix` caches."""
   prefix = tuple(prefix)
-  logits, (k, v) = forward(
-    hparams,
-    weights,
-    chunk.tokens,
-    positions_of(prefix, chunk),
-    attend,
-    layer_pieces(prefix, hparams.layers),
-    dtype=compute_dtype,
-  )
+  with kv_int8.storing(cache_dtype):
+    logits, (k, v) = forward(
+      hparams,
+      weights,
+      chunk.tokens,
+      positions_of(prefix, chunk),
+      attend,
+      layer_pieces(prefix, hparams.layers),
+      dtype=compute_dtype,
+    )
   cache = KVCache(
-    k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths
+    k=kv_int8.encode(k, cache_dtype),
+    v=kv_int8.encode(v, cache_dtype),
+    lengths=chunk.lengths,
   )
   return FullChunkResult(logits=logits, kv_cache=cache)

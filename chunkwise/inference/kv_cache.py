@@ -19,6 +19,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from chunkwise.models import kv_int8
 from chunkwise.models.attention import PrefixLayer
 from chunkwise.partitioning import axes as ax
 
@@ -114,7 +115,9 @@ class LayerKV:
 
     def put(buffers, new):
       return tuple(
-        lax.dynamic_update_slice_in_dim(b, jnp.swapaxes(n, 1, 2), at, axis=2)
+        lax.dynamic_update_slice_in_dim(
+          b, jnp.swapaxes(kv_int8.encode(n, b.dtype), 1, 2), at, axis=2
+        )
         for b, n in zip(buffers, new, strict=True)
       )
 
@@ -129,7 +132,7 @@ class LayerKV:
 
     def put(buffers, new):
       return tuple(
-        b.at[rows, :, cols].set(n.astype(b.dtype), mode="drop")
+        b.at[rows, :, cols].set(kv_int8.encode(n, b.dtype), mode="drop")
         for b, n in zip(buffers, new, strict=True)
       )
 
@@ -145,7 +148,7 @@ class LayerKV:
     def put(buffers, new):
       out = []
       for b, n in zip(buffers, new[:, :, :width], strict=True):
-        n = jnp.swapaxes(n, 1, 2).astype(b.dtype)
+        n = jnp.swapaxes(kv_int8.encode(n, b.dtype), 1, 2)
         n = jnp.broadcast_to(n, (rows.size, *n.shape[1:]))
         if offset is None:
           out.append(b.at[rows, :, :width].set(n, mode="drop"))

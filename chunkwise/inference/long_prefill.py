@@ -33,6 +33,7 @@ from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.results import ChunkResult
+from chunkwise.models import kv_int8
 
 # Pieces hold at most this many bytes of f32 logits (batch x columns x
 # vocab), and between these many columns.
@@ -74,7 +75,7 @@ def _write(buffer: KVCache, piece: KVCache, at: int) -> KVCache:
 def _write_at(buffer: KVCache, piece: KVCache, at: jax.Array) -> KVCache:
   """`piece`'s K/V written into `buffer` at column `at` (in place)."""
   k, v = (
-    lax.dynamic_update_slice_in_dim(b, p.astype(b.dtype), at, axis=2)
+    lax.dynamic_update_slice_in_dim(b, kv_int8.encode(p, b.dtype), at, axis=2)
     for b, p in ((buffer.k, piece.k), (buffer.v, piece.v))
   )
   return buffer.replace(k=k, v=v)

@@ -57,7 +57,7 @@ from chunkwise.inference.vocabularies import (
   random_model_vocab,
   special_ids,
 )
-from chunkwise.models import Weights, init_random
+from chunkwise.models import Weights, init_random, kv_int8
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.placement import check_placement
 from chunkwise.planner import choice as planner_choice
@@ -86,7 +86,12 @@ class InferenceModel:
       for `workload`; the choice is logged and kept in `layout_choice`.
     workload: a `planner.Workload` (rows per call, prompt and generated
       tokens) that "auto" plans for; None: `planner.Workload()`.
-    cache_dtype: dtype of KV caches (f32 or bf16).
+    kv_dtype: how K/V caches are stored: "float32", "bfloat16" or "int8"
+      (values with an f32 scale per token and head, `models.kv_int8`: a
+      quarter of f32's bytes plus 4 per head, read by every attention
+      path; the chunk's own keys and values are read as stored too).
+      None: `cache_dtype`.
+    cache_dtype: the older name of `kv_dtype` (f32 by default).
     compute_dtype: dtype of the residual stream (f32 or bf16); attention
       softmax, norms and logits are always computed in f32.
     precision: of every matmul and einsum, "highest", "high" or "default"
@@ -125,7 +130,8 @@ class InferenceModel:
     layout=None,
     prefill_layout=None,
     generate_layout=None,
-    cache_dtype=jnp.float32,
+    kv_dtype=None,
+    cache_dtype=None,
     compute_dtype=jnp.float32,
     precision: str | None = None,
     infer_fn: InferFn | None = None,
@@ -136,6 +142,7 @@ class InferenceModel:
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._prefill_chunk = long_prefill.check_columns(prefill_chunk)
+    cache_dtype = _kv_dtype(kv_dtype, cache_dtype)
     self._precision = resolve_precision(precision, compute_dtype)
     self._numerics = numerics_lib.resolve(
       numerics, planner_choice.weights_name(weights) == "int8"
@@ -149,12 +156,13 @@ class InferenceModel:
         generate_layout,
         workload=workload,
         weights=planner_choice.weights_name(weights),
+        cache_dtype=cache_dtype.name,
       )
     )
     phases = check_placement(
       mesh, layout, prefill_layout, generate_layout, hparams
     )
-    self._cache_dtype = jnp.dtype(cache_dtype)
+    self._cache_dtype = cache_dtype
     self._compute_dtype = jnp.dtype(compute_dtype)
     self._hparams = hparams
     self._vocab = vocab
@@ -242,8 +250,13 @@ class InferenceModel:
 
   @property
   def cache_dtype(self):
-    """The KV caches' dtype."""
+    """The KV caches' dtype (int8: packed with scales, `models.kv_int8`)."""
     return self._cache_dtype
+
+  @property
+  def kv_dtype(self) -> str:
+    """How K/V caches are stored: "float32", "bfloat16" or "int8"."""
+    return self._cache_dtype.name
 
   @property
   def vocab(self) -> Vocabulary | None:
@@ -726,3 +739,19 @@ class InferenceModel:
       speculation=spec,
     )
     return ((tokens, tagged(r, names)) for tokens, r in segments)
+
+
+def _kv_dtype(kv_dtype, cache_dtype) -> jnp.dtype:
+  """The K/V storage dtype from `kv_dtype` or its older name `cache_dtype`
+  (ValueError when both are given and differ, or either is not one)."""
+  if kv_dtype is None:
+    return kv_int8.check_dtype(
+      jnp.float32 if cache_dtype is None else cache_dtype
+    )
+  dtype = kv_int8.check_dtype(kv_dtype)
+  if cache_dtype is not None and kv_int8.check_dtype(cache_dtype) != dtype:
+    raise ValueError(
+      f"kv_dtype={kv_dtype!r} and cache_dtype={cache_dtype!r} disagree; "
+      "give one (cache_dtype is kv_dtype's older name)"
+    )
+  return dtype

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from chunkwise.models import kv_int8
 from chunkwise.models.paged_attention import PagedLayer
 from chunkwise.partitioning import axes as ax
 
@@ -124,9 +125,10 @@ class PagedKV:
     def put(pools, new):
       out = []
       for pool, n in zip(pools, new, strict=True):
+        n = kv_int8.encode(n, pool.dtype)
         n = jnp.broadcast_to(n, (rows.size, *n.shape[1:]))
         # [rows, W, kv_heads, dim] -> [kv_heads, rows, W, dim]
-        n = jnp.moveaxis(n, 2, 0).astype(pool.dtype)
+        n = jnp.moveaxis(n, 2, 0)
         out.append(pool.at[:, page, offset].set(n, mode="drop"))
       return tuple(out)
 

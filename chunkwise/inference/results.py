@@ -33,6 +33,7 @@ from chunkwise import numerics
 from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, repeat_each
+from chunkwise.models import kv_int8
 from chunkwise.partitioning import axes as ax
 
 
@@ -85,7 +86,8 @@ class ChunkResult:
   ) -> ChunkResult:
     """The `jax.ShapeDtypeStruct`s of a result of `batch` rows and `time`
     positions: what prefill returns, and what a saved result restores."""
-    kv = (hparams.layers, batch, time, hparams.kv_heads, hparams.head_dim)
+    dim = kv_int8.width(hparams.head_dim, cache_dtype)
+    kv = (hparams.layers, batch, time, hparams.kv_heads, dim)
     f32, i32 = jnp.float32, jnp.int32
     return cls(
       per_token_scores=jax.ShapeDtypeStruct((batch, time), f32),

@@ -46,7 +46,14 @@ from chunkwise.inference.infer import layer_pieces, positions_of
 from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult, FullChunkResult
-from chunkwise.models import Weights, fused, lora, quantized, sharded_forward
+from chunkwise.models import (
+  Weights,
+  fused,
+  kv_int8,
+  lora,
+  quantized,
+  sharded_forward,
+)
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
@@ -87,17 +94,20 @@ def sharded_infer(
         k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v)
       )
     local.append(cache)
-  logits, (k, v) = sharded_forward.forward(
-    plan,
-    hparams,
-    weights,
-    chunk.tokens,
-    positions,
-    layer_pieces(local, hparams.layers),
-    compute_dtype,
-  )
+  with kv_int8.storing(cache_dtype):
+    logits, (k, v) = sharded_forward.forward(
+      plan,
+      hparams,
+      weights,
+      chunk.tokens,
+      positions,
+      layer_pieces(local, hparams.layers),
+      compute_dtype,
+    )
   cache = KVCache(
-    k=k.astype(cache_dtype), v=v.astype(cache_dtype), lengths=chunk.lengths
+    k=kv_int8.encode(k, cache_dtype),
+    v=kv_int8.encode(v, cache_dtype),
+    lengths=chunk.lengths,
   )
   return FullChunkResult(logits=logits, kv_cache=cache)
 

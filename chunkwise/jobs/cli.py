@@ -31,6 +31,7 @@ from chunkwise.jobs.config import (
   Quantization,
   WeightDtype,
 )
+from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 from chunkwise.numerics import NUMERICS
 from chunkwise.precision import PRECISIONS
 
@@ -78,7 +79,7 @@ _VALIDATED: set[tuple[str, str]] = set()
 
 class ModelFlags:
   """--model, --layout, --mesh, --dtype, --quantize, --precision,
-  --numerics, --adapters."""
+  --numerics, --kv_dtype, --adapters."""
 
   def __init__(self):
     self.model = _define(
@@ -133,6 +134,15 @@ class ModelFlags:
       "whatever shares its batch (default, except int8 weights: fast); "
       "fast: XLA's own reduction orders. See chunkwise.numerics.",
     )
+    self.kv_dtype = _define(
+      flags.DEFINE_enum,
+      "kv_dtype",
+      None,
+      list(KV_DTYPES),
+      "How K/V caches are stored (default: float32). int8: values with an "
+      "f32 scale per token and head, 0.27x f32's bytes at head_dim 64, "
+      "read by every attention path (chunkwise.models.kv_int8).",
+    )
     self.adapters = _define(
       flags.DEFINE_string,
       "adapters",
@@ -155,6 +165,7 @@ class ModelFlags:
       quantize=self.quantize.value,
       precision=self.precision.value,
       numerics=self.numerics.value,
+      kv_dtype=self.kv_dtype.value,
       adapters=self.adapters.value,
     )
 

@@ -26,6 +26,7 @@ from typing import ClassVar
 from chunkwise.inference import Sampling, Speculation
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
+from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 from chunkwise.models.quantized import Quantization
 from chunkwise.numerics import NUMERICS
 from chunkwise.partitioning import Layout, parse_mesh
@@ -81,6 +82,7 @@ class ModelConfig:
   quantize: Quantization = Quantization.NONE
   precision: str | None = None  # "highest", "high", "default"
   numerics: str | None = None  # "invariant", "fast" (chunkwise.numerics)
+  kv_dtype: str | None = None  # "float32", "bfloat16", "int8" (None: f32)
   # LoRA adapters served besides the base model: {name: PEFT directory}
   # (or "name=path,name2=path2"); examples pick one by name.
   adapters: Mapping[str, str] = dataclasses.field(
@@ -108,6 +110,10 @@ class ModelConfig:
     if self.numerics is not None and self.numerics not in NUMERICS:
       raise ValueError(
         f"numerics={self.numerics!r}: expected one of {list(NUMERICS)}"
+      )
+    if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+      raise ValueError(
+        f"kv_dtype={self.kv_dtype!r}: expected one of {list(KV_DTYPES)}"
       )
 
 

@@ -227,6 +227,7 @@ def load_configured(
       dtype=dtype or "float32",
       precision=m.precision,
       numerics=m.numerics,
+      kv_dtype=m.kv_dtype,
       **extra,
     )
   return checkpoints.load(
@@ -237,6 +238,7 @@ def load_configured(
     layout=m.layout,
     precision=m.precision,
     numerics=m.numerics,
+    kv_dtype=m.kv_dtype,
     **extra,
   )
 
@@ -361,6 +363,7 @@ def run(
     # Absent when unset, so outputs begun before the option still resume.
     **({"precision": m.precision} if m.precision else {}),
     **({"numerics": m.numerics} if m.numerics else {}),
+    **({"kv_dtype": m.kv_dtype} if m.kv_dtype else {}),
     **(
       {"adapters": adapters_lib.checksums(setup.adapters)}
       if setup.adapters

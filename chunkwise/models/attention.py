@@ -37,7 +37,7 @@ from jax import lax
 
 from chunkwise import numerics
 from chunkwise.configs import HParams
-from chunkwise.models import blocked_attention, paged_attention
+from chunkwise.models import blocked_attention, kv_int8, paged_attention
 
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
 # (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
@@ -94,6 +94,14 @@ class PrefixLayer(NamedTuple):
     if self.heads_major and numerics.invariant():
       return self._replace(first=first, count=count)
     return self._replace(first=first, count=count).sliced()
+
+  def decoded(self, rotated: bool) -> PrefixLayer:
+    """Keys and values in attention's space (`kv_int8.as_read`): int8 K/V
+    decoded, rotated where attention is (`rotated`), else as stored."""
+    if self.k.dtype != kv_int8.INT8 and not rotated:
+      return self
+    k, v = kv_int8.as_read(self.k, self.v, rotated)
+    return self._replace(k=k, v=v)
 
   def sliced(self) -> PrefixLayer:
     """The window of heads cut out (self when there is none)."""
@@ -337,6 +345,12 @@ def attend(
 ) -> jax.Array:
   """Causal attention of a chunk to its prefixes and itself.
 
+  In a forward pass that stores int8 K/V (`kv_int8.storing`) it runs in
+  the Hadamard-rotated space the int8 K/V is stored in: queries rotated
+  in, the chunk's own keys and values rotated and rounded as they will be
+  stored, the output rotated back (the same attention in exact
+  arithmetic).
+
   Args:
     q: [B, T, heads, D] queries (RoPE applied, not scaled).
     k, v: [B, T, kv_heads, D] the chunk's keys and values.
@@ -346,18 +360,30 @@ def attend(
   Returns:
     f32[B, T, heads, D].
   """
+  if not kv_int8.rotating():
+    return _attend(q, k, v, prefix, options, rotated=False)
+  q, k, v = kv_int8.rotate(q), kv_int8.as_stored(k), kv_int8.as_stored(v)
+  return kv_int8.rotate(_attend(q, k, v, prefix, options, rotated=True))
+
+
+def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
+  """`attend` in attention's space (rotated: int8 K/V's)."""
   batch, time, heads, dim = q.shape
-  # A paged pool is read by the Pallas kernel where it runs, else through
-  # its gathered view (the plain twin), like any heads-major buffer.
+  # A paged pool is read in place where it can be (`paged_attention.piece`),
+  # else through its gathered view (the plain twin), like any heads-major
+  # buffer. int8 K/V (`kv_int8`) is decoded into attention's space.
   kernels = [
     p
     for p in prefix
     if isinstance(p, paged_attention.PagedLayer)
     and paged_attention.read_in_place(time, options.window)
     and not numerics.invariant()
+    and (p.k_pages.dtype == kv_int8.INT8) == rotated
   ]
   prefix = [
-    p.view() if isinstance(p, paged_attention.PagedLayer) else PrefixLayer(*p)
+    (
+      p.view() if isinstance(p, paged_attention.PagedLayer) else PrefixLayer(*p)
+    ).decoded(rotated)
     for p in prefix
     if not any(p is k for k in kernels)
   ]

@@ -39,6 +39,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from chunkwise.models import kv_int8
+
 
 class PagedLayer(NamedTuple):
   """One layer of a paged pool, as attention reads it."""
@@ -108,8 +110,8 @@ def pool_piece(
   held = owner < rows
   row = jnp.minimum(owner, rows - 1)
   qp = q[row, 0]  # [pages, kv_heads, group, D]
-  k = layer.k_pages.astype(jnp.float32)
-  v = layer.v_pages.astype(jnp.float32)
+  k = kv_int8.decode(layer.k_pages).astype(jnp.float32)
+  v = kv_int8.decode(layer.v_pages).astype(jnp.float32)
   logits = jnp.einsum("pkgd,kpsd->pkgs", qp, k)
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
@@ -140,8 +142,10 @@ def read_in_place(time: int, window) -> bool:
 
 def piece(q: jax.Array, layer: PagedLayer, *, softcap=None):
   """(m, s, o) of one query per row over its pages: the Pallas kernel on
-  a GPU, `pool_piece` elsewhere."""
-  if jax.default_backend() == "gpu":
+  a GPU, `pool_piece` elsewhere and for int8 K/V (the kernel reads floats;
+  `pool_piece` decodes int8 pages in place, into the rotated space that
+  `attention.attend` then runs in)."""
+  if jax.default_backend() == "gpu" and layer.k_pages.dtype != kv_int8.INT8:
     return kernel_piece(q, layer, softcap=softcap)
   return pool_piece(q, layer, softcap=softcap)
 

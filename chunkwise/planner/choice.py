@@ -126,10 +126,12 @@ def choose(
   weights: str = "bf16",
   hardware=CPU_HOST,
   limit: int = 10,
+  cache_dtype: str = "bf16",
 ) -> Choice:
   """The best layouts for a mesh of `mesh_shape` running `workload`
   (shortened to the model's max_len) with `weights` ("int8", "bf16",
-  "f32") on `hardware`; `limit` candidates are kept."""
+  "f32") and K/V of `cache_dtype` on `hardware`; `limit` candidates are
+  kept."""
   w = workload.fitted(hparams.max_len)
   shape = tuple(int(s) for s in mesh_shape)
   chips = shape[0] * shape[1] * shape[2]
@@ -142,6 +144,7 @@ def choose(
     w.generate_len,
     weights,
     mesh_shape=shape,
+    cache_dtype=cache_dtype,
     limit=limit,
   )
   return Choice(tuple(ranked), w, hw_lib.get(hardware))
@@ -160,6 +163,7 @@ def resolve(
   *,
   workload: Workload | None = None,
   weights: str = "bf16",
+  cache_dtype: str = "bf16",
 ):
   """Replaces "auto" among the layout arguments by the planner's choice
   for `mesh` (a Mesh or None); returns (layout, prefill_layout,
@@ -184,6 +188,7 @@ def resolve(
     workload or Workload(),
     weights=weights,
     hardware=hardware_of(list(mesh.devices.flat)),
+    cache_dtype=cache_dtype,
   )
   log.info("%s", choice)
 

@@ -71,6 +71,14 @@ def dtype_bytes(name) -> int:
   return DTYPE_BYTES[key]
 
 
+def kv_bytes_per_value(name, head_dim: int) -> float:
+  """Bytes a K/V cache of dtype `name` holds per key (or value) element:
+  int8 K/V also keeps a 4-byte f32 scale per token and head
+  (`chunkwise.models.kv_int8`)."""
+  size = dtype_bytes(name)
+  return size * (1 + 4 / head_dim) if size == 1 else float(size)
+
+
 class Family(enum.Enum):
   REFERENCE = "reference"
   WS_1D = "ws_1d"
@@ -456,7 +464,7 @@ def estimate(
   n = s.chips
   wb, cb, ab = (
     weight_bytes_per_value(weights),
-    dtype_bytes(cache_dtype),
+    kv_bytes_per_value(cache_dtype, m.K),
     dtype_bytes(act_dtype),
   )
   B, L = int(batch), int(tokens)
