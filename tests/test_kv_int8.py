@@ -86,13 +86,24 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   monkeypatch, int8, alone8
 ):
   """The continuous-batching contract with int8 K/V: eight requests
-  through fixed slots, then through 4 slots over a pool of 5 pages with a
-  prefix cache and prompts prefilled in pieces of 8 (chunked prefill):
-  every request bit for bit `generate` alone."""
+  through fixed slots (four also with speculation drafted by the int8
+  draft, its scratch buffer int8 K/V too), then through 4 slots over a
+  pool of 5 pages with a prefix cache and prompts prefilled in pieces of
+  8 (chunked prefill): every request bit for bit `generate` alone (the
+  drafted ones: the same tokens)."""
   from chunkwise.inference import prefix_cache as pc
 
   requests, want = alone8
   fixed = {r.index: r for r in int8.generate_many(requests, slots=4, every=8)}
+  drafted = {
+    r.index: r.tokens
+    for r in int8.generate_many(
+      requests[:4],
+      slots=4,
+      every=8,
+      speculation=cw.Speculation(drafter="draft", k=3),
+    )
+  }
   monkeypatch.setattr(pc, "PAGE", 8)
   shared = [
     cw.Request(
@@ -118,6 +129,8 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   for i, (tokens, scores) in enumerate(want):
     np.testing.assert_array_equal(fixed[i].tokens, tokens, err_msg=str(i))
     np.testing.assert_array_equal(fixed[i].per_token_scores, scores)
+    if i in drafted:
+      np.testing.assert_array_equal(drafted[i], tokens, err_msg=str(i))
   for i, r in enumerate(shared):
     tokens, scores = _alone(int8, r)
     np.testing.assert_array_equal(paged[i].tokens, tokens, err_msg=str(i))

@@ -41,7 +41,6 @@ from chunkwise.configs import HParams
 from chunkwise.inference import (
   long_prefill,
   page_table,
-  paged_kv,
   prefix_cache,
   slots,
 )
@@ -100,7 +99,7 @@ def _admit(state, prompts, at, lengths, rows, tokens, head=None):
   return _ADMIT[key](state, prompts, at, lengths, rows, tokens, head)
 
 
-_VACATE = jax.jit(slots.vacate, donate_argnums=0)
+vacate = jax.jit(slots.vacate, donate_argnums=0)
 
 
 def with_table(state: slots.SlotState, pool: page_table.Pages | None):
@@ -154,7 +153,7 @@ def run_many(
 
   caches, prev = prefix_inputs(prefix)
   n = len(call.prompts)
-  paging = {"pages": pages, "page": paged_kv.PAGE} if pages else {}
+  pool, paging = page_table.pool(pages, slots=slots_n, columns=call.capacity)
   state = generate_engine.slot_init(
     caches,
     slots=slots_n,
@@ -164,13 +163,7 @@ def run_many(
     vocab=hparams.vocab,
     **paging,
   )
-  pool = None
-  if pages:
-    pool = page_table.Pages(
-      pages=pages, page=paged_kv.PAGE, slots=slots_n, columns=call.capacity
-    )
-  # Columns a segment may add to a running request.
-  ahead = every * (1 + (speculation.k if speculation is not None else 0))
+  ahead = page_table.ahead(every, speculation)
   admitted = {}  # slot -> admission count (the latest is preempted first)
   tick = itertools.count()
   generated = np.zeros(slots_n, np.int64)
@@ -218,7 +211,7 @@ def run_many(
           waiting.appendleft(int(occupant[s]))
           occupant[s] = -1
         if preempted:
-          state = _VACATE(state, replicated_like(state, np.int32(preempted)))
+          state = vacate(state, replicated_like(state, np.int32(preempted)))
           if trace is not None:
             trace("preempted", [waiting[j] for j in range(len(preempted))])
       free = [s for s in np.flatnonzero(occupant < 0) if s not in staged]

@@ -49,7 +49,6 @@ from chunkwise.inference import (
   continuous,
   long_prefill,
   page_table,
-  paged_kv,
   slots,
 )
 from chunkwise.inference import prefix_cache as prefix_cache_lib
@@ -186,14 +185,10 @@ class LiveSlots:
     # That needs a rerun to give the same tokens; without `preempt` (fast
     # numerics, where it may not) a request is admitted once pages for all
     # of its steps fit, and is never preempted.
-    self.pages = None
     self._preempt = preempt
-    paging = {}
-    if kv_pages:
-      self.pages = page_table.Pages(
-        pages=kv_pages, page=paged_kv.PAGE, slots=slots_n, columns=capacity
-      )
-      paging = {"pages": kv_pages, "page": paged_kv.PAGE}
+    self.pages, paging = page_table.pool(
+      kv_pages, slots=slots_n, columns=capacity
+    )
     self.preempted = 0  # requests preempted so far
     state = generate_engine.slot_init(
       self._caches,
@@ -213,7 +208,7 @@ class LiveSlots:
     # Counts of every finished request (`SpeculationStats`).
     self.speculation_totals = SpeculationStats()
     # A step's iterations emit up to k + 1 tokens each.
-    self._window = every * (1 + (speculation.k if speculation else 0)) + 1
+    self._window = page_table.ahead(every, speculation) + 1
     # Host copies of each slot's settings (a free slot: defaults, no budget).
     n = slots_n
     self._key: list[Hashable | None] = [None] * n
@@ -427,10 +422,8 @@ class LiveSlots:
       self._waiting.insert(0, (key, self._prepared[s]))
       self._free(s)
     self.preempted += len(preempted)
-    free = np.zeros(self.slots, bool)
-    free[preempted] = True
-    self._state = _RELEASE(
-      self._state, continuous.replicated_like(self._state, free)
+    self._state = continuous.vacate(
+      self._state, continuous.replicated_like(self._state, np.int32(preempted))
     )
     return True
 

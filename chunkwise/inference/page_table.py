@@ -19,6 +19,26 @@ import heapq
 
 import numpy as np
 
+from chunkwise.inference.paged_kv import PAGE
+
+
+def pool(
+  kv_pages: int, *, slots: int, columns: int
+) -> tuple[Pages | None, dict]:
+  """The host tables of a pool of `kv_pages` pages of `PAGE` columns for
+  `slots` slots of up to `columns` columns (None without a pool), and
+  the `slot_init` arguments that lay out its device side."""
+  if not kv_pages:
+    return None, {}
+  pages = Pages(pages=kv_pages, page=PAGE, slots=slots, columns=columns)
+  return pages, {"pages": kv_pages, "page": PAGE}
+
+
+def ahead(every: int, speculation) -> int:
+  """Columns one segment of `every` steps may add to a running request
+  (with `speculation`, up to k + 1 tokens a step)."""
+  return every * (1 + (speculation.k if speculation is not None else 0))
+
 
 class Pages:
   """Which of `pages` pool pages each of `slots` slots holds."""
