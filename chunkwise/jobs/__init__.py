@@ -13,6 +13,7 @@ scripts/generate.py (which only parse flags into these configs).
 - `scoring`, `generation`: `run_score` / `run_generate`, and one batch's
   device calls and records.
 - `examples`: reading and checking input lines (`file:line: reason`).
+- `seqio_input`: a seqio Task or Mixture as the input (`SeqioInput`).
 - `batching`: length-bucketed batches, the same on every process.
 - `adapters`: LoRA adapters (`--adapters`, per-example "adapter"), read
   before any device work; the shared prefix once per adapter.
@@ -27,6 +28,7 @@ from chunkwise.jobs import (
   generation,
   output,
   scoring,
+  seqio_input,
 )
 from chunkwise.jobs.config import (
   GenerateJob,
@@ -41,6 +43,7 @@ from chunkwise.jobs.config import (
 from chunkwise.jobs.driver import JobError, load_served, start_processes
 from chunkwise.jobs.generation import run_generate
 from chunkwise.jobs.scoring import run_score
+from chunkwise.jobs.seqio_input import SeqioInput
 
 __all__ = [
   "GenerateJob",
@@ -51,6 +54,7 @@ __all__ = [
   "MultiHost",
   "Quantization",
   "ScoreJob",
+  "SeqioInput",
   "WeightDtype",
   "adapters",
   "batching",
@@ -61,5 +65,6 @@ __all__ = [
   "run_generate",
   "run_score",
   "scoring",
+  "seqio_input",
   "start_processes",
 ]

@@ -31,6 +31,7 @@ from chunkwise.jobs.config import (
   Quantization,
   WeightDtype,
 )
+from chunkwise.jobs.seqio_input import SeqioInput
 from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 from chunkwise.numerics import NUMERICS
 from chunkwise.precision import PRECISIONS
@@ -230,7 +231,35 @@ class JobFlags:
       flags.DEFINE_string,
       "input",
       None,
-      "Input file: JSON lines (.jsonl) or text, one per line.",
+      "Input file: JSON lines (.jsonl) or text, one per line (or "
+      "--seqio_task / --seqio_mixture).",
+    )
+    self.seqio_task = _define(
+      flags.DEFINE_string,
+      "seqio_task",
+      None,
+      "A registered seqio Task to read instead of --input: its "
+      "preprocessed 'inputs' (and, scoring, 'targets') token ids, in the "
+      "model's vocabulary (chunkwise/jobs/seqio_input.py).",
+    )
+    self.seqio_mixture = _define(
+      flags.DEFINE_string,
+      "seqio_mixture",
+      None,
+      "A registered seqio Mixture: each of its Tasks in turn, ids "
+      '"task:index".',
+    )
+    self.seqio_split = _define(
+      flags.DEFINE_string,
+      "seqio_split",
+      "validation",
+      "The split of --seqio_task / --seqio_mixture.",
+    )
+    self.seqio_module = _define(
+      flags.DEFINE_string,
+      "seqio_module",
+      None,
+      "A Python module imported first (it registers the seqio Tasks).",
     )
     self.input_format = _define(
       flags.DEFINE_enum,
@@ -311,11 +340,23 @@ class JobFlags:
     """The `Job` fields the flags give (keyword arguments of `ScoreJob` /
     `GenerateJob`); raises UsageError when --input or --output is
     missing."""
-    for name in ("input", "output"):
-      if not getattr(self, name).value:
-        raise app.UsageError(f"--{name} is required")
+    if not self.output.value:
+      raise app.UsageError("--output is required")
+    seqio = None
+    if self.seqio_task.value or self.seqio_mixture.value:
+      seqio = SeqioInput(
+        task=self.seqio_task.value or None,
+        mixture=self.seqio_mixture.value or None,
+        split=self.seqio_split.value,
+        module=self.seqio_module.value or None,
+      )
+    elif not self.input.value:
+      raise app.UsageError(
+        "--input is required (or --seqio_task / --seqio_mixture)"
+      )
     return dict(
-      input=self.input.value,
+      input=self.input.value or "",
+      seqio=seqio,
       output=self.output.value,
       model=self.model.config(),
       input_format=self.input_format.value,

@@ -26,6 +26,7 @@ from typing import ClassVar
 from chunkwise.inference import Sampling, Speculation
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
+from chunkwise.jobs.seqio_input import SeqioInput
 from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 from chunkwise.models.quantized import Quantization
 from chunkwise.numerics import NUMERICS
@@ -139,8 +140,10 @@ class Job:
   """What scoring and generation jobs share."""
 
   kind: ClassVar[JobKind]
-  input: str  # JSON lines or text, one example per line
+  input: str = ""  # JSON lines or text, one example per line
   output: str  # JSON lines; a re-run skips the ids it holds
+  seqio: SeqioInput | None = None  # a seqio Task or Mixture instead of
+  # --input (`chunkwise.jobs.seqio_input`)
   model: ModelConfig = ModelConfig()
   input_format: InputFormat = InputFormat.AUTO
   batch_size: int = 8  # rows per device call, over all processes
@@ -159,9 +162,20 @@ class Job:
   multihost: MultiHost = MultiHost()
 
   def __post_init__(self):
-    for name in ("input", "output"):
-      if not isinstance(getattr(self, name), str) or not getattr(self, name):
-        raise ValueError(f"--{name} is required")
+    if not isinstance(self.output, str) or not self.output:
+      raise ValueError("--output is required")
+    if self.seqio is not None and not isinstance(self.seqio, SeqioInput):
+      raise ValueError(f"seqio must be a SeqioInput, got {self.seqio!r}")
+    if not isinstance(self.input, str):
+      raise ValueError(f"--input={self.input!r} must be a path")
+    if not self.input and self.seqio is None:
+      raise ValueError(
+        "--input is required (or --seqio_task / --seqio_mixture)"
+      )
+    if self.input and self.seqio is not None:
+      raise ValueError(
+        f"give one input: --input={self.input!r} or {self.seqio.name}, not both"
+      )
     if not isinstance(self.model, ModelConfig):
       raise ValueError(f"model must be a ModelConfig, got {self.model!r}")
     _set(

@@ -40,7 +40,7 @@ from absl import logging
 from chunkwise import checkpoints, memory, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import adapters as adapters_lib
-from chunkwise.jobs import batching, examples, output
+from chunkwise.jobs import batching, examples, output, seqio_input
 from chunkwise.jobs.config import Job, ModelConfig, MultiHost, Quantization
 from chunkwise.models import lora
 from chunkwise.partitioning import LayoutKind, multihost
@@ -127,7 +127,7 @@ def setup(
       )
     )
   paths = (job.input, job.output)
-  if all(map(os.path.exists, paths)) and os.path.samefile(*paths):
+  if job.input and all(map(os.path.exists, paths)) and os.path.samefile(*paths):
     raise JobError("--output is the --input file")
   random = job.model.name.startswith(checkpoints.RANDOM)
   if random and job.model.quantize is not Quantization.NONE:
@@ -136,16 +136,22 @@ def setup(
     reserved
   )
   try:
-    found = examples.read(
-      job.input,
-      kind=job.kind.value,
-      fmt=job.input_format.value,
-      skip_bad=job.skip_bad_lines,
-      max_line_bytes=job.max_line_bytes,
-      max_depth=job.max_json_depth,
-      adapters=tuple(loaded),
-      adapter=job.adapter,
-    )
+    if job.seqio is not None:
+      found = seqio_input.read(
+        job.seqio, kind=job.kind.value, vocab=vocab, adapter=job.adapter
+      )
+      examples.check(found, job.skip_bad_lines)
+    else:
+      found = examples.read(
+        job.input,
+        kind=job.kind.value,
+        fmt=job.input_format.value,
+        skip_bad=job.skip_bad_lines,
+        max_line_bytes=job.max_line_bytes,
+        max_depth=job.max_json_depth,
+        adapters=tuple(loaded),
+        adapter=job.adapter,
+      )
     prepared = examples.prepare(
       found,
       lambda e: encode(described, prefix_tokens, e),
@@ -156,7 +162,7 @@ def setup(
     )
     for message in found.messages:
       logging.warning("skipped %s", message)
-  except (examples.InputError, FileNotFoundError) as e:
+  except (examples.InputError, FileNotFoundError, ValueError) as e:
     raise JobError(str(e)) from None
   return Setup(job, described, found, prepared, prefix_tokens, max_len, loaded)
 

@@ -56,6 +56,7 @@ class Example:
   line: the line number (from 1), for messages.
   text: scored text, continuation or prompt.
   context: conditioning text that is not scored ("" if none).
+  ids, context_ids: the same as token ids (seqio inputs; `ids` None: text).
   adapter: the LoRA adapter it runs (None: the base model).
   """
 
@@ -64,6 +65,10 @@ class Example:
   text: str
   context: str = ""
   adapter: str | None = None
+  # Token ids instead of text (a seqio Task's features, `seqio_input`):
+  # `ids` for `text`, `context_ids` for `context`; None: text.
+  ids: tuple[int, ...] | None = None
+  context_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +287,14 @@ def read(
   if not found.items:
     raise InputError(_nothing_left(found, "no examples"))
   return found
+
+
+def check(found: Examples, skip_bad: bool) -> None:
+  """Raises `InputError` for a bad example (unless `skip_bad`) or when
+  there is none (a reader other than `read`: `seqio_input`)."""
+  _check_bad(found, skip_bad)
+  if not found.items:
+    raise InputError(_nothing_left(found, "no examples"))
 
 
 def _nothing_left(found: Examples, what: str) -> str:

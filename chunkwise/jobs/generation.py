@@ -317,6 +317,8 @@ def _item_record(model, item, r, stop_strings, constraint, stream) -> dict:
 def encode(described, prefix: list[int], example: examples.Example):
   """(row, 0): BOS (unless a shared prefix holds it), then the prompt."""
   head = [] if prefix else [described.bos_id]
+  if example.ids is not None:  # seqio: the inputs' ids
+    return head + list(example.ids), 0
   return head + list(described.vocab.encode(example.text)), 0
 
 

@@ -98,6 +98,9 @@ def encode(described, prefix: list[int], example: examples.Example):
   context, then the scored text."""
   vocab = described.vocab
   head = [] if prefix else [described.bos_id]
+  if example.ids is not None:  # seqio: inputs, then the scored targets
+    head += example.context_ids
+    return head + list(example.ids), len(head)
   if example.context:
     head += vocab.encode(example.context)
   return head + list(vocab.encode(example.text)), len(head)
