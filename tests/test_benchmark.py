@@ -284,6 +284,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--slot_step_capacity=128",
     "--paged_slots=6",
     "--paged_attention_contexts=64",
+    "--kv_dtype_contexts=48",
     f"--output={out}",
     f"--plot={png}",
   )
@@ -317,6 +318,13 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   (row,) = data["configs"][0]["paged_attention"]
   assert (row["rows"], row["context"]) == (3, 64) and row["view_ms"] > 0
   assert "kernel_ms" not in row and "paged decode attention" in result.stdout
+  # --kv_dtype_contexts: 3 rows after 48 columns, f32 against int8 K/V.
+  (row,) = data["configs"][0]["kv_dtype"]
+  assert (row["rows"], row["context"]) == (3, 48)
+  assert row["float32_tokens_per_s"] > 0 and row["int8_tokens_per_s"] > 0
+  assert (
+    row["int8_bytes_ratio"] < 0.5 and "decode by K/V dtype" in result.stdout
+  )
   # --slot_step_capacity: both step costs, 3 slots of 128 columns.
   step = data["configs"][0]["slot_step"]
   assert (step["slots"], step["capacity"]) == (3, 128)
@@ -431,6 +439,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     ("--constraints=yaml", "--constraints=yaml: expected a list of"),
     ("--numerics=exact", "--numerics=exact: expected a list of"),
     ("--paged_attention_contexts=0", "'0' is not a count of columns"),
+    ("--kv_dtype_contexts=x", "'x' is not a count of columns"),
     ("--prefill_lengths=9999", "9999 tokens"),
     ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
     ("--model=random:nope", "unknown preset 'nope'"),

@@ -80,6 +80,13 @@ def test_a_context_cut_anywhere_reads_the_same_int8(tmp_path, tiny, int8):
   f32 = np.asarray(tiny.prefill(cw.Chunk.from_lists(tokens)).per_token_scores)
   diff = np.abs(f32[:, 1:] - np.asarray(whole.per_token_scores)[:, 1:])
   assert 0 < diff.max() < 0.1
+  # A prefix of the other dtype is read in the reader's space: an f32
+  # prefix rotated into an int8 model's, an int8 one rotated back.
+  rest_chunk = cw.Chunk.from_lists([t[10:] for t in tokens])
+  f32_first = tiny.prefill(cw.Chunk.from_lists([t[:10] for t in tokens]))
+  for model, prefix in ((int8, f32_first), (tiny, first)):
+    mixed = np.asarray(model.prefill(rest_chunk, [prefix]).per_token_scores)
+    assert np.abs(mixed - f32[:, 10:]).max() < 0.1
 
 
 def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
@@ -177,6 +184,10 @@ def test_bad_kv_dtypes_are_refused_before_any_work(tmp_path):
     cw.InferenceModel.random(h, kv_dtype="int8", cache_dtype="bfloat16")
   with pytest.raises(ValueError, match="kv_dtype='fp8'"):
     cw.load(str(tmp_path / "missing"), kv_dtype="fp8")
+  with pytest.raises(ValueError, match="disagree"):
+    cw.load(str(tmp_path / "missing"), kv_dtype="int8", cache_dtype="float32")
+  with pytest.raises(ValueError, match="custom infer_fn"):
+    cw.InferenceModel.random(h, kv_dtype="int8", infer_fn=lambda *a: None)
   with pytest.raises(ValueError, match="kv_dtype='fp8'"):
     jobs.ModelConfig(kv_dtype="fp8")
 
@@ -225,15 +236,17 @@ def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
       for r in greedy
     ]
     for r, s in zip(greedy, streams, strict=True):
-      got = [t.id for t in s]
+      got = list(s)  # an EOS that ends a stream is not `generate`'s
+      if s.finish_reason != "length" and got and got[-1].special:
+        got = got[:-1]
+      got = [t.id for t in got]
       alone = cw.Request(
         tokens=[int8.bos_id, *r.tokens],
         sample_id=0,
         steps=r.steps,
         sampling=cw.Sampling(temperature=0.0),
       )
-      expected = _alone(int8, alone)[0].tolist()
-      assert got[: len(expected)] == expected
+      assert got == _alone(int8, alone)[0].tolist()
   finally:
     engine.close()
 

@@ -212,9 +212,9 @@ def load(
       f"of {', '.join(WEIGHT_DTYPES)}"
     )
   quantize = Quantization.of(quantize)
-  for key in ("kv_dtype", "cache_dtype"):  # before reading any weight
-    if model_kwargs.get(key) is not None:
-      kv_int8.check_dtype(model_kwargs[key])
+  kv_dtype = kv_int8.resolve(  # checked before reading any weight
+    model_kwargs.get("kv_dtype"), model_kwargs.get("cache_dtype")
+  )
   if planner_choice.is_auto(
     layout,
     model_kwargs.get("prefill_layout"),
@@ -232,9 +232,7 @@ def load(
       else "f32"
       if dtype is None or jnp.dtype(dtype).name == "float32"
       else "bf16",
-      cache_dtype=jnp.dtype(
-        model_kwargs.get("kv_dtype") or model_kwargs.get("cache_dtype") or "f4"
-      ).name,
+      cache_dtype=kv_dtype.name,
     )
     model_kwargs.update(prefill_layout=pre, generate_layout=gen)
   phases = check_placement(

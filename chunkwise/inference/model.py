@@ -142,7 +142,12 @@ class InferenceModel:
     if not isinstance(hparams, HParams):
       raise ValueError(f"hparams must be an HParams, got {hparams!r}")
     self._prefill_chunk = long_prefill.check_columns(prefill_chunk)
-    cache_dtype = _kv_dtype(kv_dtype, cache_dtype)
+    cache_dtype = kv_int8.resolve(kv_dtype, cache_dtype)
+    if infer_fn is not None and kv_int8.is_int8(cache_dtype):
+      raise ValueError(
+        "kv_dtype='int8' needs the Transformer's own forward pass (its "
+        "attention reads the packed K/V); a custom infer_fn stores floats"
+      )
     self._precision = resolve_precision(precision, compute_dtype)
     self._numerics = numerics_lib.resolve(
       numerics, planner_choice.weights_name(weights) == "int8"
@@ -739,19 +744,3 @@ class InferenceModel:
       speculation=spec,
     )
     return ((tokens, tagged(r, names)) for tokens, r in segments)
-
-
-def _kv_dtype(kv_dtype, cache_dtype) -> jnp.dtype:
-  """The K/V storage dtype from `kv_dtype` or its older name `cache_dtype`
-  (ValueError when both are given and differ, or either is not one)."""
-  if kv_dtype is None:
-    return kv_int8.check_dtype(
-      jnp.float32 if cache_dtype is None else cache_dtype
-    )
-  dtype = kv_int8.check_dtype(kv_dtype)
-  if cache_dtype is not None and kv_int8.check_dtype(cache_dtype) != dtype:
-    raise ValueError(
-      f"kv_dtype={kv_dtype!r} and cache_dtype={cache_dtype!r} disagree; "
-      "give one (cache_dtype is kv_dtype's older name)"
-    )
-  return dtype

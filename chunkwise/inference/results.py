@@ -284,6 +284,12 @@ def _check_concat(results: Sequence[ChunkResult]) -> None:
         f"results[{i}] has top_n={r.top_n} but results[0] has "
         f"top_n={first.top_n}; concatenated results need one n"
       )
+    if r.kv_cache.k.dtype != first.kv_cache.k.dtype:
+      raise ValueError(
+        f"results[{i}] holds {r.kv_cache.k.dtype.name} K/V but results[0] "
+        f"{first.kv_cache.k.dtype.name}; concatenated results need one "
+        "kv_dtype"
+      )
     want = (first.kv_cache.k.shape[0], *first.kv_cache.k.shape[3:])
     got = (r.kv_cache.k.shape[0], *r.kv_cache.k.shape[3:])
     if (

@@ -369,7 +369,8 @@ def run(
     # Absent when unset, so outputs begun before the option still resume.
     **({"precision": m.precision} if m.precision else {}),
     **({"numerics": m.numerics} if m.numerics else {}),
-    **({"kv_dtype": m.kv_dtype} if m.kv_dtype else {}),
+    # float32 is the default: an output begun without the flag resumes.
+    **({"kv_dtype": m.kv_dtype} if m.kv_dtype not in (None, "float32") else {}),
     **(
       {"adapters": adapters_lib.checksums(setup.adapters)}
       if setup.adapters

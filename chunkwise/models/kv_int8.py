@@ -44,7 +44,7 @@ from jax import lax
 
 INT8 = jnp.dtype(jnp.int8)
 SCALE_BYTES = 4  # the f32 scale, bitcast
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 _STORED = contextvars.ContextVar("chunkwise_kv_dtype", default=None)
 
@@ -59,6 +59,21 @@ def check_dtype(kv_dtype) -> jnp.dtype:
     raise ValueError(
       f"kv_dtype={kv_dtype!r} is not a K/V dtype; expected one of "
       f"{', '.join(DTYPES)}"
+    )
+  return dtype
+
+
+def resolve(kv_dtype, cache_dtype) -> jnp.dtype:
+  """The K/V storage dtype from `kv_dtype` or its older name `cache_dtype`
+  (float32 when neither is given); ValueError when both are given and
+  differ, or either is not a K/V dtype."""
+  if kv_dtype is None:
+    return check_dtype(jnp.float32 if cache_dtype is None else cache_dtype)
+  dtype = check_dtype(kv_dtype)
+  if cache_dtype is not None and check_dtype(cache_dtype) != dtype:
+    raise ValueError(
+      f"kv_dtype={kv_dtype!r} and cache_dtype={cache_dtype!r} disagree; "
+      "give one (cache_dtype is kv_dtype's older name)"
     )
   return dtype
 
