@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 import chunkwise as cw
-from chunkwise.jobs import cli
+from chunkwise.jobs import sampling_flags
 
 _MODEL = flags.DEFINE_string(
   "model",
@@ -55,7 +55,7 @@ _SAMPLES = flags.DEFINE_integer(
 _STEPS = flags.DEFINE_integer(
   "steps", 12, "Tokens to generate per sample.", lower_bound=1
 )
-SAMPLING = cli.SamplingFlags(
+SAMPLING = sampling_flags.SamplingFlags(
   temperature=0.7, top_p=0.95, seed_help="Sampling (and random weight) seed."
 )
 _CHAT = flags.DEFINE_string(

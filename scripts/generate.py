@@ -51,10 +51,16 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from chunkwise.jobs import GenerateJob, cli, run_generate
+from chunkwise.jobs import (
+  GenerateJob,
+  cli,
+  job_flags,
+  run_generate,
+  sampling_flags,
+)
 
-JOB = cli.JobFlags()
-SAMPLING = cli.SamplingFlags()
+JOB = job_flags.JobFlags()
+SAMPLING = sampling_flags.SamplingFlags()
 _NUM_SAMPLES = flags.DEFINE_integer(
   "num_samples", 1, "Samples per prompt.", lower_bound=1
 )
@@ -127,7 +133,7 @@ _PREFIX_CACHE_MB = flags.DEFINE_integer(
 )
 
 
-SPECULATE = cli.SpeculationFlags()
+SPECULATE = sampling_flags.SpeculationFlags()
 
 
 def stop_strings() -> list[str]:

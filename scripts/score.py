@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from chunkwise.jobs import ScoreJob, cli, run_score
+from chunkwise.jobs import ScoreJob, cli, job_flags, run_score
 
-JOB = cli.JobFlags()
+JOB = job_flags.JobFlags()
 _TOP_N = flags.DEFINE_integer(
   "top_n", 0, "Most likely alternatives per scored token.", lower_bound=0
 )

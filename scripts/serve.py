@@ -34,11 +34,11 @@ import sys
 from absl import app, flags
 
 from chunkwise import jobs, serving
-from chunkwise.jobs import cli
+from chunkwise.jobs import cli, model_flags, sampling_flags
 
-MODEL = cli.ModelFlags()
-HOSTS = cli.MultiHostFlags()
-SPECULATE = cli.SpeculationFlags()
+MODEL = model_flags.ModelFlags()
+HOSTS = model_flags.MultiHostFlags()
+SPECULATE = sampling_flags.SpeculationFlags()
 _HOST = flags.DEFINE_string(
   "host", "127.0.0.1", "Address to listen on (loopback by default)."
 )

@@ -111,6 +111,8 @@ def main(argv: Sequence[str]) -> None:
   import jax.numpy as jnp
 
   from chunkwise.bench import figures, report, simulate
+  from chunkwise.bench.simulate_compile import WeightFormat
+  from chunkwise.bench.simulate_report import table
   from chunkwise.partitioning import Layout, parse_mesh
 
   try:
@@ -141,7 +143,7 @@ def main(argv: Sequence[str]) -> None:
               else _CONTEXT.value
             ),
             steps=_STEPS.value,
-            weights=simulate.WeightFormat(_WEIGHTS.value),
+            weights=WeightFormat(_WEIGHTS.value),
           )
         )
     result = simulate.run(
@@ -158,7 +160,7 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   result["xla_flags"] = os.environ["XLA_FLAGS"]
-  print(simulate.table(result["reports"]))
+  print(table(result["reports"]))
   if result["padded"]:
     print(f"padded for the mesh (from, to): {result['padded']}")
   print(result["reports"][0]["scaling"])

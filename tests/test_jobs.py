@@ -18,7 +18,7 @@ from absl import flags
 
 import chunkwise as cw
 from chunkwise import jobs
-from chunkwise.jobs import batching, examples, generation, output
+from chunkwise.jobs import batching, examples, output, samples
 from tests.test_multihost import _free_port, _worker_env
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -245,16 +245,14 @@ def test_describe_reads_a_checkpoint_without_its_weights(tmp_path):
 def test_stop_strings_and_sample_ids():
   vocab = cw.ByteVocabulary()
   tokens = vocab.encode("yes.\nno")
-  kept, text, stopped = generation.cut_at_stop(vocab, tokens, ["\n"])
+  kept, text, stopped = samples.cut_at_stop(vocab, tokens, ["\n"])
   assert (text, stopped, vocab.decode(kept)) == ("yes.", True, "yes.\n")
-  assert generation.cut_at_stop(vocab, tokens, ["zz"])[1:] == (
+  assert samples.cut_at_stop(vocab, tokens, ["zz"])[1:] == (
     "yes.\nno",
     False,
   )
-  assert generation.sample_id("a", 0) == generation.sample_id("a", 0)
-  assert (
-    len({generation.sample_id(i, s) for i in (1, "1") for s in (0, 1)}) == 4
-  )
+  assert samples.sample_id("a", 0) == samples.sample_id("a", 0)
+  assert len({samples.sample_id(i, s) for i in (1, "1") for s in (0, 1)}) == 4
 
 
 # -- the scripts' mains, in this process --------------------------------------
@@ -525,7 +523,7 @@ def test_generate_main_samples_and_resumes(tmp_path, capsys):
   prompt = model.prefill(
     cw.Chunk.from_lists([[1, *vocab.encode("Once upon a time")]])
   )
-  ids = [generation.sample_id(2, s) for s in (0, 1)]
+  ids = [samples.sample_id(2, s) for s in (0, 1)]
   tokens, result = model.generate(
     [prompt],
     sample_ids=np.asarray(ids),

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 import chunkwise as cw
 from chunkwise import jobs
-from chunkwise.jobs import adapters, driver, generation, scoring
+from chunkwise.jobs import adapters, driver, job_setup, samples, scoring
 from tests.test_jobs import _job, _main, _records, _two_processes, _write
 from tests.test_multihost import _worker_env
 
@@ -204,7 +204,7 @@ def _alone(model, shared_prefix):
     prompt = model.prefill(chunk, prefix=prefix, adapters=name)
     tokens, result = model.generate(
       [*prefix, prompt],
-      sample_ids=[generation.sample_id(p["id"], s) for s in (0, 1)],
+      sample_ids=[samples.sample_id(p["id"], s) for s in (0, 1)],
       steps=5,
       sampling=GREEDY,
       adapters=name,
@@ -429,14 +429,14 @@ def test_the_plan_digest_covers_adapters(tmp_path, served):
   adapters, plan different work (`multihost.same_everywhere`)."""
   _, paths = served
   job = _score_job(tmp_path, paths, "out")
-  setup = driver.setup(job, scoring.encode)
+  setup = job_setup.setup(job, scoring.encode)
   digest = driver._plan_digest([], setup)
-  assert driver._plan_digest([], driver.setup(job, scoring.encode)) == digest
+  assert driver._plan_digest([], job_setup.setup(job, scoring.encode)) == digest
   texts = [dict(t) for t in TEXTS]
   texts[0]["adapter"] = "b"
   other = _write(tmp_path / "other.jsonl", [json.dumps(t) for t in texts])
   renamed = jobs.ScoreJob(input=other, output=job.output, model=job.model)
-  assert driver._plan_digest([], driver.setup(renamed, scoring.encode)) != (
+  assert driver._plan_digest([], job_setup.setup(renamed, scoring.encode)) != (
     digest
   )
   setup.adapters = {"a": setup.adapters["b"], "b": setup.adapters["a"]}

@@ -197,7 +197,7 @@ def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
   pool: byte for byte alike, and not the f32 job's bytes) and a server
   engine whose greedy streams equal `generate` alone."""
   from chunkwise import jobs, serving
-  from chunkwise.jobs import cli
+  from chunkwise.jobs import model_flags
 
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("".join(f"Item {i}: {'so ' * i}.\n" for i in range(4)))
@@ -219,7 +219,7 @@ def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
     outputs.append(out.read_bytes())
   assert outputs[0] == outputs[1] != outputs[2]
   assert outputs[0].count(b"\n") == 4
-  assert "kv_dtype" in cli.ModelFlags.__doc__
+  assert "kv_dtype" in model_flags.ModelFlags.__doc__
 
   requests, _ = alone8
   engine = serving.Engine(int8, slots=4, capacity=128, every=4)

@@ -132,10 +132,10 @@ def test_embed_and_unembed_match_dense(layout, shape):
 
 
 def test_why_the_engine_runs_shard_map_without_the_vma_check(tiny, monkeypatch):
-  """`sharded_engine.CHECK_VMA` is off for the two reasons its comment
+  """`mesh_programs.CHECK_VMA` is off for the two reasons its comment
   names; each still holds (when one stops failing, turn the check on)."""
   from chunkwise import cpu_kernels
-  from chunkwise.inference import sharded_engine
+  from chunkwise.inference import mesh_programs
   from chunkwise.models import matmul
 
   mesh = make_mesh((1, 1, 2), jax.devices()[:2])
@@ -160,7 +160,7 @@ def test_why_the_engine_runs_shard_map_without_the_vma_check(tiny, monkeypatch):
   # 1. replication made by gathers the checker cannot infer (the kernel
   # switched off, so only this reason is left).
   monkeypatch.setattr(cpu_kernels, "load", lambda: False)
-  monkeypatch.setattr(sharded_engine, "CHECK_VMA", True)
+  monkeypatch.setattr(mesh_programs, "CHECK_VMA", True)
   model = cw.InferenceModel(
     tiny.hparams,
     tiny.weights,

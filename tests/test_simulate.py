@@ -20,8 +20,10 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import chunkwise as cw
-from chunkwise.bench import hlo
+from chunkwise.bench import hlo, weight_reads
 from chunkwise.bench import simulate as sim
+from chunkwise.bench import simulate_compile as sim_compile
+from chunkwise.bench import simulate_report as sim_report
 from chunkwise.models import QArray, Weights
 from chunkwise.partitioning import Layout, make_mesh
 from chunkwise.partitioning.placement import shardings_for
@@ -60,7 +62,7 @@ def _shard_bytes(hparams, layout, mesh) -> tuple[int, int, int]:
   """(all weights, one layer's, one layer's global) bytes per device, from
   the placement's own shardings of bf16 weights."""
   shardings = shardings_for(Weights.axes(hparams), layout, mesh, hparams)
-  shapes = sim.abstract_weights(hparams, sim.WeightFormat.BF16)
+  shapes = sim_compile.abstract_weights(hparams, sim_compile.WeightFormat.BF16)
 
   def nbytes(tree, shards=None):
     leaves = jax.tree.leaves(tree)
@@ -161,17 +163,17 @@ def test_planner_comparison(reports):
     assert abs(rows["kv_cache"]["rel_diff"]) < 0.01
     sent = rows["collectives per layer, bytes sent"]
     assert abs(sent["rel_diff"]) < 0.1
-  text = sim.table(list(out.values()))
+  text = sim_report.table(list(out.values()))
   assert "palm-8b" in text and "per-layer collectives" in text
 
 
 def test_int8_weights_are_quantized_shapes():
   h = PALM8.replace(layers=1)
-  w = sim.abstract_weights(h, sim.WeightFormat.INT8)
+  w = sim_compile.abstract_weights(h, sim_compile.WeightFormat.INT8)
   q = w.layers[0].up
   assert isinstance(q, QArray) and q.values.dtype == jnp.int8
   cw.models.check_shapes(h, w)
-  plain = sim.abstract_weights(h, sim.WeightFormat.BF16)
+  plain = sim_compile.abstract_weights(h, sim_compile.WeightFormat.BF16)
   assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(w))
   assert cw.models.quantized.nbytes(w) < 0.6 * cw.models.quantized.nbytes(plain)
 
@@ -230,10 +232,10 @@ def test_weight_copy_sizes():
   w16 = jnp.ones((256, 512), jnp.bfloat16)
   w32 = jnp.ones((256, 512), jnp.float32)
   converted = text(lambda w, x: x @ w.astype(jnp.float32), w16)
-  assert hlo.weight_copy_sizes(converted, 1)[0] == 256 * 512 * 4
-  assert hlo.weight_copy_sizes(text(lambda w, x: x @ w, w32), 1) == []
+  assert weight_reads.weight_copy_sizes(converted, 1)[0] == 256 * 512 * 4
+  assert weight_reads.weight_copy_sizes(text(lambda w, x: x @ w, w32), 1) == []
   lookup = text(lambda w, x: jnp.take(w, jnp.arange(4), axis=0), w32)
-  assert hlo.weight_copy_sizes(lookup, 1) == []
+  assert weight_reads.weight_copy_sizes(lookup, 1) == []
 
 
 @pytest.mark.long

@@ -1,8 +1,8 @@
 """Decode and prefill read every weight once, in place (DESIGN §6): the
 compiled programs of every layout and collective variant hold no copy,
 slice or dequantized twin of a weight outside a matmul. Checked on the
-optimized HLO (`chunkwise.bench.hlo`), whose checker is itself checked on
-programs that do copy."""
+optimized HLO (`chunkwise.bench.weight_reads`), whose checker is itself
+checked on programs that do copy."""
 
 import re
 
@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import chunkwise as cw
-from chunkwise.bench import hlo
+from chunkwise.bench import hlo, weight_reads
 from chunkwise.partitioning import make_mesh
 
 # Every layout and collective variant: the ring forms read their weight
@@ -37,7 +37,7 @@ LAYOUTS = [
 
 
 def _programs(model):
-  with hlo.recording(model) as programs:
+  with weight_reads.recording(model) as programs:
     prompt = model.prefill(cw.Chunk.from_lists([[1, 5, 9], [1, 7, 0]]))
     model.generate(
       [prompt],
@@ -56,7 +56,7 @@ def test_no_weight_is_copied(layout):
   programs = _programs(model)
   assert {name for name, _, _ in programs} >= {"prefill", "init", "run"}
   for name, n_weights, text in programs:
-    assert hlo.weight_copies(text, n_weights) == [], name
+    assert weight_reads.weight_copies(text, n_weights) == [], name
 
 
 def test_the_checker_sees_copies():
@@ -78,17 +78,20 @@ def test_the_checker_sees_copies():
   def text(fn, ws):
     return jax.jit(fn).lower(ws, x).compile().as_text()
 
-  assert hlo.weight_copies(text(unrolled, layers), 3) == []
-  (found,) = hlo.weight_copies(text(scanned, stacked), 1)
+  assert weight_reads.weight_copies(text(unrolled, layers), 3) == []
+  (found,) = weight_reads.weight_copies(text(scanned, stacked), 1)
   assert "f32[64,64] from weight parameter 0" in found
-  scaled = hlo.weight_copies(
+  scaled = weight_reads.weight_copies(
     text(lambda ws, x: unrolled([w * 2 for w in ws], x), layers), 3
   )
   assert len(scaled) == 3
   int8 = tuple(w.astype(jnp.int8) for w in layers)
-  assert len(hlo.weight_copies(text(unrolled, int8), 3)) == 3
+  assert len(weight_reads.weight_copies(text(unrolled, int8), 3)) == 3
   # Small weights (norm scales) are not followed.
-  assert hlo.weight_copies(text(unrolled, layers), 3, min_elements=10**6) == []
+  assert (
+    weight_reads.weight_copies(text(unrolled, layers), 3, min_elements=10**6)
+    == []
+  )
 
 
 @pytest.mark.parametrize("layout", ["reference", "ws_2d"])
@@ -100,7 +103,7 @@ def test_generate_writes_its_kv_buffer_in_place(layout):
   mesh = None if layout == "reference" else make_mesh((2, 2, 2))
   model = cw.InferenceModel.random(h, seed=0, mesh=mesh, layout=layout)
   steps = 7
-  with hlo.recording(model) as programs:
+  with weight_reads.recording(model) as programs:
     prompt = model.prefill(cw.Chunk.from_lists([[1, 5, 9], [1, 7, 0]]))
     model.generate([prompt], sample_ids=np.arange(2), steps=steps)
   (text,) = [text for name, _, text in programs if name == "run"]

@@ -34,7 +34,7 @@ import numpy as np
 
 from chunkwise.inference import Chunk, InferenceModel, Request, Sampling
 from chunkwise.inference import continuous as continuous_lib
-from chunkwise.inference.continuous import admit_programs
+from chunkwise.inference.admission import admit_programs
 from chunkwise.inference.engine import compiled_programs
 
 

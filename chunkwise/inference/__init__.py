@@ -10,7 +10,8 @@ from chunkwise.inference.continuous import (
 )
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
-from chunkwise.inference.live import LiveSlots, Prepared, SlotUpdate
+from chunkwise.inference.live import LiveSlots
+from chunkwise.inference.live_requests import Prepared, SlotUpdate
 from chunkwise.inference.model import InferenceModel
 from chunkwise.inference.results import (
   ChunkResult,

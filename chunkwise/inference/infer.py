@@ -7,6 +7,9 @@ hand-computable toy model can drive them in tests (see tests/toy_models.py).
   infer = functools.partial(transformer_infer, hparams)
   full = infer(weights, (prefix_cache,), chunk)   # FullChunkResult
 
+`transformer_infer` runs on one device; `sharded_infer` is the same pass
+on one device of a mesh, under the sharded engine's `shard_map`.
+
 Each row's tokens sit at absolute positions `prefix length + t` (RoPE), where
 the prefix length sums that row's ancestors in every prefix cache.
 """
@@ -23,8 +26,10 @@ from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.results import FullChunkResult
-from chunkwise.models import forward, kv_int8
+from chunkwise.models import Weights, forward, kv_int8, sharded_forward
+from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import PrefixLayer, attend
+from chunkwise.partitioning import Plan
 
 # infer(weights, prefix caches, chunk) -> FullChunkResult
 InferFn = Callable[[Any, Sequence[KVCache], Chunk], FullChunkResult]
@@ -64,6 +69,57 @@ def transformer_infer(
       attend,
       layer_pieces(prefix, hparams.layers),
       dtype=compute_dtype,
+    )
+  cache = KVCache(
+    k=kv_int8.encode(k, cache_dtype),
+    v=kv_int8.encode(v, cache_dtype),
+    lengths=chunk.lengths,
+  )
+  return FullChunkResult(logits=logits, kv_cache=cache)
+
+
+def sharded_infer(
+  plan: Plan,
+  hparams: HParams,
+  weights: Weights,
+  prefix: Sequence[KVCache],
+  chunk: Chunk,
+  *,
+  cache_dtype,
+  compute_dtype,
+) -> FullChunkResult:
+  """The forward pass on one device (an `InferFn` under `shard_map`).
+
+  `chunk` and every cache's `lengths` are replicated; a prefix cache's k/v
+  hold this device's block of rows when its batch divides the attention
+  shards, else every row (then each device reads the one row its block
+  needs). Caches past `plan.prefix_batches` (the generate loop's buffer)
+  have the call's batch.
+  """
+  prefix = tuple(prefix)
+  positions = positions_of(prefix, chunk)
+  extra = len(prefix) - len(plan.prefix_batches)
+  batches = (*plan.prefix_batches, *([plan.batch] * extra))
+  n, i = plan.size(plan.attn_batch), ops.index(plan.attn_batch)
+  local = []
+  for cache, b in zip(prefix, batches, strict=True):
+    cache = cache.replace(lengths=ops.local_rows(cache.lengths, n, i))
+    if b % n:  # replicated rows: keep the one this block reads
+      axis = 0 if isinstance(cache, LayerKV) else 1  # rows
+      rows = lambda a, axis=axis: ops.local_rows(a, n, i, axis=axis)
+      cache = cache.replace(
+        k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v)
+      )
+    local.append(cache)
+  with kv_int8.storing(cache_dtype):
+    logits, (k, v) = sharded_forward.forward(
+      plan,
+      hparams,
+      weights,
+      chunk.tokens,
+      positions,
+      layer_pieces(local, hparams.layers),
+      compute_dtype,
     )
   cache = KVCache(
     k=kv_int8.encode(k, cache_dtype),

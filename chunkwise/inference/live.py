@@ -11,12 +11,13 @@
 `generate_many` knows its requests up front; a server does not. This loop
 keeps the same device state (`slots.SlotState`) and programs, but takes
 requests one by one (`prepare` validates one on the host, any thread, and
-compiles its constraint; `add` queues it), and each `step` hands back the
-tokens every running request produced in that segment, not only finished
-requests. A request's tokens and scores are those of `generate` run alone
-on it (DESIGN.md §4.11), whatever runs beside it: every step is
-`generate`'s step row by row, and the programs' shapes never change with
-the traffic (fixed slots, capacity, top-n, stop-id width, processors).
+compiles its constraint, `live_requests.py`; `add` queues it), and each
+`step` hands back the tokens every running request produced in that
+segment, not only finished requests. A request's tokens and scores are
+those of `generate` run alone on it (DESIGN.md §4.11), whatever runs
+beside it: every step is `generate`'s step row by row, and the programs'
+shapes never change with the traffic (fixed slots, capacity, top-n,
+stop-id width, processors).
 
 Processors are fixed per loop (`processors=`, e.g. `penalties()`): each
 request may bring its own instances of the same processors in the same
@@ -33,9 +34,7 @@ the same calls stay in lockstep.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,64 +43,26 @@ import numpy as np
 from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import adapters as adapters_lib
 from chunkwise.inference import (
-  continuous,
+  admission,
   long_prefill,
   page_table,
   slots,
 )
 from chunkwise.inference import prefix_cache as prefix_cache_lib
-from chunkwise.inference.continuous import Admission, Request
+from chunkwise.inference.admission import Admission
 from chunkwise.inference.engine import Engine, prefix_inputs
+from chunkwise.inference.live_requests import (
+  Intake,
+  Prepared,
+  SlotSettings,
+  SlotUpdate,
+)
 from chunkwise.inference.results import ChunkResult
-from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.slot_requests import Request
 from chunkwise.inference.speculation import Speculation, SpeculationStats
 
 STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Prepared:
-  """A request validated for one loop (`LiveSlots.prepare`)."""
-
-  prompt: np.ndarray  # int32[n]
-  stop_ids: np.ndarray  # int32[stop_width], padded with ids >= vocab
-  sample_id: int
-  steps: int
-  sampling: Sampling  # numpy scalars
-  adapter_id: int  # stack index, -1: the base model
-  processor_state: tuple  # each of the loop's `processors`' states, [1, ...]
-  tables: Any  # constraints.Tables or None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SlotUpdate:
-  """What one request produced in a `step` (numpy).
-
-  Attributes:
-    key: the request's key (`add`).
-    tokens: int32[k]: tokens generated since the last update (kept ones:
-      a stop token is not among them).
-    per_token_scores: f32[k]; top_ids, top_logprobs: [k, top_n].
-    finish_reason: None while running, then "stop" (a stop id was drawn)
-      or "length" (its steps ran out).
-    stop_id: the stop token drawn (finish "stop"), else None; its score
-      and alternatives in `stop_score`, `stop_top_ids`, `stop_top_logprobs`.
-    speculation: with a speculating loop, the finished request's counts.
-  """
-
-  key: Hashable
-  tokens: np.ndarray
-  per_token_scores: np.ndarray
-  top_ids: np.ndarray
-  top_logprobs: np.ndarray
-  finish_reason: str | None = None
-  stop_id: int | None = None
-  stop_score: float | None = None
-  stop_top_ids: np.ndarray | None = None
-  stop_top_logprobs: np.ndarray | None = None
-  speculation: SpeculationStats | None = None
 
 
 _RELEASE = jax.jit(
@@ -146,11 +107,8 @@ class LiveSlots:
     # slot held meanwhile (chunked prefill): the other slots keep decoding.
     self._piece = piece or long_prefill.SLOT_COLUMNS
     self._staged: dict[int, tuple[Admission, long_prefill.Staged]] = {}
-    self._h = h
     self._prefill_engine = prefill_engine
     self._generate_engine = generate_engine
-    self._vocabulary = vocabulary
-    self._eos_ids = tuple(eos_ids)
     self._bos_id = bos_id
     self._served = served
     self.slots = slots_n
@@ -165,7 +123,6 @@ class LiveSlots:
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
     self._grammars = constraints_lib.GrammarSet(h.vocab)
-    self._templates = processors
     procs, states = processors_lib.check(
       (
         *processors,
@@ -177,6 +134,18 @@ class LiveSlots:
       per_row=True,
     )
     self._loop_forms = procs[:-1]
+    self._intake = Intake(
+      hparams=h,
+      vocabulary=vocabulary,
+      eos_ids=tuple(eos_ids),
+      served=served,
+      capacity=capacity,
+      stop_width=stop_width,
+      prefix=prefix,
+      start=self._start,
+      templates=processors,
+      loop_forms=self._loop_forms,
+    )
     self._caches, self._prev = prefix_inputs(prefix)
     # With `kv_pages`, the slots' K/V are one pool of pages (`paged_kv`):
     # a request takes a slot once its pages fit, and running requests that
@@ -199,8 +168,8 @@ class LiveSlots:
       vocab=h.vocab,
       **paging,
     )
-    self._state = continuous.with_speculation(
-      state.replace(processor_states=continuous.replicated_like(state, states)),
+    self._state = admission.with_speculation(
+      state.replace(processor_states=admission.replicated_like(state, states)),
       speculation,
       capacity,
     )
@@ -213,17 +182,7 @@ class LiveSlots:
     n = slots_n
     self._key: list[Hashable | None] = [None] * n
     self._grammar = np.zeros(n, np.int32)
-    self._sample_ids = np.zeros(n, np.int32)
-    self._sampling = Sampling(
-      temperature=np.ones(n, np.float32),
-      top_k=np.zeros(n, np.int32),
-      top_p=np.ones(n, np.float32),
-      min_p=np.zeros(n, np.float32),
-      seed=np.zeros(n, np.uint32),
-    )
-    self._stop_ids = np.full((n, stop_width), h.vocab, np.int32)
-    self._budget = np.zeros(n, np.int32)
-    self._adapter = np.full(n, -1, np.int32)
+    self._settings = SlotSettings(n, stop_width=stop_width, vocab=h.vocab)
     self._read = np.zeros(n, np.int32)  # tokens handed back per slot
     self._generated = np.zeros(n, np.int32)  # at the last look
     self._prepared: list[Prepared | None] = [None] * n
@@ -246,66 +205,7 @@ class LiveSlots:
     the host (no device work; safe from any thread). `processors` are the
     request's own instances of the loop's processors (same order; empty:
     the loop's). Raises ValueError naming `what` and the bad field."""
-    h = self._h
-    if not isinstance(request, Request):
-      raise ValueError(f"{what} must be a chunkwise Request, got {request!r}")
-    prompt, stops = continuous.check_request(
-      h,
-      request,
-      what,
-      start=self._start,
-      has_prefix=bool(self._prefix),
-      eos_ids=self._eos_ids,
-    )
-    if stops.size > self.stop_width:
-      raise ValueError(
-        f"{what} has {stops.size} stop ids (EOS included), over this "
-        f"loop's stop_width={self.stop_width}"
-      )
-    need = continuous.columns_needed(prompt.size, int(request.steps))
-    if need > self.capacity:
-      raise ValueError(
-        f"{what} needs {need} columns (prompt {prompt.size}, padded to "
-        f"{continuous.prompt_bucket(prompt.size)}, + steps {request.steps}),"
-        f" over the loop's capacity={self.capacity}"
-      )
-    known = () if self._served is None else self._served.names
-    names, ids = adapters_lib.rows_of([request.adapter], 1, known)
-    adapters_lib.check_prefix(self._prefix, names)
-    states = processors_lib.request_states(
-      self._templates, self._loop_forms, processors, self._h.vocab, what
-    )
-    tables = None
-    if request.constraint is not None:
-      try:
-        (_,), (tables,) = constraints_lib.compile_rows(
-          [request.constraint],
-          batch=1,
-          vocabulary=self._vocabulary,
-          stop_ids=stops.tolist(),
-          width=h.vocab,
-        )
-      except ValueError as e:
-        raise ValueError(f"{what}.constraint: {e}") from e
-    padded = np.full(self.stop_width, h.vocab, np.int32)
-    padded[: stops.size] = stops
-    sampling = request.sampling.for_batch(1)
-    return Prepared(
-      prompt=prompt,
-      stop_ids=padded,
-      sample_id=int(request.sample_id),
-      steps=int(request.steps),
-      sampling=Sampling(
-        **{
-          f: np.asarray(getattr(sampling, f))[0]
-          for f in continuous.SAMPLING_FIELDS
-        },
-        seed=np.uint32(sampling.seed),
-      ),
-      adapter_id=int(ids[0]),
-      processor_state=states,
-      tables=tables,
-    )
+    return self._intake.prepare(request, processors, what)
 
   # -- the loop's thread ----------------------------------------------------
 
@@ -352,8 +252,8 @@ class LiveSlots:
       self.admitted = []
     else:
       self._admit_waiting()
-    self._state = continuous.with_table(self._state, self.pages)
-    self._state, _ = continuous.advance_staged(
+    self._state = admission.with_table(self._state, self.pages)
+    self._state, _ = admission.advance_staged(
       self._state, self._staged, self.prefix_cache
     )
     live = np.array(
@@ -362,13 +262,8 @@ class LiveSlots:
     if not live.any():
       return []
     engine = self._generate_engine
-    inputs = slots.SlotInputs(
-      sample_ids=self._sample_ids,
-      start=np.full(self.slots, self._start, np.int32),
-      sampling=self._sampling,
-      stop_ids=self._stop_ids,
-      budget=np.where(live, self._budget, 0).astype(np.int32),
-      processors=(*self._loop_forms, self._grammars.processor()),
+    inputs = self._settings.inputs(
+      self._start, live, (*self._loop_forms, self._grammars.processor())
     )
     self._state = engine.slot_run(
       self._caches,
@@ -376,7 +271,9 @@ class LiveSlots:
       inputs,
       jnp.int32(steps),
       jnp.bool_(True),
-      adapters=self._adapters(engine, np.where(live, self._adapter, -1)),
+      adapters=self._adapters(
+        engine, np.where(live, self._settings.adapter, -1)
+      ),
       speculation=self.speculation,
     )
     return self._collect(live)
@@ -395,7 +292,7 @@ class LiveSlots:
       for s in np.flatnonzero(free):
         self._free(int(s))
       self._state = _RELEASE(
-        self._state, continuous.replicated_like(self._state, free)
+        self._state, admission.replicated_like(self._state, free)
       )
 
   def _make_room(self) -> bool:
@@ -422,8 +319,8 @@ class LiveSlots:
       self._waiting.insert(0, (key, self._prepared[s]))
       self._free(s)
     self.preempted += len(preempted)
-    self._state = continuous.vacate(
-      self._state, continuous.replicated_like(self._state, np.int32(preempted))
+    self._state = admission.vacate(
+      self._state, admission.replicated_like(self._state, np.int32(preempted))
     )
     return True
 
@@ -444,7 +341,7 @@ class LiveSlots:
       self.prefix_cache.release(a.hit)
     self._grammars.give_back(int(self._grammar[s]))
     self._grammar[s] = 0
-    self._budget[s] = 0
+    self._settings.budget[s] = 0
 
   def _admit_waiting(self) -> None:
     free = [s for s, k in enumerate(self._key) if k is None]
@@ -462,12 +359,7 @@ class LiveSlots:
     for (key, p), s in zip(take, free, strict=False):
       g = self._grammars.take(p.tables)
       self._key[s], self._grammar[s] = key, g
-      self._sample_ids[s] = p.sample_id
-      for f in (*continuous.SAMPLING_FIELDS, "seed"):
-        getattr(self._sampling, f)[s] = getattr(p.sampling, f)
-      self._stop_ids[s] = p.stop_ids
-      self._budget[s] = p.steps
-      self._adapter[s] = p.adapter_id
+      self._settings.seat(s, p)
       # A preempted request runs again from its prompt (the same tokens)
       # and reports only those past what it reported before.
       self._read[s] = self._reported.pop(key, 0)
@@ -486,7 +378,7 @@ class LiveSlots:
       if a.prompt.size - a.cached > self._piece:
         self._staged[s] = (
           a,
-          continuous.stage(
+          admission.stage(
             a,
             self._caches,
             self._prev,
@@ -498,10 +390,10 @@ class LiveSlots:
         )
       else:
         admissions.append(a)
-    self._state = continuous.with_table(self._state, self.pages)
+    self._state = admission.with_table(self._state, self.pages)
     if not admissions:
       return
-    self._state = continuous.prefill_into(
+    self._state = admission.prefill_into(
       self._state,
       admissions,
       self._caches,
@@ -518,10 +410,8 @@ class LiveSlots:
     done, stopped, generated = jax.device_get(
       (state.done, state.stopped, state.generated)
     )
-    start = continuous.replicated_like(state, self._read.copy())
-    tokens, scores, top_ids, top_lp = jax.device_get(
-      _WINDOW(state, start, self._window)
-    )
+    start = admission.replicated_like(state, self._read.copy())
+    window = jax.device_get(_WINDOW(state, start, self._window))
     updates = []
     self._generated = np.asarray(generated, np.int32).copy()
     for s in np.flatnonzero(live):
@@ -535,19 +425,13 @@ class LiveSlots:
         counts = state.spec.stats(s)
         self.speculation_totals += counts
       updates.append(
-        SlotUpdate(
-          key=self._key[s],
-          tokens=tokens[s, :k],
-          per_token_scores=scores[s, :k],
-          top_ids=top_ids[s, :k],
-          top_logprobs=top_lp[s, :k],
-          finish_reason=None
-          if not finished
-          else (continuous.FINISH_STOP if stop else continuous.FINISH_LENGTH),
-          stop_id=int(tokens[s, k]) if stop else None,
-          stop_score=float(scores[s, k]) if stop else None,
-          stop_top_ids=top_ids[s, k] if stop else None,
-          stop_top_logprobs=top_lp[s, k] if stop else None,
+        SlotUpdate.read(
+          self._key[s],
+          window,
+          s,
+          k,
+          finished=finished,
+          stop=stop,
           speculation=counts,
         )
       )

@@ -13,9 +13,9 @@ under another layout) and runs the per-device program. Small per-row arrays
 (tokens, lengths, scores) are replicated on every device; weights, KV
 caches and logits are split.
 
-Per device, `sharded_infer` is an `InferFn`: it cuts the prefix caches to
-this device's attention rows and runs `models.sharded_forward`; prefill
-scores and the generate loop samples through `logits.LogitsShards`, so
+Per device, `infer.sharded_infer` is an `InferFn`: it cuts the prefix
+caches to this device's attention rows and runs `models.sharded_forward`;
+prefill scores and the generate loop samples through `logits.LogitsShards`, so
 prefill and generate are the same code as the reference engine's
 (`engine.ReferenceEngine`).
 
@@ -34,100 +34,31 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import generate, prefill, speculative
 from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.infer import layer_pieces, positions_of
-from chunkwise.inference.kv_cache import KVCache, LayerKV
+from chunkwise.inference.infer import sharded_infer
+from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
-from chunkwise.inference.results import ChunkResult, FullChunkResult
+from chunkwise.inference.mesh_programs import MeshPrograms
+from chunkwise.inference.results import ChunkResult
 from chunkwise.models import (
   Weights,
   fused,
-  kv_int8,
   lora,
   quantized,
-  sharded_forward,
 )
 from chunkwise.models import shard_ops as ops
 from chunkwise.partitioning import Layout, Plan, resolve_tree
 from chunkwise.partitioning import axes as ax
-from chunkwise.partitioning.placement import named, put
-from chunkwise.precision import with_precision
+from chunkwise.partitioning.placement import named
 
 
-def sharded_infer(
-  plan: Plan,
-  hparams: HParams,
-  weights: Weights,
-  prefix: Sequence[KVCache],
-  chunk: Chunk,
-  *,
-  cache_dtype,
-  compute_dtype,
-) -> FullChunkResult:
-  """The forward pass on one device (an `InferFn` under `shard_map`).
-
-  `chunk` and every cache's `lengths` are replicated; a prefix cache's k/v
-  hold this device's block of rows when its batch divides the attention
-  shards, else every row (then each device reads the one row its block
-  needs). Caches past `plan.prefix_batches` (the generate loop's buffer)
-  have the call's batch.
-  """
-  prefix = tuple(prefix)
-  positions = positions_of(prefix, chunk)
-  extra = len(prefix) - len(plan.prefix_batches)
-  batches = (*plan.prefix_batches, *([plan.batch] * extra))
-  n, i = plan.size(plan.attn_batch), ops.index(plan.attn_batch)
-  local = []
-  for cache, b in zip(prefix, batches, strict=True):
-    cache = cache.replace(lengths=ops.local_rows(cache.lengths, n, i))
-    if b % n:  # replicated rows: keep the one this block reads
-      axis = 0 if isinstance(cache, LayerKV) else 1  # rows
-      rows = lambda a, axis=axis: ops.local_rows(a, n, i, axis=axis)
-      cache = cache.replace(
-        k=jax.tree.map(rows, cache.k), v=jax.tree.map(rows, cache.v)
-      )
-    local.append(cache)
-  with kv_int8.storing(cache_dtype):
-    logits, (k, v) = sharded_forward.forward(
-      plan,
-      hparams,
-      weights,
-      chunk.tokens,
-      positions,
-      layer_pieces(local, hparams.layers),
-      compute_dtype,
-    )
-  cache = KVCache(
-    k=kv_int8.encode(k, cache_dtype),
-    v=kv_int8.encode(v, cache_dtype),
-    lengths=chunk.lengths,
-  )
-  return FullChunkResult(logits=logits, kv_cache=cache)
-
-
-# shard_map's varying-axes check stays off for the engine's programs, for
-# two reasons that tests/test_sharded_layers.py checks still hold:
-#  1. outputs declared replicated (scores, top-n, a K/V cache replicated
-#     over the axes attention does not split) are made so by explicit
-#     gathers and ring collectives whose replication the checker cannot
-#     infer ("out_specs ... require replication which can't be statically
-#     inferred");
-#  2. the CPU matmul kernel is a `jax.ffi` call whose result carries no
-#     varying-axes type, so its `platform_dependent` switch with XLA's dot
-#     (whose result does) fails the check ("switch branches must have
-#     equal output types").
-# The collective matmuls alone run with the check on (test_collectives.py).
-CHECK_VMA = False
-
-
-class ShardedEngine:
+class ShardedEngine(MeshPrograms):
   """Weights placed on a mesh with one layout, and its compiled programs."""
 
   def __init__(
@@ -142,17 +73,18 @@ class ShardedEngine:
     precision: str,
     numerics: str = "fast",
   ):
+    super().__init__(
+      mesh,
+      precision=precision,
+      numerics=numerics,
+      abstract=any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(weights)
+      ),
+    )
     self.hparams = hparams
-    self._precision = precision
-    self._numerics = numerics
-    self.mesh = mesh
     self.layout = layout
     self._dtypes = dict(cache_dtype=cache_dtype, compute_dtype=compute_dtype)
-    self._programs: dict = {}
     self._draft = None  # (weights, specs) of the "draft" drafter
-    self._abstract = any(
-      isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(weights)
-    )
     # Where weights live depends on the layout only, never on a call.
     plan = self.plan(1)
     shuffled = isinstance(weights, fused.ShuffledWeights)
@@ -263,27 +195,6 @@ class ShardedEngine:
       prefix_batches=tuple(prefix_batches),
     )
 
-  def _place(self, tree, logical, rules):
-    """`tree` placed with the shardings its `logical` specs resolve to;
-    returns (placed tree, mesh specs)."""
-    specs = resolve_tree(logical, rules)
-    return jax.tree.map(self._put, tree, specs), specs
-
-  def _put(self, x, spec: P):
-    """`x` placed with mesh `spec`; an abstract `x` (a ShapeDtypeStruct)
-    becomes one that carries the sharding, and nothing is allocated."""
-    sharding = NamedSharding(self.mesh, spec)
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    return put(x, sharding)
-
-  def _call(self, program, args: tuple, out_specs):
-    """`program(*args)`; with abstract weights, the outputs' shapes placed
-    by `out_specs`, and nothing runs (see the module docstring)."""
-    if not self._abstract:
-      return program(*args)
-    return jax.tree.map(self._put, jax.eval_shape(program, *args), out_specs)
-
   def _shards(self, plan: Plan) -> LogitsShards:
     return LogitsShards(
       vocab=self.hparams.vocab,
@@ -314,23 +225,6 @@ class ShardedEngine:
     prev, prev_spec = self._place(prev, logical, rules)
     prev_split = rules[ax.LOGITS_BATCH] == plan.logits_batch
     return (caches, prev), (cache_specs, prev_spec), prev_split
-
-  def _program(self, key, per_device, in_specs, out_specs, **jit_options):
-    """The jitted `shard_map` of `per_device`, built once per `key`."""
-    if key not in self._programs:
-      self._programs[key] = jax.jit(
-        jax.shard_map(
-          with_precision(
-            numerics_lib.traced(per_device, self._numerics), self._precision
-          ),
-          mesh=self.mesh,
-          in_specs=in_specs,
-          out_specs=out_specs,
-          check_vma=CHECK_VMA,
-        ),
-        **jit_options,
-      )
-    return self._programs[key]
 
   def prefill(
     self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int, adapters=None

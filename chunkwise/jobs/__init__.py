@@ -8,17 +8,26 @@ scripts/generate.py (which only parse flags into these configs).
 
 - `config`: `ScoreJob`, `GenerateJob`, `ModelConfig`, `MultiHost` and the
   enums (`JobKind`, `WeightDtype`, `Quantization`, `InputFormat`).
-- `driver`: the job's steps (describe, read, plan, run, finish) and
-  `JobError`.
-- `scoring`, `generation`: `run_score` / `run_generate`, and one batch's
-  device calls and records.
+- `driver`: the job's steps in order; `run` plans, runs and finishes.
+- `job_setup`: describing the model and reading the input before any
+  device work (`Setup`), and `JobError`.
+- `loading`: `jax.distributed` started, the model loaded onto its mesh
+  (`load_served` for a server).
+- `scoring`: `run_score`, and one batch's device calls and records.
+- `generation`: `run_generate` (its constraint, settings and summary).
+- `samples`: generation's device calls (continuous or one batch at a
+  time) and its records.
 - `examples`: reading and checking input lines (`file:line: reason`).
 - `seqio_input`: a seqio Task or Mixture as the input (`SeqioInput`).
 - `batching`: length-bucketed batches, the same on every process.
 - `adapters`: LoRA adapters (`--adapters`, per-example "adapter"), read
   before any device work; the shared prefix once per adapter.
 - `output`: resumable JSON-lines output, shards merged at the end.
-- `cli`: the scripts' absl flag groups, parsed into the configs.
+- `cli`: the scripts' absl plumbing (flags defined once, one-line
+  failures, `main`, `report`).
+- `model_flags`, `job_flags`, `sampling_flags`: the absl flag groups
+  (`ModelFlags` and `MultiHostFlags`, `JobFlags`, `SamplingFlags` and
+  `SpeculationFlags`), parsed into the configs.
 """
 
 from chunkwise.jobs import (
@@ -40,8 +49,9 @@ from chunkwise.jobs.config import (
   ScoreJob,
   WeightDtype,
 )
-from chunkwise.jobs.driver import JobError, load_served, start_processes
 from chunkwise.jobs.generation import run_generate
+from chunkwise.jobs.job_setup import JobError
+from chunkwise.jobs.loading import load_served, start_processes
 from chunkwise.jobs.scoring import run_score
 from chunkwise.jobs.seqio_input import SeqioInput
 

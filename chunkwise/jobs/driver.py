@@ -15,8 +15,12 @@ output file of another job stop it before any device work:
      with a progress bar on process 0;
   5. the output finished (shards merged, input order) and a summary.
 
-Every failure raises `JobError` with one line that names the bad value;
-with several processes, every process raises it.
+Steps 1 and 2 are `job_setup.setup`, giving a `Setup`; the processes and
+the model are `loading`'s; this module's `run` does steps 3 to 5 and
+`summary` the summary.
+
+Every failure raises `job_setup.JobError` with one line that names the
+bad value; with several processes, every process raises it.
 
 Multi-host: one model spans the mesh of every process's devices, and every
 process runs the same batches (JAX's multi-controller SPMD). Each batch's
@@ -30,253 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 
 from absl import logging
 
-from chunkwise import checkpoints, memory, partitioning
 from chunkwise.inference import InferenceModel
 from chunkwise.jobs import adapters as adapters_lib
-from chunkwise.jobs import batching, examples, output, seqio_input
-from chunkwise.jobs.config import Job, ModelConfig, MultiHost, Quantization
-from chunkwise.models import lora
-from chunkwise.partitioning import LayoutKind, multihost
-from chunkwise.planner import choice as planner_choice
-
-
-class JobError(ValueError):
-  """A job stopped: bad config, input, output or model (one line)."""
-
-
-def describe_model(name: str) -> checkpoints.Description:
-  """What the model will be, read without loading weights."""
-  if name.startswith(checkpoints.RANDOM):
-    try:
-      return checkpoints.describe_random(name)
-    except ValueError as e:
-      raise ValueError(f"--model={name}: {e}") from None
-  described = checkpoints.describe(name)
-  if described.vocab is None:
-    raise ValueError(f"--model={name} has no tokenizer to encode text with")
-  return described
-
-
-def text_or_file(field: str, value: str) -> str:
-  """A field's text, or the contents of the file it names as `@path`."""
-  if value.startswith("@"):
-    path = value[1:]
-    try:
-      with open(path, encoding="utf-8") as f:
-        return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-      raise ValueError(f"--{field}={value}: {e}") from None
-  return value
-
-
-# (described model, shared prefix row, example) -> (row, scored_from)
-Encode = Callable[
-  [checkpoints.Description, list[int], examples.Example],
-  tuple[list[int], int],
-]
-
-
-@dataclasses.dataclass
-class Setup:
-  """The checked job before any device work."""
-
-  job: Job
-  described: checkpoints.Description
-  found: examples.Examples
-  prepared: list[examples.Prepared]
-  prefix_tokens: list[int]  # the shared prefix's row (BOS first) or []
-  max_len: int
-  adapters: dict[str, lora.Adapter] = dataclasses.field(default_factory=dict)
-
-
-def setup(
-  job: Job, encode: Encode, *, reserved: int = 0, reserved_for: str = ""
-) -> Setup:
-  """Steps 1 and 2 (module docstring). `encode(described, prefix_tokens,
-  example)` gives an example's row and where its scored tokens start;
-  `reserved` tokens (generated steps) must fit after it."""
-  try:
-    described = describe_model(job.model.name)
-    prefix_text = text_or_file("shared_prefix", job.shared_prefix)
-    loaded = adapters_lib.load(job.model.adapters, described.hparams)
-  except (ValueError, FileNotFoundError) as e:
-    raise JobError(str(e)) from None
-  h = described.hparams
-  max_len = job.max_len or h.max_len
-  if max_len > h.max_len:
-    raise JobError(
-      f"--max_len={max_len} exceeds the model's max_len {h.max_len}"
-    )
-  vocab = described.vocab
-  prefix_tokens = (
-    [described.bos_id, *vocab.encode(prefix_text)] if prefix_text else []
-  )
-  if len(prefix_tokens) + reserved >= max_len:
-    raise JobError(
-      f"--max_len={max_len} leaves no room for an example after "
-      + " and ".join(
-        [f"--shared_prefix ({len(prefix_tokens)} tokens)"] * bool(prefix_tokens)
-        + [reserved_for] * bool(reserved)
-      )
-    )
-  paths = (job.input, job.output)
-  if job.input and all(map(os.path.exists, paths)) and os.path.samefile(*paths):
-    raise JobError("--output is the --input file")
-  random = job.model.name.startswith(checkpoints.RANDOM)
-  if random and job.model.quantize is not Quantization.NONE:
-    raise JobError("--quantize applies to checkpoints, not random:")
-  what = ["the shared prefix"] * bool(prefix_tokens) + [reserved_for] * bool(
-    reserved
-  )
-  try:
-    if job.seqio is not None:
-      found = seqio_input.read(
-        job.seqio, kind=job.kind.value, vocab=vocab, adapter=job.adapter
-      )
-      examples.check(found, job.skip_bad_lines)
-    else:
-      found = examples.read(
-        job.input,
-        kind=job.kind.value,
-        fmt=job.input_format.value,
-        skip_bad=job.skip_bad_lines,
-        max_line_bytes=job.max_line_bytes,
-        max_depth=job.max_json_depth,
-        adapters=tuple(loaded),
-        adapter=job.adapter,
-      )
-    prepared = examples.prepare(
-      found,
-      lambda e: encode(described, prefix_tokens, e),
-      limit=max_len,
-      reserved=len(prefix_tokens) + reserved,
-      reserved_for=" and ".join(what),
-      skip_bad=job.skip_bad_lines,
-    )
-    for message in found.messages:
-      logging.warning("skipped %s", message)
-  except (examples.InputError, FileNotFoundError, ValueError) as e:
-    raise JobError(str(e)) from None
-  return Setup(job, described, found, prepared, prefix_tokens, max_len, loaded)
-
-
-def start_processes(hosts: MultiHost) -> tuple[int, int]:
-  """Starts `jax.distributed` when `hosts` asks; (process index, count)."""
-  if hosts.asked:
-    try:
-      partitioning.initialize_multihost(
-        hosts.coordinator_address,
-        hosts.num_processes,
-        hosts.process_id,
-        local_device_count=hosts.cpu_devices,
-      )
-    except ValueError as e:
-      raise JobError(str(e)) from None
-  elif hosts.cpu_devices:
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", hosts.cpu_devices)
-  import jax
-
-  return jax.process_index(), jax.process_count()
-
-
-def check_fits(job: Job, described: checkpoints.Description) -> None:
-  """Random weights are drawn on the device: refuse, in one line, those
-  it cannot hold (checkpoints are read as they come)."""
-  name = job.model.name
-  if not name.startswith(checkpoints.RANDOM):
-    return
-  params = described.hparams.num_params()
-  dtype = job.model.dtype.value if job.model.dtype else "float32"
-  try:
-    memory.check_random_weights(params, dtype)
-  except ValueError as e:
-    raise ValueError(f"--model={name}: {e}") from None
-
-
-def load_model(job: Job, described: checkpoints.Description) -> InferenceModel:
-  """Step 4's model on the mesh the config names."""
-  auto = job.model.layout == "auto"
-  workload = _workload(job, described) if auto else None
-  return load_configured(job.model, described, workload=workload)
-
-
-def load_configured(
-  m: ModelConfig, described: checkpoints.Description, *, workload=None
-) -> InferenceModel:
-  """The model `m` names, on the mesh it names (`workload`: what
-  `layout="auto"` plans for)."""
-  import jax
-
-  shape = m.mesh
-  auto = m.layout == "auto"
-  if shape is None and (auto or m.layout.kind is not LayoutKind.REFERENCE):
-    shape = (1, 1, jax.device_count())
-  mesh = None if shape is None else partitioning.make_mesh(shape)
-  dtype = None if m.dtype is None else m.dtype.value
-  extra = {"workload": workload} if auto and workload is not None else {}
-  if m.name.startswith(checkpoints.RANDOM):
-    return InferenceModel.random(
-      described.hparams,
-      seed=0,
-      mesh=mesh,
-      layout=m.layout,
-      vocab=described.vocab,
-      dtype=dtype or "float32",
-      precision=m.precision,
-      numerics=m.numerics,
-      kv_dtype=m.kv_dtype,
-      **extra,
-    )
-  return checkpoints.load(
-    m.name,
-    dtype=dtype,
-    quantize=m.quantize,
-    mesh=mesh,
-    layout=m.layout,
-    precision=m.precision,
-    numerics=m.numerics,
-    kv_dtype=m.kv_dtype,
-    **extra,
-  )
-
-
-def load_served(m: ModelConfig) -> InferenceModel:
-  """The model `m` names with its adapters (what a server runs); raises
-  ValueError / FileNotFoundError for a bad name, file or adapter, before
-  placing anything."""
-  described = describe_model(m.name)
-  loaded = adapters_lib.load(m.adapters, described.hparams)
-  if m.name.startswith(checkpoints.RANDOM) and m.quantize is not (
-    Quantization.NONE
-  ):
-    raise ValueError("--quantize applies to checkpoints, not random:")
-  model = load_configured(m, described)
-  return model.with_adapters(loaded) if loaded else model
-
-
-def _workload(job: Job, described) -> planner_choice.Workload:
-  """What `--layout=auto` plans for: the job's batch, its longest
-  allowed prompt (max_len, else 512) and its steps (0 when scoring)."""
-  steps = getattr(job, "steps", 0)
-  prompt = job.max_len or min(512, described.hparams.max_len - steps - 1)
-  return planner_choice.Workload(
-    batch=job.batch_size, prefill_len=max(1, prompt), generate_len=steps
-  )
-
-
-def is_main_process() -> bool:
-  import jax
-
-  return jax.process_index() == 0
+from chunkwise.jobs import batching, examples, output
+from chunkwise.jobs.job_setup import JobError, Setup
+from chunkwise.jobs.loading import check_fits, load_model, start_processes
+from chunkwise.partitioning import multihost
 
 
 def _progress(total: int, process: int, unit: str, show: bool):

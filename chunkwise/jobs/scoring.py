@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from chunkwise.inference import Chunk, ChunkResult, InferenceModel
-from chunkwise.jobs import adapters, driver, examples
+from chunkwise.jobs import adapters, driver, examples, job_setup
 from chunkwise.jobs.config import ScoreJob
 from chunkwise.jobs.examples import Prepared
 
@@ -106,7 +106,7 @@ def encode(described, prefix: list[int], example: examples.Example):
   return head + list(vocab.encode(example.text)), len(head)
 
 
-def summarize(setup: driver.Setup, run: driver.Run) -> dict:
+def summarize(setup: job_setup.Setup, run: driver.Run) -> dict:
   """Totals over the whole output; speed over this run's examples."""
   records = run.output.records()
   tokens = sum(r["num_tokens"] for r in records)
@@ -130,14 +130,14 @@ def run_score(job: ScoreJob) -> dict | None:
   """Scores every example of `job.input` into `job.output` (resumable,
   multi-host; see `driver`). Returns the summary on process 0 (None on the
   others): examples, tokens, mean NLL per token, perplexity, and this
-  run's counts and tokens/s. Raises `driver.JobError` (one line) before
+  run's counts and tokens/s. Raises `job_setup.JobError` (one line) before
   any device work for a bad job, input or output."""
   if not isinstance(job, ScoreJob):
-    raise driver.JobError(f"run_score needs a ScoreJob, got {job!r}")
-  setup = driver.setup(job, encode)
+    raise job_setup.JobError(f"run_score needs a ScoreJob, got {job!r}")
+  setup = job_setup.setup(job, encode)
   vocab = setup.described.hparams.vocab
   if job.top_n > vocab:
-    raise driver.JobError(
+    raise job_setup.JobError(
       f"--top_n={job.top_n} exceeds the vocabulary ({vocab})"
     )
 

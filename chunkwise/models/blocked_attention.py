@@ -213,7 +213,7 @@ def _fast_block(qi, i, q_pos, pieces, options, piece_fn):
 
 
 def _invariant_block(qi, i, q_pos, pieces, options):
-  """`attention._chain` over key blocks: the exact max of every logit,
+  """`invariant_attention._chain` over key blocks: the exact max of every logit,
   then one chain of exp(logit - max) · v (and its sum) over the keys in
   position order. f32[B, BLOCK, kv_heads, group, D]."""
   batch, rows, kv_heads, group, dim = qi.shape

@@ -25,7 +25,16 @@ from chunkwise.configs import get as get_preset
 from chunkwise.planner import costs
 from chunkwise.planner import hardware as hw_lib
 from chunkwise.planner.calibration import FITTED, Overheads
+from chunkwise.planner.communication import layer_collectives
+from chunkwise.planner.families import (
+  XYZ,
+  Family,
+  Sharding,
+  mesh_sizes,
+  paper_sharding,
+)
 from chunkwise.planner.search import mesh_shapes
+from chunkwise.planner.sizes import Shapes
 
 PREFILL_LEN = 2048
 DECODE_STEPS = 64
@@ -160,7 +169,7 @@ def estimates(
       for attention in ("head", "batch"):
         if family.startswith("wg") and attention == "head":
           continue
-        s = costs.paper_sharding(
+        s = paper_sharding(
           hparams, shape, family, attention=attention, batch=batch
         )
         if _degenerate(s):
@@ -184,14 +193,14 @@ def estimates(
   return out
 
 
-def _degenerate(s: costs.Sharding) -> bool:
+def _degenerate(s: Sharding) -> bool:
   """A 2D or partly gathered mesh with a size-1 side is another family
   (ws_2d with x = 1 is ws_1d; wg_x with y·z = 1 is wg_xyz)."""
   f = s.family
-  if f is costs.Family.WS_2D:
+  if f is Family.WS_2D:
     return s.size(("x",)) == 1 or s.size(("y", "z")) == 1
-  if f in (costs.Family.WG_X, costs.Family.WG_XY):
-    rest = tuple(a for a in costs.XYZ if a not in f.gathered)
+  if f in (Family.WG_X, Family.WG_XY):
+    rest = tuple(a for a in XYZ if a not in f.gathered)
     return s.size(f.gathered) == 1 or s.size(rest) == 1
   return False
 
@@ -321,7 +330,7 @@ def max_context(
       f"{', '.join(v for v, *_ in TABLE_1)}"
     )
   shape = _cube(chips)
-  s = costs.paper_sharding(h, shape, "ws_2d", attention=attention, batch=batch)
+  s = paper_sharding(h, shape, "ws_2d", attention=attention, batch=batch)
   est = costs.estimate(
     h,
     hw,
@@ -346,7 +355,7 @@ def _cube(chips: int) -> tuple[int, int, int]:
 def _ffn_comm(family: str, d_model: int, d_ff: int, shape, tokens: float):
   """Full-size bytes one chip moves per layer of a plain feed-forward
   layer (one E x F matrix in, one out: the paper's §3.2 analysis)."""
-  m = costs.Shapes(
+  m = Shapes(
     layers=1,
     E=d_model,
     F=d_ff,
@@ -358,8 +367,8 @@ def _ffn_comm(family: str, d_model: int, d_ff: int, shape, tokens: float):
     params=0,
     widths=(d_ff, d_ff),
   )
-  s = costs.Sharding(costs.Family(family), costs._mesh_sizes(shape))
-  return sum(c[2] for c in costs._layer_collectives(s, m, tokens, ab=1, wb=1))
+  s = Sharding(Family(family), mesh_sizes(shape))
+  return sum(c[2] for c in layer_collectives(s, m, tokens, ab=1, wb=1))
 
 
 def crossover_chips(d_model: int, d_ff: int, max_chips: int = 4096) -> int:

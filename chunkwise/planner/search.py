@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 
 from chunkwise.configs import HParams
-from chunkwise.planner import costs
+from chunkwise.planner import costs, sizes
 from chunkwise.planner import hardware as hw_lib
 from chunkwise.planner.calibration import FITTED, Overheads
 
@@ -193,7 +193,7 @@ def plan(
   if pad_heads and hparams.heads % chips:
     hparams = hparams.replace(heads=-(-hparams.heads // chips) * chips)
   weights = {"bfloat16": "bf16", "float32": "f32"}.get(weights, weights)
-  costs.dtype_bytes(weights)
+  sizes.dtype_bytes(weights)
   shapes = [tuple(mesh_shape)] if mesh_shape is not None else mesh_shapes(chips)
   if mesh_shape is not None and math.prod(shapes[0]) != chips:
     raise ValueError(

@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,8 +46,6 @@ from chunkwise import processors as processors_lib
 from chunkwise.inference import (
   Chunk,
   InferenceModel,
-  Request,
-  Sampling,
   SpeculationStats,
 )
 from chunkwise.partitioning import multihost
@@ -204,42 +201,7 @@ class Engine:
     seed: `seed`, else `g.seed`, else a random one)."""
     if not isinstance(g, Generation):
       raise ValueError(f"submit takes a Generation, got {g!r}")
-    top_n = int(g.top_n)
-    if not 0 <= top_n <= self.top_n:
-      raise ValueError(
-        f"top_n={g.top_n}: this server returns at most {self.top_n} "
-        "alternatives per token"
-      )
-    if not all(isinstance(s, str) for s in g.stop):
-      raise ValueError(f"stop must be strings, got {list(g.stop)!r}")
-    if g.seed is not None and not 0 <= int(g.seed) < 2**32:
-      raise ValueError(f"seed={g.seed} must be in [0, 2**32)")
-    if seed is None:
-      seed = int(g.seed) if g.seed is not None else secrets.randbits(31)
-    request = Request(
-      tokens=list(g.prompt),
-      sample_id=int(g.sample_id),
-      steps=g.max_new_tokens,
-      sampling=Sampling(
-        temperature=g.temperature,
-        top_k=g.top_k,
-        top_p=g.top_p,
-        min_p=g.min_p,
-        seed=seed,
-      ),
-      stop_ids=tuple(g.stop_ids),
-      constraint=g.constraint,
-      adapter=g.adapter,
-    )
-    penalties = processors_lib.penalties(
-      repetition=g.repetition_penalty,
-      presence=g.presence_penalty,
-      frequency=g.frequency_penalty,
-      context=Chunk(
-        tokens=np.asarray([g.prompt], np.int32),
-        lengths=np.asarray([len(g.prompt)], np.int32),
-      ),
-    )
+    request, penalties, seed = g.request(self.top_n, seed)
     prepared = self._loop.prepare(request, (penalties,), what="request")
     return prepared, seed
 

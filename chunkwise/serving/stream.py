@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from chunkwise import processors as processors_lib
+from chunkwise.inference import Chunk, Request, Sampling
 from chunkwise.serving.text import Detokenizer, StopStrings
 
 if TYPE_CHECKING:
@@ -88,6 +91,49 @@ class Generation:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   top_n: int = 0
+
+  def request(self, max_top_n: int, seed: int | None = None):
+    """This generation checked (a ValueError names the bad field) and
+    translated for the slot loop: (its `Request`, its penalties' logits
+    processor, the seed: `seed`, else `self.seed`, else a random one).
+    `max_top_n`: the most alternatives the engine returns."""
+    top_n = int(self.top_n)
+    if not 0 <= top_n <= max_top_n:
+      raise ValueError(
+        f"top_n={self.top_n}: this server returns at most {max_top_n} "
+        "alternatives per token"
+      )
+    if not all(isinstance(s, str) for s in self.stop):
+      raise ValueError(f"stop must be strings, got {list(self.stop)!r}")
+    if self.seed is not None and not 0 <= int(self.seed) < 2**32:
+      raise ValueError(f"seed={self.seed} must be in [0, 2**32)")
+    if seed is None:
+      seed = int(self.seed) if self.seed is not None else secrets.randbits(31)
+    request = Request(
+      tokens=list(self.prompt),
+      sample_id=int(self.sample_id),
+      steps=self.max_new_tokens,
+      sampling=Sampling(
+        temperature=self.temperature,
+        top_k=self.top_k,
+        top_p=self.top_p,
+        min_p=self.min_p,
+        seed=seed,
+      ),
+      stop_ids=tuple(self.stop_ids),
+      constraint=self.constraint,
+      adapter=self.adapter,
+    )
+    penalties = processors_lib.penalties(
+      repetition=self.repetition_penalty,
+      presence=self.presence_penalty,
+      frequency=self.frequency_penalty,
+      context=Chunk(
+        tokens=np.asarray([self.prompt], np.int32),
+        lengths=np.asarray([len(self.prompt)], np.int32),
+      ),
+    )
+    return request, penalties, seed
 
   @property
   def greedy(self) -> bool:

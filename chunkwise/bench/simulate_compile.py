@@ -1,0 +1,279 @@
+"""One simulated program, compiled: the engine's `jit(shard_map(...))`
+program of a phase traced on abstract inputs, lowered and compiled for a
+mesh of fake host devices, and what the compiled program holds and sends
+per device (`compile_depth`). `simulate` calls it at a few depths and
+scales the figures to the model's.
+
+Nothing is allocated at model size. The weights are `ShapeDtypeStruct`s
+(`abstract_weights`; int8 ones are `QArray`s of them, as
+`quantize_weights` makes). `ShardedEngine` built on abstract weights
+places them (each carries the `NamedSharding` the engine gives it) and
+traces exactly the `jit(shard_map(...))` programs it would run, without
+running them; `_Compiling` records those calls, and the program of the
+phase (`prefill`, or the generate loop `run`) is lowered and compiled for
+its recorded arguments.
+
+What is read, per device:
+  memory       `Compiled.memory_analysis()`: argument, output, alias
+               (outputs written into donated arguments), temp, generated
+               code (XLA:CPU reports 0); and the compiler's copies of whole
+               weights (`weight_reads.weight_copy_sizes`: XLA:CPU's f32
+               twins of bf16 / int8 weights for its dots), their sum and
+               largest;
+  inputs       the abstract arguments' shard bytes by kind (weights, K/V
+               caches, other), whose sum is the compiled argument size;
+  collectives  of the compiled HLO (`hlo.collectives`; XLA:CPU runs bf16
+               collectives in f32 and combines some) and of the
+               unoptimized HLO ("program": the dtypes the program asks
+               for, which an accelerator's compiler keeps), per kind:
+               count, operand, result, full-size and sent bytes, and the
+               program's collectives by shape. The generate loop runs
+               until every row stops, a trip count unknown when
+               compiling: its collectives are one step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.bench import hlo, weight_reads
+from chunkwise.configs import HParams
+from chunkwise.inference import generate
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.sampling import Sampling
+from chunkwise.inference.sharded_engine import ShardedEngine
+from chunkwise.models import Weights, check_shapes, quantized
+from chunkwise.models.weights import shape_of
+from chunkwise.partitioning import Layout
+from chunkwise.precision import resolve as resolve_precision
+
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+INPUT_KINDS = ("weights", "kv_cache", "other")
+# Per collective kind; moved: what each device sends (`hlo.Collective`).
+METRICS = (
+  "count",
+  "operand_bytes",
+  "result_bytes",
+  "full_bytes",
+  "moved_bytes",
+)
+
+
+class Phase(enum.Enum):
+  PREFILL = "prefill"  # program "prefill" of a chunk without prefix
+  GENERATE = "generate"  # program "run": the decode loop after a prefix
+
+
+class WeightFormat(enum.Enum):
+  """How the simulated weights are stored."""
+
+  F32 = "f32"
+  BF16 = "bf16"
+  INT8 = "int8"  # QArrays: int8 values, f32 group scales; norms bf16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+  """One program to simulate."""
+
+  phase: Phase
+  layout: Layout
+  batch: int
+  length: int  # prefill: tokens per row; generate: the prefix's tokens
+  steps: int = 8  # generate: decode steps (columns of the loop's buffer)
+  weights: WeightFormat = WeightFormat.BF16
+
+  def __str__(self) -> str:
+    what = (
+      f"L={self.length}"
+      if self.phase is Phase.PREFILL
+      else f"C={self.length} S={self.steps}"
+    )
+    return (
+      f"{self.phase.value} {self.layout} B={self.batch} {what} "
+      f"{self.weights.value}"
+    )
+
+
+def abstract_weights(hparams: HParams, fmt: WeightFormat) -> Weights:
+  """The weights of `hparams` as unplaced `ShapeDtypeStruct`s (int8:
+  `QArray`s of them, with the scales `quantize_weights` gives)."""
+  specs = Weights.axes(hparams)
+  dtype = jnp.float32 if fmt is WeightFormat.F32 else jnp.bfloat16
+  plain = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(shape_of(hparams, s), dtype),
+    specs,
+    is_leaf=lambda s: isinstance(s, P),
+  )
+  if fmt is not WeightFormat.INT8:
+    return plain
+  return jax.eval_shape(
+    functools.partial(quantized.quantize_weights, specs=specs), plain
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  name: str  # the program's key name: "prefill", "init", "run", ...
+  program: object  # the engine's jitted program
+  args: tuple  # placed abstract arguments
+  out: object  # placed abstract results
+  trace_s: float
+
+
+class _Compiling(ShardedEngine):
+  """`ShardedEngine` driven with abstract inputs: every program call is
+  traced (not run) and recorded in `calls`."""
+
+  def __init__(self, *args, **kwargs):
+    self.calls: list[_Call] = []
+    super().__init__(*args, **kwargs)
+
+  def _call(self, program, args, out_specs):
+    start = time.perf_counter()
+    out = super()._call(program, args, out_specs)
+    name = next(k[0] for k, p in self._programs.items() if p is program)
+    seconds = time.perf_counter() - start
+    self.calls.append(_Call(name, program, args, out, seconds))
+    return out
+
+
+def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
+  """The phase's program call, traced by the engine on abstract inputs
+  built as `InferenceModel` builds its real ones."""
+  weights = abstract_weights(hparams, case.weights)
+  check_shapes(hparams, weights)
+  engine = _Compiling(
+    hparams,
+    weights,
+    mesh,
+    case.layout,
+    cache_dtype=cache_dtype,
+    compute_dtype=compute_dtype,
+    precision=resolve_precision(None, compute_dtype),
+  )
+  b = case.batch
+  if case.phase is Phase.PREFILL:
+    chunk = Chunk(
+      tokens=_sds((b, case.length), jnp.int32), lengths=_sds((b,), jnp.int32)
+    )
+    engine.prefill((), None, chunk, top_n=0, bos_id=0)
+    return engine.calls[-1]
+  h = hparams
+  kv = _sds((h.layers, b, case.length, h.kv_heads, h.head_dim), cache_dtype)
+  caches = (KVCache(k=kv, v=kv, lengths=_sds((b,), jnp.int32)),)
+  prev = _sds((b, h.vocab), jnp.float32)
+  state = engine.init(
+    caches, prev, batch=b, steps=case.steps, top_n=0, vocab=h.vocab, bos_id=0
+  )
+  inputs = jax.eval_shape(
+    lambda c: generate.loop_inputs(
+      c, np.arange(b), Sampling().for_batch(b), np.zeros((1,), np.int32)
+    ),
+    caches,
+  )
+  engine.run(caches, state, inputs, _sds((), jnp.int32))
+  return engine.calls[-1]
+
+
+def _shard_bytes(x) -> int:
+  shape = x.shape if x.sharding is None else x.sharding.shard_shape(x.shape)
+  return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def _by_kind(trees: Sequence, first_is_weights: bool) -> dict[str, int]:
+  """Per-device bytes of `trees` (placed abstract values): weights (the
+  first tree, when `first_is_weights`), K/V caches (any `k` or `v`
+  field), other."""
+  out = dict.fromkeys(INPUT_KINDS, 0)
+  for i, tree in enumerate(trees):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      names = {getattr(key, "name", None) for key in path}
+      if first_is_weights and i == 0:
+        kind = "weights"
+      elif names & {"k", "v"}:
+        kind = "kv_cache"
+      else:
+        kind = "other"
+      out[kind] += _shard_bytes(leaf)
+  return out
+
+
+def _summary(ops: Sequence[hlo.Collective]) -> dict:
+  """Per kind: count, operand, result and full-size bytes per device, each
+  op weighted by its executions (once per iteration of a loop of unknown
+  trip count)."""
+  out = {}
+  for op in ops:
+    n = 1 if op.times is None else op.times
+    row = out.setdefault(op.kind, dict.fromkeys(METRICS, 0))
+    row["count"] += n
+    row["operand_bytes"] += n * op.operand_bytes
+    row["result_bytes"] += n * op.result_bytes
+    row["full_bytes"] += n * op.full_bytes
+    row["moved_bytes"] += n * op.moved_bytes
+  return {k: out[k] for k in hlo.COLLECTIVE_KINDS if k in out}
+
+
+def _kinds_of(ops: Sequence[hlo.Collective]) -> dict[str, int]:
+  """Executions of each (kind, result shape, group size): the program's
+  collectives by what they move."""
+  out: dict[str, int] = {}
+  for op in ops:
+    key = f"{op.kind} {op.shape} group {op.group}"
+    out[key] = out.get(key, 0) + (1 if op.times is None else op.times)
+  return out
+
+
+def compile_depth(hparams, mesh, case, **dtypes) -> dict:
+  """Traces, lowers and compiles the phase's program at `hparams`' depth;
+  returns its figures (see the module docstring)."""
+  call = _trace(hparams, mesh, case, **dtypes)
+  start = time.perf_counter()
+  lowered = call.program.lower(*call.args)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  compiled_at = time.perf_counter()
+  mem = compiled.memory_analysis()
+  memory = {f: int(getattr(mem, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
+  text = compiled.as_text()
+  n_weights = len(jax.tree.leaves(call.args[0]))
+  # Buffers the compiler makes out of whole weights, in temp (XLA:CPU
+  # converts bf16 and int8 weights to f32 for its dots): their sum, and
+  # the largest (temp holds at least that one).
+  copies = weight_reads.weight_copy_sizes(text, n_weights)
+  memory["weight_copies"] = sum(copies)
+  memory["largest_weight_copy"] = max(copies, default=0)
+  ops = hlo.collectives(text)
+  program_ops = hlo.collectives(lowered.as_text(dialect="hlo"))
+  return dict(
+    layers=hparams.layers,
+    program=call.name,
+    trace_s=call.trace_s,
+    lower_s=lowered_at - start,
+    compile_s=compiled_at - lowered_at,
+    memory=memory,
+    inputs=_by_kind(call.args, first_is_weights=True),
+    outputs=_by_kind([call.out], first_is_weights=False),
+    collectives=_summary(ops),
+    program_collectives=_summary(program_ops),
+    program_ops=_kinds_of(program_ops),
+    # Collectives inside a loop whose trip count the compiler does not
+    # know (the decode loop): counted once, i.e. per decode step.
+    per_iteration=sum(op.times is None for op in ops),
+  )

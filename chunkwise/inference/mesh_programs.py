@@ -1,0 +1,89 @@
+"""`MeshPrograms`: jitted `shard_map` programs on a mesh, built once per
+key, and the placing of their inputs (the sharded engine's base).
+
+  programs = MeshPrograms(mesh, precision="highest", numerics="fast")
+  program = programs._program(key, per_device, in_specs, out_specs)
+  out = programs._call(program, args, out_specs)
+
+With `abstract` inputs (`jax.ShapeDtypeStruct` weights) nothing runs or is
+allocated: `_put` gives ShapeDtypeStructs that carry their shardings and
+`_call` the outputs' shapes, placed as a real call would place them
+(`bench.simulate` compiles model-size programs that way).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from chunkwise import numerics as numerics_lib
+from chunkwise.partitioning import resolve_tree
+from chunkwise.partitioning.placement import put
+from chunkwise.precision import with_precision
+
+# shard_map's varying-axes check stays off for the engine's programs, for
+# two reasons that tests/test_sharded_layers.py checks still hold:
+#  1. outputs declared replicated (scores, top-n, a K/V cache replicated
+#     over the axes attention does not split) are made so by explicit
+#     gathers and ring collectives whose replication the checker cannot
+#     infer ("out_specs ... require replication which can't be statically
+#     inferred");
+#  2. the CPU matmul kernel is a `jax.ffi` call whose result carries no
+#     varying-axes type, so its `platform_dependent` switch with XLA's dot
+#     (whose result does) fails the check ("switch branches must have
+#     equal output types").
+# The collective matmuls alone run with the check on (test_collectives.py).
+CHECK_VMA = False
+
+
+class MeshPrograms:
+  """The programs a mesh runs: `_programs` maps a key (phase, plan,
+  static options) to its jitted `shard_map`."""
+
+  def __init__(
+    self, mesh: Mesh, *, precision: str, numerics: str, abstract: bool
+  ):
+    self.mesh = mesh
+    self._precision = precision
+    self._numerics = numerics
+    self._abstract = abstract
+    self._programs: dict = {}
+
+  def _place(self, tree, logical, rules):
+    """`tree` placed with the shardings its `logical` specs resolve to;
+    returns (placed tree, mesh specs)."""
+    specs = resolve_tree(logical, rules)
+    return jax.tree.map(self._put, tree, specs), specs
+
+  def _put(self, x, spec: P):
+    """`x` placed with mesh `spec`; an abstract `x` (a ShapeDtypeStruct)
+    becomes one that carries the sharding, and nothing is allocated."""
+    sharding = NamedSharding(self.mesh, spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return put(x, sharding)
+
+  def _call(self, program, args: tuple, out_specs):
+    """`program(*args)`; with abstract weights, the outputs' shapes placed
+    by `out_specs`, and nothing runs (see the module docstring)."""
+    if not self._abstract:
+      return program(*args)
+    return jax.tree.map(self._put, jax.eval_shape(program, *args), out_specs)
+
+  def _program(self, key, per_device, in_specs, out_specs, **jit_options):
+    """The jitted `shard_map` of `per_device`, built once per `key`."""
+    if key not in self._programs:
+      self._programs[key] = jax.jit(
+        jax.shard_map(
+          with_precision(
+            numerics_lib.traced(per_device, self._numerics), self._precision
+          ),
+          mesh=self.mesh,
+          in_specs=in_specs,
+          out_specs=out_specs,
+          check_vma=CHECK_VMA,
+        ),
+        **jit_options,
+      )
+    return self._programs[key]
