@@ -93,11 +93,11 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   monkeypatch, int8, alone8
 ):
   """The continuous-batching contract with int8 K/V: eight requests
-  through fixed slots (four also with speculation drafted by the int8
-  draft, its scratch buffer int8 K/V too), then through 4 slots over a
-  pool of 5 pages with a prefix cache and prompts prefilled in pieces of
-  8 (chunked prefill): every request bit for bit `generate` alone (the
-  drafted ones: the same tokens)."""
+  through fixed slots (two also with speculation drafted by the int8
+  draft, its scratch buffer int8 K/V too), then four longer ones through 4
+  slots over a pool of 5 pages with a prefix cache and prompts prefilled
+  in pieces of 8 (chunked prefill): every request bit for bit `generate`
+  alone (the drafted ones: the same tokens)."""
   from chunkwise.inference import prefix_cache as pc
 
   requests, want = alone8
@@ -105,8 +105,8 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   drafted = {
     r.index: r.tokens
     for r in int8.generate_many(
-      requests[:4],
-      slots=4,
+      requests[:2],
+      slots=2,
       every=8,
       speculation=cw.Speculation(drafter="draft", k=3),
     )
@@ -119,7 +119,7 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
       steps=r.steps,
       sampling=r.sampling,
     )
-    for r in requests[:6]
+    for r in requests[:4]
   ]
   events = []
   paged = {
@@ -209,7 +209,7 @@ def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
         input=str(prompts),
         output=str(out),
         model=jobs.ModelConfig(name="random:tiny", kv_dtype=kv_dtype),
-        steps=24,
+        steps=16,
         slots=4,
         sampling=cw.Sampling(temperature=0.9, seed=1),
         kv_pages=pages,
