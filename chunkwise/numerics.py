@@ -55,7 +55,7 @@ _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 def resolve(numerics: str | None, quantized: bool = False) -> str:
   """`numerics` checked, or the default: "invariant", except for int8
   weights (`quantized`), whose invariant decode at batch 1 costs 1.34x on
-  the CPU (README) and stays opt-in."""
+  the CPU (docs/numerics.md) and stays opt-in."""
   if numerics is None:
     return "fast" if quantized else "invariant"
   if numerics not in NUMERICS:

@@ -14,7 +14,7 @@ Then point a client at it:
 Open http://127.0.0.1:8080/explore in a browser for the token explorer
 (each token shaded by its probability, its alternatives on hover; texts
 scored and compared across adapters). Routes, wire formats and limits:
-README "Serving" and chunkwise/serving.
+docs/serving.md and chunkwise/serving.
 On a pod (--coordinator_address, --num_processes, --process_id, or
 --multihost) process 0 takes HTTP and the others follow its schedule in
 lockstep. Requests run with continuous batching (--slots rows side by

@@ -2,7 +2,7 @@
 chat templates, `load`, chunkwise's own Orbax checkpoints of models and
 results (`save`, `load_result`), and PEFT LoRA adapters (`load_adapter`).
 Every file read here is untrusted (see `chunkwise.untrusted` and the
-README's Security section)."""
+docs/security.md)."""
 
 from chunkwise.checkpoints import (
   adapters,

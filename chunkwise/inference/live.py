@@ -118,7 +118,8 @@ class LiveSlots:
     self.stop_width = stop_width
     # Prompts prefilled per admission call. One: an arrival alone costs
     # its own prefill, not three padding rows' (the other slots wait for
-    # it); many arriving at once take one call each (README "Serving").
+    # it); many arriving at once take one call each (docs/performance.md,
+    # "Serving").
     self.admit_rows = admit_rows
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)

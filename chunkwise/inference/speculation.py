@@ -61,7 +61,7 @@ from chunkwise.partitioning import axes as ax
 DRAFTERS = ("ngram", "forced", "draft")
 # A row's acceptance rate before it has drafted anything, per drafter: the
 # int8 draft of the same weights agrees with it most of the time (0.9 on
-# SmolLM2's chat workload, README).
+# SmolLM2's chat workload, docs/performance.md).
 PRIORS = {"ngram": 0.5, "forced": 0.5, "draft": 0.8}
 RATE = 0.3  # weight of a pass's observed acceptance in the running rate
 DRIFT = 0.05  # how far a skipped row's rate moves back to the prior

@@ -42,7 +42,7 @@ class ModelFlags:
       "layout",
       "reference",
       "Layout, e.g. ws_2d/yz/latency, or auto: the planner's choice for the "
-      "mesh and --batch_size (see README).",
+      "mesh and --batch_size (see docs/planner.md).",
     )
     self.mesh = cli.define(
       flags.DEFINE_string,

@@ -10,12 +10,13 @@ where y = H x, x rotated by the orthonormal Walsh-Hadamard matrix H (over
 blocks of the largest power of two dividing head_dim; `rotate`). Keys have
 a few channels far larger than the rest, and one scale per vector left
 the others a handful of levels; rotated, every channel carries a share of
-them. On SmolLM2 (scripts/int8_quality.py, README) the rotation cut the
-mean KL against f32 K/V from 0.0008 to 0.0002 nats. Attention then runs in
-the rotated space: q·k = Hq·Hk and softmax(..)·Hv = H(softmax(..)·v), so
-`attention.attend` rotates the queries in and its output back (H is its
-own inverse), a head_dim-wide butterfly per query row; the keys and
-values it reads are never rotated back.
+them. On SmolLM2 (scripts/int8_quality.py, docs/performance.md) the
+rotation cut the mean KL against f32 K/V from 0.0008 to 0.0002 nats.
+Attention then runs in the rotated space: q·k = Hq·Hk and
+softmax(..)·Hv = H(softmax(..)·v), so `attention.attend` rotates the
+queries in and its output back (H is its own inverse), a head_dim-wide
+butterfly per query row; the keys and values it reads are never rotated
+back.
 
 Every K/V array keeps its shape but the last axis (head_dim + 4), so every
 cache, buffer, pool, slice, write and sharding that moves K/V works on it

@@ -4,7 +4,7 @@ its own dtype on CPU.
 XLA:CPU computes an int8 or bf16 weight's matmul by converting the whole
 weight to the activations' dtype first (a copy of f32 bytes per call) and
 then running its f32 dot, so decode, which is bound by weight bytes,
-gained nothing from smaller weights (the README's Performance section
+gained nothing from smaller weights (docs/performance.md
 measures what the kernel changes). On the CPU backend, a matmul with few rows
 (at most `MAX_ROWS`: decode steps, short chunks) whose weight's contracted
 dims lead it ("k-major": q, k, v, o, gate, up, down, an untied

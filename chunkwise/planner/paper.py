@@ -41,7 +41,7 @@ DECODE_STEPS = 64
 # The layouts Tables 2 and 3 choose among: 2D weight-stationary and the
 # weight-gathered family (the paper keeps 1D for small slices; with 1D
 # allowed the planner would pick it for PaLM 62B's 8- and 16-chip rows,
-# whose 2D layouts move more bytes: see README).
+# whose 2D layouts move more bytes: see docs/planner.md).
 FAMILIES = ("ws_2d", "wg_x", "wg_xy", "wg_xyz")
 FAMILIES_ALL = ("ws_1d", *FAMILIES)
 

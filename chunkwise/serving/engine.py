@@ -64,7 +64,7 @@ log = logging.getLogger("chunkwise.serving")
 # Decode steps between two hand-overs of tokens: one while no request
 # waits for a slot (tokens stream as they are made), more while some wait
 # (they cannot start before a slot frees, which ends a segment anyway):
-# measured in README "Serving".
+# measured in docs/performance.md, "Serving".
 DEFAULT_EVERY = 1
 DEFAULT_BUSY_EVERY = 8
 # K/V of cached prompt pages: 256 MiB holds ~11k tokens of SmolLM2 (f32).
