@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
+from chunkwise.constraints import automaton
 from chunkwise.partitioning import make_mesh
 
 C = cw.constraints
@@ -76,10 +77,29 @@ def test_tables_walks_match(name):
       s = t.step(s, tok)
       assert s >= 0
     assert _valid(name, text.decode())
+  # The mask bits equal their plain twin's, read from the dense tables.
+  assert np.array_equal(
+    t.bits, automaton.mask_bits_dense(t.next_state, t.token_class, 320)
+  )
   # distance: the fewest tokens to a final state (a date takes 10 bytes).
   assert t.distance[0] == {"choice": 2, "integer": 1, "date": 10}.get(
     name, t.distance[0]
   )
+
+
+def test_mask_bits_match_the_dense_twin_at_any_width():
+  rng = np.random.default_rng(1)
+  for width in (31, 32, 301):
+    pairs = rng.random((7, width)) < 0.3
+    src, tok = np.nonzero(pairs)
+    token_class = np.arange(width, dtype=np.int32)  # one class per token
+    next_state = np.where(pairs, 0, -1).astype(np.int32)
+    bits = automaton.mask_bits(src, tok, 7, width)
+    assert np.array_equal(
+      bits, automaton.mask_bits_dense(next_state, token_class, width)
+    )
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+    assert np.array_equal(unpacked[:, :width].astype(bool), pairs)
 
 
 def test_tables_are_small_and_cached():

@@ -85,6 +85,44 @@ def integer_range(lo: int | None, hi: int | None) -> str:
   return "(" + "|".join(parts) + ")"
 
 
+def number_range(lo: int | None, hi: int | None) -> str:
+  """A regex of the JSON numbers in [lo, hi] (whole bounds; None: none on
+  that side), written without an exponent. Raises ValueError for an
+  empty range."""
+  if lo is not None and hi is not None and lo > hi:
+    raise ValueError(f"no number lies in [{lo}, {hi}]")
+  frac, zeros = r"(\.[0-9]+)?", r"(\.0+)?"
+
+  def magnitudes(least: int, most: int | None) -> list[str]:
+    # |x| from `least` (any fraction) up to `most` (whole only at it)
+    if most is None:
+      return [integer_range(least, None) + frac]
+    out = [integer_range(least, most - 1) + frac] if least < most else []
+    return [*out, str(most) + zeros]
+
+  parts = []
+  if hi is None or hi >= 0:
+    parts += magnitudes(0 if lo is None else max(lo, 0), hi)
+  if lo is None or lo < 0:  # -|x|, with |x| in [max(-hi, 0), -lo]
+    least = 0 if hi is None or hi >= 0 else -hi
+    parts += ["-" + p for p in magnitudes(least, None if lo is None else -lo)]
+  return "(" + "|".join(parts) + ")"
+
+
+def integer_multiple(k: int) -> str | None:
+  """A regex of the integers that are multiples of `k` (at least 1) as
+  JSON writes them, where the last m <= 3 digits decide (k divides 10^m:
+  2, 4, 5, 8, 10, 25, 100, ...); None for other k."""
+  m = next((m for m in range(4) if 10**m % k == 0), None)
+  if m is None:
+    return None
+  if m == 0:
+    return "(-?(0|[1-9][0-9]*))"
+  below = [str(v) for v in range(k, 10**m, k)]  # fewer than m + 1 digits
+  tails = [f"{v:0{m}d}" for v in range(0, 10**m, k)]
+  return f"(-?(0|{'|'.join(below)}|[1-9][0-9]*({'|'.join(tails)})))"
+
+
 _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _H16 = r"[0-9a-fA-F]{1,4}"
 _IPV4 = rf"{_OCTET}(\.{_OCTET}){{3}}"
@@ -231,6 +269,9 @@ def _class(pattern: str, start: int) -> tuple[int, str | None]:
     return i, None  # ECMA-262's empty class
   shorthands: list[str] = []
   spans: list[list[int]] = []  # [lo, hi] code points
+  # Whether the last member was one character (a `-` after it makes a
+  # range; after a range or a shorthand it is itself: `[0-9-_]`).
+  single = False
   while i < len(pattern) and pattern[i] != "]":
     c = pattern[i]
     if c == "[":
@@ -239,6 +280,7 @@ def _class(pattern: str, start: int) -> tuple[int, str | None]:
       e = pattern[i + 1 : i + 2]
       if e in _CLASS_SHORTHANDS:
         shorthands.append(_CLASS_SHORTHANDS[e])
+        single = False
         i += 2
         continue
       if not (e and e in _LITERAL_ESCAPES):
@@ -246,7 +288,7 @@ def _class(pattern: str, start: int) -> tuple[int, str | None]:
       c, i = e, i + 1
     if (
       c == "-"
-      and spans
+      and single
       and pattern[i - 1 : i] != "\\"
       and i + 1 < len(pattern)
       and pattern[i + 1] != "]"
@@ -255,9 +297,11 @@ def _class(pattern: str, start: int) -> tuple[int, str | None]:
       if hi in "\\[":
         return i, None
       spans[-1][1] = ord(hi)
+      single = False
       i += 2
       continue
     spans.append([ord(c), ord(c)])
+    single = True
     i += 1
   if i >= len(pattern):
     return i, None  # unclosed
@@ -359,3 +403,12 @@ def integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
   if lo is not None and hi is not None and lo > hi:
     raise ValueError(f"{path}: no integer lies between its bounds")
   return lo, hi
+
+
+def search(pattern: str, name: str) -> bool:
+  """Whether ECMA-262 `pattern` matches somewhere in `name` (Python's re
+  for the common subset; a pattern it cannot read matches nothing)."""
+  try:
+    return re.search(pattern, name) is not None
+  except re.error:
+    return False

@@ -29,12 +29,14 @@ formats) are `schema_values`'s, `allOf` merging and `$ref` resolution
   `additionalProperties` (any JSON value where it is absent); `allOf` is
   merged where the merge is exact, and a union beside other keywords is
   generated as one branch per member merged with them; `oneOf` becomes
-  `anyOf`; draft-4 tuple `items` become `prefixItems`;
+  `anyOf`, exact where its branches are made exclusive
+  (`schema_exclusive`); draft-4 tuple `items` become `prefixItems`;
 * what a regex cannot say exactly, or only at a cost out of proportion,
-  is dropped and listed in `unenforced` (`oneOf`'s exclusivity, `not`,
-  `if`/`then`/`else`, `uniqueItems`, `contains`, `multipleOf`,
-  `patternProperties`, `propertyNames`, `dependencies`,
-  `min/maxProperties`, and the value keywords `schema_values` names):
+  is dropped and listed in `unenforced` (`oneOf`'s exclusivity where
+  branches may overlap, `not`, `if`/`then`/`else`, `uniqueItems`,
+  `contains`, `multipleOf`, `patternProperties`, `propertyNames`,
+  `dependencies`, `min/maxProperties`, and the value keywords
+  `schema_values` names):
   every output is validated after generation (`JsonSchema.validate`), so
   nothing invalid goes unflagged;
 * with `keep` (`JsonSchema.compile`'s narrower tries, for schemas whose
@@ -48,13 +50,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from chunkwise.constraints import schema_merge
+from chunkwise.constraints import schema_exclusive, schema_merge
 from chunkwise.constraints import schema_values as sv
 from chunkwise.constraints.schema import ANNOTATIONS, MAX_DEPTH
+from chunkwise.constraints.schema_objects import ObjectKeywords
 
 # Subschemas a rewrite may visit (its $refs inlined), so a schema whose
 # references fan out is refused in a moment instead of after the compile
@@ -79,7 +81,7 @@ class _Never(Exception):
   anywhere else the parent cannot be generated either."""
 
 
-class _Rewriter(sv.ValueKeywords):
+class _Rewriter(sv.ValueKeywords, ObjectKeywords):
   def __init__(self, root: Mapping[str, Any], recursion: int, keep: int | None):
     self.root = root
     self.recursion = recursion
@@ -104,7 +106,7 @@ class _Rewriter(sv.ValueKeywords):
     saved = len(self.unenforced), len(self.narrowed)
     try:
       return make(*args)
-    except _Never:
+    except (_Never, schema_merge.NoValue):
       del self.unenforced[saved[0] :]
       del self.narrowed[saved[1] :]
       return _NEVER
@@ -133,7 +135,9 @@ class _Rewriter(sv.ValueKeywords):
     if isinstance(ref, str) and ref.startswith("#"):
       return self.reference(schema, path, depth)
     if "allOf" in schema:
-      schema = schema_merge.merge(self.root, schema, path, sv.MERGED)
+      schema = schema_merge.merge(
+        self.root, schema, path, sv.MERGED, dropped=sv.DROPPED
+      )
     union = [k for k in ("anyOf", "oneOf") if isinstance(schema.get(k), list)]
     if len(union) == 1 and sv.CONSTRAINING.intersection(schema):
       distributed = self.distribute(schema, union[0], path, depth)
@@ -193,7 +197,7 @@ class _Rewriter(sv.ValueKeywords):
         if not subs:
           raise _Never
         if key == "oneOf":
-          self.after(path, "oneOf (one branch only)")
+          subs = self.one_of(subs, path)
           key = "anyOf"
         out[key] = out.get(key, []) + subs
       elif key == "prefixItems" or (key == "items" and isinstance(value, list)):
@@ -231,79 +235,6 @@ class _Rewriter(sv.ValueKeywords):
       # Keywords JSON Schema does not define: validators ignore them.
     return self.special(schema, out, path)
 
-  def required(self, schema: dict, out: dict, path: str) -> None:
-    required = out.get("required") or []
-    if not isinstance(required, list):
-      raise ValueError(f"{path}/required must be a list of names")
-    props = out.setdefault("properties", {})
-    extra = schema.get("additionalProperties", True)
-    for name in required:
-      if not isinstance(name, str):
-        raise ValueError(f"{path}/required lists {name!r}, not a name")
-      if name in props:
-        continue
-      matching = [
-        sub
-        for pattern, sub in (schema.get("patternProperties") or {}).items()
-        if isinstance(pattern, str) and _search(pattern, name)
-      ]
-      if matching:
-        props[name] = sv.value_schema(
-          self.node(matching[0], f"{path}/patternProperties", 1)
-        )
-        continue
-      if extra is False or (schema.get("properties") or {}).get(name) is False:
-        raise ValueError(
-          f"{path}: required property {name!r} is neither in properties nor "
-          "allowed by additionalProperties=false: no value is valid"
-        )
-      props[name] = sv.value_schema(
-        self.node(extra, f"{path}/additionalProperties", 1)
-        if isinstance(extra, Mapping)
-        else {}
-      )
-    self.narrow(schema, out, path)
-
-  def narrow(self, schema: dict, out: dict, path: str) -> None:
-    """Declared properties made required, first first, until
-    `minProperties` of them are (its outputs would otherwise be flagged
-    after). With `keep`, also: only the first `keep` optional properties
-    are generated, and one is required where none is. Both shrink what
-    outlines-core builds: its index holds a state per string value in
-    which nearly every token is allowed (Kubernetes and GitHub schemas ran
-    past 4 GB), and it writes an object with no required property as one
-    alternative per first property present (its regex grows with the
-    square of their number, and copies of copies when they nest)."""
-    props = out["properties"]
-    required = [n for n in out.get("required") or [] if n in props]
-    optional = [n for n in props if n not in required]
-    if self.keep is not None and len(optional) > self.keep:
-      dropped = optional[self.keep :]
-      for name in dropped:
-        del props[name]
-      self.narrowed.append(
-        f"{path}: {len(dropped)} optional properties after the first "
-        f"{self.keep} not generated"
-      )
-    least = schema.get("minProperties")
-    least = (
-      least if isinstance(least, int) and not isinstance(least, bool) else 0
-    )
-    anchor = self.keep is not None and not required and props
-    need = max(least, 1 if anchor else 0)
-    added = [n for n in props if n not in required][
-      : max(0, need - len(required))
-    ]
-    if not added:
-      return
-    out["required"] = [*required, *added]
-    self.narrowed.append(f"{path}: {', '.join(added)} always generated")
-    if (
-      len(out["required"]) >= least
-      and f"{path}: minProperties" in self.unenforced
-    ):
-      self.unenforced.remove(f"{path}: minProperties")
-
   def distribute(self, schema: dict, key: str, path: str, depth: int):
     """`{properties: P, oneOf: [A, B]}` as `anyOf: [P and A, P and B]`,
     each branch merged as `allOf` is (so each branch's values meet the
@@ -328,9 +259,18 @@ class _Rewriter(sv.ValueKeywords):
       self.pieces = saved[1]
       del self.narrowed[saved[2] :]
       return None
-    if key == "oneOf":
+    if key == "oneOf" and isinstance(out, dict) and "anyOf" in out:
+      out["anyOf"] = self.one_of(out["anyOf"], path)
+    elif key == "oneOf":
       self.after(path, "oneOf (one branch only)")
     return out
+
+  def one_of(self, branches: list, path: str) -> list:
+    """`oneOf`'s branches made exclusive, or as they are, checked after."""
+    apart = schema_exclusive.exclusive(branches)
+    if apart is None:
+      self.after(path, "oneOf (one branch only)")
+    return branches if apart is None else apart
 
   def tuple(self, schema, items, where, depth, out) -> list:
     """Tuple items rewritten; where item i has no value at this depth,
@@ -381,7 +321,9 @@ class _Rewriter(sv.ValueKeywords):
 
   def optional_merge(self, schema: dict, path: str) -> dict | None:
     try:
-      return schema_merge.merge(self.root, schema, path, sv.MERGED)
+      return schema_merge.merge(
+        self.root, schema, path, sv.MERGED, dropped=sv.DROPPED
+      )
     except ValueError:
       return None
 
@@ -400,15 +342,6 @@ def _one_pattern(schema: dict) -> bool:
     and not schema.get("properties")
     and schema.get("additionalProperties", True) in (True, {})
   )
-
-
-def _search(pattern: str, name: str) -> bool:
-  """Whether ECMA-262 `pattern` matches somewhere in `name` (Python's re
-  for the common subset; a pattern it cannot read matches nothing)."""
-  try:
-    return re.search(pattern, name) is not None
-  except re.error:
-    return False
 
 
 def rewrite(

@@ -5,7 +5,9 @@ build them (used by `schema_rewrite`, which walks the whole schema).
   AFTER, KEPT, KNOWN, FAMILIES          # which keyword goes where
 
 * integers with `minimum` / `maximum` / `exclusive*` (both drafts'
-  spellings) become exact digit automata, and the formats date, time,
+  spellings), or a `multipleOf` whose last digits decide (2, 5, 10, 25,
+  100, ...), and numbers between whole `minimum` / `maximum` become exact
+  digit automata, and the formats date, time,
   date-time, uri, uri-reference, ipv4, ipv6, hostname and duration our
   regexes (`json_regex`; outlines-core's date took any Unicode digit and
   its times no offset, so outputs could fail the format): each replaces
@@ -19,7 +21,7 @@ build them (used by `schema_rewrite`, which walks the whole schema).
   branch per type where several apply), keywords of another type's
   family are dropped, and a value that may be anything generates any JSON
   value one level deep (`ANY`: scalars, arrays and objects of scalars);
-* number bounds, `maxLength` / `maxItems` of `LONG_BOUND` or more, string
+* other number bounds, `maxLength` / `maxItems` of `LONG_BOUND` or more, string
   lengths beside any other pattern or a format, and patterns with
   lookarounds or back-references are left to the check after generation.
 """
@@ -70,6 +72,13 @@ AFTER = frozenset(
     "unevaluatedProperties",
   }
 )
+# Of those, the ones never generated at all (read nowhere else).
+DROPPED = AFTER - {
+  "multipleOf",
+  "patternProperties",
+  "minProperties",
+  "additionalItems",
+}
 KEPT = frozenset(
   {
     "type",
@@ -141,7 +150,7 @@ class ValueKeywords:
           for key in keys.intersection(out):
             del out[key]
     if isinstance(kind, list) and (
-      ("integer" in kind and bounds)
+      ({"integer", "number"} & set(kind) and bounds)
       or ("string" in kind and out.get("format") in json_regex.FORMATS)
     ):
       # Our pieces stand for one type: one branch per type.
@@ -151,6 +160,28 @@ class ValueKeywords:
     ):
       lo, hi = json_regex.integer_bounds(schema, path)
       return self.piece(json_regex.integer_range(lo, hi))
+    step = schema.get("multipleOf")
+    if (
+      kind == "integer"
+      and type(step) is int
+      and step >= 1
+      and not bounds
+      and not {"enum", "const"} & set(out)
+      and json_regex.integer_multiple(step) is not None
+    ):
+      self.checked(f"{path}: multipleOf")
+      return self.piece(json_regex.integer_multiple(step))
+    whole = [v for v in bounds.values() if _whole(v)]
+    if (
+      kind == "number"
+      and bounds
+      and set(bounds) <= {"minimum", "maximum"}
+      and len(whole) == len(bounds)
+      and not {"enum", "const"} & set(out)
+    ):
+      lo, hi = (bounds.get(k) for k in ("minimum", "maximum"))
+      lo, hi = (None if v is None else int(v) for v in (lo, hi))
+      return self.piece(json_regex.number_range(lo, hi))
     if bounds:
       self.after(path, "/".join(bounds))
     for key in ("maxLength", "maxItems"):
@@ -196,6 +227,12 @@ class ValueKeywords:
     elif out.get("additionalProperties") is False:
       out["properties"] = {}  # the empty object (outlines-core reads false
       # as a schema for the values where no properties are declared)
+    if (
+      out.get("type") == "object"
+      and "properties" not in out
+      and schema.get("minProperties") == 1
+    ):
+      self.one_property(out, path)  # schema_objects
     if out.get("type") == "array" and not {"items", "prefixItems"} & set(out):
       out["items"] = copy.deepcopy(ANY)
     return out
@@ -230,6 +267,10 @@ ANY = {
     {"type": "object", "additionalProperties": SCALARS},
   ]
 }
+
+
+def _whole(v: Any) -> bool:
+  return type(v) is int or (type(v) is float and v.is_integer())
 
 
 def value_schema(schema: Any) -> Any:
