@@ -1,5 +1,6 @@
 """The CPU matmul kernel (`chunkwise.cpu_kernels`) against its plain twin."""
 
+import functools
 import math
 
 import jax
@@ -153,3 +154,96 @@ def test_qarray_scales_must_cover_free_dims():
   w = _weight("int8", (64, 32), (0,), 16)
   odd = QArray(values=w.values, scale=w.scale[:, :1])
   assert matmul._form("bte,ef->btf", jnp.ones((1, 1, 64)), odd) is None
+
+
+# The int8 kernel called directly (`cpu_kernels.matmul`) against numpy with
+# the dequantized weight: register tiles of x rows (1, 3, 16, 17 rows: whole
+# tiles and tails), columns and table rows that are not multiples of the
+# tiles (k-major: 32 columns, n-major: 16 table rows), groups even and odd,
+# and one group longer than the int32 chunk (256 inputs). k-major shapes
+# with at most 2048 columns split weight rows among threads, wider ones
+# split columns.
+DIRECT = [
+  # k, n, group, nmajor
+  (576, 1536, 36, False),
+  (64, 37, 16, False),
+  (30, 50, 15, False),
+  (600, 33, 600, False),
+  (96, 2070, 32, False),
+  (576, 203, 36, True),
+  (40, 11, 20, True),
+  (30, 9, 15, True),
+  (600, 21, 600, True),
+  (70, 37, 14, True),
+]
+
+
+def _direct_case(m, k, n, group, nmajor, seed=0):
+  rng = np.random.default_rng(seed + 7 * m + k + n)
+  x = rng.standard_normal((m, k), np.float32)
+  wf = (rng.standard_normal((n, k) if nmajor else (k, n)) * 0.05).astype(
+    np.float32
+  )
+  axis = 1 if nmajor else 0
+  q = quantize(jnp.asarray(wf), (axis,), group)
+  values = np.asarray(q.values)
+  scale = np.asarray(q.scale, np.float32)
+  return x, values, scale
+
+
+def _dequantized(values, scale, nmajor):
+  axis = 1 if nmajor else 0
+  rep = values.shape[axis] // scale.shape[axis]
+  return values.astype(np.float32) * np.repeat(scale, rep, axis=axis)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize(
+  "k,n,group,nmajor", DIRECT, ids=lambda v: str(v).replace(" ", "")
+)
+def test_int8_kernel_direct(m, k, n, group, nmajor):
+  x, values, scale = _direct_case(m, k, n, group, nmajor)
+  got = np.asarray(
+    jax.jit(functools.partial(cpu_kernels.matmul, nmajor=nmajor))(
+      x, values, scale
+    )
+  )
+  w = _dequantized(values, scale, nmajor)
+  wk = w.T if nmajor else w  # [k, n]
+  want = x.astype(np.float64) @ wk.astype(np.float64)
+  # x rounded to int16 per row and group: half a step of max |x| / 32767
+  xg = np.abs(x).reshape(m, k // group, group).max(-1) / 32767 / 2
+  bound = np.repeat(xg, group, axis=1) @ np.abs(wk)
+  err = np.abs(got - want)
+  limit = 1e-5 + 1e-5 * np.abs(want) + 1.01 * bound
+  assert got.shape == (m, n)
+  assert np.all(err <= limit), float((err - limit).max())
+
+
+@pytest.mark.parametrize(
+  "k,n,group,nmajor",
+  [c for c in DIRECT if c[3] or c[1] <= 2048],
+  ids=lambda v: str(v).replace(" ", ""),
+)
+def test_int8_kernel_rows_independent_of_batch(k, n, group, nmajor):
+  """A row's result, bit for bit, whatever the other rows and their
+  number (one summation order per row)."""
+  x, values, scale = _direct_case(17, k, n, group, nmajor)
+  f = jax.jit(functools.partial(cpu_kernels.matmul, nmajor=nmajor))
+  full = np.asarray(f(x, values, scale))
+  for rows in (slice(0, 1), slice(3, 6), slice(1, 17)):
+    np.testing.assert_array_equal(
+      np.asarray(f(x[rows], values, scale)), full[rows]
+    )
+
+
+def test_int8_kernel_non_finite_and_zero_rows():
+  x, values, scale = _direct_case(16, 576, 200, 36, False)
+  x[2, 5] = np.nan
+  x[4] = 0
+  for nmajor in (False, True):
+    v = values.T.copy() if nmajor else values
+    s = scale.T.copy() if nmajor else scale
+    got = np.asarray(cpu_kernels.matmul(x, v, s, nmajor=nmajor))
+    assert np.all(np.isnan(got[2])) and np.all(got[4] == 0)
+    assert np.all(np.isfinite(np.delete(got, 2, axis=0)))
