@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from chunkwise.bench import schema_coverage
+
 SCRIPT = os.path.join(
   os.path.dirname(os.path.dirname(__file__)), "scripts", "schema_coverage.py"
 )
@@ -36,7 +38,7 @@ SCHEMAS = {
 }
 
 
-def test_reports_accepted_valid_and_causes(tmp_path):
+def test_reports_accepted_valid_and_causes_beside_the_peers(tmp_path):
   for category, files in SCHEMAS.items():
     (tmp_path / category).mkdir()
     for name, schema in files.items():
@@ -47,7 +49,7 @@ def test_reports_accepted_valid_and_causes(tmp_path):
       sys.executable,
       SCRIPT,
       f"--data={tmp_path}",
-      "--model=random:tiny",
+      "--engines=chunkwise,xgrammar,llguidance",
       "--steps=24",
       "--batch=2",
       f"--output={report_path}",
@@ -58,8 +60,12 @@ def test_reports_accepted_valid_and_causes(tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(report_path.read_text())
-  assert sorted(report) == ["arrays", "simple"]
-  simple, arrays = report["simple"], report["arrays"]
+  assert (report["seed"], report["limit"]) == (0, 30)
+  assert sorted(report["categories"]) == ["arrays", "simple"]
+  for category in report["categories"].values():
+    assert sorted(category) == ["chunkwise", "llguidance", "xgrammar"]
+  simple = report["categories"]["simple"]["chunkwise"]
+  arrays = report["categories"]["arrays"]["chunkwise"]
   assert (simple["schemas"], simple["accepted"]) == (2, 1)
   ((cause, count),) = simple["refusals"]
   assert count == 1 and "neither in properties" in cause
@@ -70,7 +76,21 @@ def test_reports_accepted_valid_and_causes(tmp_path):
   # uniqueItems is checked after generation, and the check is reported.
   assert arrays["valid"] == (len(set(values)) == 2)
   assert (outcome["error"] is None) == (len(set(values)) == 2)
+  # The peers ran the same files: refused.json admits no value, so each
+  # engine refuses it or its output is flagged.
+  for engine in ("xgrammar", "llguidance"):
+    for category, files in SCHEMAS.items():
+      r = report["categories"][category][engine]
+      assert r["schemas"] == len(files)
+      assert r["accepted"] == sum("text" in o for o in r["outcomes"])
+      assert r["valid"] == sum(o.get("error", 1) is None for o in r["outcomes"])
+    for o in report["categories"]["simple"][engine]["outcomes"]:
+      if o["file"].endswith("refused.json"):
+        assert "refused" in o or o["error"], o
+      elif "text" in o:  # small.json: an object holding a boolean
+        json.loads(o["text"])
   assert "simple" in proc.stdout and "arrays" in proc.stdout
+  assert "seed=0" in proc.stdout and "xgrammar" in proc.stdout
 
   bad = subprocess.run(
     [sys.executable, SCRIPT, f"--data={tmp_path}", "--categories=nope"],
@@ -80,3 +100,22 @@ def test_reports_accepted_valid_and_causes(tmp_path):
   )
   assert bad.returncode != 0
   assert "--categories: no schemas in nope" in bad.stderr
+  bad = subprocess.run(
+    [sys.executable, SCRIPT, f"--data={tmp_path}", "--engines=outlines"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert bad.returncode != 0
+  assert "--engines=outlines: expected some of chunkwise" in bad.stderr
+
+
+def test_sample_is_seeded_per_category():
+  files = [f"{i:03d}.json" for i in range(100)]
+  a = schema_coverage.sample(files, 10, 0, "Snowplow")
+  assert a == schema_coverage.sample(files, 10, 0, "Snowplow")
+  assert a == sorted(a) and len(set(a)) == 10 and set(a) <= set(files)
+  assert a != files[:10]  # not the first ten by name
+  assert a != schema_coverage.sample(files, 10, 1, "Snowplow")
+  assert a != schema_coverage.sample(files, 10, 0, "Kubernetes")
+  assert schema_coverage.sample(files[:5], 10, 0, "x") == files[:5]
