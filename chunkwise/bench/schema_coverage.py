@@ -23,6 +23,7 @@ cut off by the step limit is invalid. Needs `torch`, `transformers`,
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -157,6 +158,9 @@ def hf_generate(
   masked by its own matcher of `grammars`; ([ids per row], tokens)."""
   import torch
 
+  # transformers 5.24 renamed `past_key_values` to `cache`
+  params = inspect.signature(type(hf).forward).parameters
+  cache_name = "cache" if "cache" in params else "past_key_values"
   rows = len(prompts)
   vocab_size = hf.config.vocab_size
   width = max(len(p) for p in prompts)
@@ -178,11 +182,11 @@ def hf_generate(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_name: cache},
       )
-      cache = result.past_key_values
+      cache = getattr(result, cache_name)
       logits = result.logits[:, -1].float().numpy().copy()
       for r in range(rows):
         if not done[r]:

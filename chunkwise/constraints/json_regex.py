@@ -25,6 +25,9 @@ def _digits_between(lo: str, hi: str) -> list[str]:
     return [lo]
   if len(lo) == 1:
     return [f"[{lo}-{hi}]"]
+  if set(lo) == {"0"} and set(hi) == {"9"}:
+    # Every string of this length (recursing would double per digit).
+    return [f"[0-9]{{{len(lo)}}}"]
   # Common leading digit: recurse on the rest.
   if lo[0] == hi[0]:
     return [lo[0] + r for r in _alternation(_digits_between(lo[1:], hi[1:]))]
