@@ -3,6 +3,7 @@ token automaton enforces, random walks through the compiled tables spell
 only valid instances, what cannot be enforced is flagged by validation
 after generation, and schemas accepted before compile to the same regex."""
 
+import decimal
 import functools
 import ipaddress
 import json
@@ -44,6 +45,21 @@ def test_integer_ranges_are_exact(lo, hi):
     assert bool(rx.fullmatch(str(n))) == want, n
   for bad in ["-0", "01", "00", "+1", "1.0", ""]:
     assert not rx.fullmatch(bad), bad
+
+
+@pytest.mark.parametrize("hi", [2**31 - 1, 2**53 - 1])
+def test_wide_ranges_stay_small_and_exact(hi):
+  """Sanity bounds (2^31 - 1, 2^53 - 1) as short regexes: a full span of
+  digits is one class repeated (it was 1.2 MB for 2^53 - 1)."""
+  for make in (json_regex.integer_range, json_regex.number_range):
+    regex = make(-hi, hi)
+    assert len(regex) < 2000
+    rx = re.compile(regex)
+    for n in (hi, -hi, hi - 1, 10**9, -7, 0, hi + 1, -hi - 1, 10 * hi):
+      assert bool(rx.fullmatch(str(n))) == (-hi <= n <= hi), n
+  rx = re.compile(json_regex.number_range(-hi, hi))
+  for text in (f"{hi}.0", f"{hi - 1}.5", "-0.25", f"{hi}.5", f"-{hi}.01"):
+    assert bool(rx.fullmatch(text)) == (abs(decimal.Decimal(text)) <= hi), text
 
 
 def test_ipv6_regex_spells_every_form_and_only_addresses():
