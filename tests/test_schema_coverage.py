@@ -102,22 +102,18 @@ def test_reports_accepted_valid_and_causes(tmp_path):
   assert arrays["valid"] == (len(set(values)) == 2)
   assert (outcome["error"] is None) == (len(set(values)) == 2)
 
-  bad = subprocess.run(
-    [sys.executable, SCRIPT, f"--data={tmp_path}", "--categories=nope"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert bad.returncode != 0
-  assert "--categories: no schemas in nope" in bad.stderr
-  bad = subprocess.run(
-    [sys.executable, SCRIPT, f"--data={tmp_path}", "--engines=outlines"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert bad.returncode != 0
-  assert "--engines=outlines: expected some of chunkwise" in bad.stderr
+  for flag, message in (
+    ("--categories=nope", "--categories: no schemas in nope"),
+    ("--engines=outlines", "--engines=outlines: expected some of chunkwise"),
+  ):
+    bad = subprocess.run(
+      [sys.executable, SCRIPT, f"--data={tmp_path}", flag],
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+    assert bad.returncode != 0
+    assert message in bad.stderr
 
 
 def test_sample_is_seeded_per_category():

@@ -24,7 +24,6 @@ cut off by the step limit is invalid. Needs `torch`, `transformers`,
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import random
 from collections.abc import Sequence
@@ -211,9 +210,3 @@ def hf_generate(
       mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], -1)
       positions = positions[:, -1:] + 1
   return out, sum(len(o) for o in out)
-
-
-def schema_text(path: str) -> str:
-  """A schema file's text, re-serialized (the peers take a string)."""
-  with open(path, encoding="utf-8") as f:
-    return json.dumps(json.load(f))

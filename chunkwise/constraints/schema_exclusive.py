@@ -26,6 +26,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from chunkwise.constraints.schema_values import PLACEHOLDER
+
+_PLACEHOLDER_PREFIX = PLACEHOLDER.split("{")[0]
+
 _JSON_TYPES = {
   bool: "boolean",
   int: "integer",
@@ -65,7 +69,7 @@ def _values(schema: Any) -> list | None:
     return None
   if "const" in schema:
     value = schema["const"]
-    if isinstance(value, str) and value.startswith("CWPIECE"):
+    if isinstance(value, str) and value.startswith(_PLACEHOLDER_PREFIX):
       return None
     return [value]
   if isinstance(schema.get("enum"), list):
