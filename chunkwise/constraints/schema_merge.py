@@ -90,8 +90,10 @@ def merge(
         merged[key] = list(dict.fromkeys([*merged[key], *value]))
       elif key in merged and merged[key] != value and key in dropped:
         continue
-      elif key in merged and meet(key, merged[key], value) is not None:
-        merged[key] = meet(key, merged[key], value)
+      elif (
+        key in merged and (both := meet(key, merged[key], value)) is not None
+      ):
+        merged[key] = both
       elif key in ("type", "enum") and key in merged and merged[key] != value:
         raise NoValue(
           f"{where}/{key}: no value is both {merged[key]!r} and {value!r}"
