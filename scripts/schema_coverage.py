@@ -184,7 +184,7 @@ class Peer:
     return self.peer.compile(text)
 
   def generate(self, prompts, compiled) -> list[list[int]]:
-    out, _ = schema_coverage.hf_generate(
+    return schema_coverage.hf_generate(
       self.hf,
       prompts,
       self.peer,
@@ -192,7 +192,6 @@ class Peer:
       steps=_STEPS.value,
       eos_ids=self.model.eos_ids,
     )
-    return out
 
 
 def engines(model, names: Sequence[str]) -> list:

@@ -11,8 +11,8 @@ the same prompt ids, greedy, for the same number of steps:
 
   peer = XGrammar(tokenizer, vocab_size, eos_ids)   # or LLGuidance(...)
   grammar = peer.compile(schema_text)               # ValueError: refused
-  ids, n = hf_generate(hf, prompts, peer, [grammar, ...], steps=256,
-                       eos_ids=eos_ids)
+  ids = hf_generate(hf, prompts, peer, [grammar, ...], steps=256,
+                    eos_ids=eos_ids)
 
 A row ends when the mask's engine lets the model pick a stop token (only
 once the value is complete) or when the steps run out; what it wrote so
@@ -152,9 +152,9 @@ def hf_generate(
   *,
   steps: int,
   eos_ids: Sequence[int],
-) -> tuple[list[list[int]], int]:
+) -> list[list[int]]:
   """Greedy decode of `prompts` (left-padded into one batch), each row
-  masked by its own matcher of `grammars`; ([ids per row], tokens)."""
+  masked by its own matcher of `grammars`: the ids each row wrote."""
   import torch
 
   # transformers 5.24 renamed `past_key_values` to `cache`
@@ -209,4 +209,4 @@ def hf_generate(
       ids = torch.as_tensor(picked, dtype=torch.long)[:, None]
       mask = torch.cat([mask, torch.ones((rows, 1), dtype=torch.long)], -1)
       positions = positions[:, -1:] + 1
-  return out, sum(len(o) for o in out)
+  return out
