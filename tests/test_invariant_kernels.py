@@ -1,6 +1,11 @@
-"""The invariant CPU kernels (`cpu_kernels.invariant_*`): bit for bit equal
-to their portable C++ definition, independent of the rows beside a row,
-and close to the exact math."""
+"""The invariant CPU kernels (`cpu_kernels.invariant_*`): every
+instruction set's path this CPU runs bit for bit equal to the portable C++
+definition, independent of the rows beside a row, and close to the exact
+math. (The AArch64 path runs under qemu: tests/test_kernels_arm.py.)"""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +21,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 _matmul = jax.jit(
-  cpu_kernels.invariant_matmul, static_argnames=("nmajor", "ones", "portable")
+  cpu_kernels.invariant_matmul, static_argnames=("nmajor", "ones", "isa")
 )
+# The vector paths this CPU runs (each compared with "portable").
+PATHS = [n for n in cpu_kernels.isa.available() if n != "portable"]
+paths = pytest.mark.parametrize("isa", PATHS or ["portable"])
 
 
 def _operands(rng, g, m, k, n, kind, nmajor, groups):
@@ -34,17 +42,26 @@ def _operands(rng, g, m, k, n, kind, nmajor, groups):
 
 
 def _reference(x, w, scale, acc, nmajor, ones):
-  """f64 math of the dequantized weight (value x scale in f32)."""
-  wf = np.asarray(w.astype(jnp.float32))
+  """f64 math of the dequantized weight (value x scale), and the bound on
+  an int8 weight's error from rounding x to int16 per row and group: half
+  a step (max |x| over the group / 32767) times sum |w| (else 0)."""
+  wf = np.asarray(w.astype(jnp.float32), np.float64)
+  xf = np.asarray(x, np.float64)
+  bound = 0
   if scale is not None:
-    s = np.asarray(scale)
+    s = np.asarray(scale, np.float64)
     axis = 2 if nmajor else 1
-    wf = wf * np.repeat(s, wf.shape[axis] // s.shape[axis], axis=axis)
+    group = wf.shape[axis] // s.shape[axis]
+    wf = wf * np.repeat(s, group, axis=axis)
+    g, m, k = xf.shape
+    half = np.abs(xf).reshape(g, m, k // group, group).max(-1) / 32767 / 2
+    wk = np.swapaxes(wf, 1, 2) if nmajor else wf
+    bound = np.einsum("gmk,gkn->gmn", np.repeat(half, group, axis=2), abs(wk))
   wk = np.swapaxes(wf, 1, 2) if nmajor else wf
   if ones:
     wk = np.concatenate([wk, np.ones((*wk.shape[:2], 1), wk.dtype)], axis=2)
-  out = np.einsum("gmk,gkn->gmn", np.asarray(x, np.float64), wk)
-  return out if acc is None else out + np.asarray(acc)
+  out = np.einsum("gmk,gkn->gmn", xf, wk)
+  return (out if acc is None else out + np.asarray(acc)), bound
 
 
 CASES = [
@@ -54,35 +71,69 @@ CASES = [
   (1, 100, 64, 130, "f32", False, 1, False, False),  # two row bands
   (3, 13, 70, 64, "f32", False, 1, True, True),  # attention's values
   (2, 40, 37, 64, "f32", False, 1, True, True),  # ... 5-vector tiles
+  (1, 300, 600, 130, "f32", False, 1, True, False),  # panels of 256 inputs
   (1, 7, 72, 40, "int8", False, 2, False, False),  # groups of 36
   (1, 50, 72, 33, "int8", False, 4, False, False),
+  (1, 17, 30, 50, "int8", False, 2, False, False),  # odd groups (15)
+  (1, 3, 600, 70, "int8", False, 1, False, False),  # chunks of 256 inputs
+  (2, 9, 64, 200, "int8", False, 2, True, False),  # from acc
   (1, 5, 576, 30, "bf16", False, 1, False, False),
   (1, 1, 70, 203, "f32", True, 1, False, False),  # tied unembedding
   (1, 9, 64, 50, "f32", True, 1, False, False),  # 4 x 4 tiles, trees
   (3, 3, 64, 37, "f32", True, 1, False, False),  # attention logits
   (1, 18, 72, 9, "int8", True, 2, False, False),
+  (1, 18, 30, 37, "int8", True, 2, False, False),  # odd groups, 3 blocks
+  (1, 3, 600, 21, "int8", True, 1, False, False),
   (1, 2, 40, 11, "bf16", True, 1, False, False),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_matmul_is_its_definition_row_by_row(case):
+def _check(case, isa, seed):
   g, m, k, n, kind, nmajor, groups, with_acc, ones = case
-  rng = np.random.default_rng(m * k + n)
+  rng = np.random.default_rng(seed)
   x, w, scale = _operands(rng, g, m, k, n, kind, nmajor, groups)
   acc = None
   if with_acc:
     acc = jnp.asarray(rng.standard_normal((g, m, n + ones)), jnp.float32)
-  got = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones)
-  defined = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones, portable=True)
-  assert np.array_equal(got, defined)
-  want = _reference(x, w, scale, acc, nmajor, ones)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * k)
+  got = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones, isa=isa)
+  defined = _matmul(x, w, scale, acc, nmajor=nmajor, ones=ones, isa="portable")
+  assert np.array_equal(got, defined), (isa, case)
+  want, bound = _reference(x, w, scale, acc, nmajor, ones)
+  err = np.abs(np.asarray(got, np.float64) - want)
+  limit = 1e-5 + 1e-5 * k * np.abs(want).max() + 1.01 * bound
+  assert np.all(err <= limit), float((err - limit).max())
+  if kind == "int8":  # and the bound is not vacuous
+    assert np.max(bound) < 1e-3 * np.max(np.abs(want))
   # Each row alone: the same bits as among the others.
   for r in {0, m // 2, m - 1}:
     part = None if acc is None else acc[:, r : r + 1]
-    alone = _matmul(x[:, r : r + 1], w, scale, part, nmajor=nmajor, ones=ones)
+    alone = _matmul(
+      x[:, r : r + 1], w, scale, part, nmajor=nmajor, ones=ones, isa=isa
+    )
     assert np.array_equal(alone[:, 0], got[:, r]), r
+
+
+@paths
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matmul_is_its_definition_row_by_row(case, isa):
+  _, m, k, n = case[:4]
+  _check(case, isa, m * k + n)
+
+
+@paths
+def test_random_shapes_are_their_definition(isa):
+  """Tails of every tile and block: shapes drawn at random (seeded)."""
+  rng = np.random.default_rng(7)
+  for i in range(24):
+    kind = ["f32", "bf16", "int8"][i % 3]
+    nmajor = bool(i // 3 % 2)
+    m = int(rng.choice([1, 2, 3, 5, 8, 17, 33, 40]))
+    n = int(rng.integers(1, 150))
+    groups = int(rng.choice([1, 2, 3])) if kind == "int8" else 1
+    k = groups * int(rng.integers(1, 70))
+    ones = kind != "int8" and not nmajor and bool(rng.integers(2))
+    acc = not nmajor and bool(rng.integers(2))
+    _check((1, m, k, n, kind, nmajor, groups, acc, ones), isa, i)
 
 
 def test_bad_shapes_are_refused():
@@ -91,6 +142,8 @@ def test_bad_shapes_are_refused():
     _matmul(x, jnp.ones((1, 9, 4)), nmajor=False)
   with pytest.raises(Exception, match="ones needs a k-major"):
     _matmul(x, jnp.ones((1, 4, 8)), nmajor=True, ones=True)
+  with pytest.raises(ValueError, match="isa='sse9'"):
+    _matmul(x, jnp.ones((1, 8, 4)), nmajor=False, isa="sse9")
 
 
 def _ulps(a, b):
@@ -98,29 +151,31 @@ def _ulps(a, b):
   return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32))
 
 
+@paths
 @pytest.mark.parametrize("op", ["exp", "log"])
-def test_exp_and_log_are_one_routine_for_every_element(op):
+def test_exp_and_log_are_one_routine_for_every_element(op, isa):
   rng = np.random.default_rng(0)
   if op == "exp":
     x = np.concatenate([rng.uniform(-87, 88.7, 5000), rng.normal(0, 3, 5000)])
   else:
     x = np.concatenate([rng.uniform(1.2e-38, 1e38, 5000), rng.random(5000)])
   x = x.astype(np.float32)
-  got = np.asarray(cpu_kernels.invariant_unary(x, op))
-  assert np.array_equal(got, cpu_kernels.invariant_unary(x, op, portable=True))
+  got = np.asarray(cpu_kernels.invariant_unary(x, op, isa=isa))
+  assert np.array_equal(got, cpu_kernels.invariant_unary(x, op, isa="portable"))
   want = getattr(np, op)(x.astype(np.float64)).astype(np.float32)
   assert _ulps(got, want).max() <= 1
   for start, size in ((0, 1), (3, 7), (5, 16), (1, 33)):  # any slice alike
-    part = cpu_kernels.invariant_unary(x[start : start + size], op)
+    part = cpu_kernels.invariant_unary(x[start : start + size], op, isa=isa)
     assert np.array_equal(part, got[start : start + size])
 
 
-def test_exp_and_log_edges():
+@pytest.mark.parametrize("isa", ["portable", *PATHS])
+def test_exp_and_log_edges(isa):
   special = np.float32([0, -0.0, np.inf, -np.inf, np.nan, 89.0, -88.0, 1e-45])
-  exp = np.asarray(cpu_kernels.invariant_unary(special, "exp"))
+  exp = np.asarray(cpu_kernels.invariant_unary(special, "exp", isa=isa))
   np.testing.assert_array_equal(exp[:4], [1, 1, np.inf, 0])
   assert np.isnan(exp[4]) and exp[5] == np.inf and exp[6] == 0  # flushed
-  log = np.asarray(cpu_kernels.invariant_unary(special, "log"))
+  log = np.asarray(cpu_kernels.invariant_unary(special, "log", isa=isa))
   np.testing.assert_array_equal(
     log[[0, 1, 2, 7]], [-np.inf] * 2 + [np.inf] * 1 + [-np.inf]
   )
@@ -129,18 +184,19 @@ def test_exp_and_log_edges():
     cpu_kernels.invariant_unary(special, "sin")
 
 
-def test_exp_sum_is_exp_then_row_sum_in_one_pass():
+@paths
+def test_exp_sum_is_exp_then_row_sum_in_one_pass(isa):
   rng = np.random.default_rng(1)
-  for m, k in ((5, 49152), (3, 70), (17, 16), (2, 5)):
+  for m, k in ((5, 49152), (3, 70), (17, 16), (2, 5), (4, 23)):
     x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32) * 5)
     shift = x.max(-1)
-    got = cpu_kernels.invariant_exp_sum(x, shift)
-    e = cpu_kernels.invariant_unary(x - shift[:, None], "exp")
+    got = cpu_kernels.invariant_exp_sum(x, shift, isa=isa)
+    e = cpu_kernels.invariant_unary(x - shift[:, None], "exp", isa=isa)
     ones = jnp.ones((1, 1, k), jnp.float32)
-    two = cpu_kernels.invariant_matmul(e[None], ones, nmajor=True)[0, :, 0]
-    assert np.array_equal(got, two)
+    two = cpu_kernels.invariant_matmul(e[None], ones, nmajor=True, isa=isa)
+    assert np.array_equal(got, two[0, :, 0])
     assert np.array_equal(
-      got, cpu_kernels.invariant_exp_sum(x, shift, portable=True)
+      got, cpu_kernels.invariant_exp_sum(x, shift, isa="portable")
     )
 
 
@@ -164,9 +220,13 @@ def test_numerics_matmul_is_contract(eq, xs, ws, dims):
   assert isinstance(q, QArray)
   with numerics.scope("invariant"):
     got = jax.jit(lambda x, w: numerics.matmul(eq, x, w))(x, q)
-  np.testing.assert_allclose(
-    got, contract(eq, x, q.astype(x.dtype)), rtol=1e-5, atol=1e-5
-  )
+  # x rounded to int16 per row and group: at most half a step of max |x|
+  # (over all x here) / 32767 per input, times sum |w|.
+  deq = q.astype(x.dtype)
+  step = float(jnp.abs(x).max()) / 32767 / 2
+  slack = step * contract(eq, jnp.ones_like(x), jnp.abs(deq))
+  err = jnp.abs(got - contract(eq, x, deq))
+  assert bool(jnp.all(err <= 1e-5 + 1e-5 * jnp.abs(got) + 1.01 * slack))
 
 
 def test_a_window_of_heads_is_read_in_place():
@@ -188,3 +248,59 @@ def test_a_window_of_heads_is_read_in_place():
     cpu_kernels.invariant_matmul(
       x, w, nmajor=True, heads=(jnp.array([3], jnp.int32), 2)
     )
+
+
+def _cpu_flags() -> set[str]:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return set()
+
+
+@pytest.mark.skipif(
+  cpu_kernels.build.machine() != "x86_64", reason="x86-64's paths"
+)
+def test_the_paths_are_what_the_cpu_reports():
+  """Every path /proc/cpuinfo's flags allow is compiled and chosen (the
+  best by default), and none beyond them."""
+  flags = _cpu_flags()
+  want = ["portable"]
+  if {"avx2", "fma"} <= flags:
+    want.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+      want.append("avx512")
+      if "avx512_vnni" in flags:
+        want.append("avx512_vnni")
+  assert list(cpu_kernels.isa.available()) == want
+  assert cpu_kernels.isa.current() == want[-1]
+
+
+def _in_child(env: dict) -> subprocess.CompletedProcess:
+  code = (
+    "from chunkwise import cpu_kernels\n"
+    "cpu_kernels.load()\n"
+    "print(cpu_kernels.isa.current())\n"
+  )
+  return subprocess.run(
+    [sys.executable, "-c", code],
+    env={**os.environ, **env},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_a_process_picks_its_path_by_environment():
+  worst = "portable"
+  out = _in_child({"CHUNKWISE_CPU_ISA": worst})
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split()[-1] == worst
+  assert "no vector path" in out.stderr  # said once, with the CPU's name
+  out = _in_child({"CHUNKWISE_CPU_ISA": "avx1024"})
+  assert out.returncode != 0
+  assert "CHUNKWISE_CPU_ISA='avx1024'" in out.stderr
+  assert cpu_kernels.isa.cpu_name() in out.stderr

@@ -1,12 +1,16 @@
-"""CPU kernels called through `jax.ffi`, compiled on first use (`build`).
+"""CPU kernels called through `jax.ffi`, compiled on first use (`build`),
+with a path per instruction set chosen at run time (`isa`).
 
-`matmul` reads int8, bf16 and f32 weights in place; the models call it for
-decode-sized matmuls through `chunkwise.models.matmul.weight_matmul`,
-whose plain twin is XLA's dot of the weight cast to the activations' dtype.
-This package imports nothing else of chunkwise.
+`invariant_matmul` is every matmul of invariant numerics (one fixed chain
+per output, `portable.cc`), and with few rows the decode matmul of fast
+numerics too (`matmul`, reading int8, bf16 and f32 weights in place);
+`invariant_unary` and `invariant_exp_sum` are exp, log and a log-softmax's
+total. Their plain twins are XLA's (`chunkwise.numerics`,
+`chunkwise.models.matmul`). This package imports nothing else of
+chunkwise.
 """
 
-from chunkwise.cpu_kernels.build import load as load
+from chunkwise.cpu_kernels import isa as isa
 from chunkwise.cpu_kernels.invariant import (
   invariant_exp_sum as invariant_exp_sum,
 )
@@ -16,4 +20,5 @@ from chunkwise.cpu_kernels.invariant import (
 from chunkwise.cpu_kernels.invariant import (
   invariant_unary as invariant_unary,
 )
+from chunkwise.cpu_kernels.isa import load as load
 from chunkwise.cpu_kernels.matmul import matmul as matmul

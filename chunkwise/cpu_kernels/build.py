@@ -1,26 +1,38 @@
 """Compiles the CPU kernels once per machine and registers them with XLA.
 
-`matmul.cc` and `invariant.cc` (with `pool.h`) are compiled with the
-system C++ compiler (`$CXX`, else g++ or c++; `-O3 -march=native`) into
-one library, against the XLA FFI headers that jaxlib ships,
-into a cache directory keyed by the source, the compiler, the headers'
-jaxlib version and the CPU's features: `$CHUNKWISE_KERNEL_CACHE`, else
-`~/.cache/chunkwise/kernels`. The library is written to a temporary name
-and renamed into place, so concurrent processes never load half a file.
+The library holds every instruction set the compiler can target, and the
+kernels choose among them at run time (`ffi.cc`): `kernels.cc` is compiled
+once per set (`VARIANTS`: AVX2 + FMA, AVX-512, AVX-512 with VNNI on
+x86-64; NEON on AArch64), each with its own flags and namespace, and
+`portable.cc` (the plain loops that define every result) and `ffi.cc`
+(the XLA handlers and the choice) for the architecture's baseline. No
+`-march=native`: a library built on one machine runs on any other of its
+architecture, using what that CPU has. They compile with the system C++
+compiler (`$CXX`, else g++, c++ or clang++), against the XLA FFI headers
+that jaxlib ships, in parallel, into a cache directory keyed by the
+sources, the compiler, its flags and the headers' jaxlib version:
+`$CHUNKWISE_KERNEL_CACHE`, else `~/.cache/chunkwise/kernels`. One process
+compiles while others wait on a lock; the library is written to a
+temporary name and renamed into place, so no process loads half a file.
 
-Without a compiler, or when compiling fails, `load()` logs one warning and
-returns False: every matmul then takes the plain XLA path. Setting
+A variant the compiler cannot target is left out (logged); without a
+compiler, or when the rest fails, `load()` logs one warning and returns
+False: every matmul then takes the plain XLA path. Setting
 `CHUNKWISE_CPU_KERNELS=0` turns the kernels off.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,14 +40,27 @@ import tempfile
 import jax
 import jaxlib
 
-TARGET = "chunkwise_matmul"
 INVARIANT_TARGET = "chunkwise_invariant_matmul"
 UNARY_TARGET = "chunkwise_invariant_unary"
 EXP_SUM_TARGET = "chunkwise_invariant_exp_sum"
 _HERE = pathlib.Path(__file__).parent
-_SOURCES = (_HERE / "matmul.cc", _HERE / "invariant.cc")
-_HEADERS = (_HERE / "pool.h",)
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+_HEADERS = ("common.h", "vec.h", "kernels_int8.h", "pool.h")
+_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off")
+# name -> extra flags of kernels.cc's build for that instruction set.
+_X86 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_X86, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+VARIANTS = {
+  "x86_64": {
+    "avx2": ("-DCW_ISA_AVX2", *_X86),
+    "avx512": ("-DCW_ISA_AVX512", *_AVX512),
+    "avx512_vnni": ("-DCW_ISA_AVX512", *_AVX512, "-mavx512vnni"),
+  },
+  "aarch64": {"neon": ("-DCW_ISA_NEON",)},
+}
+
+# ffi.cc's numbers of the instruction sets are 1 + their index here.
+NAMES = ("portable", "avx2", "avx512", "avx512_vnni", "neon")
+_LOADED: list = []  # the variants' libraries, kept loaded
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +71,17 @@ def enabled() -> bool:
   return value not in ("0", "false", "off", "no")
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
   for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
     if name and shutil.which(name):
       return shutil.which(name)
   return None
 
 
-def _cpu_features() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return line
-  except OSError:
-    pass
-  return ""
+def machine() -> str:
+  """The architecture's name in `VARIANTS` ("x86_64", "aarch64", ...)."""
+  m = platform.machine().lower()
+  return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def _cache_dir() -> pathlib.Path:
@@ -71,75 +91,172 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path.home() / ".cache" / "chunkwise" / "kernels"
 
 
+# Each instruction set's kernels are a shared object of their own: the
+# same inline function or template built with other flags is the same
+# symbol, and one library would keep a single copy for every set (one
+# built for AVX-512, say, reached from the AVX2 path). Each object exports
+# its table alone and binds its calls to its own copies (loaded
+# RTLD_LOCAL besides).
+_EXPORT = "ChunkwiseKernelTable"
+
+
+def _shared(work: pathlib.Path) -> tuple[str, ...]:
+  if platform.system() == "Darwin":
+    return (
+      "-shared",
+      "-fvisibility=hidden",
+      f"-Wl,-exported_symbol,_{_EXPORT}",
+    )
+  script = work / "exports.map"
+  script.write_text(f"{{ global: {_EXPORT}; local: *; }};\n")
+  return (
+    "-shared",
+    "-fvisibility=hidden",
+    "-Wl,-Bsymbolic",
+    f"-Wl,--version-script={script}",
+  )
+
+
+def compile_variants(
+  cxx: str, variants: dict, out_dir: pathlib.Path, extra: tuple = ()
+) -> list[str]:
+  """Builds kernels.cc once per variant into `out_dir`/<name>.so; returns
+  the names of those that compiled (the others are logged). `extra`:
+  flags for every compile."""
+
+  shared = _shared(out_dir)
+
+  def one(name, flags):
+    cmd = [
+      cxx,
+      *_FLAGS,
+      *shared,
+      *extra,
+      *flags,
+      f"-DCW_NS={name}",
+      str(_HERE / "kernels.cc"),
+      "-o",
+      str(out_dir / f"{name}.so"),
+    ]
+    return name, subprocess.run(
+      cmd, capture_output=True, text=True, timeout=600
+    )
+
+  built = []
+  workers = max(1, min(len(variants), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for name, result in pool.map(lambda kv: one(*kv), variants.items()):
+      if result.returncode:
+        log.warning(
+          "chunkwise: the %s kernels did not compile (left out): %s",
+          name,
+          result.stderr.strip()[-500:],
+        )
+      else:
+        built.append(name)
+  return built
+
+
+@contextlib.contextmanager
+def _locked(directory: pathlib.Path):
+  directory.mkdir(parents=True, exist_ok=True)
+  with open(directory / "build.lock", "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _compile(cxx: str) -> pathlib.Path:
-  source = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+  """The directory of the built libraries: main.so (ffi.cc, portable.cc)
+  and <variant>.so for each variant that compiled."""
+  sources = ("kernels.cc", "portable.cc", "ffi.cc", *_HEADERS)
+  text = b"\0".join((_HERE / s).read_bytes() for s in sources)
   version = subprocess.run(
     [cxx, "--version"], capture_output=True, text=True, check=True
   ).stdout
+  variants = VARIANTS.get(machine(), {})
   key = hashlib.sha256(
     b"\0".join(
       s.encode() if isinstance(s, str) else s
-      for s in (source, version, jaxlib.__version__, _cpu_features(), *_FLAGS)
+      for s in (text, version, jaxlib.__version__, repr(variants), *_FLAGS)
     )
   ).hexdigest()[:16]
-  out = _cache_dir() / f"matmul-{key}.so"
-  if out.exists():
+  out = _cache_dir() / f"kernels-{key}"
+  if (out / "main.so").exists():
     return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.NamedTemporaryFile(
-    dir=out.parent, suffix=".so", delete=False
-  ) as tmp:
-    partial = pathlib.Path(tmp.name)
-  try:
-    result = subprocess.run(
-      [
-        cxx,
-        *_FLAGS,
-        f"-I{jax.ffi.include_dir()}",
-        *map(str, _SOURCES),
-        "-o",
-        str(partial),
-      ],
-      capture_output=True,
-      text=True,
-      timeout=300,
-    )
-    if result.returncode:
-      raise RuntimeError(result.stderr.strip()[-2000:])
-    os.replace(partial, out)
-  finally:
-    partial.unlink(missing_ok=True)
+  with _locked(out.parent):
+    if (out / "main.so").exists():  # built while this process waited
+      return out
+    work = pathlib.Path(tempfile.mkdtemp(dir=out.parent))
+    try:
+      compile_variants(cxx, variants, work)
+      result = subprocess.run(
+        [
+          cxx,
+          *_FLAGS,
+          "-shared",
+          *(("-Wl,-Bsymbolic",) if platform.system() != "Darwin" else ()),
+          f"-I{jax.ffi.include_dir()}",
+          str(_HERE / "ffi.cc"),
+          str(_HERE / "portable.cc"),
+          "-o",
+          str(work / "main.so"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+      )
+      if result.returncode:
+        raise RuntimeError(result.stderr.strip()[-2000:])
+      shutil.rmtree(out, ignore_errors=True)
+      os.replace(work, out)
+    finally:
+      shutil.rmtree(work, ignore_errors=True)
   return out
 
 
 @functools.cache
-def load() -> bool:
-  """Whether the kernels are compiled and registered (once per process)."""
+def library() -> ctypes.CDLL | None:
+  """The compiled library with its targets registered (once per process),
+  or None (see the module doc)."""
   if not enabled():
-    return False
-  cxx = _compiler()
+    return None
+  cxx = compiler()
   if cxx is None:
     log.warning(
-      "chunkwise: no C++ compiler found ($CXX, g++, c++, clang++); int8 and "
-      "bf16 decode matmuls run as XLA dots of dequantized weights"
+      "chunkwise: no C++ compiler found ($CXX, g++, c++, clang++); the "
+      "CPU kernels are off: matmuls run as XLA dots"
     )
-    return False
+    return None
   try:
-    library = ctypes.cdll.LoadLibrary(str(_compile(cxx)))
+    built = _compile(cxx)
+    lib = ctypes.cdll.LoadLibrary(str(built / "main.so"))
+    for name in ("ChunkwiseIsaUsable", "ChunkwiseIsaCpuHas", "ChunkwiseSetIsa"):
+      getattr(lib, name).argtypes = [ctypes.c_int64]
+    lib.ChunkwiseIsaDefault.restype = ctypes.c_int64
+    lib.ChunkwiseRegisterIsa.argtypes = [ctypes.c_int64, ctypes.c_void_p]
+    for number, name in enumerate(NAMES, start=1):
+      # Only a set the CPU runs is loaded at all.
+      path = built / f"{name}.so"
+      if path.exists() and lib.ChunkwiseIsaCpuHas(number):
+        variant = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL)
+        variant.ChunkwiseKernelTable.restype = ctypes.c_void_p
+        lib.ChunkwiseRegisterIsa(number, variant.ChunkwiseKernelTable())
+        _LOADED.append(variant)
     for target, symbol in (
-      (TARGET, library.ChunkwiseMatmul),
-      (INVARIANT_TARGET, library.ChunkwiseInvariantMatmul),
-      (UNARY_TARGET, library.ChunkwiseInvariantUnary),
-      (EXP_SUM_TARGET, library.ChunkwiseInvariantExpSum),
+      (INVARIANT_TARGET, lib.ChunkwiseInvariantMatmul),
+      (UNARY_TARGET, lib.ChunkwiseInvariantUnary),
+      (EXP_SUM_TARGET, lib.ChunkwiseInvariantExpSum),
     ):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(symbol), platform="cpu"
       )
   except (OSError, RuntimeError, subprocess.SubprocessError) as e:
     log.warning(
-      "chunkwise: the CPU kernels did not build (%s); matmuls run as XLA "
-      "dots of dequantized weights",
+      "chunkwise: the CPU kernels did not build (%s); matmuls run as XLA dots",
       str(e).splitlines()[-1] if str(e) else type(e).__name__,
     )
-    return False
-  return True
+    return None
+  return lib

@@ -1,19 +1,20 @@
-"""`invariant_matmul(x, w, ...)`: `invariant.cc` called through `jax.ffi`.
+"""`invariant_matmul(x, w, ...)`: the kernels called through `jax.ffi`.
 
 Every output is one fixed sequence of f32 operations that depends only on
-its row of x and the weight (see `invariant.cc`): not on the number of
-rows, the row's index, the tiling or the threads.
+its row of x and the weight (`portable.cc` defines it): not on the number
+of rows, the row's index, the tiling, the threads or the instruction set.
 
   x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [..., K, N]
   (k-major) or [..., N, K] (n-major), its leading dims' product 1 or G (a
   [b, kv, S, D] cache is read as it is: a reshape made XLA copy a loop's
-  buffer every step); scale: f32 [1 or G, K / group, N]
-  or [1 or G, N, K / group], or None for a float weight; acc: f32
-  [G, M, N'] the k-major chains start from (or None: +0); ones: a column N
-  of weight 1 (the chained sum of x's row; k-major float only); portable:
-  the plain C++ loops that define the sums, not the AVX-512 tiles (tests);
-  heads: (first int32[1], count) reads the heads [first, first + count) of
-  a w [b, kv, ...] in place, for G = b * count.
+  buffer every step); scale: f32 [1 or G, K / group, N] or
+  [1 or G, N, K / group] for an int8 weight (whose product rounds x to
+  int16 per row and group: `common.h`), None for a float one; acc: f32
+  [G, M, N'] the chains start from (or None: +0); ones: a column N of
+  weight 1 (the chained sum of x's row; k-major float only); isa: the
+  instruction set to run (`isa.NAMES`; None: the process's default);
+  heads: (first int32[1], count) reads the heads [first, first + count)
+  of a w [b, kv, ...] in place, for G = b * count.
   Returns f32 [G, M, N'] with N' = N + ones.
 
 Registered for the CPU platform only: call it under
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkwise.cpu_kernels import build
+from chunkwise.cpu_kernels import isa as isa_lib
 
 
 def invariant_matmul(
@@ -37,7 +39,7 @@ def invariant_matmul(
   *,
   nmajor: bool,
   ones: bool = False,
-  portable: bool = False,
+  isa: str | None = None,
   heads: tuple | None = None,
 ) -> jax.Array:
   g, m, _ = x.shape
@@ -57,27 +59,27 @@ def invariant_matmul(
     scaled=int(scale is not None),
     has_acc=int(acc is not None),
     ones=int(ones),
-    portable=int(portable),
+    isa=isa_lib.number(isa),
   )
 
 
-def invariant_unary(x, op: str, *, portable: bool = False) -> jax.Array:
+def invariant_unary(x, op: str, *, isa: str | None = None) -> jax.Array:
   """exp or log (`op`) of f32 `x`, elementwise, the same operations for
-  every element whatever x's shape (see `invariant.cc`)."""
+  every element whatever x's shape (see `common.h`)."""
   ops = {"exp": 0, "log": 1}
   if op not in ops:
     raise ValueError(f"op={op!r}: expected 'exp' or 'log'")
   x = jnp.asarray(x, jnp.float32)
   return jax.ffi.ffi_call(
     build.UNARY_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32)
-  )(x, op=ops[op], portable=int(portable))
+  )(x, op=ops[op], isa=isa_lib.number(isa))
 
 
-def invariant_exp_sum(x, shift, *, portable: bool = False) -> jax.Array:
+def invariant_exp_sum(x, shift, *, isa: str | None = None) -> jax.Array:
   """Row sums of exp(x - shift[..., None]) over x's last axis: equal, bit
   for bit, to the n-major `invariant_matmul` of
   `invariant_unary(x - shift, "exp")` with ones, in one pass."""
   x = jnp.asarray(x, jnp.float32)
   return jax.ffi.ffi_call(
     build.EXP_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
-  )(x, jnp.asarray(shift, jnp.float32), portable=int(portable))
+  )(x, jnp.asarray(shift, jnp.float32), isa=isa_lib.number(isa))

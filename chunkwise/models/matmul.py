@@ -110,11 +110,10 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
     k = math.prod(values.shape[:c])
   rows, n = math.prod(free_x), math.prod(free_w)
   w2 = values.reshape((n, k) if nmajor else (k, n))
+  scale = None
   if isinstance(w, QArray):
     scale = w.scale.astype(jnp.float32)
     scale = scale.reshape((n, -1) if nmajor else (-1, n))
-  else:
-    scale = jnp.ones((n, 1) if nmajor else (1, n), jnp.float32)
   out = cpu_kernels.matmul(x.reshape(rows, k), w2, scale, nmajor=nmajor)
   return out.reshape(*free_x, *free_w).astype(x.dtype)
 

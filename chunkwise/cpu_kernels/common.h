@@ -1,0 +1,276 @@
+// What every kernel translation unit shares: the problem a matmul call
+// describes, the thread interface, the table of one instruction set's
+// kernels, and the definitions written once for any lane type (exp, log,
+// the int16 rounding of activations).
+//
+// The kernels are compiled once per instruction set (kernels.cc with
+// CW_ISA_AVX2, CW_ISA_AVX512, ...; portable.cc for the plain loops that
+// define every result) and chosen at run time (dispatch.cc). Nothing here
+// includes XLA: selftest.cc runs the same kernels without it (the AArch64
+// build under qemu).
+//
+// Functions here have internal linkage (an unnamed namespace) or are
+// always inlined: each instruction set's build is a shared object of its
+// own (build.py), and no code compiled for one set may be reached from
+// another's.
+
+#ifndef CHUNKWISE_CPU_KERNELS_COMMON_H_
+#define CHUNKWISE_CPU_KERNELS_COMMON_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#define CW_INLINE inline __attribute__((always_inline))
+
+namespace chunkwise {
+
+using i64 = int64_t;
+
+// body(0 .. total - 1), each index once, by the calling thread and helpers.
+class Parallel {
+ public:
+  virtual ~Parallel() = default;
+  virtual int threads() const = 0;
+  virtual void run(i64 total, const std::function<void(i64)>& body) = 0;
+};
+
+enum class Weight { kF32, kBF16, kI8 };
+
+// One matmul call (invariant.py's `invariant_matmul`):
+//
+//   x: f32 [G, M, K]; w: f32, bf16 or int8, [Gw, K, N] ("k-major") or
+//   [Gw, N, K] ("n-major"), Gw = 1 (one weight for every g) or G;
+//   scale: f32 [Gw, K / group, N] or [Gw, N, K / group] (int8 only);
+//   acc: f32 [G, M, N'] (k-major; nullptr: +0); out: f32 [G, M, N'] with
+//   N' = N + ones (a last column of weight 1, k-major float only).
+//
+// What each output is, bit for bit, is defined by portable.cc.
+struct Problem {
+  const float* x = nullptr;
+  const void* w = nullptr;
+  const float* s = nullptr;    // int8 scales, else nullptr
+  const float* acc = nullptr;  // nullptr: chains start at +0
+  float* out = nullptr;
+  Weight type = Weight::kF32;
+  bool nmajor = false;
+  i64 G = 0, M = 0, K = 0, N = 0, groups = 1, group = 0;
+  bool w_shared = true, ones = false;
+  // A window of `count` of w's `heads` (its second dim) from `first`:
+  // batch g reads w's [g / count, first + g % count]; count 0: none.
+  i64 heads = 0, count = 0, first = 0;
+
+  CW_INLINE i64 cols() const { return N + (ones ? 1 : 0); }
+  CW_INLINE i64 w_index(i64 g) const {
+    if (w_shared) return 0;
+    return count ? (g / count) * heads + first + g % count : g;
+  }
+  template <class W>
+  CW_INLINE const W* weight(i64 g) const {
+    return static_cast<const W*>(w) + w_index(g) * K * N;
+  }
+  CW_INLINE const float* scale(i64 g) const {
+    return s == nullptr ? nullptr : s + w_index(g) * groups * N;
+  }
+  CW_INLINE const float* xrow(i64 g, i64 m) const { return x + (g * M + m) * K; }
+  CW_INLINE float* orow(i64 g, i64 m) const { return out + (g * M + m) * cols(); }
+  CW_INLINE const float* arow(i64 g, i64 m) const {
+    return acc == nullptr ? nullptr : acc + (g * M + m) * cols();
+  }
+};
+
+namespace {  // internal to each build (module doc)
+
+inline float as_float(float v) { return v; }
+inline float as_float(int8_t v) { return static_cast<float>(v); }
+inline float as_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// The fixed tree over 16 lanes: (l, l + 8), (l, l + 4), (l, l + 2),
+// (l, l + 1).
+inline float tree16(const float* a) {
+  float t[8], u[4], v[2];
+  for (int l = 0; l < 8; ++l) t[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; ++l) u[l] = t[l] + t[l + 4];
+  for (int l = 0; l < 2; ++l) v[l] = u[l] + u[l + 2];
+  return v[0] + v[1];
+}
+
+// ---- int8 weights: activations rounded to int16 ---------------------------
+//
+// Row m's inputs in weight group g (group = K / groups consecutive inputs)
+// become int16 q = nearbyint(x * (32767 / max |x| over the group)), and
+// the group's scale sx = max / 32767 (each one f32 operation). A group
+// with a non-finite input has sx = NaN (its outputs are NaN, as in f32
+// math); a group whose max is below kTiny is zeros with sx = 0 (32767 /
+// max would overflow). Within a group, chunks of kChunk inputs are summed
+// exactly in int32 (|q w| <= 32767 * 128 < 2^22, 256 of them < 2^30), in
+// any order; the output is then one f32 chain over the chunks in order:
+//   a <- fma(float(isum), s_w(g, n) * sx(m, g), a)
+// from acc (or +0).
+constexpr i64 kChunk = 256;
+constexpr float kTiny = 1e-30f;
+
+// Row-major [M, groups, P] int16 (P = group rounded up to 32; the padding
+// is zeros) and [M, groups] scales.
+struct QuantizedX {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+  i64 M = 0, groups = 0, group = 0, P = 0;
+
+  CW_INLINE const int16_t* at(i64 m, i64 g) const { return q.data() + (m * groups + g) * P; }
+  CW_INLINE float scale_of(i64 m, i64 g) const { return scale[m * groups + g]; }
+};
+
+// The per-group factor and whether the group is rounded at all (module
+// doc): sets *sx and *inv from the group's max |x| and finiteness.
+inline bool group_scale(float mx, bool finite, float* sx, float* inv) {
+  if (!finite) {
+    *sx = std::numeric_limits<float>::quiet_NaN();
+    return false;
+  }
+  if (!(mx >= kTiny)) {
+    *sx = 0.f;
+    return false;
+  }
+  *sx = mx / 32767.f;
+  *inv = 32767.f / mx;
+  return true;
+}
+
+inline int16_t round_i16(float v) {
+  const float r = std::nearbyint(v);
+  return static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, r)));
+}
+
+// ---- exp and log, the same operations in every lane ------------------------
+//
+// XLA:CPU computes exp and log with a vector routine in a loop's vector
+// body and another in its scalar remainder, so an element's value depended
+// on the array's shape (e.g. 7 elements vs 16). These are Cephes'
+// single-precision polynomials (about 1 ulp), written once for a lane: `L`
+// is `Scalar` (the definition) or a vector whose every operation rounds as
+// the scalar one does. exp flushes results below 2^-126 to 0 (x < -87.33)
+// and overflows to inf above 88.72; log(0) = -inf (and of subnormals,
+// which XLA:CPU flushes to 0), log(x < 0) = NaN.
+
+struct Scalar {
+  using F = float;
+  using I = int32_t;
+  static F set(float v) { return v; }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static F mul(F a, F b) { return a * b; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F round(F a) { return std::nearbyint(a); }
+  static F min(F a, F b) { return a < b ? a : b; }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static I to_int(F a) { return static_cast<I>(a); }  // a is integral
+  static F from_int(I a) { return static_cast<F>(a); }
+  static I bits(F a) { I i; std::memcpy(&i, &a, 4); return i; }
+  static F from_bits(I i) { F a; std::memcpy(&a, &i, 4); return a; }
+  static I iadd(I a, I b) { return a + b; }
+  static I iand(I a, I b) { return a & b; }
+  static I ior(I a, I b) { return a | b; }
+  static I shr(I a, int n) { return static_cast<I>(static_cast<uint32_t>(a) >> n); }
+  static I shl(I a, int n) { return static_cast<I>(static_cast<uint32_t>(a) << n); }
+  static F lt_select(F x, F y, F a, F b) { return x < y ? a : b; }  // x < y ? a : b
+  static F gt_select(F x, F y, F a, F b) { return x > y ? a : b; }
+  static F nan_select(F x, F a) { return x != x ? x : a; }          // NaN x passes
+};
+
+template <class L>
+typename L::F exp_lanes(typename L::F x) {
+  using F = typename L::F;
+  const F n = L::round(L::mul(x, L::set(1.44269504088896341f)));
+  F r = L::fma(n, L::set(-0.693359375f), x);
+  r = L::fma(n, L::set(2.12194440e-4f), r);
+  F p = L::set(1.9875691500E-4f);
+  p = L::fma(p, r, L::set(1.3981999507E-3f));
+  p = L::fma(p, r, L::set(8.3334519073E-3f));
+  p = L::fma(p, r, L::set(4.1665795894E-2f));
+  p = L::fma(p, r, L::set(1.6666665459E-1f));
+  p = L::fma(p, r, L::set(5.0000001201E-1f));
+  const F y = L::add(L::fma(p, L::mul(r, r), r), L::set(1.f));
+  // 2^n as a normal float's bits, n clamped to [-126, 127]; n = 128 (x
+  // near 88.7) takes its last factor 2 apart. Out-of-range x below.
+  const F nc = L::min(L::max(n, L::set(-126.f)), L::set(127.f));
+  const F scale = L::from_bits(L::shl(L::iadd(L::to_int(nc), 127), 23));
+  const F twice = L::gt_select(n, L::set(127.f), L::set(2.f), L::set(1.f));
+  F out = L::mul(L::mul(y, twice), scale);
+  out = L::gt_select(x, L::set(88.72283935546875f), L::set(INFINITY), out);
+  out = L::lt_select(x, L::set(-87.33654022216797f), L::set(0.f), out);
+  return L::nan_select(x, out);
+}
+
+template <class L>
+typename L::F log_lanes(typename L::F x) {
+  using F = typename L::F;
+  using I = typename L::I;
+  // XLA:CPU runs with subnormals flushed to zero: x < 2^-126 is 0 below.
+  const I b = L::bits(x);
+  F e = L::from_int(L::iadd(L::shr(b, 23), -127));
+  F m = L::from_bits(L::ior(L::iand(b, 0x007fffff), 0x3f800000));  // [1, 2)
+  // m > sqrt(2): m / 2 (exact) and e + 1.
+  const F big = L::gt_select(m, L::set(1.41421356f), L::set(1.f), L::set(0.f));
+  m = L::gt_select(m, L::set(1.41421356f), L::mul(m, L::set(0.5f)), m);
+  e = L::add(e, big);
+  const F f = L::sub(m, L::set(1.f));
+  F y = L::set(7.0376836292E-2f);
+  y = L::fma(y, f, L::set(-1.1514610310E-1f));
+  y = L::fma(y, f, L::set(1.1676998740E-1f));
+  y = L::fma(y, f, L::set(-1.2420140846E-1f));
+  y = L::fma(y, f, L::set(1.4249322787E-1f));
+  y = L::fma(y, f, L::set(-1.6668057665E-1f));
+  y = L::fma(y, f, L::set(2.0000714765E-1f));
+  y = L::fma(y, f, L::set(-2.4999993993E-1f));
+  y = L::fma(y, f, L::set(3.3333331174E-1f));
+  const F z = L::mul(f, f);
+  y = L::mul(L::mul(y, f), z);
+  y = L::fma(e, L::set(-2.12194440e-4f), y);
+  y = L::fma(L::set(-0.5f), z, y);
+  F out = L::fma(e, L::set(0.693359375f), L::add(f, y));
+  out = L::gt_select(x, L::set(3.40282347e+38f), x, out);                  // inf
+  out = L::lt_select(x, L::set(1.17549435e-38f), L::set(-INFINITY), out);  // 0
+  out = L::lt_select(x, L::set(0.f), L::set(NAN), out);                    // x < 0
+  return L::nan_select(x, out);
+}
+
+}  // namespace
+
+enum Unary : int64_t { kExp = 0, kLog = 1 };
+
+// One instruction set's kernels (portable.cc, kernels.cc).
+struct Table {
+  const char* name;
+  // out (and the problem's every other field) as Problem describes.
+  void (*matmul)(const Problem& p, Parallel& par);
+  // out[i] = exp or log (op) of x[i], i < n.
+  void (*unary)(const float* x, float* out, i64 n, int64_t op, Parallel& par);
+  // out[m] = the 16-lane row sum of exp(x[m, k] - shift[m]) (portable.cc).
+  void (*exp_sum)(const float* x, const float* shift, float* out, i64 M, i64 K,
+                  Parallel& par);
+};
+
+// The instruction sets, as dispatch.cc and invariant.py number them.
+enum Isa : int64_t {
+  kAuto = 0,
+  kPortable = 1,
+  kAvx2 = 2,
+  kAvx512 = 3,
+  kAvx512Vnni = 4,
+  kNeon = 5,
+  kIsaCount = 6,
+};
+
+}  // namespace chunkwise
+
+#endif  // CHUNKWISE_CPU_KERNELS_COMMON_H_

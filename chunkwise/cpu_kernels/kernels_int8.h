@@ -1,0 +1,582 @@
+// int8 weights x int16 activations, included by kernels.cc inside its
+// namespace (one build per instruction set). What each output is: common.h
+// (int32 sums per chunk of a weight group, exact in any order, then one
+// f32 chain over the chunks); portable.cc's int8_row is its plain form.
+//
+// k-major weights are read in place, a tile's int32 sums in registers:
+// x86 widens two weight rows' bytes into int16 pairs that multiply a pair
+// of inputs (madd; VNNI's dpwssd where built), NEON widens one row and
+// multiply-adds it by one input per step. n-major weights (a tied
+// embedding table unembedding) are, on x86, transposed 16 table rows at a
+// time into that pair form in an L1 buffer; on NEON read as rows, each
+// chunk's sum reduced across lanes (exact) before its f32 step.
+
+// Each output row's chain starts from acc (or +0); the kernels then add
+// one chunk at a time into `out`.
+inline void int8_start(const Problem& p, i64 g, i64 m, i64 n0, i64 n1) {
+  const float* acc = p.arow(g, m);
+  float* out = p.orow(g, m);
+  for (i64 n = n0; n < n1; ++n) out[n] = acc ? acc[n] : 0.f;
+}
+
+// The factor of chunks of group gr for output n: s_w * sx (one rounding).
+inline float int8_scale(const Problem& p, const float* s, i64 gr, i64 n) {
+  return p.nmajor ? s[n * p.groups + gr] : s[gr * p.N + n];
+}
+
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+
+// n-major pack: table rows [n, n + rows) (rows <= 16) as k-major int16
+// pairs in `buf`: pair j of group gr (inputs 2j, 2j + 1 of the group; past
+// the group's end 0) of the 16 rows at buf + 32 (gr * Pp + j), row r's
+// pair at lanes 2r, 2r + 1; rows past `rows` zero. Pp = (group + 1) / 2.
+inline void nmajor_pack_scalar(const Problem& p, const int8_t* w, int16_t* buf, i64 n,
+                               i64 rows) {
+  const i64 pp = (p.group + 1) / 2;
+  for (i64 gr = 0; gr < p.groups; ++gr)
+    for (i64 j = 0; j < pp; ++j) {
+      int16_t* out = buf + 32 * (gr * pp + j);
+      for (int r = 0; r < 16; ++r)
+        for (int h = 0; h < 2; ++h) {
+          const i64 t = 2 * j + h;
+          out[2 * r + h] =
+              r < rows && t < p.group ? w[(n + r) * p.K + gr * p.group + t] : int16_t{0};
+        }
+    }
+}
+
+// The same for even groups (a pair never straddles two), 32 inputs at a
+// time: a 16 x 16 transpose of 16-bit words (pairs of int8 inputs), then
+// widened.
+inline void nmajor_pack(const Problem& p, const int8_t* w, int16_t* buf, i64 n, i64 rows) {
+  if (p.group % 2) return nmajor_pack_scalar(p, w, buf, n, rows);
+  const i64 K = p.K;
+  for (i64 k = 0; k < K; k += 32) {
+    alignas(32) int8_t tail[16][32];
+    __m256i a[16];
+    for (int j = 0; j < 16; ++j) {
+      if (j >= rows) {
+        a[j] = _mm256_setzero_si256();
+      } else if (K - k >= 32) {
+        a[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + j) * K + k));
+      } else {
+        std::memset(tail[j], 0, 32);
+        std::memcpy(tail[j], w + (n + j) * K + k, K - k);
+        a[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(tail[j]));
+      }
+    }
+    __m256i b[16], c[16], d[16];
+    for (int i = 0; i < 8; ++i) {  // words w (+8 per lane): rows 2i, 2i+1
+      b[2 * i] = _mm256_unpacklo_epi16(a[2 * i], a[2 * i + 1]);      // w 0-3
+      b[2 * i + 1] = _mm256_unpackhi_epi16(a[2 * i], a[2 * i + 1]);  // w 4-7
+    }
+    for (int j = 0; j < 4; ++j) {  // rows 4j .. 4j + 3
+      c[4 * j + 0] = _mm256_unpacklo_epi32(b[4 * j], b[4 * j + 2]);      // w 0, 1
+      c[4 * j + 1] = _mm256_unpackhi_epi32(b[4 * j], b[4 * j + 2]);      // w 2, 3
+      c[4 * j + 2] = _mm256_unpacklo_epi32(b[4 * j + 1], b[4 * j + 3]);  // w 4, 5
+      c[4 * j + 3] = _mm256_unpackhi_epi32(b[4 * j + 1], b[4 * j + 3]);  // w 6, 7
+    }
+    for (int h = 0; h < 2; ++h)  // rows 8h .. 8h + 7
+      for (int q = 0; q < 4; ++q) {
+        d[8 * h + 2 * q] = _mm256_unpacklo_epi64(c[8 * h + q], c[8 * h + 4 + q]);
+        d[8 * h + 2 * q + 1] = _mm256_unpackhi_epi64(c[8 * h + q], c[8 * h + 4 + q]);
+      }
+    // d[8h + v]: rows 8h .. 8h + 7 of word v (low lane), v + 8 (high lane)
+    const i64 pairs = std::min<i64>(16, (K - k + 1) / 2);
+    int16_t* out = buf + k * 16;  // pair k / 2
+    for (int v = 0; v < 8; ++v) {
+      const __m256i lo = _mm256_permute2x128_si256(d[v], d[8 + v], 0x20);
+      const __m256i hi = _mm256_permute2x128_si256(d[v], d[8 + v], 0x31);
+      if (v < pairs) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 32),
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v * 32 + 16),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)));
+      }
+      if (v + 8 < pairs) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (v + 8) * 32),
+                            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (v + 8) * 32 + 16),
+                            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)));
+      }
+    }
+  }
+}
+
+inline int32_t pair_bits(const int16_t* x) {  // (x[0], x[1]) as one int32
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return v;
+}
+#endif
+
+#if defined(CW_ISA_AVX512)
+// ---- AVX-512 -------------------------------------------------------------------
+
+constexpr int kMR8 = 8;  // x rows per int8 register tile
+
+// acc += a . b over int16 pairs (VNNI `vpdpwssd` where built for it).
+inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+// k-major: columns [n, n + cols) (cols <= 32; fewer read and written under
+// a mask) of rows [m0, m0 + MR) of batch g, into their chains in `out`.
+// Two weight rows a step: their 32 columns' bytes interleaved and widened
+// to int16 pairs, columns {0-7, 16-23} in `lo`, {8-15, 24-31} in `hi` (put
+// back in order once a chunk). A step's second row past the chunk reads
+// `zeros`.
+template <int MR, bool MASKED>
+void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, const int8_t* zeros, i64 m0, i64 n, i64 cols) {
+  const __mmask32 bmask = MASKED ? static_cast<__mmask32>((1ull << cols) - 1) : ~0u;
+  const __mmask16 f0 = static_cast<__mmask16>(bmask), f1 = static_cast<__mmask16>(bmask >> 16);
+  const i64 N = p.N;
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const i64 k0 = gr * p.group;
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    const float* sr = s + gr * N + n;
+    const __m512 s0 = _mm512_maskz_loadu_ps(f0, sr);
+    const __m512 s1 = _mm512_maskz_loadu_ps(f1, sr + 16);
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      __m512i lo[MR], hi[MR];
+      for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+      for (i64 t = c0; t < c1; t += 2) {
+        const int8_t* r0 = w + (k0 + t) * N + n;
+        const int8_t* r1 = t + 1 < c1 ? r0 + N : zeros + n;
+        if ((n & 63) == 0) {  // this row's next line, for the next tiles
+          prefetch(r0 + 64);
+          prefetch(r1 + 64);
+        }
+        __m256i a, b;
+        if (MASKED) {
+          a = _mm256_maskz_loadu_epi8(bmask, r0);
+          b = _mm256_maskz_loadu_epi8(bmask, r1);
+        } else {
+          a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0));
+          b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1));
+        }
+        const __m512i wl = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+        const __m512i wh = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xp = _mm512_set1_epi32(pair_bits(xg[m] + t));
+          lo[m] = dp16(lo[m], wl, xp);
+          hi[m] = dp16(hi[m], wh, xp);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xs = _mm512_set1_ps(xq.scale_of(g * p.M + m0 + m, gr));
+        const __m512 v0 = _mm512_cvtepi32_ps(_mm512_shuffle_i64x2(lo[m], hi[m], 0x44));
+        const __m512 v1 = _mm512_cvtepi32_ps(_mm512_shuffle_i64x2(lo[m], hi[m], 0xEE));
+        float* a = p.orow(g, m0 + m) + n;
+        _mm512_mask_storeu_ps(a, f0, _mm512_fmadd_ps(v0, _mm512_mul_ps(s0, xs),
+                                                    _mm512_maskz_loadu_ps(f0, a)));
+        _mm512_mask_storeu_ps(a + 16, f1, _mm512_fmadd_ps(v1, _mm512_mul_ps(s1, xs),
+                                                         _mm512_maskz_loadu_ps(f1, a + 16)));
+      }
+    }
+  }
+}
+
+template <int MR>
+void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
+  i64 n = n0;
+  for (; n + 32 <= n1; n += 32) kmajor_tile_i8<MR, false>(p, xq, g, w, s, zeros, m0, n, 32);
+  if (n < n1) kmajor_tile_i8<MR, true>(p, xq, g, w, s, zeros, m0, n, n1 - n);
+}
+
+// k-major: columns [n0, n1), every row of batch g. Column strips of 64 (a
+// cache line is two tiles), row tiles inside: a strip's weight lines are
+// read from memory once, then from cache for every further row tile.
+void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* zeros, i64 n0,
+               i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  for (i64 n = n0; n < n1; n += 64) {
+    const i64 e = std::min(n1, n + 64);
+    i64 m = 0;
+    for (; m + kMR8 <= p.M; m += kMR8) kmajor_cols_i8<kMR8>(p, xq, g, w, s, zeros, m, n, e);
+    switch (p.M - m) {
+#define CW_CASE(r) \
+  case r: kmajor_cols_i8<r>(p, xq, g, w, s, zeros, m, n, e); break;
+      CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4) CW_CASE(5) CW_CASE(6) CW_CASE(7)
+#undef CW_CASE
+      default: break;
+    }
+  }
+}
+
+// n-major: out[m0 .. m0 + MR, n .. n + rows) from a packed block. Prefetches
+// `lines` cache lines from `ahead` (the next block), spread over the groups.
+template <int MR>
+void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t* buf,
+                    const float* s, i64 m0, i64 n, i64 rows, const char* ahead, i64 lines) {
+  const i64 pp = (p.group + 1) / 2;
+  const __mmask16 rm = static_cast<__mmask16>((1u << rows) - 1);
+  __m512 total[MR];
+  for (int m = 0; m < MR; ++m) total[m] = _mm512_maskz_loadu_ps(rm, p.orow(g, m0 + m) + n);
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    for (i64 l = lines * gr / p.groups; l < lines * (gr + 1) / p.groups; ++l)
+      prefetch(ahead + 64 * l);
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    alignas(64) float sw[16] = {};
+    for (i64 r = 0; r < rows; ++r) sw[r] = s[(n + r) * p.groups + gr];
+    const __m512 sv = _mm512_load_ps(sw);
+    const int16_t* bg = buf + 32 * gr * pp;
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      __m512i part[MR];
+      for (int m = 0; m < MR; ++m) part[m] = _mm512_setzero_si512();
+      for (i64 t = c0; t < c1; t += 2) {
+        const __m512i wv = _mm512_loadu_si512(bg + t * 16);
+        for (int m = 0; m < MR; ++m)
+          part[m] = dp16(part[m], wv, _mm512_set1_epi32(pair_bits(xg[m] + t)));
+      }
+      for (int m = 0; m < MR; ++m)
+        total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m]),
+                                   _mm512_mul_ps(sv, _mm512_set1_ps(xq.scale_of(g * p.M + m0 + m, gr))),
+                                   total[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(p.orow(g, m0 + m) + n, rm, total[m]);
+}
+
+// n-major: table rows [n0, n1) of batch g, all rows, 16 table rows a block.
+void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  const i64 pp = (p.group + 1) / 2;
+  thread_local std::vector<int16_t> buf;
+  if (buf.size() < static_cast<size_t>(32 * pp * p.groups)) buf.resize(32 * pp * p.groups);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  for (i64 n = n0; n < n1; n += 16) {
+    const i64 rows = std::min<i64>(16, n1 - n);
+    // the next block (contiguous rows), prefetched by the first row tile
+    const char* next = reinterpret_cast<const char*>(w + (n + 16) * p.K);
+    i64 lines = (std::min<i64>(16, std::max<i64>(0, n1 - n - 16)) * p.K + 63) / 64;
+    nmajor_pack(p, w, buf.data(), n, rows);
+    i64 m = 0;
+    for (; m + kMR8 <= p.M; m += kMR8, lines = 0)
+      nmajor_tile_i8<kMR8>(p, xq, g, buf.data(), s, m, n, rows, next, lines);
+    switch (p.M - m) {
+#define CW_CASE(r) \
+  case r: nmajor_tile_i8<r>(p, xq, g, buf.data(), s, m, n, rows, next, lines); break;
+      CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4) CW_CASE(5) CW_CASE(6) CW_CASE(7)
+#undef CW_CASE
+      default: break;
+    }
+  }
+}
+
+#elif defined(CW_ISA_AVX2)
+// ---- AVX2 ---------------------------------------------------------------------
+
+// k-major: rows [m0, m0 + MR) x columns [n, n + 16 H) of batch g (`cols`
+// of them valid: a narrower tail reads its bytes through a zeroed copy),
+// into their chains in `out`. Two weight rows a step, widened into int16
+// pairs: columns [16h, 16h + 8) in lo[h], [16h + 8, 16h + 16) in hi[h].
+template <int MR, int H>
+void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, i64 m0, i64 n, i64 cols) {
+  const i64 N = p.N;
+  const bool tail = cols < 16 * H;
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const i64 k0 = gr * p.group;
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      __m256i lo[MR][H], hi[MR][H];
+      for (int m = 0; m < MR; ++m)
+        for (int h = 0; h < H; ++h) lo[m][h] = hi[m][h] = _mm256_setzero_si256();
+      for (i64 t = c0; t < c1; t += 2) {
+        const int8_t* r0 = w + (k0 + t) * N + n;
+        const bool two = t + 1 < c1;
+        if ((n & 63) == 0 && k0 + t + kAhead + 2 <= p.K) {
+          prefetch(r0 + kAhead * N);
+          prefetch(r0 + (kAhead + 1) * N);
+        }
+        alignas(32) int8_t buf[2][32];
+        const int8_t *a0 = r0, *a1 = r0 + N;
+        if (tail || !two) {
+          std::memset(buf, 0, sizeof(buf));
+          std::memcpy(buf[0], r0, std::min<i64>(cols, 16 * H));
+          if (two) std::memcpy(buf[1], r0 + N, std::min<i64>(cols, 16 * H));
+          a0 = buf[0];
+          a1 = buf[1];
+        }
+        __m256i wl[H], wh[H];
+        for (int h = 0; h < H; ++h) {
+          const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a0 + 16 * h));
+          const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a1 + 16 * h));
+          wl[h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
+          wh[h] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(va, vb));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xp = _mm256_set1_epi32(pair_bits(xg[m] + t));
+          for (int h = 0; h < H; ++h) {
+            lo[m][h] = _mm256_add_epi32(lo[m][h], _mm256_madd_epi16(wl[h], xp));
+            hi[m][h] = _mm256_add_epi32(hi[m][h], _mm256_madd_epi16(wh[h], xp));
+          }
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, gr));
+        float* a = p.orow(g, m0 + m) + n;
+        for (int h = 0; h < H; ++h)
+          for (int half = 0; half < 2; ++half) {
+            const i64 c = 16 * h + 8 * half;
+            const i64 left = cols - c;
+            if (left <= 0) continue;
+            const __m256 sum = _mm256_cvtepi32_ps(half ? hi[m][h] : lo[m][h]);
+            const __m256 sv = Vec::loadn(s + gr * N + n + c, left);
+            const __m256 f = _mm256_mul_ps(sv, xs);
+            if (left >= 8) _mm256_storeu_ps(a + c, _mm256_fmadd_ps(sum, f, _mm256_loadu_ps(a + c)));
+            else Vec::storen(a + c, _mm256_fmadd_ps(sum, f, Vec::loadn(a + c, left)), left);
+          }
+      }
+    }
+  }
+}
+
+template <int MR, int H>
+void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, i64 m0, i64 n0, i64 n1) {
+  i64 n = n0;
+  for (; n + 16 * H <= n1; n += 16 * H) kmajor_tile_i8<MR, H>(p, xq, g, w, s, m0, n, 16 * H);
+  for (; n < n1; n += 16) kmajor_tile_i8<MR, 1>(p, xq, g, w, s, m0, n, std::min<i64>(16, n1 - n));
+}
+
+void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*, i64 n0, i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  for (i64 n = n0; n < n1; n += 64) {
+    const i64 e = std::min(n1, n + 64);
+    i64 m = 0;
+    for (; m + 4 <= p.M; m += 4) kmajor_cols_i8<4, 1>(p, xq, g, w, s, m, n, e);
+    for (; m + 2 <= p.M; m += 2) kmajor_cols_i8<2, 2>(p, xq, g, w, s, m, n, e);
+    if (m < p.M) kmajor_cols_i8<1, 2>(p, xq, g, w, s, m, n, e);
+  }
+}
+
+// n-major: out[m0 .. m0 + MR, n .. n + rows) from a packed block (16 table
+// rows as 2 x 8 int32 lanes).
+template <int MR>
+void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t* buf,
+                    const float* s, i64 m0, i64 n, i64 rows) {
+  const i64 pp = (p.group + 1) / 2;
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    alignas(32) float sw[16] = {};
+    for (i64 r = 0; r < rows; ++r) sw[r] = s[(n + r) * p.groups + gr];
+    const int16_t* bg = buf + 32 * gr * pp;
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      __m256i part[MR][2];
+      for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm256_setzero_si256();
+      for (i64 t = c0; t < c1; t += 2) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + t * 16));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bg + t * 16 + 16));
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xp = _mm256_set1_epi32(pair_bits(xg[m] + t));
+          part[m][0] = _mm256_add_epi32(part[m][0], _mm256_madd_epi16(w0, xp));
+          part[m][1] = _mm256_add_epi32(part[m][1], _mm256_madd_epi16(w1, xp));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, gr));
+        float* a = p.orow(g, m0 + m) + n;
+        for (int h = 0; h < 2; ++h) {
+          const i64 left = rows - 8 * h;
+          if (left <= 0) continue;
+          const __m256 f = _mm256_mul_ps(_mm256_load_ps(sw + 8 * h), xs);
+          const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][h]), f,
+                                           Vec::loadn(a + 8 * h, left));
+          if (left >= 8) _mm256_storeu_ps(a + 8 * h, v);
+          else Vec::storen(a + 8 * h, v, left);
+        }
+      }
+    }
+  }
+}
+
+void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  const i64 pp = (p.group + 1) / 2;
+  thread_local std::vector<int16_t> buf;
+  if (buf.size() < static_cast<size_t>(32 * pp * p.groups)) buf.resize(32 * pp * p.groups);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  for (i64 n = n0; n < n1; n += 16) {
+    const i64 rows = std::min<i64>(16, n1 - n);
+    for (i64 r = 16; r < 32 && n + r < n1; r += 2)  // the next block
+      for (i64 k = 0; k < p.K; k += 64) prefetch(w + (n + r) * p.K + k);
+    nmajor_pack(p, w, buf.data(), n, rows);
+    i64 m = 0;
+    for (; m + 4 <= p.M; m += 4) nmajor_tile_i8<4>(p, xq, g, buf.data(), s, m, n, rows);
+    for (; m < p.M; ++m) nmajor_tile_i8<1>(p, xq, g, buf.data(), s, m, n, rows);
+  }
+}
+
+#else
+// ---- NEON ---------------------------------------------------------------------
+
+// k-major: rows [m0, m0 + MR) x 16 columns from n (`cols` valid: a
+// narrower tail reads through a zeroed copy), one weight row a step
+// widened to int16 and multiplied by each row's input into 4 x 4 int32.
+template <int MR>
+void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, i64 m0, i64 n, i64 cols) {
+  const i64 N = p.N;
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const i64 k0 = gr * p.group;
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      int32x4_t acc[MR][4];
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = vdupq_n_s32(0);
+      for (i64 t = c0; t < c1; ++t) {
+        const int8_t* r = w + (k0 + t) * N + n;
+        int8x16_t v;
+        if (cols >= 16) {
+          v = vld1q_s8(r);
+        } else {
+          int8_t buf[16] = {};
+          std::memcpy(buf, r, cols);
+          v = vld1q_s8(buf);
+        }
+        const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
+        for (int m = 0; m < MR; ++m) {
+          const int16_t xk = xg[m][t];
+          acc[m][0] = vmlal_n_s16(acc[m][0], vget_low_s16(lo), xk);
+          acc[m][1] = vmlal_high_n_s16(acc[m][1], lo, xk);
+          acc[m][2] = vmlal_n_s16(acc[m][2], vget_low_s16(hi), xk);
+          acc[m][3] = vmlal_high_n_s16(acc[m][3], hi, xk);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float32x4_t xs = vdupq_n_f32(xq.scale_of(g * p.M + m0 + m, gr));
+        float* a = p.orow(g, m0 + m) + n;
+        for (int j = 0; j < 4; ++j) {
+          const i64 left = cols - 4 * j;
+          if (left <= 0) continue;
+          const float32x4_t f = vmulq_f32(Vec::loadn(s + gr * N + n + 4 * j, left), xs);
+          const float32x4_t v = vfmaq_f32(Vec::loadn(a + 4 * j, left), vcvtq_f32_s32(acc[m][j]), f);
+          Vec::storen(a + 4 * j, v, left);
+        }
+      }
+    }
+  }
+}
+
+void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*, i64 n0, i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  for (i64 n = n0; n < n1; n += 16) {
+    const i64 cols = std::min<i64>(16, n1 - n);
+    i64 m = 0;
+    for (; m + 4 <= p.M; m += 4) kmajor_tile_i8<4>(p, xq, g, w, s, m, n, cols);
+    for (; m < p.M; ++m) kmajor_tile_i8<1>(p, xq, g, w, s, m, n, cols);
+  }
+}
+
+// n-major: RR table rows x MR rows, 8 inputs a step; each chunk's int32
+// lanes summed across (exact) before its f32 step.
+template <int RR, int MR>
+void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, i64 m0, i64 n) {
+  float total[RR][MR];
+  for (int i = 0; i < RR; ++i)
+    for (int m = 0; m < MR; ++m) total[i][m] = p.orow(g, m0 + m)[n + i];
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const i64 k0 = gr * p.group;
+    const int16_t* xg[MR];
+    for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
+    for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+      const i64 c1 = std::min(p.group, c0 + kChunk);
+      int32x4_t acc[RR][MR];
+      for (int i = 0; i < RR; ++i)
+        for (int m = 0; m < MR; ++m) acc[i][m] = vdupq_n_s32(0);
+      for (i64 t = c0; t < c1; t += 8) {
+        int16x8_t xv[MR];
+        for (int m = 0; m < MR; ++m) xv[m] = vld1q_s16(xg[m] + t);  // zeros past the group
+        for (int i = 0; i < RR; ++i) {
+          const int8_t* r = w + (n + i) * p.K + k0 + t;
+          int8x8_t b;
+          if (k0 + t + 8 <= p.K) {
+            b = vld1_s8(r);
+          } else {
+            int8_t buf[8] = {};
+            std::memcpy(buf, r, p.K - k0 - t);
+            b = vld1_s8(buf);
+          }
+          const int16x8_t wv = vmovl_s8(b);  // past the group: times zero x
+          for (int m = 0; m < MR; ++m) {
+            acc[i][m] = vmlal_s16(acc[i][m], vget_low_s16(wv), vget_low_s16(xv[m]));
+            acc[i][m] = vmlal_high_s16(acc[i][m], wv, xv[m]);
+          }
+        }
+      }
+      for (int i = 0; i < RR; ++i)
+        for (int m = 0; m < MR; ++m) {
+          const float f = s[(n + i) * p.groups + gr] * xq.scale_of(g * p.M + m0 + m, gr);
+          total[i][m] = std::fma(static_cast<float>(vaddvq_s32(acc[i][m])), f, total[i][m]);
+        }
+    }
+  }
+  for (int i = 0; i < RR; ++i)
+    for (int m = 0; m < MR; ++m) p.orow(g, m0 + m)[n + i] = total[i][m];
+}
+
+void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  i64 n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    i64 m = 0;
+    for (; m + 2 <= p.M; m += 2) nmajor_tile_i8<4, 2>(p, xq, g, w, s, m, n);
+    if (m < p.M) nmajor_tile_i8<4, 1>(p, xq, g, w, s, m, n);
+  }
+  for (; n < n1; ++n)
+    for (i64 m = 0; m < p.M; ++m) nmajor_tile_i8<1, 1>(p, xq, g, w, s, m, n);
+}
+#endif
+
+// Column (k-major) or table-row (n-major) blocks of every batch, claimed
+// by threads; k-major blocks are multiples of 64 columns (a line of every
+// weight row), n-major of 16 table rows.
+void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
+  const i64 threads = std::max(1, par.threads());
+  const i64 unit = p.nmajor ? 16 : 64;
+  i64 block = (p.N + 2 * threads - 1) / (2 * threads);
+  block = std::max<i64>(unit, (block + unit - 1) / unit * unit);
+  const i64 nblocks = (p.N + block - 1) / block;
+  std::vector<int8_t> zeros(p.nmajor ? 0 : p.N + 64, 0);
+  const int8_t* z = zeros.data();
+  auto body = [&, z](i64 b) {
+    const i64 g = b / nblocks;
+    const i64 n0 = b % nblocks * block, n1 = std::min(p.N, n0 + block);
+    if (p.nmajor) nmajor_i8(p, xq, g, n0, n1);
+    else kmajor_i8(p, xq, g, z, n0, n1);
+  };
+  if (p.G * p.M * p.K * p.N < kInline) {
+    for (i64 b = 0; b < p.G * nblocks; ++b) body(b);
+    return;
+  }
+  par.run(p.G * nblocks, body);
+}

@@ -1,0 +1,151 @@
+// The definition of every invariant kernel's result, as plain loops: the
+// vector paths (kernels.cc, one build per instruction set) compute the
+// same operations in the same order, and the tests compare them with
+// these bit for bit. This is also the path a CPU without one of those
+// instruction sets runs.
+//
+// A float weight element enters as f32 (bf16 widened). For each output:
+// - k-major float: the chain a <- fma(x[k], w[k, n], a) over k = 0 .. K-1
+//   in order, from a = acc (or +0). With `ones`, column N has weight 1
+//   everywhere (the chained sum of the row's x).
+// - n-major float: 16 lanes; lane l chains the inputs k = 16 j + l as
+//   above from +0 (past K, a lane takes fma(0, 0, a)); the lanes are then
+//   added as the fixed tree of common.h's tree16.
+// - int8 (either order): x rounded to int16 per row and weight group, int32
+//   sums per chunk, one f32 chain over the chunks (common.h).
+// exp and log are common.h's exp_lanes / log_lanes of `Scalar`; exp_sum is
+// the n-major product of exp(x - shift) with ones.
+
+#include "common.h"
+
+namespace chunkwise {
+namespace portable {
+namespace {
+
+template <class W>
+float weight_kn(const Problem& p, const W* w, i64 k, i64 n) {
+  if (n == p.N) return 1.f;  // the ones column
+  return as_float(w[k * p.N + n]);
+}
+
+template <class W>
+void kmajor(const Problem& p, i64 g, i64 m) {
+  const W* w = p.weight<W>(g);
+  const float* x = p.xrow(g, m);
+  const float* acc = p.arow(g, m);
+  float* out = p.orow(g, m);
+  for (i64 n = 0; n < p.cols(); ++n) {
+    float a = acc ? acc[n] : 0.f;
+    for (i64 k = 0; k < p.K; ++k) a = std::fma(x[k], weight_kn(p, w, k, n), a);
+    out[n] = a;
+  }
+}
+
+template <class W>
+void nmajor(const Problem& p, i64 g, i64 m) {
+  const W* w = p.weight<W>(g);
+  const float* x = p.xrow(g, m);
+  float* out = p.orow(g, m);
+  for (i64 n = 0; n < p.N; ++n) {
+    float a[16] = {};
+    for (i64 k = 0; k < p.K; k += 16)
+      for (int l = 0; l < 16; ++l) {
+        const bool in = k + l < p.K;
+        a[l] = std::fma(in ? x[k + l] : 0.f, in ? as_float(w[n * p.K + k + l]) : 0.f, a[l]);
+      }
+    out[n] = tree16(a);
+  }
+}
+
+// Row m of batch g rounded to int16 (common.h): q [groups, P], sx [groups].
+void quantize_row(const Problem& p, i64 g, i64 m, int16_t* q, float* sx, i64 P) {
+  const float* x = p.xrow(g, m);
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const float* xg = x + gr * p.group;
+    float mx = 0.f;
+    bool finite = true;
+    for (i64 k = 0; k < p.group; ++k) {
+      finite &= std::isfinite(xg[k]);
+      mx = std::max(mx, std::fabs(xg[k]));
+    }
+    float inv = 0.f;
+    int16_t* qg = q + gr * P;
+    std::fill(qg, qg + P, int16_t{0});
+    if (group_scale(mx, finite, &sx[gr], &inv))
+      for (i64 k = 0; k < p.group; ++k) qg[k] = round_i16(xg[k] * inv);
+  }
+}
+
+void int8_row(const Problem& p, i64 g, i64 m) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const float* s = p.scale(g);
+  const i64 P = (p.group + 31) / 32 * 32;
+  std::vector<int16_t> q(p.groups * P);
+  std::vector<float> sx(p.groups);
+  quantize_row(p, g, m, q.data(), sx.data(), P);
+  const float* acc = p.arow(g, m);
+  float* out = p.orow(g, m);
+  for (i64 n = 0; n < p.N; ++n) {
+    float a = acc ? acc[n] : 0.f;
+    for (i64 gr = 0; gr < p.groups; ++gr) {
+      const float sw = p.nmajor ? s[n * p.groups + gr] : s[gr * p.N + n];
+      const float f = sw * sx[gr];
+      for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
+        int32_t isum = 0;
+        for (i64 t = c0; t < std::min(p.group, c0 + kChunk); ++t) {
+          const i64 k = gr * p.group + t;
+          const int8_t wv = p.nmajor ? w[n * p.K + k] : w[k * p.N + n];
+          isum += static_cast<int32_t>(q[gr * P + t]) * wv;
+        }
+        a = std::fma(static_cast<float>(isum), f, a);
+      }
+    }
+    out[n] = a;
+  }
+}
+
+void matmul(const Problem& p, Parallel& par) {
+  par.run(p.G * p.M, [&](i64 b) {
+    const i64 g = b / p.M, m = b % p.M;
+    switch (p.type) {
+      case Weight::kI8: int8_row(p, g, m); break;
+      case Weight::kBF16:
+        p.nmajor ? nmajor<uint16_t>(p, g, m) : kmajor<uint16_t>(p, g, m);
+        break;
+      case Weight::kF32:
+        p.nmajor ? nmajor<float>(p, g, m) : kmajor<float>(p, g, m);
+        break;
+    }
+  });
+}
+
+void unary(const float* x, float* out, i64 n, int64_t op, Parallel& par) {
+  constexpr i64 kBlock = 1 << 14;
+  par.run((n + kBlock - 1) / kBlock, [=](i64 b) {
+    for (i64 i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i)
+      out[i] = op == kExp ? exp_lanes<Scalar>(x[i]) : log_lanes<Scalar>(x[i]);
+  });
+}
+
+void exp_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Parallel& par) {
+  par.run(M, [=](i64 m) {
+    const float* xm = x + m * K;
+    float a[16] = {};
+    for (i64 k = 0; k < K; k += 16)
+      for (int l = 0; l < 16; ++l) {
+        const bool in = k + l < K;
+        const float e = in ? exp_lanes<Scalar>(xm[k + l] - shift[m]) : 0.f;
+        a[l] = std::fma(e, in ? 1.f : 0.f, a[l]);
+      }
+    out[m] = tree16(a);
+  });
+}
+
+constexpr Table kTable = {"portable", matmul, unary, exp_sum};
+
+}  // namespace
+
+const Table* table() { return &kTable; }
+
+}  // namespace portable
+}  // namespace chunkwise
