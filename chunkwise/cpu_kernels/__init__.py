@@ -4,10 +4,10 @@ with a path per instruction set chosen at run time (`isa`).
 `invariant_matmul` is every matmul of invariant numerics (one fixed chain
 per output, `portable.cc`), and with few rows the decode matmul of fast
 numerics too (`matmul`, reading int8, bf16 and f32 weights in place);
-`invariant_unary` and `invariant_exp_sum` are exp, log and a log-softmax's
-total. Their plain twins are XLA's (`chunkwise.numerics`,
-`chunkwise.models.matmul`). This package imports nothing else of
-chunkwise.
+`invariant_unary`, `invariant_row_sum` and `invariant_exp_sum` are exp,
+log, norms' sums and a log-softmax's total. Their plain twins are XLA's
+(`chunkwise.numerics`, `chunkwise.models.matmul`). This package imports
+nothing else of chunkwise.
 """
 
 from chunkwise.cpu_kernels import isa as isa
@@ -16,6 +16,9 @@ from chunkwise.cpu_kernels.invariant import (
 )
 from chunkwise.cpu_kernels.invariant import (
   invariant_matmul as invariant_matmul,
+)
+from chunkwise.cpu_kernels.invariant import (
+  invariant_row_sum as invariant_row_sum,
 )
 from chunkwise.cpu_kernels.invariant import (
   invariant_unary as invariant_unary,

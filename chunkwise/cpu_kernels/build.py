@@ -42,10 +42,12 @@ import jaxlib
 
 INVARIANT_TARGET = "chunkwise_invariant_matmul"
 UNARY_TARGET = "chunkwise_invariant_unary"
-EXP_SUM_TARGET = "chunkwise_invariant_exp_sum"
+ROW_SUM_TARGET = "chunkwise_invariant_row_sum"
 _HERE = pathlib.Path(__file__).parent
 _HEADERS = ("common.h", "vec.h", "kernels_int8.h", "pool.h")
-_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off")
+# Every build's flags: no contraction of a * b + c into an FMA (the
+# definition says where FMAs are), no -march (see the module doc).
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off")
 # name -> extra flags of kernels.cc's build for that instruction set.
 _X86 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_X86, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -129,7 +131,7 @@ def compile_variants(
   def one(name, flags):
     cmd = [
       cxx,
-      *_FLAGS,
+      *FLAGS,
       *shared,
       *extra,
       *flags,
@@ -180,7 +182,7 @@ def _compile(cxx: str) -> pathlib.Path:
   key = hashlib.sha256(
     b"\0".join(
       s.encode() if isinstance(s, str) else s
-      for s in (text, version, jaxlib.__version__, repr(variants), *_FLAGS)
+      for s in (text, version, jaxlib.__version__, repr(variants), *FLAGS)
     )
   ).hexdigest()[:16]
   out = _cache_dir() / f"kernels-{key}"
@@ -195,7 +197,7 @@ def _compile(cxx: str) -> pathlib.Path:
       result = subprocess.run(
         [
           cxx,
-          *_FLAGS,
+          *FLAGS,
           "-shared",
           *(("-Wl,-Bsymbolic",) if platform.system() != "Darwin" else ()),
           f"-I{jax.ffi.include_dir()}",
@@ -215,6 +217,15 @@ def _compile(cxx: str) -> pathlib.Path:
     finally:
       shutil.rmtree(work, ignore_errors=True)
   return out
+
+
+def built_variants() -> set[str]:
+  """The instruction sets whose kernels this machine's build compiled
+  (whether this CPU runs them or not)."""
+  cxx = compiler()
+  if cxx is None or not enabled():
+    return set()
+  return {p.stem for p in _compile(cxx).glob("*.so")} - {"main"}
 
 
 @functools.cache
@@ -248,7 +259,7 @@ def library() -> ctypes.CDLL | None:
     for target, symbol in (
       (INVARIANT_TARGET, lib.ChunkwiseInvariantMatmul),
       (UNARY_TARGET, lib.ChunkwiseInvariantUnary),
-      (EXP_SUM_TARGET, lib.ChunkwiseInvariantExpSum),
+      (ROW_SUM_TARGET, lib.ChunkwiseInvariantRowSum),
     ):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(symbol), platform="cpu"

@@ -255,8 +255,9 @@ struct Table {
   void (*matmul)(const Problem& p, Parallel& par);
   // out[i] = exp or log (op) of x[i], i < n.
   void (*unary)(const float* x, float* out, i64 n, int64_t op, Parallel& par);
-  // out[m] = the 16-lane row sum of exp(x[m, k] - shift[m]) (portable.cc).
-  void (*exp_sum)(const float* x, const float* shift, float* out, i64 M, i64 K,
+  // out[m] = the 16-lane row sum (portable.cc) of x[m, :], or with
+  // `shift` (else nullptr) of exp(x[m, :] - shift[m]).
+  void (*row_sum)(const float* x, const float* shift, float* out, i64 M, i64 K,
                   Parallel& par);
 };
 

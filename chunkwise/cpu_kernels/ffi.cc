@@ -201,18 +201,20 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error ExpSum(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> shift,
-                  ffi::ResultBuffer<ffi::F32> out, int64_t isa) {
+ffi::Error RowSum(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> shift,
+                  ffi::ResultBuffer<ffi::F32> out, int64_t exp, int64_t isa) {
   auto xd = x.dimensions();
   const i64 K = xd.size() ? xd[xd.size() - 1] : 1;
   const i64 M = K ? static_cast<i64>(x.element_count()) / K : 0;
-  if (static_cast<i64>(shift.element_count()) != M ||
+  if ((exp && static_cast<i64>(shift.element_count()) != M) ||
       static_cast<i64>(out->element_count()) != M)
     return ffi::Error::InvalidArgument("shift and out need one value per row of x");
   const Table* table;
   if (auto e = table_of(isa, &table); e.failure()) return e;
+  if (M == 0) return ffi::Error::Success();
   Pool par(pool);
-  table->exp_sum(x.typed_data(), shift.typed_data(), out->typed_data(), M, K, par);
+  table->row_sum(x.typed_data(), exp ? shift.typed_data() : nullptr, out->typed_data(), M, K,
+                 par);
   return ffi::Error::Success();
 }
 
@@ -278,10 +280,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantUnary, Unary,
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("isa"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantExpSum, ExpSum,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantRowSum, RowSum,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("exp")
                                   .Attr<int64_t>("isa"));

@@ -3,6 +3,9 @@
 Every output is one fixed sequence of f32 operations that depends only on
 its row of x and the weight (`portable.cc` defines it): not on the number
 of rows, the row's index, the tiling, the threads or the instruction set.
+A float weight's output, in either order, is one FMA chain over the
+inputs in order; a row sum (`invariant_row_sum`) is 16 lane chains and a
+fixed tree.
 
   x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [..., K, N]
   (k-major) or [..., N, K] (n-major), its leading dims' product 1 or G (a
@@ -75,11 +78,21 @@ def invariant_unary(x, op: str, *, isa: str | None = None) -> jax.Array:
   )(x, op=ops[op], isa=isa_lib.number(isa))
 
 
+def invariant_row_sum(x, *, isa: str | None = None) -> jax.Array:
+  """Sums over x's last axis, each in one fixed order (16 lane chains and
+  a fixed tree: `portable.cc`)."""
+  x = jnp.asarray(x, jnp.float32)
+  dummy = jnp.zeros((1,), jnp.float32)
+  return jax.ffi.ffi_call(
+    build.ROW_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+  )(x, dummy, exp=0, isa=isa_lib.number(isa))
+
+
 def invariant_exp_sum(x, shift, *, isa: str | None = None) -> jax.Array:
   """Row sums of exp(x - shift[..., None]) over x's last axis: equal, bit
-  for bit, to the n-major `invariant_matmul` of
-  `invariant_unary(x - shift, "exp")` with ones, in one pass."""
+  for bit, to `invariant_row_sum(invariant_unary(x - shift, "exp"))`, in
+  one pass."""
   x = jnp.asarray(x, jnp.float32)
   return jax.ffi.ffi_call(
-    build.EXP_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
-  )(x, jnp.asarray(shift, jnp.float32), isa=isa_lib.number(isa))
+    build.ROW_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
+  )(x, jnp.asarray(shift, jnp.float32), exp=1, isa=isa_lib.number(isa))

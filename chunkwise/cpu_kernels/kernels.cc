@@ -8,15 +8,18 @@
 // operations or their order.
 //
 // Float weights (templates over vec.h's `Vec`, one source for every
-// instruction set):
-// - k-major, many rows: `kmajor_block` packs a block's weight columns
-//   (bf16 widened, the ones column set, zero past the last) into panels of
-//   NR columns x KC inputs and runs MR x NR register tiles over them,
-//   KC inputs at a time (the chains stored into `out` between).
-// - k-major, few rows (decode): `kmajor_stream` reads four weight rows a
-//   step straight from the weight, every row's accumulators in L1.
-// - n-major: `nmajor_tile`, RR weight rows x MR x rows of 16-lane chains
-//   (16 / W vectors each), then the fixed trees.
+// instruction set), either order:
+// - many rows: `packed_block` packs a block's weight columns (bf16
+//   widened, the ones column set, zero past the last; an n-major weight's
+//   W x W blocks transposed) into panels of NR columns x KC inputs and runs
+//   MR x NR register tiles over them, KC inputs at a time (the chains
+//   stored into `out` and reloaded between).
+// - few rows (decode): `kmajor_stream` reads four weight rows a step
+//   straight from the weight, every row's accumulators in L1;
+//   `nmajor_stream` reads W table rows x W inputs and transposes them in
+//   registers.
+// Row sums (`row_sum`: norms, a log-softmax's total) are 16 lane chains
+// (16 / W vectors) and the fixed tree.
 // int8 weights (common.h's definition): the activations rounded to int16
 // once per call (`quantize`), int32 sums per chunk in register tiles
 // (x86: pairs of inputs with madd / VNNI's dpwssd; NEON: widening
@@ -39,39 +42,33 @@ constexpr int W = Vec::W;
 
 // ---- tile sizes per instruction set -----------------------------------------
 #if defined(CW_ISA_AVX512)
-constexpr int kMR = 6, kNV = 4;        // k-major tile: 6 rows x 64 columns
-constexpr int kStreamV = 4;            // decode: 64 columns a sub-block
-constexpr int kRR = 4, kRM = 4;        // n-major tile: 4 weight rows x 4 rows
-constexpr int kRRFew = 8;              // n-major, < 4 rows
+constexpr int kMR = 6, kNV = 4;  // register tile: 6 rows x 64 columns
+constexpr int kStreamV = 4;      // decode: 64 columns a sub-block
 #elif defined(CW_ISA_AVX2)
-constexpr int kMR = 6, kNV = 2;        // 6 x 16
-constexpr int kStreamV = 2;            // 16 columns
-constexpr int kRR = 2, kRM = 2;
-constexpr int kRRFew = 4;
-#else  // NEON
-constexpr int kMR = 6, kNV = 4;        // 6 x 16
-constexpr int kStreamV = 4;            // 16 columns
-constexpr int kRR = 2, kRM = 2;
-constexpr int kRRFew = 4;
+constexpr int kMR = 6, kNV = 2;  // 6 x 16
+constexpr int kStreamV = 2;      // 16 columns
+#else                            // NEON
+constexpr int kMR = 6, kNV = 4;  // 6 x 16
+constexpr int kStreamV = 4;      // 16 columns
 #endif
-constexpr int kNR = kNV * W;           // columns per k-major tile
-// k-major blocks: columns per block (whole tiles), inputs per panel.
+constexpr int kNR = kNV * W;  // columns per register tile
+// Packed products: columns per block (whole tiles), inputs per panel.
 constexpr i64 kNB = 64 > kNR ? 64 : kNR;
 constexpr i64 kKC = 256;
-// Rows at or above which a k-major block packs panels (else streams), rows
-// per block (a band), and multiply-adds below which a call runs on the
-// calling thread alone.
+// Rows at or above which a block packs panels (else streams the weight),
+// rows per block (a band), and multiply-adds below which a call runs on
+// the calling thread alone.
 constexpr i64 kPackRows = 32;
-constexpr i64 kBandRows = 96;
+constexpr i64 kBandRows = 192;
 constexpr i64 kInline = 1 << 18;
 // Weight rows read ahead (the hardware prefetchers miss short segments of
 // rows N apart).
 constexpr i64 kAhead = 8;
 
-// ---- float, k-major --------------------------------------------------------
+// ---- float: packing --------------------------------------------------------
 
-// W weights of k-major row k from column c (< cols) as f32: bf16 widened,
-// the ones column set, zero past the last column.
+// W weights of k-major row k from column c as f32: bf16 widened, the ones
+// column set, zero past the last column.
 template <class T>
 inline V kmajor_weights(const Problem& p, const T* w, i64 k, i64 c) {
   const T* row = w + k * p.N + c;
@@ -84,19 +81,57 @@ inline V kmajor_weights(const Problem& p, const T* w, i64 k, i64 c) {
   return v;
 }
 
-// MR rows x NV vectors of one panel ([kc][NR]) from the chains in `start`
+// W consecutive inputs k.. of n-major row n as f32 (n past N, or inputs
+// past `left`, zero).
+template <class T>
+inline V nmajor_weights(const Problem& p, const T* w, i64 n, i64 k, i64 left) {
+  if (n >= p.N || left <= 0) return Vec::zero();
+  const T* row = w + n * p.K + k;
+  return left >= W ? Vec::load(row) : Vec::loadn(row, left);
+}
+
+// The panel of columns [c0, c0 + NR) and inputs [k0, k0 + kc) as f32,
+// [kc][NR]: a k-major weight's rows copied, an n-major one's W x W blocks
+// transposed.
+template <class T>
+void pack_panel(const Problem& p, const T* w, i64 k0, i64 kc, i64 c0, float* pp) {
+  if (!p.nmajor) {
+    for (i64 k = 0; k < kc; ++k)
+      for (int j = 0; j < kNV; ++j)
+        Vec::store(pp + k * kNR + j * W, kmajor_weights(p, w, k0 + k, c0 + j * W));
+    return;
+  }
+  for (int j = 0; j < kNV; ++j)
+    for (i64 k = 0; k < kc; k += W) {
+      V r[W];
+      const i64 n = c0 + j * W;
+      if (k + W <= kc && n + W <= p.N) {
+        const T* row = w + n * p.K + k0 + k;
+        for (int i = 0; i < W; ++i) r[i] = Vec::load(row + i * p.K);
+      } else {
+        for (int i = 0; i < W; ++i) r[i] = nmajor_weights(p, w, n + i, k0 + k, kc - k);
+      }
+      Vec::transpose(r);
+      for (int i = 0; i < W; ++i)  // (a fixed count keeps r in registers)
+        if (k + i < kc) Vec::store(pp + (k + i) * kNR + j * W, r[i]);
+    }
+}
+
+// ---- float: register tiles over panels --------------------------------------
+
+// MR rows x NV vectors of a panel ([kc][NR]) from the chains in `start`
 // (row r at start + r * ls; nullptr: +0), into out (row r at out + r * lo),
-// `ncols` of the NR columns valid.
+// `ncols` of the columns valid.
 template <int MR, int NV>
-inline void kmajor_tile(const float* x, i64 lx, const float* pp, i64 kc,
-                        const float* start, i64 ls, float* out, i64 lo, i64 ncols) {
+inline void tile(const float* x, i64 lx, const float* pp, i64 kc, const float* start, i64 ls,
+                 float* out, i64 lo, i64 ncols) {
   V a[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j)
       a[r][j] = start ? Vec::loadn(start + r * ls + j * W, ncols - j * W) : Vec::zero();
   for (i64 k = 0; k < kc; ++k) {
     V wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = Vec::load(pp + k * (NV * W) + j * W);
+    for (int j = 0; j < NV; ++j) wv[j] = Vec::load(pp + k * kNR + j * W);
     for (int r = 0; r < MR; ++r) {
       const V xb = Vec::set1(x[r * lx + k]);
       for (int j = 0; j < NV; ++j) a[r][j] = Vec::fma(xb, wv[j], a[r][j]);
@@ -110,63 +145,106 @@ inline void kmajor_tile(const float* x, i64 lx, const float* pp, i64 kc,
     }
 }
 
-template <int MR>
-inline void kmajor_rows(const Problem& p, i64 g, i64 m, i64 k0, i64 kc, const float* pp,
-                        i64 c0, i64 ncols) {
+// Rows [m0, m1) of one panel: tiles of kMR rows (then 2, 1), NV vectors.
+template <int NV>
+void panel_rows(const Problem& p, i64 g, i64 m0, i64 m1, i64 k0, i64 kc, const float* pp,
+                i64 c0, i64 ncols) {
   const i64 cols = p.cols();
-  const float* x = p.xrow(g, m) + k0;
-  float* out = p.orow(g, m) + c0;
-  const float* start = k0 > 0 ? out : (p.acc ? p.arow(g, m) + c0 : nullptr);
-  kmajor_tile<MR, kNV>(x, p.K, pp, kc, start, cols, out, cols, ncols);
+  auto at = [&](i64 m, const float** x, const float** start, float** out) {
+    *x = p.xrow(g, m) + k0;
+    *out = p.orow(g, m) + c0;
+    *start = k0 > 0 ? *out : (p.acc ? p.arow(g, m) + c0 : nullptr);
+  };
+  const float* x;
+  const float* start;
+  float* out;
+  i64 m = m0;
+  for (; m + kMR <= m1; m += kMR) {
+    at(m, &x, &start, &out);
+    tile<kMR, NV>(x, p.K, pp, kc, start, cols, out, cols, ncols);
+  }
+  for (; m + 2 <= m1; m += 2) {
+    at(m, &x, &start, &out);
+    tile<2, NV>(x, p.K, pp, kc, start, cols, out, cols, ncols);
+  }
+  if (m < m1) {
+    at(m, &x, &start, &out);
+    tile<1, NV>(x, p.K, pp, kc, start, cols, out, cols, ncols);
+  }
 }
 
-// Rows [m0, m1) x columns [n0, n1) (n1 - n0 <= kNB) of batch g, from
-// panels of KC inputs.
+// Rows [m0, m1) x columns [n0, n1) (n1 - n0 <= kNB) of batch g, a panel of
+// KC inputs at a time (the chains stored into `out` between).
 template <class T>
-void kmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+void packed_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const T* w = p.weight<T>(g);
   const i64 tiles = (n1 - n0 + kNR - 1) / kNR;
   thread_local std::vector<float> panel;
   if (panel.size() < static_cast<size_t>(tiles * kKC * kNR)) panel.resize(tiles * kKC * kNR);
   for (i64 k0 = 0; k0 < p.K; k0 += kKC) {
     const i64 kc = std::min(kKC, p.K - k0);
-    for (i64 t = 0; t < tiles; ++t) {  // panel t: [kc][NR]
-      float* pp = panel.data() + t * kKC * kNR;
-      for (i64 k = 0; k < kc; ++k)
-        for (int j = 0; j < kNV; ++j)
-          Vec::store(pp + k * kNR + j * W, kmajor_weights(p, w, k0 + k, n0 + t * kNR + j * W));
-    }
+    for (i64 t = 0; t < tiles; ++t)
+      pack_panel<T>(p, w, k0, kc, n0 + t * kNR, panel.data() + t * kKC * kNR);
     for (i64 t = 0; t < tiles; ++t) {
       const float* pp = panel.data() + t * kKC * kNR;
       const i64 c0 = n0 + t * kNR, ncols = std::min<i64>(kNR, n1 - c0);
-      i64 m = m0;
-      for (; m + kMR <= m1; m += kMR) kmajor_rows<kMR>(p, g, m, k0, kc, pp, c0, ncols);
-      for (; m + 2 <= m1; m += 2) kmajor_rows<2>(p, g, m, k0, kc, pp, c0, ncols);
-      if (m < m1) kmajor_rows<1>(p, g, m, k0, kc, pp, c0, ncols);
+      switch ((ncols + W - 1) / W) {  // a narrower last tile
+#define CW_CASE(v) \
+  case v: if constexpr (v <= kNV) panel_rows<v>(p, g, m0, m1, k0, kc, pp, c0, ncols); break;
+        CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4)
+#undef CW_CASE
+        default: break;
+      }
     }
   }
 }
 
-// k-major, few rows (decode): rows [m0, m1) x columns [n0, n1), in
-// sub-blocks of S = kStreamV * W columns, four weight rows a step: each
-// weight vector is loaded once for every row and a step reads (n1 - n0)
-// contiguous columns of four rows; the accumulators stay in L1.
+// ---- float: few rows (decode), the weight read once --------------------------
+
+// Accumulators of rows [m0, m1) x columns [n0, n1) in L1 (`stride` floats
+// a row, from acc or +0), and written out at the end.
+struct Rows {
+  float* A;
+  i64 stride;
+};
+
+inline Rows rows_begin(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1, i64 unit) {
+  const i64 stride = (n1 - n0 + unit - 1) / unit * unit;
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>((m1 - m0) * stride)) buf.resize((m1 - m0) * stride);
+  for (i64 m = 0; m < m1 - m0; ++m) {
+    const float* acc = p.arow(g, m0 + m);
+    for (i64 c = 0; c < stride; c += W)
+      Vec::store(buf.data() + m * stride + c,
+                 acc ? Vec::loadn(acc + n0 + c, n1 - n0 - c) : Vec::zero());
+  }
+  return {buf.data(), stride};
+}
+
+inline void rows_end(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1, Rows a) {
+  for (i64 m = 0; m < m1 - m0; ++m) {
+    float* out = p.orow(g, m0 + m);
+    for (i64 c = 0; c < n1 - n0; c += W) {
+      const i64 n = n1 - n0 - c;
+      if (n >= W) Vec::store(out + n0 + c, Vec::load(a.A + m * a.stride + c));
+      else Vec::storen(out + n0 + c, Vec::load(a.A + m * a.stride + c), n);
+    }
+  }
+}
+
+// k-major: rows [m0, m1) x columns [n0, n1), in sub-blocks of S =
+// kStreamV * W columns, four weight rows a step: each weight vector is
+// loaded once for every row and a step reads (n1 - n0) contiguous columns
+// of four rows.
 template <class T>
 void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   constexpr i64 kSub = kStreamV * W;
   const T* w = p.weight<T>(g);
   const i64 rows = m1 - m0;
   const i64 subs = (n1 - n0 + kSub - 1) / kSub;
-  const i64 stride = subs * kSub;  // floats per accumulator row
-  thread_local std::vector<float> buf;
-  if (buf.size() < static_cast<size_t>(rows * stride)) buf.resize(rows * stride);
-  float* A = buf.data();
-  for (i64 m = 0; m < rows; ++m) {
-    const float* acc = p.arow(g, m0 + m);
-    for (i64 c = 0; c < stride; c += W)
-      Vec::store(A + m * stride + c,
-                 acc ? Vec::loadn(acc + n0 + c, std::min(n1, p.cols()) - n0 - c) : Vec::zero());
-  }
+  const Rows acc = rows_begin(p, g, m0, m1, n0, n1, kSub);
+  float* A = acc.A;
+  const i64 stride = acc.stride;
   i64 k = 0;
   for (; k + 4 <= p.K; k += 4)
     for (i64 sb = 0; sb < subs; ++sb) {
@@ -198,111 +276,75 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
         Vec::store(a, Vec::fma(xb, wv, Vec::load(a)));
       }
     }
-  for (i64 m = 0; m < rows; ++m) {
-    float* out = p.orow(g, m0 + m);
-    for (i64 c = 0; c < n1 - n0; c += W) {
-      const i64 n = n1 - n0 - c;
-      if (n >= W) Vec::store(out + n0 + c, Vec::load(A + m * stride + c));
-      else Vec::storen(out + n0 + c, Vec::load(A + m * stride + c), n);
-    }
-  }
+  rows_end(p, g, m0, m1, n0, n1, acc);
 }
 
-// ---- float, n-major ---------------------------------------------------------
-
-// 16 inputs (kParts vectors) from k, n (< 16) of them past the end zero.
+// n-major: rows [m0, m1) x table rows [n0, n1): W table rows x W inputs
+// read and transposed in registers, then each input's column multiplied
+// into every row's chains, input after input. kGroups groups of W table
+// rows take turns at each block of inputs, so as many chains per row are
+// independent (one group's chain of W FMAs would wait on itself).
 template <class T>
-inline void load16(const T* p, i64 n, V* v) {
-  for (int q = 0; q < kParts; ++q) {
-    const i64 left = n - q * W;
-    v[q] = left >= W ? Vec::load(p + q * W) : left > 0 ? Vec::loadn(p + q * W, left) : Vec::zero();
-  }
-}
-
-// RR weight rows [n, n + RR) x MR rows [m, m + MR) of batch g; w: row n's
-// first element.
-template <int RR, int MR, class T>
-inline void nmajor_tile(const Problem& p, i64 g, const T* w, i64 m, i64 n) {
-  const float* x[MR];
-  for (int r = 0; r < MR; ++r) x[r] = p.xrow(g, m + r);
-  V a[RR][MR][kParts];
-  for (int i = 0; i < RR; ++i)
-    for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < kParts; ++q) a[i][r][q] = Vec::zero();
-  i64 k = 0;
-  for (; k + 16 <= p.K; k += 16) {
-    V xv[MR][kParts];
-    for (int r = 0; r < MR; ++r)
-      for (int q = 0; q < kParts; ++q) xv[r][q] = Vec::load(x[r] + k + q * W);
-    for (int i = 0; i < RR; ++i)
-      for (int q = 0; q < kParts; ++q) {
-        const V wv = Vec::load(w + i * p.K + k + q * W);
-        for (int r = 0; r < MR; ++r) a[i][r][q] = Vec::fma(xv[r][q], wv, a[i][r][q]);
-      }
-  }
-  if (k < p.K) {  // the last, partial step
-    V xv[MR][kParts];
-    for (int r = 0; r < MR; ++r) load16(x[r] + k, p.K - k, xv[r]);
-    for (int i = 0; i < RR; ++i) {
-      V wv[kParts];
-      load16(w + i * p.K + k, p.K - k, wv);
-      for (int r = 0; r < MR; ++r)
-        for (int q = 0; q < kParts; ++q) a[i][r][q] = Vec::fma(xv[r][q], wv[q], a[i][r][q]);
-    }
-  }
-  if constexpr (RR * MR == 16) {  // all 16 trees at once
-    V v[16 * kParts];
-    for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < RR; ++i)
-        for (int q = 0; q < kParts; ++q) v[(r * RR + i) * kParts + q] = a[i][r][q];
-    float sums[16];
-    Vec::trees16(v, sums);
-    for (int r = 0; r < MR; ++r)
-      std::memcpy(p.orow(g, m + r) + n, sums + r * RR, RR * sizeof(float));
-  } else {
-    for (int i = 0; i < RR; ++i)
-      for (int r = 0; r < MR; ++r) p.orow(g, m + r)[n + i] = Vec::tree16(a[i][r]);
-  }
-}
-
-template <int RR, class T>
-inline void nmajor_rows(const Problem& p, i64 g, const T* w, i64 m0, i64 m1, i64 n) {
-  i64 m = m0;
-  for (; m + kRM <= m1; m += kRM) nmajor_tile<RR, kRM>(p, g, w, m, n);
-  for (; m < m1; ++m) nmajor_tile<RR, 1>(p, g, w, m, n);
-}
-
-// Weight rows [n0, n1), rows [m0, m1).
-template <class T>
-void nmajor_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+void nmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+  constexpr int kGroups = 4;
   const T* w = p.weight<T>(g);
-  i64 n = n0;
-  if (m1 - m0 < kRM)  // few x rows: more weight rows for independent chains
-    for (; n + kRRFew <= n1; n += kRRFew) nmajor_rows<kRRFew>(p, g, w + n * p.K, m0, m1, n);
-  for (; n + kRR <= n1; n += kRR) nmajor_rows<kRR>(p, g, w + n * p.K, m0, m1, n);
-  for (; n < n1; ++n) nmajor_rows<1>(p, g, w + n * p.K, m0, m1, n);
+  const i64 rows = m1 - m0, K = p.K;
+  const Rows acc = rows_begin(p, g, m0, m1, n0, n1, W);
+  for (i64 c0 = 0; c0 < n1 - n0; c0 += kGroups * W) {
+    const i64 groups = std::min<i64>(kGroups, (n1 - n0 - c0 + W - 1) / W);
+    for (i64 k = 0; k < K; k += W) {
+      const bool whole = k + W <= K;
+      if ((k * static_cast<i64>(sizeof(T))) % 64 == 0)  // these rows' lines 4 ahead
+        for (i64 i = 0; i < groups * W && n0 + c0 + i < p.N; ++i)
+          prefetch(w + (n0 + c0 + i) * K + k + 256 / static_cast<i64>(sizeof(T)));
+      for (i64 q = 0; q < groups; ++q) {
+        const i64 c = c0 + q * W;
+        V r[W];
+        if (whole && n0 + c + W <= p.N) {
+          const T* row = w + (n0 + c) * K + k;
+          for (int i = 0; i < W; ++i) r[i] = Vec::load(row + i * K);
+        } else {
+          for (int i = 0; i < W; ++i) r[i] = nmajor_weights(p, w, n0 + c + i, k, K - k);
+        }
+        Vec::transpose(r);
+        for (i64 m = 0; m < rows; ++m) {
+          const float* xm = p.xrow(g, m0 + m) + k;
+          float* a = acc.A + m * acc.stride + c;
+          V v = Vec::load(a);
+          if (whole) {  // (a fixed count keeps r in registers)
+            for (int i = 0; i < W; ++i) v = Vec::fma(Vec::set1(xm[i]), r[i], v);
+          } else {
+            for (int i = 0; i < W; ++i)
+              if (k + i < K) v = Vec::fma(Vec::set1(xm[i]), r[i], v);
+          }
+          Vec::store(a, v);
+        }
+      }
+    }
+  }
+  rows_end(p, g, m0, m1, n0, n1, acc);
 }
 
 template <class T>
 void run_float(const Problem& p, Parallel& par) {
-  const i64 width = p.nmajor ? p.N : p.cols();
-  // Few rows (k-major): wider blocks (whole lines of four weight rows a
-  // step), two per thread, in multiples of 64 columns.
-  const bool stream = !p.nmajor && p.M < kPackRows;
+  const i64 width = p.cols();
+  const bool stream = p.M < kPackRows;
   const i64 threads = std::max(1, par.threads());
+  // Few rows: blocks of whole lines (k-major: four weight rows a step; n-
+  // major: table rows), two per thread, in multiples of 64 columns.
   const i64 wide = std::max<i64>(64, (width + 2 * threads - 1) / (2 * threads) + 63) / 64 * 64;
-  const i64 nblock = stream ? std::min<i64>(wide, 512) : p.nmajor ? 64 : kNB;
+  const i64 nblock = stream ? std::min<i64>(wide, 512) : kNB;
   const i64 nblocks = (width + nblock - 1) / nblock;
-  const i64 bands = (p.M + kBandRows - 1) / kBandRows;
+  const i64 band = stream ? p.M : kBandRows;
+  const i64 bands = (p.M + band - 1) / band;
   const i64 total = p.G * bands * nblocks;
   auto body = [&](i64 b) {
     const i64 g = b / (bands * nblocks);
-    const i64 band = b / nblocks % bands;
+    const i64 m0 = b / nblocks % bands * band, m1 = std::min(p.M, m0 + band);
     const i64 n0 = b % nblocks * nblock, n1 = std::min(width, n0 + nblock);
-    const i64 m0 = band * kBandRows, m1 = std::min(p.M, m0 + kBandRows);
-    if (p.nmajor) nmajor_block<T>(p, g, m0, m1, n0, n1);
-    else if (stream) kmajor_stream<T>(p, g, m0, m1, n0, n1);
-    else kmajor_block<T>(p, g, m0, m1, n0, n1);
+    if (!stream) packed_block<T>(p, g, m0, m1, n0, n1);
+    else if (p.nmajor) nmajor_stream<T>(p, g, m0, m1, n0, n1);
+    else kmajor_stream<T>(p, g, m0, m1, n0, n1);
   };
   // Small products (a decode step's attention: a few rows against a short
   // cache) run on the calling thread: waking a pool thread cost more.
@@ -311,6 +353,52 @@ void run_float(const Problem& p, Parallel& par) {
     return;
   }
   par.run(total, body);
+}
+
+// ---- row sums: 16 lanes and the fixed tree -----------------------------------
+
+// out[m] = the 16-lane row sum (portable.cc) of x[m, :] or, with `shift`,
+// of exp(x[m, :] - shift[m]) (a log-softmax's total, without writing
+// exp(x - shift) out).
+void row_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Parallel& par) {
+  const i64 per = std::max<i64>(1, (1 << 16) / std::max<i64>(K, 1));
+  const i64 blocks = (M + per - 1) / per;
+  auto value = [shift](const float* p, i64 left, V sh) {
+    const V v = left >= W ? Vec::load(p) : Vec::loadn(p, left);
+    return shift ? exp_lanes<Vec::L>(Vec::L::sub(v, sh)) : v;
+  };
+  auto body = [=](i64 b) {
+    for (i64 m = b * per; m < std::min(M, (b + 1) * per); ++m) {
+      const float* xm = x + m * K;
+      const V sh = Vec::set1(shift ? shift[m] : 0.f);
+      V a[kParts];
+      for (int q = 0; q < kParts; ++q) a[q] = Vec::zero();
+      const V one = Vec::set1(1.f);
+      i64 k = 0;
+      for (; k + 16 <= K; k += 16)
+        for (int q = 0; q < kParts; ++q) a[q] = Vec::fma(value(xm + k + q * W, W, sh), one, a[q]);
+      if (k < K)  // lanes past K take fma(0, 0, a)
+        for (int q = 0; q < kParts; ++q) {
+          const i64 left = K - k - q * W;
+          if (left <= 0) {
+            a[q] = Vec::fma(Vec::zero(), Vec::zero(), a[q]);
+          } else if (left >= W) {
+            a[q] = Vec::fma(value(xm + k + q * W, W, sh), one, a[q]);
+          } else {
+            float e[W], ones[W];
+            Vec::store(e, value(xm + k + q * W, left, sh));
+            for (int l = 0; l < W; ++l) {
+              e[l] = l < left ? e[l] : 0.f;
+              ones[l] = l < left ? 1.f : 0.f;
+            }
+            a[q] = Vec::fma(Vec::load(e), Vec::load(ones), a[q]);
+          }
+        }
+      out[m] = Vec::tree16(a);
+    }
+  };
+  if (blocks == 1) body(0);
+  else par.run(blocks, body);
 }
 
 // ---- int8: activations rounded to int16 -------------------------------------
@@ -384,52 +472,10 @@ void unary(const float* x, float* out, i64 n, int64_t op, Parallel& par) {
   else par.run(blocks, body);
 }
 
-// out[m] = the 16-lane row sum of exp(x[m, k] - shift[m]) (portable.cc):
-// bit for bit the n-major product of exp(x - shift) with ones, without
-// writing exp(x - shift) out (a log-softmax's total).
-void exp_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Parallel& par) {
-  const i64 per = std::max<i64>(1, (1 << 16) / std::max<i64>(K, 1));
-  const i64 blocks = (M + per - 1) / per;
-  auto body = [=](i64 b) {
-    for (i64 m = b * per; m < std::min(M, (b + 1) * per); ++m) {
-      const float* xm = x + m * K;
-      const V sh = Vec::set1(shift[m]);
-      V a[kParts];
-      for (int q = 0; q < kParts; ++q) a[q] = Vec::zero();
-      i64 k = 0;
-      for (; k + 16 <= K; k += 16)
-        for (int q = 0; q < kParts; ++q) {
-          const V e = exp_lanes<Vec::L>(Vec::L::sub(Vec::load(xm + k + q * W), sh));
-          a[q] = Vec::fma(e, Vec::set1(1.f), a[q]);
-        }
-      if (k < K) {  // lanes past K take fma(0, 0, a)
-        for (int q = 0; q < kParts; ++q) {
-          const i64 left = K - k - q * W;
-          if (left >= W) {
-            const V e = exp_lanes<Vec::L>(Vec::L::sub(Vec::load(xm + k + q * W), sh));
-            a[q] = Vec::fma(e, Vec::set1(1.f), a[q]);
-          } else {
-            float e[W], one[W];
-            for (int l = 0; l < W; ++l) {
-              const bool in = l < left;
-              e[l] = in ? exp_lanes<Scalar>(xm[k + q * W + l] - shift[m]) : 0.f;
-              one[l] = in ? 1.f : 0.f;
-            }
-            a[q] = Vec::fma(Vec::load(e), Vec::load(one), a[q]);
-          }
-        }
-      }
-      out[m] = Vec::tree16(a);
-    }
-  };
-  if (blocks == 1) body(0);
-  else par.run(blocks, body);
-}
-
 }  // namespace
 
 extern const Table kTable;
-const Table kTable = {CW_STR(CW_NS), matmul, unary, exp_sum};
+const Table kTable = {CW_STR(CW_NS), matmul, unary, row_sum};
 
 }  // namespace CW_NS
 }  // namespace chunkwise

@@ -4,17 +4,17 @@
 // these bit for bit. This is also the path a CPU without one of those
 // instruction sets runs.
 //
-// A float weight element enters as f32 (bf16 widened). For each output:
-// - k-major float: the chain a <- fma(x[k], w[k, n], a) over k = 0 .. K-1
-//   in order, from a = acc (or +0). With `ones`, column N has weight 1
-//   everywhere (the chained sum of the row's x).
-// - n-major float: 16 lanes; lane l chains the inputs k = 16 j + l as
-//   above from +0 (past K, a lane takes fma(0, 0, a)); the lanes are then
-//   added as the fixed tree of common.h's tree16.
-// - int8 (either order): x rounded to int16 per row and weight group, int32
-//   sums per chunk, one f32 chain over the chunks (common.h).
-// exp and log are common.h's exp_lanes / log_lanes of `Scalar`; exp_sum is
-// the n-major product of exp(x - shift) with ones.
+// A float weight element enters as f32 (bf16 widened). Each output of a
+// float weight, k-major (w[k, n]) or n-major (w[n, k]) alike, is the chain
+//   a <- fma(x[k], w(k, n), a) over k = 0 .. K-1 in order,
+// from a = acc (or +0). With `ones`, column N has weight 1 everywhere (the
+// chained sum of the row's x). An int8 weight's (either order): x rounded
+// to int16 per row and weight group, int32 sums per chunk, one f32 chain
+// over the chunks (common.h). A row sum (norms, a log-softmax's total) is
+// 16 lanes: lane l chains v = x[k] (or exp(x[k] - shift)) for k = 16 j + l
+// as a <- fma(v, 1, a) from +0 (past K, a lane takes fma(0, 0, a)), then
+// the lanes are added as the fixed tree of common.h's tree16. exp and log
+// are common.h's exp_lanes / log_lanes of `Scalar`.
 
 #include "common.h"
 
@@ -23,37 +23,21 @@ namespace portable {
 namespace {
 
 template <class W>
-float weight_kn(const Problem& p, const W* w, i64 k, i64 n) {
+float weight(const Problem& p, const W* w, i64 k, i64 n) {
   if (n == p.N) return 1.f;  // the ones column
-  return as_float(w[k * p.N + n]);
+  return as_float(p.nmajor ? w[n * p.K + k] : w[k * p.N + n]);
 }
 
 template <class W>
-void kmajor(const Problem& p, i64 g, i64 m) {
+void float_row(const Problem& p, i64 g, i64 m) {
   const W* w = p.weight<W>(g);
   const float* x = p.xrow(g, m);
   const float* acc = p.arow(g, m);
   float* out = p.orow(g, m);
   for (i64 n = 0; n < p.cols(); ++n) {
     float a = acc ? acc[n] : 0.f;
-    for (i64 k = 0; k < p.K; ++k) a = std::fma(x[k], weight_kn(p, w, k, n), a);
+    for (i64 k = 0; k < p.K; ++k) a = std::fma(x[k], weight(p, w, k, n), a);
     out[n] = a;
-  }
-}
-
-template <class W>
-void nmajor(const Problem& p, i64 g, i64 m) {
-  const W* w = p.weight<W>(g);
-  const float* x = p.xrow(g, m);
-  float* out = p.orow(g, m);
-  for (i64 n = 0; n < p.N; ++n) {
-    float a[16] = {};
-    for (i64 k = 0; k < p.K; k += 16)
-      for (int l = 0; l < 16; ++l) {
-        const bool in = k + l < p.K;
-        a[l] = std::fma(in ? x[k + l] : 0.f, in ? as_float(w[n * p.K + k + l]) : 0.f, a[l]);
-      }
-    out[n] = tree16(a);
   }
 }
 
@@ -109,12 +93,8 @@ void matmul(const Problem& p, Parallel& par) {
     const i64 g = b / p.M, m = b % p.M;
     switch (p.type) {
       case Weight::kI8: int8_row(p, g, m); break;
-      case Weight::kBF16:
-        p.nmajor ? nmajor<uint16_t>(p, g, m) : kmajor<uint16_t>(p, g, m);
-        break;
-      case Weight::kF32:
-        p.nmajor ? nmajor<float>(p, g, m) : kmajor<float>(p, g, m);
-        break;
+      case Weight::kBF16: float_row<uint16_t>(p, g, m); break;
+      case Weight::kF32: float_row<float>(p, g, m); break;
     }
   });
 }
@@ -127,21 +107,22 @@ void unary(const float* x, float* out, i64 n, int64_t op, Parallel& par) {
   });
 }
 
-void exp_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Parallel& par) {
+void row_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Parallel& par) {
   par.run(M, [=](i64 m) {
     const float* xm = x + m * K;
     float a[16] = {};
     for (i64 k = 0; k < K; k += 16)
       for (int l = 0; l < 16; ++l) {
         const bool in = k + l < K;
-        const float e = in ? exp_lanes<Scalar>(xm[k + l] - shift[m]) : 0.f;
-        a[l] = std::fma(e, in ? 1.f : 0.f, a[l]);
+        float v = 0.f;
+        if (in) v = shift ? exp_lanes<Scalar>(xm[k + l] - shift[m]) : xm[k + l];
+        a[l] = std::fma(v, in ? 1.f : 0.f, a[l]);
       }
     out[m] = tree16(a);
   });
 }
 
-constexpr Table kTable = {"portable", matmul, unary, exp_sum};
+constexpr Table kTable = {"portable", matmul, unary, row_sum};
 
 }  // namespace
 

@@ -98,6 +98,31 @@ struct Vec {
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
   }
+  // r[i] lane j <-> r[j] lane i (16 x 16).
+  static void transpose(V* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+      const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 4; ++j) {
+        t[8 * h + j] = _mm512_shuffle_f32x4(r[8 * h + j], r[8 * h + 4 + j], 0x88);
+        t[8 * h + 4 + j] = _mm512_shuffle_f32x4(r[8 * h + j], r[8 * h + 4 + j], 0xdd);
+      }
+    for (int j = 0; j < 8; ++j) {
+      r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+      r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+  }
   // max |v| over lanes (exact), and whether every lane is finite.
   static V abs(V v) { return _mm512_abs_ps(v); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
@@ -218,6 +243,24 @@ struct Vec {
       }
     }
   }
+  // r[i] lane j <-> r[j] lane i (8 x 8).
+  static void transpose(V* r) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+      u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int j = 0; j < 4; ++j) {
+      r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+      r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+  }
   static V abs(V v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static float hmax(V v) {
@@ -306,6 +349,14 @@ struct Vec {
   }
   static void trees16(const V* v, float* out) {
     for (int o = 0; o < 16; ++o) out[o] = tree16(v + 4 * o);
+  }
+  // r[i] lane j <-> r[j] lane i (4 x 4).
+  static void transpose(V* r) {
+    const float32x4x2_t a = vtrnq_f32(r[0], r[1]), b = vtrnq_f32(r[2], r[3]);
+    r[0] = vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(b.val[0]));
+    r[1] = vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(b.val[1]));
+    r[2] = vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(b.val[0]));
+    r[3] = vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(b.val[1]));
   }
   static V abs(V v) { return vabsq_f32(v); }
   static V max(V a, V b) { return vmaxq_f32(a, b); }
