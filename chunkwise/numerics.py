@@ -273,17 +273,30 @@ def batched(
   nmajor: bool,
   ones: bool = False,
   heads: tuple | None = None,
+  shift: jax.Array | None = None,
 ) -> jax.Array:
   """`cpu_kernels.invariant_matmul` of per-group operands (attention):
   x f32[G, M, K], w [..., K, N] (k-major) or [..., N, K] (n-major) whose
   leading dims multiply to G, acc f32[G, M, N + ones]; elsewhere the same
   sums by XLA (not invariant). heads: (first, count) reads heads [first,
-  first + count) of w [b, kv, ..] (G = b * count) in place."""
+  first + count) of w [b, kv, ..] (G = b * count) in place. shift
+  f32[G, M]: x enters as `exp(x - shift[..., None])` (computed in the
+  kernel, bit for bit that of `exp`)."""
   if heads is not None:
     first = jnp.asarray(heads[0], jnp.int32).reshape(1)
     count = heads[1]
+  operands = [x, w]
+  if acc is not None:
+    operands.append(acc)
+  if shift is not None:
+    operands.append(shift)
 
-  def kernel(x, w, acc):
+  def split(rest):
+    acc = rest[0] if len(rest) > (shift is not None) else None
+    return acc, (rest[-1] if shift is not None else None)
+
+  def kernel(x, w, *rest):
+    acc, sh = split(rest)
     return cpu_kernels.invariant_matmul(
       x,
       w,
@@ -291,10 +304,14 @@ def batched(
       acc,
       nmajor=nmajor,
       ones=ones,
+      shift=sh,
       heads=None if heads is None else (first, count),
     )
 
-  def twin(x, w, acc):
+  def twin(x, w, *rest):
+    acc, sh = split(rest)
+    if sh is not None:
+      x = exp(x - sh[..., None])
     if heads is not None:
       w = lax.dynamic_slice_in_dim(w, first[0], count, axis=1)
     w = w.astype(jnp.float32).reshape(x.shape[0], *w.shape[-2:])
@@ -303,11 +320,7 @@ def batched(
     out = jnp.einsum("gmk,gnk->gmn" if nmajor else "gmk,gkn->gmn", x, w)
     return out if acc is None else acc + out
 
-  if acc is None:
-    return _on_cpu(
-      (x, w), lambda x, w: kernel(x, w, None), lambda x, w: twin(x, w, None)
-    )
-  return _on_cpu((x, w, acc), kernel, twin)
+  return _on_cpu(tuple(operands), kernel, twin)
 
 
 def _contract_override(eq: str, x, w):

@@ -43,10 +43,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from chunkwise import checkpoints, constraints, memory, partitioning
+from chunkwise import (
+  checkpoints,
+  constraints,
+  cpu_kernels,
+  memory,
+  partitioning,
+)
 from chunkwise.bench import adapters as bench_adapters
 from chunkwise.bench import chunked_prefill as bench_chunked
 from chunkwise.bench import continuous as bench_continuous
+from chunkwise.bench import cpu_paths as bench_cpu_paths
 from chunkwise.bench import kv_dtype as bench_kv_dtype
 from chunkwise.bench import (
   long_prompts,
@@ -278,6 +285,24 @@ _LONG_RUNS = flags.DEFINE_integer(
   "first call only, compilation included.",
   lower_bound=0,
 )
+_CPU_PATHS = flags.DEFINE_list(
+  "cpu_paths",
+  [],
+  "CPU kernel paths to time side by side (chunkwise/bench/cpu_paths.py; "
+  "'all': every path this CPU runs), each in a child process with torch "
+  "held to the same instruction set: decode at --decode_batches, prefill "
+  "of --prefill_lengths, the scoring job on a mixed-length file, under "
+  "invariant and fast numerics and in transformers, per --weights.",
+)
+_CPU_PATHS_ROUNDS = flags.DEFINE_integer(
+  "cpu_paths_rounds", 3, "Interleaved rounds of --cpu_paths.", lower_bound=1
+)
+_CPU_PATHS_TEXTS = flags.DEFINE_integer(
+  "cpu_paths_score_texts",
+  64,
+  "Texts of the --cpu_paths scoring file (16 to 1024 tokens); 0: no scoring.",
+  lower_bound=0,
+)
 _LONG_SIDES = flags.DEFINE_list(
   "long_prompt_sides",
   list(long_prompts.SIDES),
@@ -422,6 +447,29 @@ def _long_prompts(described, kinds: Sequence[str], modes) -> None:
   report.write_json(_OUTPUT.value, {"long_prompts": reports})
 
 
+def _cpu_paths(kinds, decode_batches, prefill_lengths) -> None:
+  """--cpu_paths: each path's side-by-side figures, in child processes."""
+  available = cpu_kernels.isa.available()
+  if not available:
+    raise app.UsageError("--cpu_paths: the CPU kernels did not build here")
+  wanted = list(available) if _CPU_PATHS.value == ["all"] else _CPU_PATHS.value
+  _one_of("cpu_paths", wanted, available)
+  _one_of("weights", kinds, ("float32", "int8"))
+  result = bench_cpu_paths.compare(
+    _MODEL.value,
+    wanted,
+    weights=kinds,
+    decode_batches=decode_batches,
+    prefill_lengths=prefill_lengths,
+    score_texts=_CPU_PATHS_TEXTS.value,
+    steps=_STEPS.value,
+    rounds=_CPU_PATHS_ROUNDS.value,
+    runs=_RUNS.value,
+  )
+  report.write_json(_OUTPUT.value, {"cpu_paths": result})
+  print(bench_cpu_paths.table(result))
+
+
 def main(argv: Sequence[str]) -> None:
   try:
     run(argv)
@@ -485,6 +533,9 @@ def run(argv: Sequence[str]) -> None:
   described = _describe(_MODEL.value)
   if _LONG_PROMPT.value:
     _long_prompts(described, kinds, modes)
+    return
+  if _CPU_PATHS.value:
+    _cpu_paths(kinds, decode_batches, prefill_lengths)
     return
   h, vocab, bos_id = described.hparams, described.vocab, described.bos_id
   if vocab is None:

@@ -48,7 +48,7 @@ class Threads : public chunkwise::Parallel {
 struct Case {
   i64 G, M, K, N, groups;
   Weight type;
-  bool nmajor, acc, ones;
+  bool nmajor, acc, ones, shift = false;
 };
 
 std::mt19937 rng(0);
@@ -71,10 +71,10 @@ void fail(const std::string& what) {
 std::string describe(const Case& c) {
   const char* t = c.type == Weight::kF32 ? "f32" : c.type == Weight::kBF16 ? "bf16" : "int8";
   char buf[160];
-  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s",
+  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s%s",
                 (long long)c.G, (long long)c.M, (long long)c.K, (long long)c.N,
                 (long long)c.groups, t, c.nmajor ? "n-major" : "k-major", c.acc ? " acc" : "",
-                c.ones ? " ones" : "");
+                c.ones ? " ones" : "", c.shift ? " shift" : "");
   return buf;
 }
 
@@ -83,7 +83,8 @@ void check_matmul(const Table* table, const Case& c) {
   std::vector<float> x(c.G * c.M * c.K), wf(c.G * c.K * c.N), s(c.G * c.groups * c.N);
   std::vector<uint16_t> wb(wf.size());
   std::vector<int8_t> wi(wf.size());
-  std::vector<float> acc(c.G * c.M * cols);
+  std::vector<float> acc(c.G * c.M * cols), shift(c.G * c.M);
+  for (auto& v : shift) v = normal();
   for (auto& v : x) v = normal();
   for (size_t i = 0; i < wf.size(); ++i) {
     wf[i] = normal();
@@ -101,6 +102,7 @@ void check_matmul(const Table* table, const Case& c) {
                                   : static_cast<const void*>(wi.data());
   p.s = c.type == Weight::kI8 ? s.data() : nullptr;
   p.acc = c.acc ? acc.data() : nullptr;
+  p.shift = c.shift ? shift.data() : nullptr;
   p.type = c.type;
   p.nmajor = c.nmajor;
   p.G = c.G;
@@ -130,6 +132,7 @@ void check_matmul(const Table* table, const Case& c) {
     one.M = 1;
     one.x = x.data() + (c.M - 1) * c.K;
     one.acc = c.acc ? acc.data() + (c.M - 1) * cols : nullptr;
+    one.shift = c.shift ? shift.data() + (c.M - 1) : nullptr;
     std::vector<float> alone(cols);
     one.out = alone.data();
     table->matmul(one, par);
@@ -194,6 +197,8 @@ int main(int argc, char** argv) {
       {1, 18, 72, 9, 2, Weight::kI8, true, false, false},
       {1, 18, 30, 37, 2, Weight::kI8, true, false, false},
       {1, 3, 600, 21, 1, Weight::kI8, true, false, false},
+      {3, 40, 300, 64, 1, Weight::kF32, false, true, true, true},  // values from logits
+      {2, 3, 70, 64, 1, Weight::kBF16, false, true, true, true},
   };
   for (const Case& c : cases) check_matmul(table, c);
   for (int i = 0; i < random_cases; ++i) {
@@ -210,6 +215,7 @@ int main(int argc, char** argv) {
     c.K = c.groups * std::uniform_int_distribution<i64>(1, 70)(rng);
     c.ones = c.type != Weight::kI8 && !c.nmajor && (rng() & 1);
     c.acc = !c.nmajor && (rng() & 1);
+    c.shift = c.type != Weight::kI8 && (rng() % 3 == 0);
     check_matmul(table, c);
   }
   for (i64 n : {1, 3, 7, 16, 33, 1001}) check_unary(table, n);

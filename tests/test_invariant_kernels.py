@@ -136,12 +136,44 @@ def test_random_shapes_are_their_definition(isa):
     _check((1, m, k, n, kind, nmajor, groups, acc, ones), isa, i)
 
 
+@paths
+@pytest.mark.parametrize(
+  "g, m, k, n, ones",
+  [(3, 13, 70, 64, True), (1, 40, 300, 65, True), (2, 2, 9, 5, False)],
+)
+def test_shift_is_exp_then_the_product(g, m, k, n, ones, isa):
+  """x enters as exp(x - shift), bit for bit `invariant_unary`'s exp of
+  x - shift followed by the product (attention's values pass)."""
+  rng = np.random.default_rng(k)
+  x = jnp.asarray(rng.standard_normal((g, m, k)).astype(np.float32) * 4)
+  top = x.max(-1)
+  v = jnp.asarray(rng.standard_normal((g, k, n)).astype(np.float32))
+  acc = jnp.asarray(rng.standard_normal((g, m, n + ones)).astype(np.float32))
+  for nmajor, w in ((False, v), (True, jnp.swapaxes(v, 1, 2))):
+    if ones and nmajor:
+      continue
+    e = cpu_kernels.invariant_unary(x - top[..., None], "exp", isa=isa)
+    want = _matmul(e, w, None, acc, nmajor=nmajor, ones=ones, isa=isa)
+    got = cpu_kernels.invariant_matmul(
+      x, w, None, acc, nmajor=nmajor, ones=ones, shift=top, isa=isa
+    )
+    assert np.array_equal(got, want)
+    defined = cpu_kernels.invariant_matmul(
+      x, w, None, acc, nmajor=nmajor, ones=ones, shift=top, isa="portable"
+    )
+    assert np.array_equal(got, defined)
+
+
 def test_bad_shapes_are_refused():
   x = jnp.ones((1, 2, 8))
   with pytest.raises(Exception, match="x and w shapes disagree"):
     _matmul(x, jnp.ones((1, 9, 4)), nmajor=False)
   with pytest.raises(Exception, match="ones needs a k-major"):
     _matmul(x, jnp.ones((1, 4, 8)), nmajor=True, ones=True)
+  with pytest.raises(Exception, match="shift needs a float weight"):
+    cpu_kernels.invariant_matmul(
+      x, jnp.ones((1, 8, 4)), nmajor=False, shift=jnp.ones((1, 3))
+    )
   with pytest.raises(ValueError, match="isa='sse9'"):
     _matmul(x, jnp.ones((1, 8, 4)), nmajor=False, isa="sse9")
 

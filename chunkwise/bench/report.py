@@ -42,8 +42,22 @@ def ratios(configs: list[dict]) -> list[dict]:
   return out
 
 
+def cpu() -> dict:
+  """The CPU's name and the kernel path it runs (`cpu_kernels.isa`),
+  recorded beside every figure."""
+  from chunkwise import cpu_kernels
+
+  return {
+    "name": cpu_kernels.isa.cpu_name(),
+    "kernel_path": cpu_kernels.isa.current(),
+    "paths": list(cpu_kernels.isa.available()),
+  }
+
+
 def write_json(path: str, result: dict) -> None:
-  """Writes `result` atomically (a temporary file, then a rename)."""
+  """Writes `result` atomically (a temporary file, then a rename), with
+  `cpu()` added."""
+  result = {"cpu": cpu(), **result}
   directory = os.path.dirname(os.path.abspath(path))
   with tempfile.NamedTemporaryFile(
     "w", dir=directory, suffix=".tmp", delete=False
@@ -61,7 +75,9 @@ def table(result: dict) -> str:
   """Plain-text tables of every measured point and every ratio."""
   m = result["machine"]
   peaks = ", ".join(f"{k} {v:.0f}" for k, v in m["peak_matmul_gflop_s"].items())
+  c = cpu()
   lines = [
+    f"cpu: {c['name']}, kernel path {c['kernel_path']}",
     f"machine: {m['device_kind']} ({m['backend']}, {m['cpu_count']} CPUs), "
     f"read bandwidth {m['bandwidth_gb_s']:.1f} GB/s, peak matmul GFLOP/s: "
     f"{peaks} (timed on the device)",

@@ -46,8 +46,10 @@ enum class Weight { kF32, kBF16, kI8 };
 //   x: f32 [G, M, K]; w: f32, bf16 or int8, [Gw, K, N] ("k-major") or
 //   [Gw, N, K] ("n-major"), Gw = 1 (one weight for every g) or G;
 //   scale: f32 [Gw, K / group, N] or [Gw, N, K / group] (int8 only);
-//   acc: f32 [G, M, N'] (k-major; nullptr: +0); out: f32 [G, M, N'] with
-//   N' = N + ones (a last column of weight 1, k-major float only).
+//   acc: f32 [G, M, N'] (nullptr: +0); shift: f32 [G, M] (float weights:
+//   x[g, m, k] enters as exp(x[g, m, k] - shift[g, m]); nullptr: none);
+//   out: f32 [G, M, N'] with N' = N + ones (a last column of weight 1,
+//   k-major float only).
 //
 // What each output is, bit for bit, is defined by portable.cc.
 struct Problem {
@@ -55,6 +57,9 @@ struct Problem {
   const void* w = nullptr;
   const float* s = nullptr;    // int8 scales, else nullptr
   const float* acc = nullptr;  // nullptr: chains start at +0
+  // A float weight's x enters as exp(x - shift[g * M + m]) (attention's
+  // weights from its logits and their max); nullptr: as it is.
+  const float* shift = nullptr;
   float* out = nullptr;
   Weight type = Weight::kF32;
   bool nmajor = false;

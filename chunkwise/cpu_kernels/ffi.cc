@@ -123,9 +123,10 @@ ffi::Error table_of(int64_t isa, const Table** table) {
 
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> acc,
-                     ffi::Buffer<ffi::S32> first, ffi::ResultBuffer<ffi::F32> out,
-                     int64_t count, int64_t nmajor, int64_t scaled, int64_t has_acc,
-                     int64_t ones, int64_t isa) {
+                     ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::S32> first,
+                     ffi::ResultBuffer<ffi::F32> out, int64_t count, int64_t nmajor,
+                     int64_t scaled, int64_t has_acc, int64_t has_shift, int64_t ones,
+                     int64_t isa) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scale.dimensions();
@@ -185,6 +186,11 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     if (ad.size() != 3 || ad[0] != p.G || ad[1] != p.M || ad[2] != p.cols())
       return ffi::Error::InvalidArgument("acc needs the output's shape [G, M, N']");
     p.acc = acc.typed_data();
+  }
+  if (has_shift) {
+    if (int8 || static_cast<i64>(shift.element_count()) != p.G * p.M)
+      return ffi::Error::InvalidArgument("shift needs a float weight and one value per row of x");
+    p.shift = shift.typed_data();
   }
   p.x = x.typed_data();
   p.w = w.untyped_data();
@@ -263,12 +269,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("nmajor")
                                   .Attr<int64_t>("scaled")
                                   .Attr<int64_t>("has_acc")
+                                  .Attr<int64_t>("has_shift")
                                   .Attr<int64_t>("ones")
                                   .Attr<int64_t>("isa"));
 

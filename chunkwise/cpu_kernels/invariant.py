@@ -13,7 +13,11 @@ fixed tree.
   buffer every step); scale: f32 [1 or G, K / group, N] or
   [1 or G, N, K / group] for an int8 weight (whose product rounds x to
   int16 per row and group: `common.h`), None for a float one; acc: f32
-  [G, M, N'] the chains start from (or None: +0); ones: a column N of
+  [G, M, N'] the chains start from (or None: +0); shift: f32 [G, M]
+  (float weights): x enters as exp(x - shift[..., None]), exactly
+  `invariant_unary(x - shift[..., None], "exp")` (attention's weights
+  from its logits and their max, without writing them out); ones: a
+  column N of
   weight 1 (the chained sum of x's row; k-major float only); isa: the
   instruction set to run (`isa.NAMES`; None: the process's default);
   heads: (first int32[1], count) reads the heads [first, first + count)
@@ -41,6 +45,7 @@ def invariant_matmul(
   acc=None,
   *,
   nmajor: bool,
+  shift=None,
   ones: bool = False,
   isa: str | None = None,
   heads: tuple | None = None,
@@ -56,11 +61,13 @@ def invariant_matmul(
     w,
     dummy if scale is None else scale.astype(jnp.float32),
     dummy if acc is None else acc.astype(jnp.float32),
+    dummy if shift is None else jnp.asarray(shift, jnp.float32),
     jnp.asarray(first, jnp.int32).reshape(1),
     count=int(count),
     nmajor=int(nmajor),
     scaled=int(scale is not None),
     has_acc=int(acc is not None),
+    has_shift=int(shift is not None),
     ones=int(ones),
     isa=isa_lib.number(isa),
   )

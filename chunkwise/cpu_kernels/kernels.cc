@@ -67,6 +67,26 @@ constexpr i64 kAhead = 8;
 
 // ---- float: packing --------------------------------------------------------
 
+// Rows [m0, m1) of batch g's x as they enter the product: x itself, or
+// with a shift exp(x - shift) (as `unary` computes it) into `buf`; row m
+// at the result + (m - m0) * K.
+inline const float* x_rows(const Problem& p, i64 g, i64 m0, i64 m1, std::vector<float>& buf) {
+  if (!p.shift) return p.xrow(g, m0);
+  if (buf.size() < static_cast<size_t>((m1 - m0) * p.K)) buf.resize((m1 - m0) * p.K);
+  for (i64 m = m0; m < m1; ++m) {
+    const float* x = p.xrow(g, m);
+    float* e = buf.data() + (m - m0) * p.K;
+    const V sh = Vec::set1(p.shift[g * p.M + m]);
+    for (i64 k = 0; k < p.K; k += W) {
+      const i64 left = p.K - k;
+      const V v = exp_lanes<Vec::L>(Vec::L::sub(left >= W ? Vec::load(x + k) : Vec::loadn(x + k, left), sh));
+      if (left >= W) Vec::store(e + k, v);
+      else Vec::storen(e + k, v, left);
+    }
+  }
+  return buf.data();
+}
+
 // W weights of k-major row k from column c as f32: bf16 widened, the ones
 // column set, zero past the last column.
 template <class T>
@@ -145,13 +165,14 @@ inline void tile(const float* x, i64 lx, const float* pp, i64 kc, const float* s
     }
 }
 
-// Rows [m0, m1) of one panel: tiles of kMR rows (then 2, 1), NV vectors.
+// Rows [m0, m1) of one panel: tiles of kMR rows (then 2, 1), NV vectors;
+// xs: row m0's x (rows K apart).
 template <int NV>
-void panel_rows(const Problem& p, i64 g, i64 m0, i64 m1, i64 k0, i64 kc, const float* pp,
-                i64 c0, i64 ncols) {
+void panel_rows(const Problem& p, i64 g, i64 m0, i64 m1, i64 k0, i64 kc, const float* xs,
+                const float* pp, i64 c0, i64 ncols) {
   const i64 cols = p.cols();
   auto at = [&](i64 m, const float** x, const float** start, float** out) {
-    *x = p.xrow(g, m) + k0;
+    *x = xs + (m - m0) * p.K + k0;
     *out = p.orow(g, m) + c0;
     *start = k0 > 0 ? *out : (p.acc ? p.arow(g, m) + c0 : nullptr);
   };
@@ -179,8 +200,9 @@ template <class T>
 void packed_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const T* w = p.weight<T>(g);
   const i64 tiles = (n1 - n0 + kNR - 1) / kNR;
-  thread_local std::vector<float> panel;
+  thread_local std::vector<float> panel, ebuf;
   if (panel.size() < static_cast<size_t>(tiles * kKC * kNR)) panel.resize(tiles * kKC * kNR);
+  const float* xs = x_rows(p, g, m0, m1, ebuf);
   for (i64 k0 = 0; k0 < p.K; k0 += kKC) {
     const i64 kc = std::min(kKC, p.K - k0);
     for (i64 t = 0; t < tiles; ++t)
@@ -190,7 +212,7 @@ void packed_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
       const i64 c0 = n0 + t * kNR, ncols = std::min<i64>(kNR, n1 - c0);
       switch ((ncols + W - 1) / W) {  // a narrower last tile
 #define CW_CASE(v) \
-  case v: if constexpr (v <= kNV) panel_rows<v>(p, g, m0, m1, k0, kc, pp, c0, ncols); break;
+  case v: if constexpr (v <= kNV) panel_rows<v>(p, g, m0, m1, k0, kc, xs, pp, c0, ncols); break;
         CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4)
 #undef CW_CASE
         default: break;
@@ -242,6 +264,8 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const T* w = p.weight<T>(g);
   const i64 rows = m1 - m0;
   const i64 subs = (n1 - n0 + kSub - 1) / kSub;
+  thread_local std::vector<float> ebuf;
+  const float* xs = x_rows(p, g, m0, m1, ebuf);
   const Rows acc = rows_begin(p, g, m0, m1, n0, n1, kSub);
   float* A = acc.A;
   const i64 stride = acc.stride;
@@ -255,7 +279,7 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < kStreamV; ++j) wv[i][j] = kmajor_weights(p, w, k + i, c0 + j * W);
       for (i64 m = 0; m < rows; ++m) {
-        const float* xm = p.xrow(g, m0 + m) + k;
+        const float* xm = xs + m * p.K + k;
         const V x0 = Vec::set1(xm[0]), x1 = Vec::set1(xm[1]);
         const V x2 = Vec::set1(xm[2]), x3 = Vec::set1(xm[3]);
         for (int j = 0; j < kStreamV; ++j) {
@@ -271,7 +295,7 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
     for (i64 c = 0; c < stride; c += W) {
       const V wv = kmajor_weights(p, w, k, n0 + c);
       for (i64 m = 0; m < rows; ++m) {
-        const V xb = Vec::set1(p.xrow(g, m0 + m)[k]);
+        const V xb = Vec::set1(xs[m * p.K + k]);
         float* a = A + m * stride + c;
         Vec::store(a, Vec::fma(xb, wv, Vec::load(a)));
       }
@@ -289,6 +313,8 @@ void nmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   constexpr int kGroups = 4;
   const T* w = p.weight<T>(g);
   const i64 rows = m1 - m0, K = p.K;
+  thread_local std::vector<float> ebuf;
+  const float* xs = x_rows(p, g, m0, m1, ebuf);
   const Rows acc = rows_begin(p, g, m0, m1, n0, n1, W);
   for (i64 c0 = 0; c0 < n1 - n0; c0 += kGroups * W) {
     const i64 groups = std::min<i64>(kGroups, (n1 - n0 - c0 + W - 1) / W);
@@ -308,7 +334,7 @@ void nmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
         }
         Vec::transpose(r);
         for (i64 m = 0; m < rows; ++m) {
-          const float* xm = p.xrow(g, m0 + m) + k;
+          const float* xm = xs + m * K + k;
           float* a = acc.A + m * acc.stride + c;
           V v = Vec::load(a);
           if (whole) {  // (a fixed count keeps r in registers)
@@ -333,7 +359,9 @@ void run_float(const Problem& p, Parallel& par) {
   // Few rows: blocks of whole lines (k-major: four weight rows a step; n-
   // major: table rows), two per thread, in multiples of 64 columns.
   const i64 wide = std::max<i64>(64, (width + 2 * threads - 1) / (2 * threads) + 63) / 64 * 64;
-  const i64 nblock = stream ? std::min<i64>(wide, 512) : kNB;
+  // (a product up to 80 columns wide, attention's values and the ones
+  // column, is one block: x, or its exp, read once per band)
+  const i64 nblock = stream ? std::min<i64>(wide, 512) : width <= 80 ? width : kNB;
   const i64 nblocks = (width + nblock - 1) / nblock;
   const i64 band = stream ? p.M : kBandRows;
   const i64 bands = (p.M + band - 1) / band;

@@ -7,7 +7,8 @@
 // A float weight element enters as f32 (bf16 widened). Each output of a
 // float weight, k-major (w[k, n]) or n-major (w[n, k]) alike, is the chain
 //   a <- fma(x[k], w(k, n), a) over k = 0 .. K-1 in order,
-// from a = acc (or +0). With `ones`, column N has weight 1 everywhere (the
+// from a = acc (or +0); with `shift`, x[k] is exp(x[k] - shift) first (as
+// `unary` computes it). With `ones`, column N has weight 1 everywhere (the
 // chained sum of the row's x). An int8 weight's (either order): x rounded
 // to int16 per row and weight group, int32 sums per chunk, one f32 chain
 // over the chunks (common.h). A row sum (norms, a log-softmax's total) is
@@ -31,7 +32,9 @@ float weight(const Problem& p, const W* w, i64 k, i64 n) {
 template <class W>
 void float_row(const Problem& p, i64 g, i64 m) {
   const W* w = p.weight<W>(g);
-  const float* x = p.xrow(g, m);
+  std::vector<float> x(p.xrow(g, m), p.xrow(g, m) + p.K);
+  if (p.shift)
+    for (float& v : x) v = exp_lanes<Scalar>(v - p.shift[g * p.M + m]);
   const float* acc = p.arow(g, m);
   float* out = p.orow(g, m);
   for (i64 n = 0; n < p.cols(); ++n) {

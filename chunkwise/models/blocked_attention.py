@@ -267,14 +267,14 @@ def _invariant_block(qi, i, q_pos, pieces, options):
       else:
         logits = lax.dynamic_slice_in_dim(store, j * BLOCK, BLOCK, 5)
         vj = p.block(j)[1]
-      e = numerics.exp(logits - view(top, p.b)[..., None])
       per = batch // p.b * rows * group
-      out = numerics.batched(
-        e.reshape(p.b * kv_heads, per, BLOCK),
+      out = numerics.batched(  # exp(logits - top) taken in the kernel
+        logits.reshape(p.b * kv_heads, per, BLOCK),
         vj,
         view(acc, p.b).reshape(p.b * kv_heads, per, dim + 1),
         nmajor=False,
         ones=True,
+        shift=view(top, p.b).reshape(p.b * kv_heads, per),
       )
       return common(
         out.reshape(p.b, kv_heads, batch // p.b, rows, group, dim + 1), p.b

@@ -36,15 +36,16 @@ def attend(
   """Attention whose every operation depends only on the query and the
   keys and values at their absolute positions (invariant numerics).
 
-  For each query, the logits of every key of every piece come first (a
-  16-lane chain and tree each: `numerics.batched`, n-major), then their
-  exact max. exp(logit - max) weights the values in one FMA chain per
-  output over the keys in position order, piece after piece (the
-  accumulator carried from one kernel call to the next), with the weights'
-  sum chained beside them (`ones`). A masked key's weight is exactly 0 and
-  adds nothing, so padding, and where one piece ends and the next begins,
-  change no operation; query blocks of the chunk skip the keys after their
-  last row (and, with a window, before their first row's), all masked.
+  For each query, the logits of every key of every piece come first (one
+  FMA chain over head_dim each: `numerics.batched`, n-major), then their
+  exact max. exp(logit - max) (taken by the values' kernel itself)
+  weights the values in one FMA chain per output over the keys in
+  position order, piece after piece (the accumulator carried from one
+  kernel call to the next), with the weights' sum chained beside them
+  (`ones`). A masked key's weight is exactly 0 and adds nothing, so
+  padding, and where one piece ends and the next begins, change no
+  operation; query blocks of the chunk skip the keys after their last row
+  (and, with a window, before their first row's), all masked.
 
   Args:
     q: f32[B, T, kv_heads, group, D], pre-scaled.
@@ -122,19 +123,20 @@ def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
   acc = None
   for logits, v, b, window in scored:
     # A masked logit is _MASKED: exp(_MASKED - top) is exactly 0 (every
-    # query sees itself, so top is a real logit).
-    e = numerics.exp(logits - view(top, b)[..., None])
+    # query sees itself, so top is a real logit). The kernel takes the
+    # exp of logits - top itself (`shift`).
     rows, width = batch // b * time * group, v.shape[2]
     start = None
     if acc is not None:
       start = view(acc, b).reshape(b * kv_heads, rows, dim + 1)
     out = numerics.batched(
-      e.reshape(b * kv_heads, rows, width),
+      logits.reshape(b * kv_heads, rows, width),
       v,
       start,
       nmajor=False,
       ones=True,
       heads=window,
+      shift=view(top, b).reshape(b * kv_heads, rows),
     )
     acc = common(out.reshape(b, kv_heads, batch // b, time, group, -1), b)
   out = acc[..., :dim] / acc[..., dim:]  # [B, kv, T, group, D]
