@@ -52,12 +52,18 @@ NUMERICS = ("invariant", "fast")
 _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 
 
-def resolve(numerics: str | None, quantized: bool = False) -> str:
-  """`numerics` checked, or the default: "invariant", except for int8
-  weights (`quantized`), whose invariant decode at batch 1 costs 1.34x on
-  the CPU (docs/numerics.md) and stays opt-in."""
+def resolve(numerics: str | None) -> str:
+  """`numerics` checked, or the default: "invariant" wherever it runs at
+  full speed, float and int8 weights alike (an int8 weight's invariant
+  matmul is the fast kernel's own). On a CPU whose kernels have no vector
+  path (`cpu_kernels.isa.vector()`: no AVX2 + FMA or NEON, or no
+  compiler), "fast": the portable loops would be many times slower (said
+  once, by `cpu_kernels.isa`); asked for explicitly, invariant numerics
+  run there all the same."""
   if numerics is None:
-    return "fast" if quantized else "invariant"
+    if jax.default_backend() == "cpu" and not cpu_kernels.isa.vector():
+      return "fast"
+    return "invariant"
   if numerics not in NUMERICS:
     raise ValueError(
       f"numerics={numerics!r} is not a numerics mode; expected None or one "

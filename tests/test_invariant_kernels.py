@@ -316,10 +316,20 @@ def test_the_paths_are_what_the_cpu_reports():
 
 
 def _in_child(env: dict) -> subprocess.CompletedProcess:
+  """A process with `env` that prints its kernel path, then the default
+  numerics of a tiny model and those it runs when invariant is asked for
+  (and whether that model's prefill works)."""
   code = (
+    "import chunkwise as cw\n"
     "from chunkwise import cpu_kernels\n"
     "cpu_kernels.load()\n"
     "print(cpu_kernels.isa.current())\n"
+    "h = cw.configs.get('tiny')\n"
+    "m = cw.InferenceModel.random(h, seed=0)\n"
+    "e = cw.InferenceModel(h, m.weights, m.vocab, numerics='invariant')\n"
+    "chunk = cw.Chunk.tokenize(e.vocab, ['ab'], is_first_chunk=True)\n"
+    "e.prefill(chunk)\n"
+    "print(m.numerics, e.numerics)\n"
   )
   return subprocess.run(
     [sys.executable, "-c", code],
@@ -331,11 +341,17 @@ def _in_child(env: dict) -> subprocess.CompletedProcess:
 
 
 def test_a_process_picks_its_path_by_environment():
-  worst = "portable"
-  out = _in_child({"CHUNKWISE_CPU_ISA": worst})
+  """CHUNKWISE_CPU_ISA picks the path; where it is the portable one (no
+  vector path), the default numerics are fast, said once with the CPU's
+  name, and invariant numerics still run when asked for."""
+  out = _in_child({"CHUNKWISE_CPU_ISA": "portable"})
   assert out.returncode == 0, out.stderr
-  assert out.stdout.split()[-1] == worst
-  assert "no vector path" in out.stderr  # said once, with the CPU's name
+  assert out.stdout.split()[-3:] == ["portable", "fast", "invariant"]
+  assert out.stderr.count("no vector path") == 1
+  assert cpu_kernels.isa.cpu_name() in out.stderr
+  if PATHS:  # the best path is the default elsewhere
+    out = _in_child({"CHUNKWISE_CPU_ISA": PATHS[0]})
+    assert out.stdout.split()[-3:] == [PATHS[0], "invariant", "invariant"]
   out = _in_child({"CHUNKWISE_CPU_ISA": "avx1024"})
   assert out.returncode != 0
   assert "CHUNKWISE_CPU_ISA='avx1024'" in out.stderr

@@ -56,10 +56,10 @@ constexpr int kNR = kNV * W;  // columns per register tile
 constexpr i64 kNB = 64 > kNR ? 64 : kNR;
 constexpr i64 kKC = 256;
 // Rows at or above which a block packs panels (else streams the weight),
-// rows per block (a band), and multiply-adds below which a call runs on
-// the calling thread alone.
+// most rows per block (a band), and multiply-adds below which a call runs
+// on the calling thread alone.
 constexpr i64 kPackRows = 32;
-constexpr i64 kBandRows = 192;
+constexpr i64 kBandRows = 512;
 constexpr i64 kInline = 1 << 18;
 // Weight rows read ahead (the hardware prefetchers miss short segments of
 // rows N apart).
@@ -116,9 +116,13 @@ inline V nmajor_weights(const Problem& p, const T* w, i64 n, i64 k, i64 left) {
 template <class T>
 void pack_panel(const Problem& p, const T* w, i64 k0, i64 kc, i64 c0, float* pp) {
   if (!p.nmajor) {
-    for (i64 k = 0; k < kc; ++k)
+    for (i64 k = 0; k < kc; ++k) {
+      if (k0 + k + kAhead < p.K)  // rows N apart: the prefetchers miss them
+        for (i64 c = 0; c < kNR && c0 + c < p.N; c += 64 / static_cast<i64>(sizeof(T)))
+          prefetch(w + (k0 + k + kAhead) * p.N + c0 + c);
       for (int j = 0; j < kNV; ++j)
         Vec::store(pp + k * kNR + j * W, kmajor_weights(p, w, k0 + k, c0 + j * W));
+    }
     return;
   }
   for (int j = 0; j < kNV; ++j)
@@ -363,7 +367,14 @@ void run_float(const Problem& p, Parallel& par) {
   // column, is one block: x, or its exp, read once per band)
   const i64 nblock = stream ? std::min<i64>(wide, 512) : width <= 80 ? width : kNB;
   const i64 nblocks = (width + nblock - 1) / nblock;
-  const i64 band = stream ? p.M : kBandRows;
+  // Bands: as few as leave each thread about 8 blocks (each band packs
+  // the weight again), of at most kBandRows rows, whole tiles.
+  i64 band = p.M;
+  if (!stream) {
+    const i64 want = (8 * threads + p.G * nblocks - 1) / (p.G * nblocks);
+    band = std::min(kBandRows, (p.M + want - 1) / want);
+    band = std::max<i64>(kMR, (band + kMR - 1) / kMR * kMR);
+  }
   const i64 bands = (p.M + band - 1) / band;
   const i64 total = p.G * bands * nblocks;
   auto body = [&](i64 b) {

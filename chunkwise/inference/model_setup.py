@@ -82,9 +82,7 @@ class ModelSetup:
         "attention reads the packed K/V); a custom infer_fn stores floats"
       )
     self._precision = resolve_precision(precision, compute_dtype)
-    self._numerics = numerics_lib.resolve(
-      numerics, planner_choice.weights_name(weights) == "int8"
-    )
+    self._numerics = numerics_lib.resolve(numerics)
     layout, prefill_layout, generate_layout, self._choice = (
       planner_choice.resolve(
         hparams,
