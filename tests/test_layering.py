@@ -2,7 +2,8 @@
 
 A package may import only packages above it:
 configs -> collectives, processors -> partitioning, constraints -> models
--> inference -> checkpoints, bench -> jobs, serving; checkpoints, jobs and
+-> inference -> checkpoints -> jobs, serving -> bench (which measures
+all of them: the scoring job's batches among them); checkpoints, jobs and
 serving use only the names `chunkwise.inference` exports. The
 single-module helpers (contract, untrusted, precision, numerics, memory,
 cpu_kernels) import nothing
@@ -35,9 +36,9 @@ FLOORS = {
   "planner": 4,  # above models (it reads fused.needs_shuffle), below inference
   "inference": 5,
   "checkpoints": 6,
-  "bench": 6,
   "jobs": 7,
   "serving": 7,  # beside jobs: neither imports the other
+  "bench": 8,  # measures everything below, the jobs included
 }
 PUBLIC_ONLY = ("checkpoints", "jobs", "serving")
 
