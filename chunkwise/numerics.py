@@ -52,15 +52,19 @@ NUMERICS = ("invariant", "fast")
 _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 
 
-def resolve(numerics: str | None) -> str:
-  """`numerics` checked, or the default: "invariant" wherever it runs at
-  full speed, float and int8 weights alike (an int8 weight's invariant
-  matmul is the fast kernel's own). On a CPU whose kernels have no vector
-  path (`cpu_kernels.isa.vector()`: no AVX2 + FMA or NEON, or no
-  compiler), "fast": the portable loops would be many times slower (said
-  once, by `cpu_kernels.isa`); asked for explicitly, invariant numerics
-  run there all the same."""
+def resolve(numerics: str | None, quantized: bool = False) -> str:
+  """`numerics` checked, or the default: "invariant" for float weights
+  wherever it runs at full speed. "fast" for int8 weights (`quantized`):
+  their invariant decode is the fast kernel's own, but their invariant
+  prefill runs the integer kernel over every row, 0.39x-0.76x the speed
+  of XLA's dot of the dequantized weight (docs/numerics.md). "fast" too
+  on a CPU whose kernels have no vector path (`cpu_kernels.isa.vector()`:
+  no AVX2 + FMA or NEON, or no compiler): the portable loops would be many
+  times slower (said once, by `cpu_kernels.isa`). Asked for explicitly,
+  invariant numerics run everywhere all the same."""
   if numerics is None:
+    if quantized:
+      return "fast"
     if jax.default_backend() == "cpu" and not cpu_kernels.isa.vector():
       return "fast"
     return "invariant"

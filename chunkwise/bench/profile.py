@@ -138,13 +138,15 @@ def events(planes: Iterable) -> tuple[str, list[Event]]:
   out = []
   for plane in planes:
     for line in plane.lines:
-      if "XLAEigen" not in line.name:  # XLA:CPU's worker threads
+      # XLA:CPU runs a program's thunks on its intra-op pool (XLAEigen)
+      # or on the client's own threads (XLAPjRtCpuClient), call by call.
+      if "XLAEigen" not in line.name and "XLAPjRtCpuClient" not in line.name:
         continue
       for e in line.events:
         op = _stats(e).get("hlo_op")
         if op:  # thunks; executor bookkeeping spans carry no op
           out.append(Event(str(op), e.name, e.start_ns, e.duration_ns))
-  return "XLA:CPU thunks (XLAEigen threads)", out
+  return "XLA:CPU thunks (XLAEigen and XLAPjRtCpuClient threads)", out
 
 
 def busy_ns(found: Iterable[Event]) -> float:

@@ -1,7 +1,7 @@
 // `parallel_for(pool, total, body)`: body(0 .. total - 1) run by the
 // calling thread and XLA's intra-op pool threads, each block claimed from a
 // shared counter, so the call completes even if no pool thread ever runs
-// its task. Shared by matmul.cc and invariant.cc.
+// its task. Shared by every kernel library (kernels.cc, portable.cc).
 
 #ifndef CHUNKWISE_CPU_KERNELS_POOL_H_
 #define CHUNKWISE_CPU_KERNELS_POOL_H_

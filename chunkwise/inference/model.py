@@ -76,8 +76,8 @@ class InferenceModel(ModelSetup):
     numerics: "invariant" (on the CPU a row's logits, scores and tokens
       are bit-identical whatever else is in its batch and however its
       context was cut into chunks) or "fast" (XLA's own reduction orders);
-      None: "invariant" (float and int8 weights), except on a CPU whose
-      kernels have no vector path. See `chunkwise.numerics`.
+      None: "invariant" for float weights, "fast" for int8 weights and on
+      a CPU whose kernels have no vector path. See `chunkwise.numerics`.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
     prefill_chunk: a chunk longer than this many columns is prefilled in

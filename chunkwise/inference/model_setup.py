@@ -82,7 +82,9 @@ class ModelSetup:
         "attention reads the packed K/V); a custom infer_fn stores floats"
       )
     self._precision = resolve_precision(precision, compute_dtype)
-    self._numerics = numerics_lib.resolve(numerics)
+    self._numerics = numerics_lib.resolve(
+      numerics, planner_choice.weights_name(weights) == "int8"
+    )
     layout, prefill_layout, generate_layout, self._choice = (
       planner_choice.resolve(
         hparams,

@@ -79,9 +79,9 @@ class ModelFlags:
       None,
       list(NUMERICS),
       "invariant: on the CPU a row's scores and tokens are bit-identical "
-      "whatever shares its batch (default, float and int8 weights, where "
-      "the CPU kernels have a vector path); fast: XLA's own reduction "
-      "orders. See chunkwise.numerics.",
+      "whatever shares its batch (default for float weights where the CPU "
+      "kernels have a vector path; int8 weights: fast); fast: XLA's own "
+      "reduction orders. See chunkwise.numerics.",
     )
     self.kv_dtype = cli.define(
       flags.DEFINE_enum,
