@@ -273,6 +273,13 @@ def test_fast_numerics_stay_available_and_names_are_checked(tiny):
   np.testing.assert_allclose(a.per_token_scores, b.per_token_scores, atol=1e-5)
   with pytest.raises(ValueError, match=r"numerics='exact'.*invariant, fast"):
     cw.InferenceModel(tiny.hparams, tiny.weights, numerics="exact")
+  # int8 weights stay fast unless asked (their invariant prefill is slower).
+  int8 = cw.models.quantized.quantize_weights(
+    tiny.weights, cw.models.Weights.axes(tiny.hparams)
+  )
+  assert cw.InferenceModel(tiny.hparams, int8).numerics == "fast"
+  asked = cw.InferenceModel(tiny.hparams, int8, numerics="invariant")
+  assert asked.numerics == "invariant"
 
 
 @pytest.mark.slow
