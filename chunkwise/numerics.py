@@ -333,6 +333,20 @@ def batched(
   return _on_cpu(tuple(operands), kernel, twin)
 
 
+def attend(queries: jax.Array, pieces: list, *, group: int, twin) -> jax.Array:
+  """Attention's chains in one call (`cpu_kernels.invariant_attend`,
+  `models.invariant_attention._fused`): queries f32[B, kv, T * group, D],
+  pieces (k, v, first head, mask [mb, mr, mt, ms]) in position order;
+  returns f32[B, kv, T * group, D + 1], the weighted values and the
+  weights' sum. Elsewhere `twin()`, the same sums by the per-piece
+  kernels."""
+
+  def kernel(queries):
+    return cpu_kernels.invariant_attend(queries, pieces, group=group)
+
+  return _on_cpu((queries,), kernel, lambda queries: twin())
+
+
 def _contract_override(eq: str, x, w):
   """`contract`'s product under invariant numerics (None: XLA's dot)."""
   return matmul(eq, x, w) if invariant() else None

@@ -173,6 +173,66 @@ void check_row_sum(const Table* table, i64 M, i64 K) {
   }
 }
 
+// Attention in one call: a prefix piece shared by the batch rows (b = 1,
+// a window of heads, each row's length) and the chunk's own keys, causal.
+void check_attend(const Table* table, i64 B, i64 T, i64 group, i64 D, i64 S, bool half) {
+  const i64 kv = 2, heads = 3;
+  std::vector<float> q(B * kv * T * group * D), want(B * kv * T * group * (D + 1));
+  std::vector<float> got(want.size());
+  for (auto& v : q) v = normal() * 0.3f;
+  std::vector<float> k1(heads * S * D), v1(heads * S * D), k2(B * kv * T * D), v2(k2.size());
+  for (auto* a : {&k1, &v1, &k2, &v2})
+    for (auto& v : *a) v = normal();
+  std::vector<uint16_t> k2h(k2.size()), v2h(v2.size());
+  for (size_t i = 0; i < k2.size(); ++i) {
+    k2h[i] = bf16(k2[i]);
+    v2h[i] = bf16(v2[i]);
+  }
+  std::vector<uint8_t> lengths(B * S), causal(T * T);
+  for (i64 b = 0; b < B; ++b) {
+    const i64 n = std::uniform_int_distribution<i64>(0, S)(rng);
+    for (i64 s = 0; s < S; ++s) lengths[b * S + s] = s < n;
+  }
+  for (i64 t = 0; t < T; ++t)
+    for (i64 s = 0; s < T; ++s) causal[t * T + s] = s <= t;
+  chunkwise::AttendPiece pieces[2];
+  pieces[0].k = k1.data();
+  pieces[0].v = v1.data();
+  pieces[0].heads = heads;
+  pieces[0].first = 1;
+  pieces[0].S = S;
+  pieces[0].mask = lengths.data();
+  pieces[0].mr = B;
+  pieces[0].ms = S;
+  pieces[1].k = half ? static_cast<const void*>(k2h.data()) : k2.data();
+  pieces[1].v = half ? static_cast<const void*>(v2h.data()) : v2.data();
+  pieces[1].bf16 = half;
+  pieces[1].b = B;
+  pieces[1].heads = kv;
+  pieces[1].S = T;
+  pieces[1].mask = causal.data();
+  pieces[1].mt = T;
+  pieces[1].ms = T;
+  chunkwise::Attend a;
+  a.q = q.data();
+  a.B = B;
+  a.kv = kv;
+  a.T = T;
+  a.group = group;
+  a.D = D;
+  a.piece = pieces;
+  a.pieces = 2;
+  Threads par;
+  a.out = want.data();
+  chunkwise::portable::table()->attend(a, par);
+  a.out = got.data();
+  table->attend(a, par);
+  if (std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) != 0)
+    fail("attend B=" + std::to_string(B) + " T=" + std::to_string(T) + " group=" +
+         std::to_string(group) + " D=" + std::to_string(D) + " S=" + std::to_string(S) +
+         (half ? " bf16" : ""));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -221,6 +281,9 @@ int main(int argc, char** argv) {
   for (i64 n : {1, 3, 7, 16, 33, 1001}) check_unary(table, n);
   for (auto mk : {std::pair<i64, i64>{5, 4099}, {3, 70}, {17, 16}, {2, 5}, {4, 23}})
     check_row_sum(table, mk.first, mk.second);
+  check_attend(table, 2, 37, 3, 64, 70, false);
+  check_attend(table, 1, 9, 5, 40, 130, true);
+  check_attend(table, 3, 20, 1, 72, 1, false);
   std::printf("%s: %d failures\n", table->name, failures);
   return failures ? 1 : 0;
 }

@@ -5,12 +5,16 @@ with a path per instruction set chosen at run time (`isa`).
 per output, `portable.cc`), and with few rows the decode matmul of fast
 numerics too (`matmul`, reading int8, bf16 and f32 weights in place);
 `invariant_unary`, `invariant_row_sum` and `invariant_exp_sum` are exp,
-log, norms' sums and a log-softmax's total. Their plain twins are XLA's
+log, norms' sums and a log-softmax's total; `invariant_attend` is
+attention's chains in one call. Their plain twins are XLA's
 (`chunkwise.numerics`, `chunkwise.models.matmul`). This package imports
 nothing else of chunkwise.
 """
 
 from chunkwise.cpu_kernels import isa as isa
+from chunkwise.cpu_kernels.invariant import (
+  invariant_attend as invariant_attend,
+)
 from chunkwise.cpu_kernels.invariant import (
   invariant_exp_sum as invariant_exp_sum,
 )

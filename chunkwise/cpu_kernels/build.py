@@ -43,8 +43,9 @@ import jaxlib
 INVARIANT_TARGET = "chunkwise_invariant_matmul"
 UNARY_TARGET = "chunkwise_invariant_unary"
 ROW_SUM_TARGET = "chunkwise_invariant_row_sum"
+ATTEND_TARGET = "chunkwise_invariant_attend"
 _HERE = pathlib.Path(__file__).parent
-_HEADERS = ("common.h", "vec.h", "kernels_int8.h", "pool.h")
+_HEADERS = ("common.h", "vec.h", "kernels_int8.h", "kernels_attend.h", "pool.h")
 # Every build's flags: no contraction of a * b + c into an FMA (the
 # definition says where FMAs are), no -march (see the module doc).
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off")
@@ -260,6 +261,7 @@ def library() -> ctypes.CDLL | None:
       (INVARIANT_TARGET, lib.ChunkwiseInvariantMatmul),
       (UNARY_TARGET, lib.ChunkwiseInvariantUnary),
       (ROW_SUM_TARGET, lib.ChunkwiseInvariantRowSum),
+      (ATTEND_TARGET, lib.ChunkwiseInvariantAttend),
     ):
       jax.ffi.register_ffi_target(
         target, jax.ffi.pycapsule(symbol), platform="cpu"

@@ -192,8 +192,9 @@ struct Scalar {
   static F nan_select(F x, F a) { return x != x ? x : a; }          // NaN x passes
 };
 
+// exp(x) = y * 2^n: n = round(x / ln 2) and y the polynomial of the rest.
 template <class L>
-typename L::F exp_lanes(typename L::F x) {
+typename L::F exp_poly(typename L::F x, typename L::F* n_out) {
   using F = typename L::F;
   const F n = L::round(L::mul(x, L::set(1.44269504088896341f)));
   F r = L::fma(n, L::set(-0.693359375f), x);
@@ -204,7 +205,15 @@ typename L::F exp_lanes(typename L::F x) {
   p = L::fma(p, r, L::set(4.1665795894E-2f));
   p = L::fma(p, r, L::set(1.6666665459E-1f));
   p = L::fma(p, r, L::set(5.0000001201E-1f));
-  const F y = L::add(L::fma(p, L::mul(r, r), r), L::set(1.f));
+  *n_out = n;
+  return L::add(L::fma(p, L::mul(r, r), r), L::set(1.f));
+}
+
+template <class L>
+typename L::F exp_lanes(typename L::F x) {
+  using F = typename L::F;
+  F n;
+  const F y = exp_poly<L>(x, &n);
   // 2^n as a normal float's bits, n clamped to [-126, 127]; n = 128 (x
   // near 88.7) takes its last factor 2 apart. Out-of-range x below.
   const F nc = L::min(L::max(n, L::set(-126.f)), L::set(127.f));
@@ -214,6 +223,19 @@ typename L::F exp_lanes(typename L::F x) {
   out = L::gt_select(x, L::set(88.72283935546875f), L::set(INFINITY), out);
   out = L::lt_select(x, L::set(-87.33654022216797f), L::set(0.f), out);
   return L::nan_select(x, out);
+}
+
+// exp_lanes of x in [kExpLow, 0] (attention's logit minus its max): the
+// same operations less those that leave such an x's result as it is (n is
+// in [-126, 0]: the clamp, the factor 2 for n = 128 and the out-of-range
+// selects), so the same bits.
+constexpr float kExpLow = -87.33654022216797f;
+
+template <class L>
+typename L::F exp_lanes_nonpositive(typename L::F x) {
+  typename L::F n;
+  const typename L::F y = exp_poly<L>(x, &n);
+  return L::mul(y, L::from_bits(L::shl(L::iadd(L::to_int(n), 127), 23)));
 }
 
 template <class L>
@@ -253,6 +275,61 @@ typename L::F log_lanes(typename L::F x) {
 
 enum Unary : int64_t { kExp = 0, kLog = 1 };
 
+// Attention under invariant numerics in one call (`attend`): the
+// operations of models/invariant_attention.py's chain, each query's
+// logits, their max and the weighted values kept in cache instead of
+// written out between kernel calls. One piece of keys and values (a
+// prefix's, or the chunk's own), read in place.
+struct AttendPiece {
+  const void* k = nullptr;  // [b, heads, S, D] f32 or bf16, as v
+  const void* v = nullptr;
+  bool bf16 = false;
+  i64 b = 1, heads = 1, first = 0, S = 0;
+  // Keys a query sees: mask[mb][mr][mt][ms] (bool bytes), each dim 1
+  // (broadcast) or full: b, B / b, the chunk's T, S.
+  const uint8_t* mask = nullptr;
+  i64 mb = 1, mr = 1, mt = 1, ms = 1;
+
+  // Row `s` of head h's keys (values) for query batch row bq of B.
+  CW_INLINE i64 row(i64 B, i64 bq, i64 h, i64 s) const {
+    return ((bq / (B / b)) * heads + first + h) * S + s;
+  }
+  // The mask over this piece's keys for batch row bq and token t: `at(s)`.
+  struct Seen {
+    const uint8_t* m;
+    i64 step;
+    CW_INLINE bool at(i64 s) const { return m[s * step] != 0; }
+  };
+  CW_INLINE Seen seen(i64 B, i64 bq, i64 t) const {
+    const i64 r = B / b;
+    const i64 i = ((mb > 1 ? bq / r : 0) * mr + (mr > 1 ? bq % r : 0)) * mt + (mt > 1 ? t : 0);
+    return {mask + i * ms, ms > 1 ? 1 : 0};
+  }
+};
+
+// q [B, kv, T * group, D] (rows t * group + g, pre-scaled); out [B, kv,
+// T * group, D + 1]: for each query row, the weighted values' chains and
+// the weights' sum (the last column), as invariant_attention.py's kernels
+// compute them: logit = one FMA chain over D from +0 (key by key, piece
+// after piece), masked logits -1e30, top = their max, then per output one
+// FMA chain of exp(logit - top) x value over the keys in order (the sum:
+// x 1), from +0.
+struct Attend {
+  const float* q = nullptr;
+  float* out = nullptr;
+  i64 B = 0, kv = 0, T = 0, group = 1, D = 0;
+  const AttendPiece* piece = nullptr;
+  i64 pieces = 0;
+  CW_INLINE i64 rows() const { return T * group; }
+  CW_INLINE i64 keys() const {
+    i64 n = 0;
+    for (i64 p = 0; p < pieces; ++p) n += piece[p].S;
+    return n;
+  }
+};
+
+constexpr float kMasked = -1e30f;  // invariant_attention._MASKED
+
 // One instruction set's kernels (portable.cc, kernels.cc).
 struct Table {
   const char* name;
@@ -264,6 +341,8 @@ struct Table {
   // `shift` (else nullptr) of exp(x[m, :] - shift[m]).
   void (*row_sum)(const float* x, const float* shift, float* out, i64 M, i64 K,
                   Parallel& par);
+  // Attend's out.
+  void (*attend)(const Attend& a, Parallel& par);
 };
 
 // The instruction sets, as dispatch.cc and invariant.py number them.

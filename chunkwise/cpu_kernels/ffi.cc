@@ -14,6 +14,7 @@
 // CHUNKWISE_CPU_ISA). A set this CPU lacks is refused, never run.
 
 #include <atomic>
+#include <vector>
 
 #include "common.h"
 #include "pool.h"
@@ -235,6 +236,77 @@ ffi::Error Unary(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffe
   return ffi::Error::Success();
 }
 
+// Attention in one call (common.h's Attend): q f32[B, kv, T * group, D],
+// firsts s32[P] (each piece's first head), then k, v, mask per piece (k, v
+// [b, heads, S, D] f32 or bf16; mask bool [mb, mr, mt, ms], each dim 1 or
+// b, B / b, T, S); out f32[B, kv, T * group, D + 1].
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> firsts,
+                  ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> out, int64_t group,
+                  int64_t isa) {
+  auto qd = q.dimensions();
+  if (qd.size() != 4 || group <= 0 || qd[2] % group != 0)
+    return ffi::Error::InvalidArgument("q must be [B, kv, T * group, D]");
+  chunkwise::Attend a;
+  a.B = qd[0];
+  a.kv = qd[1];
+  a.T = qd[2] / group;
+  a.group = group;
+  a.D = qd[3];
+  auto od = out->dimensions();
+  if (od.size() != 4 || od[0] != a.B || od[1] != a.kv || od[2] != qd[2] || od[3] != a.D + 1)
+    return ffi::Error::InvalidArgument("out must be [B, kv, T * group, D + 1]");
+  const i64 P = static_cast<i64>(firsts.element_count());
+  if (static_cast<i64>(rest.size()) != 3 * P)
+    return ffi::Error::InvalidArgument("k, v and mask for every piece");
+  std::vector<chunkwise::AttendPiece> pieces(P);
+  for (i64 p = 0; p < P; ++p) {
+    auto k = rest.get<ffi::AnyBuffer>(3 * p);
+    auto v = rest.get<ffi::AnyBuffer>(3 * p + 1);
+    auto m = rest.get<ffi::AnyBuffer>(3 * p + 2);
+    if (!k.has_value() || !v.has_value() || !m.has_value())
+      return ffi::Error::InvalidArgument("pieces are buffers");
+    auto kd = k->dimensions(), vd = v->dimensions(), md = m->dimensions();
+    chunkwise::AttendPiece& pc = pieces[p];
+    if (kd.size() != 4 || vd.size() != 4 || md.size() != 4 || k->element_type() != v->element_type())
+      return ffi::Error::InvalidArgument("k and v [b, heads, S, D] of one dtype, mask 4-D");
+    for (int i = 0; i < 4; ++i)
+      if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("k and v shapes disagree");
+    if (k->element_type() == ffi::DataType::BF16) pc.bf16 = true;
+    else if (k->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("k and v must be f32 or bf16");
+    if (m->element_type() != ffi::DataType::PRED)
+      return ffi::Error::InvalidArgument("mask must be bool");
+    pc.b = kd[0];
+    pc.heads = kd[1];
+    pc.S = kd[2];
+    pc.first = firsts.typed_data()[p];
+    if (kd[3] != a.D || pc.b <= 0 || a.B % pc.b != 0 || pc.first < 0 || pc.first + a.kv > pc.heads)
+      return ffi::Error::InvalidArgument("a piece's k and v disagree with q");
+    const i64 full[4] = {pc.b, a.B / pc.b, a.T, pc.S};
+    for (int i = 0; i < 4; ++i)
+      if (md[i] != 1 && md[i] != full[i])
+        return ffi::Error::InvalidArgument("mask dims must be 1 or [b, B / b, T, S]");
+    pc.mb = md[0];
+    pc.mr = md[1];
+    pc.mt = md[2];
+    pc.ms = md[3];
+    pc.k = k->untyped_data();
+    pc.v = v->untyped_data();
+    pc.mask = static_cast<const uint8_t*>(m->untyped_data());
+  }
+  a.piece = pieces.data();
+  a.pieces = P;
+  a.q = q.typed_data();
+  a.out = out->typed_data();
+  const Table* table;
+  if (auto e = table_of(isa, &table); e.failure()) return e;
+  if (a.B * a.kv * qd[2] == 0) return ffi::Error::Success();
+  if (a.keys() == 0) return ffi::Error::InvalidArgument("attention needs a key");
+  Pool par(pool);
+  table->attend(a, par);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The run-time choice, for invariant.py (ctypes).
@@ -295,4 +367,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantRowSum, RowSum,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("exp")
+                                  .Attr<int64_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantAttend, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group")
                                   .Attr<int64_t>("isa"));

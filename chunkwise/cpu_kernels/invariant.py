@@ -103,3 +103,38 @@ def invariant_exp_sum(x, shift, *, isa: str | None = None) -> jax.Array:
   return jax.ffi.ffi_call(
     build.ROW_SUM_TARGET, jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32)
   )(x, jnp.asarray(shift, jnp.float32), exp=1, isa=isa_lib.number(isa))
+
+
+def invariant_attend(
+  q, pieces, *, group: int, isa: str | None = None
+) -> jax.Array:
+  """Attention under invariant numerics in one call (common.h's Attend).
+
+  Args:
+    q: f32[B, kv, T * group, D], pre-scaled (rows t * group + g).
+    pieces: (k, v, first, mask) per piece in position order: k, v [b, heads,
+      S, D] f32 or bf16 (b | B), first the piece's first head (int or
+      int32 scalar), mask bool [mb, mr, mt, ms], each dim 1 or b, B / b,
+      T, S.
+    group: query heads per kv head.
+  Returns:
+    f32[B, kv, T * group, D + 1]: the weighted values' chains, then the
+    weights' sum.
+  """
+  b, kv, rows, dim = q.shape
+  firsts = jnp.stack(
+    [jnp.asarray(first, jnp.int32).reshape(()) for _, _, first, _ in pieces]
+  )
+  operands = []
+  for k, v, _, mask in pieces:
+    operands += [k, v, jnp.asarray(mask, jnp.bool_)]
+  return jax.ffi.ffi_call(
+    build.ATTEND_TARGET,
+    jax.ShapeDtypeStruct((b, kv, rows, dim + 1), jnp.float32),
+  )(
+    q.astype(jnp.float32),
+    firsts,
+    *operands,
+    group=int(group),
+    isa=isa_lib.number(isa),
+  )

@@ -478,6 +478,7 @@ void quantize(const Problem& p, QuantizedX& xq) {
 }
 
 #include "kernels_int8.h"
+#include "kernels_attend.h"
 
 void matmul(const Problem& p, Parallel& par) {
   switch (p.type) {
@@ -514,7 +515,7 @@ void unary(const float* x, float* out, i64 n, int64_t op, Parallel& par) {
 }  // namespace
 
 extern const Table kTable;
-const Table kTable = {CW_STR(CW_NS), matmul, unary, row_sum};
+const Table kTable = {CW_STR(CW_NS), matmul, unary, row_sum, attend};
 
 }  // namespace CW_NS
 }  // namespace chunkwise

@@ -125,7 +125,49 @@ void row_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Paral
   });
 }
 
-constexpr Table kTable = {"portable", matmul, unary, row_sum};
+// Key s of a piece's head row as f32 (k or v).
+inline const float* widen(const AttendPiece& p, const void* base, i64 row, i64 D,
+                          std::vector<float>& buf) {
+  if (!p.bf16) return static_cast<const float*>(base) + row * D;
+  const uint16_t* h = static_cast<const uint16_t*>(base) + row * D;
+  for (i64 d = 0; d < D; ++d) buf[d] = as_float(h[d]);
+  return buf.data();
+}
+
+void attend(const Attend& a, Parallel& par) {
+  const i64 R = a.rows(), D = a.D;
+  par.run(a.B * a.kv * R, [&](i64 i) {
+    const i64 bq = i / (a.kv * R), h = i / R % a.kv, t = i % R / a.group;
+    const float* q = a.q + i * D;
+    std::vector<float> logit, buf(D);
+    for (i64 p = 0; p < a.pieces; ++p) {
+      const AttendPiece& pc = a.piece[p];
+      const auto seen = pc.seen(a.B, bq, t);
+      for (i64 s = 0; s < pc.S; ++s) {
+        const float* k = widen(pc, pc.k, pc.row(a.B, bq, h, s), D, buf);
+        float l = 0.f;
+        for (i64 d = 0; d < D; ++d) l = std::fma(q[d], k[d], l);
+        logit.push_back(seen.at(s) ? l : kMasked);
+      }
+    }
+    float top = -INFINITY;
+    for (float l : logit) top = l > top ? l : top;
+    float* out = a.out + i * (D + 1);
+    std::fill(out, out + D + 1, 0.f);
+    i64 j = 0;
+    for (i64 p = 0; p < a.pieces; ++p) {
+      const AttendPiece& pc = a.piece[p];
+      for (i64 s = 0; s < pc.S; ++s) {
+        const float e = exp_lanes<Scalar>(logit[j++] - top);
+        const float* v = widen(pc, pc.v, pc.row(a.B, bq, h, s), D, buf);
+        for (i64 d = 0; d < D; ++d) out[d] = std::fma(e, v[d], out[d]);
+        out[D] = std::fma(e, 1.f, out[D]);
+      }
+    }
+  });
+}
+
+constexpr Table kTable = {"portable", matmul, unary, row_sum, attend};
 
 }  // namespace
 

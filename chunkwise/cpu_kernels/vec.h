@@ -131,6 +131,10 @@ struct Vec {
     return _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(3.40282347e+38f), _CMP_LE_OQ) ==
            0xffff;
   }
+  static bool within(V v, float lo, float hi) {  // lo <= every lane <= hi (no NaN)
+    return (_mm512_cmp_ps_mask(v, _mm512_set1_ps(lo), _CMP_GE_OQ) &
+            _mm512_cmp_ps_mask(v, _mm512_set1_ps(hi), _CMP_LE_OQ)) == 0xffff;
+  }
   // W rounded values (common.h's round_i16 of v) stored as int16.
   static void store_i16(int16_t* q, V v) {
     const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -273,6 +277,11 @@ struct Vec {
     return _mm256_movemask_ps(_mm256_cmp_ps(abs(v), _mm256_set1_ps(3.40282347e+38f), _CMP_LE_OQ)) ==
            0xff;
   }
+  static bool within(V v, float lo, float hi) {
+    return _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, _mm256_set1_ps(lo), _CMP_GE_OQ),
+                                            _mm256_cmp_ps(v, _mm256_set1_ps(hi), _CMP_LE_OQ))) ==
+           0xff;
+  }
   static void store_i16(int16_t* q, V v) {
     const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 c = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-32767.f)),
@@ -363,6 +372,9 @@ struct Vec {
   static float hmax(V v) { return vmaxvq_f32(v); }
   static bool finite(V v) {
     return vminvq_u32(vcleq_f32(vabsq_f32(v), vdupq_n_f32(3.40282347e+38f))) != 0;
+  }
+  static bool within(V v, float lo, float hi) {
+    return vminvq_u32(vandq_u32(vcgeq_f32(v, vdupq_n_f32(lo)), vcleq_f32(v, vdupq_n_f32(hi)))) != 0;
   }
   static void store_i16(int16_t* q, V v) {
     const float32x4_t c = vminq_f32(vmaxq_f32(vrndnq_f32(v), vdupq_n_f32(-32767.f)),

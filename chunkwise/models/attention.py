@@ -23,7 +23,10 @@ caches as in the chunk.
 A long chunk (`blocked_attention.wanted`) reads its context in key blocks
 instead (`blocked_attention`): the same result, bit for bit under
 invariant numerics, with O(T · block) memory; this module's unblocked
-path is its plain twin.
+path is its plain twin. Under invariant numerics on the CPU a chunk whose
+keys and values are f32 or bf16 (and no soft cap) skips the key blocks:
+`invariant_attention`'s fused kernel keeps a tile of queries' logits in
+cache and never writes [T, S] out.
 """
 
 from __future__ import annotations
@@ -298,8 +301,17 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
       start = start + _repeat_rows(piece.lengths, batch)
     q_positions = start[:, None] + jnp.arange(time)  # [B, T]
 
-  if not kernels and blocked_attention.wanted(
-    time, time + sum(p.width for p in prefix)
+  # Under invariant numerics the fused kernel holds a query tile's logits
+  # alone, so a long chunk needs no key blocks.
+  fused = numerics.invariant() and invariant_attention.fuses(
+    [a.dtype for p in prefix for a in (p.k, p.v)] + [k.dtype, v.dtype],
+    time * group,
+    options.softcap,
+  )
+  if (
+    not kernels
+    and not fused
+    and blocked_attention.wanted(time, time + sum(p.width for p in prefix))
   ):
     live = [(p.sliced(), i) for i, p in enumerate(prefix) if p.width]
     return blocked_attention.attend(

@@ -3,8 +3,12 @@ query and the keys and values at their absolute positions.
 
 `attention.attend` takes this path when `numerics.invariant()`; its other
 paths (XLA's dots, merged by their softmax statistics) are the fast twin
-that tests compare it with. The fixed-order kernels are
-`numerics.batched` (`cpu_kernels.invariant_matmul` on the CPU).
+that tests compare it with. A query block of 16 rows or more (tokens x
+group) with f32 or bf16 keys and values and no soft cap runs in one kernel
+call (`_fused`: `numerics.attend`, `cpu_kernels.invariant_attend`), whose
+plain twin, bit for bit, is `_chain`: the logits and the values as
+`numerics.batched` products (`cpu_kernels.invariant_matmul`) with the max
+and the mask between them in XLA.
 
   out = attend(q, k, v, [(prefix_layer, mask), ...], blocks, softcap)
 """
@@ -80,15 +84,73 @@ def attend(
     ]
     chunk = (kh[:, :, first:end], vh[:, :, first:end], None)
     pieces.append((chunk, seen[None, None, :, None, None, :]))
-    parts.append(_chain(q[:, start:end], pieces, softcap))
+    dtypes = [a.dtype for piece, _ in pieces for a in piece[:2]]
+    if fuses(dtypes, (end - start) * group, softcap):
+      parts.append(_fused(q[:, start:end], pieces))
+    else:
+      parts.append(_chain(q[:, start:end], pieces, softcap))
   out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
   return out.reshape(batch, time, kv_heads * group, dim)
+
+
+# Query rows (tokens x group) from which a block takes the fused kernel:
+# it computes a vector of rows at a time (16 on AVX-512), so decode's few
+# rows stay with the matmul kernels, which read each key once per row.
+FUSED_ROWS = 16
+_FUSED_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def fuses(dtypes, rows: int, softcap: float | None) -> bool:
+  """Whether a query block of `rows` rows (tokens x group) over keys and
+  values of `dtypes` runs as one kernel call (`_fused`): the same
+  operations as `_chain`, bit for bit (tests/test_invariant_attention.py),
+  for f32 or bf16 keys and values, no soft cap and enough rows."""
+  return (
+    softcap is None
+    and rows >= FUSED_ROWS
+    and all(jnp.dtype(d) in _FUSED_DTYPES for d in dtypes)
+  )
+
+
+def _fused(q: jax.Array, pieces: list) -> jax.Array:
+  """`_chain` in one call on the CPU (`numerics.attend`): every query's
+  logits, their max and its weighted values stay in cache instead of
+  passing through memory between kernels; elsewhere `_chain`. Returns
+  f32[B, T, kv, group, D]."""
+  batch, time, kv_heads, group, dim = q.shape
+  queries = jnp.swapaxes(q, 1, 2).reshape(batch, kv_heads, time * group, dim)
+  args = []
+  for (k, v, first), mask in pieces:
+    mask = jnp.asarray(mask, jnp.bool_)
+    mask = mask.reshape((1,) * (6 - mask.ndim) + mask.shape)
+    args.append((k, v, 0 if first is None else first, mask[:, :, :, 0, 0]))
+  acc = numerics.attend(
+    queries,
+    args,
+    group=group,
+    twin=lambda: _chain_sums(q, pieces, None).reshape(
+      batch, kv_heads, time * group, dim + 1
+    ),
+  )
+  return _finish(acc.reshape(batch, kv_heads, time, group, dim + 1))
+
+
+def _finish(acc: jax.Array) -> jax.Array:
+  """[B, kv, T, group, D + 1] chains -> f32[B, T, kv, group, D]."""
+  dim = acc.shape[-1] - 1
+  return jnp.swapaxes(acc[..., :dim] / acc[..., dim:], 1, 2)
 
 
 def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
   """`attend` of queries q [B, T, kv, group, D] to `pieces`
   ((k, v [b, kv', S, D], head window (first, count) or None), mask), in
   order. Returns f32[B, T, kv, group, D]."""
+  return _finish(_chain_sums(q, pieces, softcap))
+
+
+def _chain_sums(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
+  """`_chain`'s weighted values and, last, the weights' sum: f32[B, kv,
+  T, group, D + 1]."""
   batch, time, kv_heads, group, dim = q.shape
 
   def common(a, b):  # [b, kv, r, T, group, ...] -> [B, kv, T, group, ...]
@@ -139,5 +201,4 @@ def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
       shift=view(top, b).reshape(b * kv_heads, rows),
     )
     acc = common(out.reshape(b, kv_heads, batch // b, time, group, -1), b)
-  out = acc[..., :dim] / acc[..., dim:]  # [B, kv, T, group, D]
-  return jnp.swapaxes(out, 1, 2)
+  return acc
