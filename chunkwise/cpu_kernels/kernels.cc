@@ -204,15 +204,16 @@ template <class T>
 void packed_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const T* w = p.weight<T>(g);
   const i64 tiles = (n1 - n0 + kNR - 1) / kNR;
-  thread_local std::vector<float> panel, ebuf;
-  if (panel.size() < static_cast<size_t>(tiles * kKC * kNR)) panel.resize(tiles * kKC * kNR);
+  thread_local LineBuffer<float> panels;
+  thread_local std::vector<float> ebuf;
+  float* panel = panels.get(tiles * kKC * kNR);
   const float* xs = x_rows(p, g, m0, m1, ebuf);
   for (i64 k0 = 0; k0 < p.K; k0 += kKC) {
     const i64 kc = std::min(kKC, p.K - k0);
     for (i64 t = 0; t < tiles; ++t)
-      pack_panel<T>(p, w, k0, kc, n0 + t * kNR, panel.data() + t * kKC * kNR);
+      pack_panel<T>(p, w, k0, kc, n0 + t * kNR, panel + t * kKC * kNR);
     for (i64 t = 0; t < tiles; ++t) {
-      const float* pp = panel.data() + t * kKC * kNR;
+      const float* pp = panel + t * kKC * kNR;
       const i64 c0 = n0 + t * kNR, ncols = std::min<i64>(kNR, n1 - c0);
       switch ((ncols + W - 1) / W) {  // a narrower last tile
 #define CW_CASE(v) \
@@ -236,15 +237,14 @@ struct Rows {
 
 inline Rows rows_begin(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1, i64 unit) {
   const i64 stride = (n1 - n0 + unit - 1) / unit * unit;
-  thread_local std::vector<float> buf;
-  if (buf.size() < static_cast<size_t>((m1 - m0) * stride)) buf.resize((m1 - m0) * stride);
+  thread_local LineBuffer<float> lines;
+  float* buf = lines.get((m1 - m0) * stride);
   for (i64 m = 0; m < m1 - m0; ++m) {
     const float* acc = p.arow(g, m0 + m);
     for (i64 c = 0; c < stride; c += W)
-      Vec::store(buf.data() + m * stride + c,
-                 acc ? Vec::loadn(acc + n0 + c, n1 - n0 - c) : Vec::zero());
+      Vec::store(buf + m * stride + c, acc ? Vec::loadn(acc + n0 + c, n1 - n0 - c) : Vec::zero());
   }
-  return {buf.data(), stride};
+  return {buf, stride};
 }
 
 inline void rows_end(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1, Rows a) {

@@ -22,12 +22,12 @@ static_assert(kValueNV <= 4, "value_rows has cases up to 4 vectors");
 // Keys [s0, s0 + n) of `p`'s head row as f32 rows of D (bf16 widened into
 // `buf`; f32 read in place).
 inline const float* key_rows(const AttendPiece& p, const void* base, i64 row, i64 n, i64 D,
-                             std::vector<float>& buf) {
+                             LineBuffer<float>& buf) {
   if (!p.bf16) return static_cast<const float*>(base) + row * D;
   const uint16_t* h = static_cast<const uint16_t*>(base) + row * D;
-  if (buf.size() < static_cast<size_t>(n * D)) buf.resize(n * D);
-  for (i64 i = 0; i < n * D; ++i) buf[i] = as_float(h[i]);
-  return buf.data();
+  float* f = buf.get(n * D);
+  for (i64 i = 0; i < n * D; ++i) f[i] = as_float(h[i]);
+  return f;
 }
 
 // Logits of keys k[0..NK) (rows of D) for the tile (qt: [D][kRows]) into
@@ -106,10 +106,11 @@ inline void value_rows(const float* et, i64 j0, const float* v, i64 n, i64 D, bo
 void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
   const i64 D = a.D, total = a.keys();
   const i64 blocks_total = (total + kKeyBlock - 1) / kKeyBlock + a.pieces;
-  thread_local std::vector<float> qt, lt, kbuf;
+  thread_local LineBuffer<float> qts, lts, kbuf;
   thread_local std::vector<uint8_t> live;
-  qt.assign(D * kRows, 0.f);
-  if (lt.size() < static_cast<size_t>(total * kRows)) lt.resize(total * kRows);
+  float* qt = qts.get(D * kRows);
+  float* lt = lts.get(total * kRows);
+  std::fill(qt, qt + D * kRows, 0.f);
   live.assign(blocks_total, 0);
   const float* q = a.q + ((bq * a.kv + h) * a.rows() + r0) * D;
   for (i64 j = 0; j < n; ++j)
@@ -139,10 +140,10 @@ void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
       if (!some) continue;
       live[blk] = 1;
       const float* k = key_rows(pc, pc.k, pc.row(a.B, bq, h, s0), nk, D, kbuf);
-      float* lb = lt.data() + (at + s0) * kRows;
+      float* lb = lt + (at + s0) * kRows;
       i64 s = 0;
-      for (; s + kKeys <= nk; s += kKeys) logit_step<kKeys>(qt.data(), k + s * D, D, lb + s * kRows);
-      for (; s < nk; ++s) logit_step<1>(qt.data(), k + s * D, D, lb + s * kRows);
+      for (; s + kKeys <= nk; s += kKeys) logit_step<kKeys>(qt, k + s * D, D, lb + s * kRows);
+      for (; s < nk; ++s) logit_step<1>(qt, k + s * D, D, lb + s * kRows);
       if (!all)
         for (i64 j = 0; j < n; ++j) {
           const auto seen = pc.seen(a.B, bq, (r0 + j) / a.group);
@@ -170,12 +171,12 @@ void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
     }
   };
   live_keys([&](const AttendPiece&, i64 at, i64 s0, i64 nk) {
-    const float* lb = lt.data() + (at + s0) * kRows;
+    const float* lb = lt + (at + s0) * kRows;
     for (i64 s = 0; s < nk; ++s)
       for (int i = 0; i < kRV; ++i) top[i] = Vec::max(top[i], Vec::load(lb + s * kRows + i * W));
   });
   live_keys([&](const AttendPiece&, i64 at, i64 s0, i64 nk) {
-    float* lb = lt.data() + (at + s0) * kRows;
+    float* lb = lt + (at + s0) * kRows;
     for (i64 s = 0; s < nk; ++s)
       for (int i = 0; i < kRV; ++i) {
         const V x = Vec::L::sub(Vec::load(lb + s * kRows + i * W), top[i]);
@@ -193,7 +194,7 @@ void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
   bool fresh = true;
   live_keys([&](const AttendPiece& pc, i64 at, i64 s0, i64 nk) {
     const float* v = key_rows(pc, pc.v, pc.row(a.B, bq, h, s0), nk, D, kbuf);
-    const float* et = lt.data() + (at + s0) * kRows;
+    const float* et = lt + (at + s0) * kRows;
     i64 j = 0;
     for (; j + 6 <= n; j += 6) value_rows<6>(et, j, v, nk, D, fresh, out + j * lo, lo);
     for (; j + 2 <= n; j += 2) value_rows<2>(et, j, v, nk, D, fresh, out + j * lo, lo);

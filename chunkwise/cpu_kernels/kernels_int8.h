@@ -255,21 +255,21 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
   const float* s = p.scale(g);
   const i64 pp = (p.group + 1) / 2;
-  thread_local std::vector<int16_t> buf;
-  if (buf.size() < static_cast<size_t>(32 * pp * p.groups)) buf.resize(32 * pp * p.groups);
+  thread_local LineBuffer<int16_t> lines;
+  int16_t* buf = lines.get(32 * pp * p.groups);
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 16) {
     const i64 rows = std::min<i64>(16, n1 - n);
     // the next block (contiguous rows), prefetched by the first row tile
     const char* next = reinterpret_cast<const char*>(w + (n + 16) * p.K);
     i64 lines = (std::min<i64>(16, std::max<i64>(0, n1 - n - 16)) * p.K + 63) / 64;
-    nmajor_pack(p, w, buf.data(), n, rows);
+    nmajor_pack(p, w, buf, n, rows);
     i64 m = 0;
     for (; m + kMR8 <= p.M; m += kMR8, lines = 0)
-      nmajor_tile_i8<kMR8>(p, xq, g, buf.data(), s, m, n, rows, next, lines);
+      nmajor_tile_i8<kMR8>(p, xq, g, buf, s, m, n, rows, next, lines);
     switch (p.M - m) {
 #define CW_CASE(r) \
-  case r: nmajor_tile_i8<r>(p, xq, g, buf.data(), s, m, n, rows, next, lines); break;
+  case r: nmajor_tile_i8<r>(p, xq, g, buf, s, m, n, rows, next, lines); break;
       CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4) CW_CASE(5) CW_CASE(6) CW_CASE(7)
 #undef CW_CASE
       default: break;
@@ -415,17 +415,17 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
   const float* s = p.scale(g);
   const i64 pp = (p.group + 1) / 2;
-  thread_local std::vector<int16_t> buf;
-  if (buf.size() < static_cast<size_t>(32 * pp * p.groups)) buf.resize(32 * pp * p.groups);
+  thread_local LineBuffer<int16_t> lines;
+  int16_t* buf = lines.get(32 * pp * p.groups);
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 16) {
     const i64 rows = std::min<i64>(16, n1 - n);
     for (i64 r = 16; r < 32 && n + r < n1; r += 2)  // the next block
       for (i64 k = 0; k < p.K; k += 64) prefetch(w + (n + r) * p.K + k);
-    nmajor_pack(p, w, buf.data(), n, rows);
+    nmajor_pack(p, w, buf, n, rows);
     i64 m = 0;
-    for (; m + 4 <= p.M; m += 4) nmajor_tile_i8<4>(p, xq, g, buf.data(), s, m, n, rows);
-    for (; m < p.M; ++m) nmajor_tile_i8<1>(p, xq, g, buf.data(), s, m, n, rows);
+    for (; m + 4 <= p.M; m += 4) nmajor_tile_i8<4>(p, xq, g, buf, s, m, n, rows);
+    for (; m < p.M; ++m) nmajor_tile_i8<1>(p, xq, g, buf, s, m, n, rows);
   }
 }
 
