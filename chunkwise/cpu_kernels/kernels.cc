@@ -277,8 +277,10 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   for (; k + 4 <= p.K; k += 4)
     for (i64 sb = 0; sb < subs; ++sb) {
       const i64 c0 = n0 + sb * kSub;
-      if (((c0 * static_cast<i64>(sizeof(T))) & 63) == 0 && k + kAhead + 4 <= p.K)
-        for (int i = 0; i < 4; ++i) prefetch(w + (k + kAhead + i) * p.N + c0);
+      if (k + kAhead + 4 <= p.K)  // every line of the sub-block's rows
+        for (int i = 0; i < 4; ++i)
+          for (i64 c = c0; c < std::min(c0 + kSub, n1); c += 64 / static_cast<i64>(sizeof(T)))
+            prefetch(w + (k + kAhead + i) * p.N + c);
       V wv[4][kStreamV];
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < kStreamV; ++j) wv[i][j] = kmajor_weights(p, w, k + i, c0 + j * W);
