@@ -311,6 +311,14 @@ struct AttendPiece {
   CW_INLINE i64 row(i64 B, i64 bq, i64 h, i64 s) const {
     return ((bq / (B / b)) * heads + first + h) * S + s;
   }
+  // Rows [row, row + n) of k or v (`base`) as f32 rows of D: f32 read in
+  // place, bf16 widened into buf (n * D floats).
+  CW_INLINE const float* rows_f32(const void* base, i64 row, i64 n, i64 D, float* buf) const {
+    if (!bf16) return static_cast<const float*>(base) + row * D;
+    const uint16_t* h = static_cast<const uint16_t*>(base) + row * D;
+    for (i64 i = 0; i < n * D; ++i) buf[i] = as_float(h[i]);
+    return buf;
+  }
   // The mask over this piece's keys for batch row bq and token t: `at(s)`.
   struct Seen {
     const uint8_t* m;

@@ -19,17 +19,6 @@ constexpr i64 kKeyBlock = 64;              // keys whose mask is read together
 constexpr int kValueNV = kNV;              // value vectors a register tile (as a product's)
 static_assert(kValueNV <= 4, "value_rows has cases up to 4 vectors");
 
-// Keys [s0, s0 + n) of `p`'s head row as f32 rows of D (bf16 widened into
-// `buf`; f32 read in place).
-inline const float* key_rows(const AttendPiece& p, const void* base, i64 row, i64 n, i64 D,
-                             LineBuffer<float>& buf) {
-  if (!p.bf16) return static_cast<const float*>(base) + row * D;
-  const uint16_t* h = static_cast<const uint16_t*>(base) + row * D;
-  float* f = buf.get(n * D);
-  for (i64 i = 0; i < n * D; ++i) f[i] = as_float(h[i]);
-  return f;
-}
-
 // Logits of keys k[0..NK) (rows of D) for the tile (qt: [D][kRows]) into
 // lt[key][kRows].
 template <int NK>
@@ -117,64 +106,65 @@ void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
     for (i64 d = 0; d < D; ++d) qt[d * kRows + j] = q[j * D + d];
   const i64 t0 = r0 / a.group, t1 = (r0 + n - 1) / a.group;  // the tile's tokens
 
-  // Logits (masked -1e30) of the key blocks some row sees.
-  bool any_masked = false;
-  i64 at = 0, blk = 0;  // first key and block of the piece
-  for (i64 p = 0; p < a.pieces; ++p) {
-    const AttendPiece& pc = a.piece[p];
-    for (i64 s0 = 0; s0 < pc.S; s0 += kKeyBlock, ++blk) {
-      const i64 nk = std::min(kKeyBlock, pc.S - s0);
-      bool some = false, all = true;
-      for (i64 t = t0; t <= t1; ++t) {
-        const auto seen = pc.seen(a.B, bq, t);
-        if (seen.step == 0) {
-          some |= seen.at(0);
-          all &= seen.at(0);
-        } else {  // bool bytes: 0 or 1
-          const uint8_t* m = seen.m + s0;
-          some |= std::memchr(m, 1, nk) != nullptr;
-          all &= std::memchr(m, 0, nk) == nullptr;
-        }
-      }
-      any_masked |= !all;
-      if (!some) continue;
-      live[blk] = 1;
-      const float* k = key_rows(pc, pc.k, pc.row(a.B, bq, h, s0), nk, D, kbuf);
-      float* lb = lt + (at + s0) * kRows;
-      i64 s = 0;
-      for (; s + kKeys <= nk; s += kKeys) logit_step<kKeys>(qt, k + s * D, D, lb + s * kRows);
-      for (; s < nk; ++s) logit_step<1>(qt, k + s * D, D, lb + s * kRows);
-      if (!all)
-        for (i64 j = 0; j < n; ++j) {
-          const auto seen = pc.seen(a.B, bq, (r0 + j) / a.group);
-          for (i64 s = 0; s < nk; ++s)
-            if (!seen.at(s0 + s)) lb[s * kRows + j] = kMasked;
-        }
-    }
-    at += pc.S;
-  }
-
-  // top = the max over every key (a masked one's -1e30 included); then the
-  // weights exp(logit - top) in place, and their sum down the keys.
-  V top[kRV], sum[kRV];
-  for (int i = 0; i < kRV; ++i) {
-    top[i] = Vec::set1(any_masked ? kMasked : -INFINITY);
-    sum[i] = Vec::zero();
-  }
-  auto live_keys = [&](auto&& fn) {  // fn(piece, first key of the piece, s0, nk), in order
+  // Every key block in order: fn(piece, its block number, the piece's
+  // first key among all, s0, nk).
+  auto blocks = [&](auto&& fn) {
     i64 at = 0, blk = 0;
     for (i64 p = 0; p < a.pieces; ++p) {
       const AttendPiece& pc = a.piece[p];
       for (i64 s0 = 0; s0 < pc.S; s0 += kKeyBlock, ++blk)
-        if (live[blk]) fn(pc, at, s0, std::min(kKeyBlock, pc.S - s0));
+        fn(pc, blk, at, s0, std::min(kKeyBlock, pc.S - s0));
       at += pc.S;
     }
   };
-  live_keys([&](const AttendPiece&, i64 at, i64 s0, i64 nk) {
-    const float* lb = lt + (at + s0) * kRows;
+  auto live_keys = [&](auto&& fn) {  // fn(piece, at, s0, nk) of the live blocks
+    blocks([&](const AttendPiece& pc, i64 blk, i64 at, i64 s0, i64 nk) {
+      if (live[blk]) fn(pc, at, s0, nk);
+    });
+  };
+
+  // Logits (masked -1e30) of the key blocks some row sees, and top = their
+  // max over every key (a masked one's -1e30 included).
+  bool any_masked = false;
+  V top[kRV], sum[kRV];
+  for (int i = 0; i < kRV; ++i) {
+    top[i] = Vec::set1(-INFINITY);
+    sum[i] = Vec::zero();
+  }
+  blocks([&](const AttendPiece& pc, i64 blk, i64 at, i64 s0, i64 nk) {
+    bool some = false, all = true;
+    for (i64 t = t0; t <= t1; ++t) {
+      const auto seen = pc.seen(a.B, bq, t);
+      if (seen.step == 0) {
+        some |= seen.at(0);
+        all &= seen.at(0);
+      } else {  // bool bytes: 0 or 1
+        const uint8_t* m = seen.m + s0;
+        some |= std::memchr(m, 1, nk) != nullptr;
+        all &= std::memchr(m, 0, nk) == nullptr;
+      }
+    }
+    any_masked |= !all;
+    if (!some) return;
+    live[blk] = 1;
+    const float* k = pc.rows_f32(pc.k, pc.row(a.B, bq, h, s0), nk, D, kbuf.get(nk * D));
+    float* lb = lt + (at + s0) * kRows;
+    i64 s = 0;
+    for (; s + kKeys <= nk; s += kKeys) logit_step<kKeys>(qt, k + s * D, D, lb + s * kRows);
+    for (; s < nk; ++s) logit_step<1>(qt, k + s * D, D, lb + s * kRows);
+    if (!all)
+      for (i64 j = 0; j < n; ++j) {
+        const auto seen = pc.seen(a.B, bq, (r0 + j) / a.group);
+        for (i64 s = 0; s < nk; ++s)
+          if (!seen.at(s0 + s)) lb[s * kRows + j] = kMasked;
+      }
     for (i64 s = 0; s < nk; ++s)
       for (int i = 0; i < kRV; ++i) top[i] = Vec::max(top[i], Vec::load(lb + s * kRows + i * W));
   });
+  if (any_masked)
+    for (int i = 0; i < kRV; ++i) top[i] = Vec::max(top[i], Vec::set1(kMasked));
+
+  // The weights exp(logit - top) in place, and their sum down the keys.
   live_keys([&](const AttendPiece&, i64 at, i64 s0, i64 nk) {
     float* lb = lt + (at + s0) * kRows;
     for (i64 s = 0; s < nk; ++s)
@@ -193,7 +183,7 @@ void attend_tile(const Attend& a, i64 bq, i64 h, i64 r0, i64 n) {
   const i64 lo = D + 1;
   bool fresh = true;
   live_keys([&](const AttendPiece& pc, i64 at, i64 s0, i64 nk) {
-    const float* v = key_rows(pc, pc.v, pc.row(a.B, bq, h, s0), nk, D, kbuf);
+    const float* v = pc.rows_f32(pc.v, pc.row(a.B, bq, h, s0), nk, D, kbuf.get(nk * D));
     const float* et = lt + (at + s0) * kRows;
     i64 j = 0;
     for (; j + 6 <= n; j += 6) value_rows<6>(et, j, v, nk, D, fresh, out + j * lo, lo);

@@ -125,15 +125,6 @@ void row_sum(const float* x, const float* shift, float* out, i64 M, i64 K, Paral
   });
 }
 
-// Key s of a piece's head row as f32 (k or v).
-inline const float* widen(const AttendPiece& p, const void* base, i64 row, i64 D,
-                          std::vector<float>& buf) {
-  if (!p.bf16) return static_cast<const float*>(base) + row * D;
-  const uint16_t* h = static_cast<const uint16_t*>(base) + row * D;
-  for (i64 d = 0; d < D; ++d) buf[d] = as_float(h[d]);
-  return buf.data();
-}
-
 void attend(const Attend& a, Parallel& par) {
   const i64 R = a.rows(), D = a.D;
   par.run(a.B * a.kv * R, [&](i64 i) {
@@ -144,7 +135,7 @@ void attend(const Attend& a, Parallel& par) {
       const AttendPiece& pc = a.piece[p];
       const auto seen = pc.seen(a.B, bq, t);
       for (i64 s = 0; s < pc.S; ++s) {
-        const float* k = widen(pc, pc.k, pc.row(a.B, bq, h, s), D, buf);
+        const float* k = pc.rows_f32(pc.k, pc.row(a.B, bq, h, s), 1, D, buf.data());
         float l = 0.f;
         for (i64 d = 0; d < D; ++d) l = std::fma(q[d], k[d], l);
         logit.push_back(seen.at(s) ? l : kMasked);
@@ -159,7 +150,7 @@ void attend(const Attend& a, Parallel& par) {
       const AttendPiece& pc = a.piece[p];
       for (i64 s = 0; s < pc.S; ++s) {
         const float e = exp_lanes<Scalar>(logit[j++] - top);
-        const float* v = widen(pc, pc.v, pc.row(a.B, bq, h, s), D, buf);
+        const float* v = pc.rows_f32(pc.v, pc.row(a.B, bq, h, s), 1, D, buf.data());
         for (i64 d = 0; d < D; ++d) out[d] = std::fma(e, v[d], out[d]);
         out[D] = std::fma(e, 1.f, out[D]);
       }
