@@ -8,13 +8,25 @@ analytic planner's estimate (`chunkwise.bench.simulate`).
       --json_out=sim.json --png=sim.png
   python scripts/simulate.py --model=palm-62b --prefill_layout=wg \\
       --generate_layout=ws_2d/yzx --batch=512 --prefill_len=2048
+  python scripts/simulate.py --target=tpu-v5e:2x2 --model=llama-3.1-8b \\
+      --layouts=ws_2d/yz --phases=generate --batch=32 --context=8192
 
-Each program is compiled at --layers depths (2 and 4 layers) and every
-figure is scaled to the model's depth (fixed + layers * per-layer); the
-report says so. Heads and vocabulary are padded to what the layouts can
-shard on the mesh (--pad; PaLM 540B's 48 heads become 64 on 64 devices,
-as Pope et al. did). Prints a table; --json_out writes every figure,
---png a bar chart of memory per device (compiled beside predicted).
+--target=tpu-<generation>:<topology> (v4, v5e, v5p, v6e; --slices for a
+multi-slice mesh, x spanning the slices) compiles with XLA:TPU for that
+slice's devices, described by libtpu without a TPU (pip install
+'chunkwise[tpu]'); --mesh defaults to the slice's torus and --hardware
+to its chip. The report then says per program whether it fits the
+chip's HBM (a program XLA:TPU refuses is reported with its message) and
+how long one pass takes by the compiler's cycles plus the planner's
+interconnect time.
+
+Each program is compiled at --layers depths (2 and 4 layers; "full" is
+the model's own depth) and every figure is scaled to the model's depth
+(fixed + layers * per-layer); the report says so. Heads and vocabulary
+are padded to what the layouts can shard on the mesh (--pad; PaLM
+540B's 48 heads become 64 on 64 devices, as Pope et al. did). Prints a
+table; --json_out writes every figure, --png a bar chart of memory per
+device (compiled beside predicted).
 """
 
 from __future__ import annotations
@@ -36,7 +48,18 @@ _MODEL = flags.DEFINE_string("model", "palm-540b", "Model preset.")
 _DEVICES = flags.DEFINE_integer(
   "devices", 64, "Fake host CPU devices (the mesh uses the first ones).", 1
 )
-_MESH = flags.DEFINE_string("mesh", "4x4x4", "Mesh shape XxYxZ.")
+_MESH = flags.DEFINE_string(
+  "mesh", None, "Mesh shape XxYxZ (default 4x4x4, or the --target's torus)."
+)
+_TARGET = flags.DEFINE_string(
+  "target",
+  "cpu",
+  "cpu (fake host devices) or tpu-<generation>:<topology>, e.g. "
+  "tpu-v5e:2x2, compiled by XLA:TPU without a TPU.",
+)
+_SLICES = flags.DEFINE_integer(
+  "slices", 1, "TPU slices (x spans them over the data-centre network).", 1
+)
 _PHASES = flags.DEFINE_list(
   "phases", ["prefill", "generate"], "Phases to compile: prefill, generate."
 )
@@ -71,13 +94,18 @@ _COMPUTE = flags.DEFINE_enum(
   "compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activation dtype."
 )
 _DEPTHS = flags.DEFINE_list(
-  "layers", ["2", "4"], "Depths compiled (at least two), scaled to the model's."
+  "layers",
+  ["2", "4"],
+  "Depths compiled (at least two; 'full': the model's), scaled to the model's.",
 )
 _PAD = flags.DEFINE_bool(
   "pad", True, "Pad heads and vocabulary so the layouts shard the model."
 )
 _HARDWARE = flags.DEFINE_string(
-  "hardware", "tpu-v4", "Planner hardware for the prediction ('' for none)."
+  "hardware",
+  None,
+  "Planner hardware for the prediction ('' for none; default tpu-v4, or "
+  "the --target's chip).",
 )
 _MIN_MEMORY = flags.DEFINE_bool(
   "min_memory_schedule",
@@ -103,26 +131,40 @@ def main(argv: Sequence[str]) -> None:
     (
       os.environ.get("XLA_FLAGS", ""),
       f"--xla_force_host_platform_device_count={_DEVICES.value}",
-      MIN_MEMORY_FLAGS if _MIN_MEMORY.value else "",
+      # XLA:CPU's; XLA:TPU bounds its memory by itself.
+      MIN_MEMORY_FLAGS if _MIN_MEMORY.value and _TARGET.value == "cpu" else "",
       _XLA_FLAGS.value,
     )
   ).strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax.numpy as jnp
 
+  from chunkwise import configs
   from chunkwise.bench import figures, report, simulate
   from chunkwise.bench.simulate_compile import WeightFormat
   from chunkwise.bench.simulate_report import table
+  from chunkwise.bench.tpu_target import Target
   from chunkwise.partitioning import Layout, parse_mesh
 
   try:
-    mesh = parse_mesh(_MESH.value)
-    depths = [int(d) for d in _DEPTHS.value]
-    if math.prod(mesh) > _DEVICES.value:
-      raise ValueError(
-        f"mesh {_MESH.value} needs {math.prod(mesh)} devices, "
-        f"--devices={_DEVICES.value}"
-      )
+    target = (
+      None
+      if _TARGET.value == "cpu"
+      else Target.parse(_TARGET.value, _SLICES.value)
+    )
+    mesh = None if _MESH.value is None else parse_mesh(_MESH.value)
+    if target is None:
+      mesh = mesh or (4, 4, 4)
+      if math.prod(mesh) > _DEVICES.value:
+        raise ValueError(
+          f"mesh {mesh} needs {math.prod(mesh)} devices, "
+          f"--devices={_DEVICES.value}"
+        )
+    hardware = _HARDWARE.value
+    if hardware is None:
+      hardware = "tpu-v4" if target is None else target.hardware
+    layers = configs.get(_MODEL.value).layers
+    depths = [layers if d == "full" else int(d) for d in _DEPTHS.value]
     per_phase = {
       "prefill": _PREFILL_LAYOUT.value,
       "generate": _GENERATE_LAYOUT.value,
@@ -150,11 +192,12 @@ def main(argv: Sequence[str]) -> None:
       _MODEL.value,
       mesh,
       cases,
+      target=target,
       depths=depths,
       pad=_PAD.value,
       cache_dtype=jnp.dtype(_CACHE.value),
       compute_dtype=jnp.dtype(_COMPUTE.value),
-      hardware=_HARDWARE.value or None,
+      hardware=hardware or None,
       log=logging.info,
     )
   except ValueError as e:
@@ -164,10 +207,14 @@ def main(argv: Sequence[str]) -> None:
   if result["padded"]:
     print(f"padded for the mesh (from, to): {result['padded']}")
   print(result["reports"][0]["scaling"])
+  if any("error" in r for r in result["reports"]):
+    print("refused programs: their 'error' in the report (--json_out)")
   if _JSON.value:
     report.write_json(_JSON.value, result)
   if _PNG.value:
-    figures.memory_bars(_PNG.value, result["reports"])
+    figures.memory_bars(
+      _PNG.value, [r for r in result["reports"] if "error" not in r]
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from chunkwise.inference.kv_cache import LayerKV
 from chunkwise.inference.paged_kv import PAGE, PagedKV
 from chunkwise.models import attention
 from chunkwise.models import paged_attention as pa
+from chunkwise.models import paged_attention_tpu as pa_tpu
 
 
 def _pool(rng, *, heads=2, pages=24, page=16, dim=64, rows=3, per_row=4):
@@ -24,6 +25,22 @@ def _pool(rng, *, heads=2, pages=24, page=16, dim=64, rows=3, per_row=4):
   table = rng.permutation(pages)[: rows * per_row].reshape(rows, per_row)
   table[0, 1:] = pages
   return k, v, jnp.asarray(table, jnp.int32)
+
+
+def _plain_piece(q, layer, softcap):
+  """(m, s, o) of the plain view (the pool's pages gathered per row) read
+  by `attention._attend_piece`, in f32."""
+  view = layer.view()
+  mask = jnp.arange(view.width)[None] < layer.lengths[:, None]
+  want = attention._attend_piece(
+    q[:, None],
+    view.k.astype(jnp.float32),
+    view.v.astype(jnp.float32),
+    mask[:, None, None, None, None, :],
+    softcap=softcap,
+    heads_major=True,
+  )
+  return tuple(a[:, 0] for a in want)
 
 
 @pytest.mark.parametrize("group, softcap, block", [(3, None, 8), (16, 30.0, 2)])
@@ -43,17 +60,7 @@ def test_the_pallas_kernel_equals_the_plain_view(group, softcap, block):
   m, s, o = pa.kernel_piece(
     q, layer, softcap=softcap, interpret=interpret, compute_block=block
   )
-  view = layer.view()
-  mask = jnp.arange(view.width)[None] < lengths[:, None]
-  want = attention._attend_piece(
-    q[:, None],
-    view.k,
-    view.v,
-    mask[:, None, None, None, None, :],
-    softcap=softcap,
-    heads_major=True,
-  )
-  m2, s2, o2 = (a[:, 0] for a in want)
+  m2, s2, o2 = _plain_piece(q, layer, softcap)
   for row in (0, 2):
     np.testing.assert_allclose(m[row], m2[row], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
@@ -70,6 +77,49 @@ def test_the_pallas_kernel_equals_the_plain_view(group, softcap, block):
       o[row] / s[row][..., None], o2[row] / s2[row][..., None], atol=1e-5
     )
   assert float(s[1].max()) == 0 and float(o[1].max()) == 0
+
+
+@pytest.mark.parametrize(
+  "group, softcap, block, dtype",
+  [(8, None, 4, jnp.float32), (2, 30.0, 2, jnp.bfloat16)],
+)
+def test_the_pallas_tpu_kernel_equals_the_plain_view(
+  group, softcap, block, dtype
+):
+  """JAX's Pallas TPU paged-attention kernel body, run by `tpu_piece` in
+  the TPU interpret mode, gives the plain view's (m, s, o): a row within
+  one page (the free marker in its table), an empty row, a full row; in
+  compute blocks of 4 pages or 2, q heads per K/V head a multiple of 8 or
+  not, f32 or bf16 pages. The kernel's dots run at the TPU's default
+  precision (one bf16 pass, f32 sums), so the inputs are bf16 values:
+  logits and weights agree to f32 rounding, outputs (weights rounded to
+  bf16 for the second dot) to bf16's."""
+  rng = np.random.default_rng(1)
+
+  def bf16(x):
+    return x.astype(jnp.bfloat16).astype(dtype)
+
+  k, v, table = _pool(rng, dim=128)
+  k, v = bf16(k), bf16(v)
+  lengths = jnp.array([5, 0, 64], jnp.int32)
+  layer = pa.PagedLayer(k, v, table, lengths)
+  q = bf16(jnp.asarray(rng.normal(size=(3, 1, 2, group, 128)), jnp.float32))
+  q = q.astype(jnp.float32)
+  assert pa_tpu.supports(q, layer)
+  m, s, o = pa_tpu.tpu_piece(
+    q, layer, softcap=softcap, interpret=True, compute_block=block
+  )
+  m2, s2, o2 = _plain_piece(q, layer, softcap)
+  for row in (0, 2):
+    np.testing.assert_allclose(m[row], m2[row], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s[row], s2[row], rtol=1e-4)
+    np.testing.assert_allclose(
+      o[row] / s[row][..., None], o2[row] / s2[row][..., None], atol=2e-2
+    )
+  assert float(s[1].max()) == 0 and float(o[1].max()) == 0
+  assert float(m[1].max()) < -1e30
+  # int8 pages, and heads off the 128 lanes, stay with `pool_piece`.
+  assert not pa_tpu.supports(q[..., :64], layer._replace(k_pages=k[..., :64]))
 
 
 def test_pool_writes_read_back_as_fixed_slots_do():

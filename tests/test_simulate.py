@@ -86,7 +86,7 @@ def test_nothing_is_allocated(reports):
   assert grown < 1 << 20
 
 
-@pytest.mark.parametrize("phase", list(sim.Phase))
+@pytest.mark.parametrize("phase", [sim.Phase.GENERATE, sim.Phase.PREFILL])
 def test_arguments_are_the_weights_shards_and_inputs(reports, phase):
   out, _, mesh = reports
   r = out[phase]

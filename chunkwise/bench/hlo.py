@@ -125,6 +125,7 @@ COLLECTIVE_KINDS = (
 )
 _ARRAY_TYPE = re.compile(r"\b([a-z]+)(\d*)(?:e\d+m\d+\w*)?\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
 
 
 def shape_bytes(shape: str) -> int:
@@ -207,6 +208,46 @@ def collectives(text: str) -> list[Collective]:
         )
       )
   return out
+
+
+def estimated_cycles(text: str) -> dict[str, int]:
+  """XLA:TPU's own estimate of a compiled module's time, in cycles (the
+  `estimated_cycles` of each top-level instruction's backend config), but
+  for its collectives, whose time depends on the interconnect:
+  `once`, of what runs a known number of times (weighted by it), and
+  `per_iteration`, of what runs inside a loop of unknown trip count (the
+  decode loop: one step). Both 0 for a module without the annotation
+  (XLA:CPU's). The compiler sums each op's slower of compute and memory
+  and schedules nothing in parallel: read it relatively."""
+  module = parse(text)
+  times = _executions(module)
+  out = dict(once=0, per_iteration=0)
+  for comp, instrs in module.computations.items():
+    if comp not in times:
+      continue
+    for i in instrs:
+      kind = i.op.removesuffix("-start").removesuffix("-done")
+      m = _CYCLES.search(i.attrs)
+      if m is None or kind in COLLECTIVE_KINDS:
+        continue
+      if times[comp] is None:
+        out["per_iteration"] += int(m.group(1))
+      else:
+        out["once"] += times[comp] * int(m.group(1))
+  return out
+
+
+def tpu_kernels(text: str) -> list[str]:
+  """Names of the Pallas / Mosaic kernels a compiled XLA:TPU module calls
+  (its `tpu_custom_call`s, named by the kernel's `name=`), sorted."""
+  return sorted(
+    {
+      i.name.rsplit(".", 1)[0]
+      for instrs in parse(text).computations.values()
+      for i in instrs
+      if i.op == "custom-call" and '"tpu_custom_call"' in i.attrs
+    }
+  )
 
 
 def _group(attrs: str) -> int:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from chunkwise.bench import hlo
+from chunkwise.bench import hlo, tpu_target
 from chunkwise.bench.simulate_compile import (
   INPUT_KINDS,
   METRICS,
@@ -50,7 +50,7 @@ from chunkwise.bench.simulate_compile import (
   Phase,
   compile_depth,
 )
-from chunkwise.bench.simulate_report import compare
+from chunkwise.bench.simulate_report import compare, predict
 from chunkwise.configs import HParams
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.plan import check
@@ -84,6 +84,14 @@ def fit_to_mesh(
   for layout in layouts:
     check(layout, mesh, hparams)
   return hparams
+
+
+# What XLA:TPU says when a program does not fit.
+_OUT_OF_MEMORY = (
+  "RESOURCE_EXHAUSTED",
+  "Ran out of memory",
+  "exceeds available",
+)
 
 
 def _per_layer_ops(depths: Sequence[dict]) -> dict[str, float]:
@@ -150,6 +158,7 @@ def _scaled(depths: Sequence[dict], layers: int) -> dict:
     collectives=collectives("collectives"),
     program_collectives=collectives("program_collectives"),
     program_ops_per_layer=_per_layer_ops(depths),
+    cycles={k: fit(lambda d, k=k: d["cycles"][k]) for k in d0["cycles"]},
   )
 
 
@@ -188,12 +197,17 @@ def simulate(
   compute_dtype=jnp.bfloat16,
   model: str = "",
   hardware: str | None = "tpu-v4",
+  target: tpu_target.Target | None = None,
   log=None,
 ) -> dict:
   """Compiles `case` for `mesh` at each of `depths` (layers) of `hparams`
   and scales the figures to `hparams.layers`; with `hardware`, adds the
-  planner's estimate beside them (`compare`). `log(message)` hears of each
-  compile. Returns a JSON-ready dict (see the module docstring)."""
+  planner's estimate beside them (`compare`); with a TPU `target` (whose
+  devices `mesh` holds), what fits and how long a pass takes
+  (`_on_target`). A program the compiler refuses is reported with its
+  `error` (and `fits` false when it ran out of memory), not raised.
+  `log(message)` hears of each compile. Returns a JSON-ready dict (see
+  the module docstring)."""
   depths = sorted(set(depths))
   if len(depths) < 2:
     raise ValueError(f"need two depths or more to scale, got {depths}")
@@ -205,13 +219,15 @@ def simulate(
     results.append(
       compile_depth(hparams.replace(layers=d), mesh, case, **dtypes)
     )
+    r = results[-1]
     if log:
-      r = results[-1]
       log(
         f"  trace {r['trace_s']:.1f} s, lower {r['lower_s']:.1f} s, "
         f"compile {r['compile_s']:.1f} s"
+        + (f"; refused: {r['error'][:200]}" if "error" in r else "")
       )
-  scaled = _scaled(results, hparams.layers)
+    if "error" in r:
+      break  # deeper programs would be refused too
   report = dict(
     model=model,
     # The integer fields: widths, depth, heads, vocabulary, max_len.
@@ -222,6 +238,8 @@ def simulate(
     },
     mesh=list(mesh.devices.shape),
     devices=int(mesh.devices.size),
+    target=str(target) if target is not None else "cpu",
+    device_kind=results[0]["device_kind"],
     phase=case.phase.value,
     layout=str(case.layout),
     batch=case.batch,
@@ -231,17 +249,43 @@ def simulate(
     cache_dtype=jnp.dtype(cache_dtype).name,
     compute_dtype=jnp.dtype(compute_dtype).name,
     compiled=results,
+    scaled_depth=depths[-1] != hparams.layers,
+    scaling=(
+      f"compiled at {', '.join(map(str, depths))} layers"
+      + (
+        f"; every figure scaled to {hparams.layers} layers as fixed + "
+        f"layers * per_layer (per_layer from the {depths[0]}- and "
+        f"{depths[-1]}-layer programs)"
+        if depths[-1] != hparams.layers
+        else " (the model's full depth)"
+      )
+    ),
+  )
+  refused = next((r["error"] for r in results if "error" in r), None)
+  if refused is not None:
+    out_of_memory = any(k in refused for k in _OUT_OF_MEMORY)
+    report.update(error=refused, fits=False if out_of_memory else None)
+    est = (
+      None
+      if hardware is None
+      else predict(hparams, report["mesh"], case, hardware, **dtypes)
+    )
+    report["predicted"] = (
+      None
+      if est is None
+      else dict(
+        hardware=hardware, memory_bytes=est.memory_bytes, time_s=est.time_s
+      )
+    )
+    return report
+  scaled = _scaled(results, hparams.layers)
+  report.update(
     scaled=scaled,
     held=held_bytes(scaled, case.phase),
-    scaling=(
-      f"compiled at {', '.join(map(str, depths))} layers; every figure "
-      f"scaled to {hparams.layers} layers as fixed + layers * per_layer "
-      f"(per_layer from the {depths[0]}- and {depths[-1]}-layer programs)"
-    ),
     collectives_note=(
       "per device; 'program' from the unoptimized HLO (the program's "
-      "dtypes), 'compiled' from XLA:CPU's optimized HLO, which computes "
-      "bf16 collectives in f32 and combines some"
+      "dtypes), 'compiled' from the optimized HLO (XLA:CPU computes bf16 "
+      "collectives in f32 and combines some)"
       + (
         "; the decode loop's trip count is unknown at compile time: "
         "collectives are per decode step"
@@ -252,12 +296,52 @@ def simulate(
   )
   if hardware is not None:
     report.update(compare(report, hparams, case, hardware, **dtypes))
+  if target is not None:
+    report.update(_on_target(report, target))
   return report
+
+
+def _on_target(report: dict, target: tpu_target.Target) -> dict:
+  """What a TPU compile says per device at the model's depth: memory by
+  the compiler's fields, `fits` (everything held, code included, within
+  the chip's HBM), and the time of one pass (a prefill, or one decode
+  step): the compiler's cycles for compute and memory at the chip's clock,
+  plus the planner's interconnect time, beside the planner's own."""
+  scaled = report["scaled"]
+  memory = {k: v["total"] for k, v in scaled["memory"].items()}
+  held = report["held"]["total"] + memory["generated_code"]
+  cycles = scaled["cycles"]
+  key = "once" if report["phase"] == Phase.PREFILL.value else "per_iteration"
+  compiler_s = tpu_target.seconds(cycles[key]["total"], target)
+  predicted = report.get("predicted") or {}
+  interconnect_s = predicted.get("interconnect_s")
+  return dict(
+    argument_bytes=memory["argument"],
+    output_bytes=memory["output"],
+    alias_bytes=memory["alias"],
+    temp_bytes=memory["temp"],
+    code_bytes=memory["generated_code"],
+    held_bytes=held,
+    hbm_bytes=target.hbm_bytes,
+    fits=held <= target.hbm_bytes,
+    estimate=dict(
+      compiler_s=compiler_s,
+      interconnect_s=interconnect_s,
+      total_s=compiler_s + (interconnect_s or 0.0),
+      planner_s=predicted.get("time_s"),
+      note=(
+        "compiler_s: XLA:TPU's estimated cycles (each op's slower of "
+        "compute and memory, collectives left out) at the chip's clock; "
+        "interconnect_s: the planner's collective time; total_s: their "
+        "sum (no overlap)"
+      ),
+    ),
+  )
 
 
 def run(
   model: str,
-  mesh_shape: Sequence[int],
+  mesh_shape: Sequence[int] | None,
   cases: Sequence[Case],
   *,
   depths: Sequence[int] = (2, 4),
@@ -265,26 +349,32 @@ def run(
   cache_dtype=jnp.bfloat16,
   compute_dtype=jnp.bfloat16,
   hardware: str | None = "tpu-v4",
+  target: tpu_target.Target | None = None,
   log=None,
 ) -> dict:
-  """Simulates every case of preset `model` on a mesh of `mesh_shape`
-  over the first devices of JAX's (fake host CPU devices: set
-  --xla_force_host_platform_device_count before JAX starts). With `pad`,
-  heads and vocabulary are padded for every case's layout
-  (`fit_to_mesh`). Returns {"model", "mesh", "padded", "reports"}."""
+  """Simulates every case of preset `model` on a mesh of `mesh_shape`:
+  over the first of JAX's devices (fake host CPU devices: set
+  --xla_force_host_platform_device_count before JAX starts), or over a
+  TPU `target`'s devices, compiled by XLA:TPU (`mesh_shape` None: the
+  target's `default_mesh`). With `pad`, heads and vocabulary are padded
+  for every case's layout (`fit_to_mesh`). Returns {"model", "mesh",
+  "target", "padded", "reports"}."""
   from chunkwise import configs
   from chunkwise.partitioning import make_mesh
 
-  mesh_shape = tuple(int(n) for n in mesh_shape)
-  n = math.prod(mesh_shape)
-  devices = jax.devices()
-  if len(devices) < n:
-    raise ValueError(
-      f"mesh {mesh_shape} needs {n} devices but JAX has {len(devices)}; "
-      f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
-      "JAX starts"
-    )
-  mesh = make_mesh(mesh_shape, devices[:n])
+  if target is not None:
+    mesh = target.mesh(mesh_shape)
+  else:
+    mesh_shape = tuple(int(n) for n in mesh_shape)
+    n = math.prod(mesh_shape)
+    devices = jax.devices()
+    if len(devices) < n:
+      raise ValueError(
+        f"mesh {mesh_shape} needs {n} devices but JAX has {len(devices)}; "
+        f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
+        "JAX starts"
+      )
+    mesh = make_mesh(mesh_shape, devices[:n])
   real = configs.get(model)
   hparams = fit_to_mesh(real, [c.layout for c in cases], mesh) if pad else real
   padded = {
@@ -304,6 +394,7 @@ def run(
       compute_dtype=compute_dtype,
       model=model,
       hardware=hardware,
+      target=target,
       log=log,
     )
     for case in cases
@@ -311,5 +402,9 @@ def run(
   for r in reports:
     r["padded"] = padded
   return dict(
-    model=model, mesh=list(mesh_shape), padded=padded, reports=reports
+    model=model,
+    mesh=list(mesh.devices.shape),
+    target=str(target) if target is not None else "cpu",
+    padded=padded,
+    reports=reports,
   )

@@ -46,14 +46,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from chunkwise.bench import hlo, weight_reads
+from chunkwise.bench import adapters as bench_adapters
+from chunkwise.bench import hlo, tpu_target, weight_reads
 from chunkwise.configs import HParams
-from chunkwise.inference import generate
+from chunkwise.inference import generate, paged_kv, speculation
+from chunkwise.inference import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.engine import make_engines
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.sharded_engine import ShardedEngine
-from chunkwise.models import Weights, check_shapes, quantized
+from chunkwise.models import Weights, check_shapes, kv_int8, lora, quantized
 from chunkwise.models.weights import shape_of
 from chunkwise.partitioning import Layout
 from chunkwise.precision import resolve as resolve_precision
@@ -73,6 +76,10 @@ METRICS = (
 class Phase(enum.Enum):
   PREFILL = "prefill"  # program "prefill" of a chunk without prefix
   GENERATE = "generate"  # program "run": the decode loop after a prefix
+  # program "slot_run" (with speculation "spec_slot_run", which verifies
+  # drafts): the slot loop's segment, `batch` slots of `length` + `steps`
+  # columns
+  SLOTS = "slots"
 
 
 class WeightFormat(enum.Enum):
@@ -93,6 +100,13 @@ class Case:
   length: int  # prefill: tokens per row; generate: the prefix's tokens
   steps: int = 8  # generate: decode steps (columns of the loop's buffer)
   weights: WeightFormat = WeightFormat.BF16
+  # slots: speculative decoding (a `Speculation`), and LoRA adapters
+  # (that many random rank-8 adapters on every target, each row its own)
+  speculation: object = None
+  adapters: int = 0
+  # slots: the K/V in one paged pool of that many pages (on one device: a
+  # pool runs without a mesh, by the reference engine's programs)
+  pages: int = 0
 
   def __str__(self) -> str:
     what = (
@@ -100,9 +114,18 @@ class Case:
       if self.phase is Phase.PREFILL
       else f"C={self.length} S={self.steps}"
     )
+    extra = "".join(
+      (
+        f" spec={self.speculation.drafter}/k{self.speculation.k}"
+        if self.speculation is not None
+        else "",
+        f" lora={self.adapters}" if self.adapters else "",
+        f" pages={self.pages}" if self.pages else "",
+      )
+    )
     return (
       f"{self.phase.value} {self.layout} B={self.batch} {what} "
-      f"{self.weights.value}"
+      f"{self.weights.value}{extra}"
     )
 
 
@@ -143,7 +166,8 @@ class _Compiling(ShardedEngine):
   def _call(self, program, args, out_specs):
     start = time.perf_counter()
     out = super()._call(program, args, out_specs)
-    name = next(k[0] for k, p in self._programs.items() if p is program)
+    key = next(k[0] for k, p in self._programs.items() if p is program)
+    name = key if isinstance(key, str) else key[0]  # ("spec_slot_run", ..)
     seconds = time.perf_counter() - start
     self.calls.append(_Call(name, program, args, out, seconds))
     return out
@@ -156,6 +180,10 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 def _trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
   """The phase's program call, traced by the engine on abstract inputs
   built as `InferenceModel` builds its real ones."""
+  if case.pages:
+    return _trace_paged(
+      hparams, mesh, case, cache_dtype=cache_dtype, compute_dtype=compute_dtype
+    )
   weights = abstract_weights(hparams, case.weights)
   check_shapes(hparams, weights)
   engine = _Compiling(
@@ -168,6 +196,8 @@ def _trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
     precision=resolve_precision(None, compute_dtype),
   )
   b = case.batch
+  if case.phase is Phase.SLOTS:
+    return _trace_slots(engine, hparams, case)
   if case.phase is Phase.PREFILL:
     chunk = Chunk(
       tokens=_sds((b, case.length), jnp.int32), lengths=_sds((b,), jnp.int32)
@@ -175,7 +205,9 @@ def _trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
     engine.prefill((), None, chunk, top_n=0, bos_id=0)
     return engine.calls[-1]
   h = hparams
-  kv = _sds((h.layers, b, case.length, h.kv_heads, h.head_dim), cache_dtype)
+  # int8 K/V carry each vector's scale on the last axis (`kv_int8`).
+  width = kv_int8.width(h.head_dim, cache_dtype)
+  kv = _sds((h.layers, b, case.length, h.kv_heads, width), cache_dtype)
   caches = (KVCache(k=kv, v=kv, lengths=_sds((b,), jnp.int32)),)
   prev = _sds((b, h.vocab), jnp.float32)
   state = engine.init(
@@ -188,6 +220,128 @@ def _trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
     caches,
   )
   engine.run(caches, state, inputs, _sds((), jnp.int32))
+  return engine.calls[-1]
+
+
+def _slot_inputs(b: int) -> slots_lib.SlotInputs:
+  """Abstract settings of `b` slots (each its own, the seed too)."""
+  rows = _sds((b,), jnp.int32)
+  return slots_lib.SlotInputs(
+    sample_ids=rows,
+    start=rows,
+    sampling=jax.tree.map(
+      lambda x: _sds((b,), x.dtype),
+      jax.eval_shape(lambda: Sampling().for_batch(b)),
+    ),
+    stop_ids=_sds((b, 1), jnp.int32),
+    budget=rows,
+  )
+
+
+def _trace_paged(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
+  """The slot loop's segment over a pool of `case.pages` pages on the one
+  device of `mesh`, by the reference engine's jitted `slots.run` (its
+  arguments placed on that device)."""
+  if mesh.devices.size != 1 or case.speculation or case.adapters:
+    raise ValueError(
+      f"a paged pool runs on one device without speculation or adapters; "
+      f"got a mesh of {mesh.devices.size} for {case}"
+    )
+  one = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+  weights = abstract_weights(hparams, case.weights)
+  _, engine = make_engines(
+    hparams,
+    weights,
+    None,
+    (Layout(), Layout()),
+    infer_fn=None,
+    cache_dtype=cache_dtype,
+    compute_dtype=compute_dtype,
+    precision=resolve_precision(None, compute_dtype),
+  )
+  b = case.batch
+  state = jax.eval_shape(
+    functools.partial(
+      engine._slot_init,
+      slots=b,
+      capacity=case.length + case.steps,
+      steps=case.steps,
+      top_n=0,
+      vocab=hparams.vocab,
+      pages=case.pages,
+      page=paged_kv.PAGE,
+    ),
+    weights,
+    (),
+  )
+  args = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+    (
+      weights,
+      (),
+      state,
+      _slot_inputs(b),
+      _sds((), jnp.int32),
+      _sds((), jnp.bool_),
+    ),
+  )
+  start = time.perf_counter()
+  out = jax.eval_shape(engine._slot_run, *args)
+  return _Call(
+    "slot_run", engine._slot_run, args, out, time.perf_counter() - start
+  )
+
+
+def _trace_slots(engine: _Compiling, hparams, case) -> _Call:
+  """The slot loop's segment: `batch` free slots of `length` + `steps`
+  columns after no shared prefix, run with the case's speculation and
+  adapters (each row its own)."""
+  b = case.batch
+  capacity = case.length + case.steps
+  state = engine.slot_init(
+    (),
+    slots=b,
+    capacity=capacity,
+    steps=case.steps,
+    top_n=0,
+    vocab=hparams.vocab,
+  )
+  spec = case.speculation
+  if spec is not None:
+    spec = spec.checked()
+    # Empty speculation rows, as admission starts them (the engine places
+    # them with the state).
+    rows = jax.eval_shape(
+      lambda: speculation.SpecRows.start(
+        np.zeros((b, capacity), np.int32),
+        np.zeros((b,), np.int32),
+        speculation.PRIORS[spec.drafter],
+      )
+    )
+    state = state.replace(spec=rows)
+  inputs = _slot_inputs(b)
+  adapters = None
+  if case.adapters:
+    stacks = jax.eval_shape(
+      lambda: lora.stack(
+        hparams,
+        [
+          bench_adapters.random_adapter(hparams, 8, seed)
+          for seed in range(case.adapters)
+        ],
+      )
+    )
+    # each row's adapter
+    adapters = (engine.place_adapters(stacks), _sds((b,), jnp.int32))
+  engine.slot_run(
+    (),
+    state,
+    inputs,
+    _sds((), jnp.int32),
+    _sds((), jnp.bool_),
+    adapters=adapters,
+    speculation=spec,
+  )
   return engine.calls[-1]
 
 
@@ -240,14 +394,38 @@ def _kinds_of(ops: Sequence[hlo.Collective]) -> dict[str, int]:
   return out
 
 
+def _refusal(error: Exception) -> str:
+  """The compiler's message, without the traceback JAX appends."""
+  text = str(error).strip()
+  return text.split("\n\nThe stack trace")[0][:2000]
+
+
 def compile_depth(hparams, mesh, case, **dtypes) -> dict:
-  """Traces, lowers and compiles the phase's program at `hparams`' depth;
-  returns its figures (see the module docstring)."""
+  """Traces, lowers and compiles the phase's program at `hparams`' depth
+  for `mesh`'s devices (fake host CPUs, or a TPU slice's from
+  `tpu_target`); returns its figures (see the module docstring). Where
+  the compiler refuses the program (XLA:TPU: out of HBM or VMEM), the
+  figures are `error` with its message instead."""
+  device = mesh.devices.flat[0]
   call = _trace(hparams, mesh, case, **dtypes)
-  start = time.perf_counter()
-  lowered = call.program.lower(*call.args)
-  lowered_at = time.perf_counter()
-  compiled = lowered.compile()
+  with tpu_target.compiling(mesh):
+    start = time.perf_counter()
+    lowered = call.program.lower(*call.args)
+    lowered_at = time.perf_counter()
+    head = dict(
+      layers=hparams.layers,
+      program=call.name,
+      platform=device.platform,
+      device_kind=device.device_kind,
+      trace_s=call.trace_s,
+      lower_s=lowered_at - start,
+    )
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      return dict(
+        head, compile_s=time.perf_counter() - lowered_at, error=_refusal(e)
+      )
   compiled_at = time.perf_counter()
   mem = compiled.memory_analysis()
   memory = {f: int(getattr(mem, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS}
@@ -262,12 +440,12 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
   ops = hlo.collectives(text)
   program_ops = hlo.collectives(lowered.as_text(dialect="hlo"))
   return dict(
-    layers=hparams.layers,
-    program=call.name,
-    trace_s=call.trace_s,
-    lower_s=lowered_at - start,
+    head,
     compile_s=compiled_at - lowered_at,
     memory=memory,
+    weight_copies=weight_reads.weight_copies(text, n_weights),
+    cycles=hlo.estimated_cycles(text),
+    kernels=hlo.tpu_kernels(text),
     inputs=_by_kind(call.args, first_is_weights=True),
     outputs=_by_kind([call.out], first_is_weights=False),
     collectives=_summary(ops),

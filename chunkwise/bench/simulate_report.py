@@ -18,13 +18,19 @@ from chunkwise.bench.simulate_compile import Case, Phase
 
 GiB = 1 << 30
 
-_DTYPE_NAMES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+_DTYPE_NAMES = {
+  "bfloat16": "bf16",
+  "float32": "f32",
+  "float16": "f16",
+  "int8": "int8",
+}
 
 
 def predict(hparams, mesh_shape, case: Case, hardware: str, **dtypes):
   """The planner's estimate of `case` (None when `chunkwise.planner` is
   absent). A prefill of L tokens attends to L/2 positions on average and
-  holds L; a decode step to C + S/2 and holds C + S."""
+  holds L; a decode step (the generate loop's, or the slot loop's) to
+  C + S/2 and holds C + S."""
   try:
     from chunkwise import planner
   except ImportError:
@@ -41,7 +47,7 @@ def predict(hparams, mesh_shape, case: Case, hardware: str, **dtypes):
     hardware,
     tuple(mesh_shape),
     case.layout,
-    phase=case.phase.value,
+    phase="prefill" if case.phase is Phase.PREFILL else "generate",
     batch=case.batch,
     tokens=tokens,
     context=context,
@@ -79,6 +85,11 @@ def compare(report: dict, hparams, case: Case, hardware: str, **dtypes):
     gathered_bytes=est.gathered_bytes,
     memory_bytes=est.memory_bytes,
     comm_bytes_per_layer=comm,
+    # One pass (a prefill, or one decode step): the planner's time, and
+    # its interconnect part (activations' collectives and weight gathers,
+    # at the links' peak).
+    time_s=est.time_s,
+    interconnect_s=est.layers * (est.layer_comm_s + est.layer_weight_comm_s),
   )
   temp = est.activation_bytes + est.gathered_bytes
   rows = [
@@ -140,19 +151,19 @@ def table(reports: Sequence[dict]) -> str:
     "planner's; compile s: lower + compile at the deepest depth)",
   ]
   for r in reports:
-    held = r["held"]
     pred = (r.get("predicted") or {}).get("memory_bytes")
-    rel = None if not pred else (held["total"] - pred) / pred
-    config = (
-      f"{r['phase']} {r['layout']} B={r['batch']} "
-      + (
-        f"L={r['length']}"
-        if r["phase"] == "prefill"
-        else f"C={r['length']}+{r['steps']}"
-      )
-      + f" {r['weights']}"
-    )
+    config = _config(r)
     compile_s = sum(d["lower_s"] + d["compile_s"] for d in r["compiled"][-1:])
+    if "error" in r:
+      why = "out of memory" if r["fits"] is False else "error"
+      lines.append(
+        f"{r['model']:<10} {'x'.join(map(str, r['mesh'])):<6} {config:<44} "
+        f"{compile_s:>9.1f} refused ({why}; "
+        f"planner {_gib(pred)} GiB): {r['error'].splitlines()[0][:120]}"
+      )
+      continue
+    held = r["held"]
+    rel = None if not pred else (held["total"] - pred) / pred
     lines.append(
       f"{r['model']:<10} {'x'.join(map(str, r['mesh'])):<6} {config:<44} "
       f"{compile_s:>9.1f} {_gib(held['weights']):>8} "
@@ -166,6 +177,8 @@ def table(reports: Sequence[dict]) -> str:
     "compiled) vs planner:"
   )
   for r in reports:
+    if "error" in r:
+      continue
     comm = (r.get("predicted") or {}).get("comm_bytes_per_layer", {})
     parts = []
     for kind in hlo.COLLECTIVE_KINDS:
@@ -184,5 +197,48 @@ def table(reports: Sequence[dict]) -> str:
       )
     lines.append(
       f"  {r['model']} {r['phase']} {r['layout']}: " + "; ".join(parts)
+    )
+  on_tpu = [r for r in reports if "estimate" in r]
+  if on_tpu:
+    lines += ["", _tpu_table(on_tpu)]
+  return "\n".join(lines)
+
+
+def _config(r: dict) -> str:
+  return (
+    f"{r['phase']} {r['layout']} B={r['batch']} "
+    + (
+      f"L={r['length']}"
+      if r["phase"] == "prefill"
+      else f"C={r['length']}+{r['steps']}"
+    )
+    + f" {r['weights']}"
+  )
+
+
+def _ms(x) -> str:
+  return "-" if x is None else f"{1e3 * x:.2f}"
+
+
+def _tpu_table(reports: Sequence[dict]) -> str:
+  """Per TPU report: what the compiler holds per chip (GiB), whether it
+  fits the chip's HBM, and one pass's time (ms): the compiler's cycles,
+  the planner's interconnect, their sum, the planner's whole estimate."""
+  lines = [
+    f"{'target':<16} {'configuration':<44} {'args':>6} {'temp':>6} "
+    f"{'code':>6} {'held':>6} {'HBM':>6} {'fits':>5} {'xla ms':>8} "
+    f"{'ici ms':>8} {'sum ms':>8} {'plan ms':>8}",
+    "  (GiB per chip at full depth; ms per pass: a prefill, or one decode "
+    "step; xla: XLA:TPU's estimated cycles at the chip's clock)",
+  ]
+  for r in reports:
+    e = r["estimate"]
+    lines.append(
+      f"{r['target']:<16} {_config(r):<44} {_gib(r['argument_bytes']):>6} "
+      f"{_gib(r['temp_bytes']):>6} {_gib(r['code_bytes']):>6} "
+      f"{_gib(r['held_bytes']):>6} {_gib(r['hbm_bytes']):>6} "
+      f"{'yes' if r['fits'] else 'NO':>5} {_ms(e['compiler_s']):>8} "
+      f"{_ms(e['interconnect_s']):>8} {_ms(e['total_s']):>8} "
+      f"{_ms(e['planner_s']):>8}"
     )
   return "\n".join(lines)

@@ -20,6 +20,7 @@ check each of them.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 
@@ -40,6 +41,9 @@ _COLLECTIVES = {
 # Ops that read a weight in place: matmuls (XLA's, or a kernel behind a
 # custom call) and row lookups (the embedding reads only its rows).
 _IN_PLACE = {"dot", "convolution", "custom-call", "gather"}
+# A layout's memory space past HBM ("S(1)": XLA:TPU's VMEM): a weight's
+# slice prefetched there is staged for a matmul, not copied in HBM.
+_FAST_MEMORY = re.compile(r":[^{}]*S\([1-9]\d*\)")
 # A consumer whose output has at least this share of the weight's elements
 # has copied it (a slice of a stacked [layers, ...] weight is one layer).
 _COPY_SHARE = 1 / 8
@@ -106,7 +110,7 @@ def _weight_copies(
       weight = paths.get(())
       strict_slots = slots if strict else None
       if weight is not None and _copies(
-        module, user, sizes[weight], strict_slots
+        module, comp, user, sizes[weight], strict_slots
       ):
         found.add((comp, user, weight))
   return found
@@ -141,14 +145,17 @@ def _forward(module: Module, comp: str, user: Instr, slots, paths):
 
 
 def _copies(
-  module: Module, user: Instr, weight_elements: int, slots=None
+  module: Module, comp: str, user: Instr, weight_elements: int, slots=None
 ) -> bool:
   """Whether `user`, reading a whole weight, writes a copy of it. A fusion
   that holds a matmul or a lookup reads in place; given the weight's
   operand `slots`, only where the fusion hands the weight to one directly
   (else a fusion that dequantizes a weight and gathers its scales, as
-  XLA:CPU's int8 dots do, would pass)."""
+  XLA:CPU's int8 dots do, would pass). A slice or copy into a faster
+  memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging."""
   if user.op in ("bitcast", "get-tuple-element", "tuple", "while", "call"):
+    return False
+  if _staged(module, comp, user):
     return False
   if user.op in _IN_PLACE or user.op in _COLLECTIVES:
     return False
@@ -161,6 +168,17 @@ def _copies(
     elif all(_fused_in_place(module, callee, s) for s in slots):
       return False
   return user.elements >= weight_elements * _COPY_SHARE
+
+
+def _staged(module: Module, comp: str, user: Instr) -> bool:
+  """Whether `user` puts what it reads in a memory past HBM: its own
+  layout says so, or (an asynchronous start) its `-done`'s does."""
+  if user.op.endswith("-start"):
+    done = [
+      u for u, _ in module.users(comp, user.name) if u.op.endswith("-done")
+    ]
+    return bool(done) and all(_FAST_MEMORY.search(u.shape) for u in done)
+  return bool(_FAST_MEMORY.search(user.shape))
 
 
 def _fused_in_place(module: Module, callee: str, slot: int) -> bool:

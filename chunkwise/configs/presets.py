@@ -4,7 +4,7 @@ configs.get("tiny")          # fast tests: Llama-style, grouped KV heads
 configs.get("tiny-parallel") # fast tests: PaLM-style, multiquery
 configs.get("llama3-8b")     # Llama 3 8B's shapes, for benchmarks
 configs.get("gemma-2-2b")    # public checkpoints' shapes and features:
-                             # llama-3.2-1b/3b, llama-3.1-8b, qwen2.5-0.5b/
+                             # llama-3.2-1b/3b, llama-3.1-8b/70b, qwen2.5-0.5b/
                              # 7b, gemma-2-2b/9b, gemma-3-1b/4b, phi-3.5-mini
 configs.get("palm-540b")     # shapes of "Efficiently Scaling Transformer
                              # Inference", 48 real heads, no padding
@@ -182,6 +182,16 @@ PRESETS: Mapping[str, HParams] = types.MappingProxyType(
       heads=32,
       head_dim=128,
       d_ff=14_336,
+      tied_embeddings=False,
+      rope_scaling=_llama3(8.0),
+      **_LLAMA3,
+    ),
+    "llama-3.1-70b": HParams(
+      layers=80,
+      d_model=8192,
+      heads=64,
+      head_dim=128,
+      d_ff=28_672,
       tied_embeddings=False,
       rope_scaling=_llama3(8.0),
       **_LLAMA3,

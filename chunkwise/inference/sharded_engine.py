@@ -173,7 +173,9 @@ class ShardedEngine(MeshPrograms):
     stacks, ids = adapters
     targets = (stacks[0].targets, stacks[0].rank)
     specs = self._adapter_specs(stacks)
-    ids = self._put(jnp.asarray(ids, jnp.int32), P())
+    if not isinstance(ids, jax.ShapeDtypeStruct):  # abstract: compiling
+      ids = jnp.asarray(ids, jnp.int32)
+    ids = self._put(ids, P())
     return (
       lora.Adapted(self.weights, lora.AdapterBatch(stacks, ids)),
       lora.Adapted(self._weight_specs, lora.AdapterBatch(specs, P())),

@@ -4,6 +4,7 @@
   layer.view()                      # PrefixLayer: the plain twin
   m, s, o = pool_piece(q, layer)    # decode, read in the pool's order
   m, s, o = kernel_piece(q, layer)  # GPU: JAX's Pallas paged attention
+  m, s, o = piece(q, layer)         # the one for the platform
 
 A pool holds fixed-size pages of keys and values, [kv_heads, pages, page,
 head_dim] per layer: the layout JAX's Pallas paged-attention kernels read
@@ -38,8 +39,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from chunkwise.models import kv_int8
+from chunkwise.models import kv_int8, paged_attention_tpu
 
 
 class PagedLayer(NamedTuple):
@@ -142,12 +144,21 @@ def read_in_place(time: int, window) -> bool:
 
 def piece(q: jax.Array, layer: PagedLayer, *, softcap=None):
   """(m, s, o) of one query per row over its pages: the Pallas kernel on
-  a GPU, `pool_piece` elsewhere and for int8 K/V (the kernel reads floats;
-  `pool_piece` decodes int8 pages in place, into the rotated space that
-  `attention.attend` then runs in)."""
+  a GPU, JAX's Pallas TPU kernel in a program lowered for a TPU
+  (`paged_attention_tpu`, chosen at lowering: a deviceless TPU compile
+  gets it too), `pool_piece` elsewhere and for int8 K/V (the kernels read
+  floats; `pool_piece` decodes int8 pages in place, into the rotated
+  space that `attention.attend` then runs in)."""
   if jax.default_backend() == "gpu" and layer.k_pages.dtype != kv_int8.INT8:
     return kernel_piece(q, layer, softcap=softcap)
-  return pool_piece(q, layer, softcap=softcap)
+  if not paged_attention_tpu.supports(q, layer):
+    return pool_piece(q, layer, softcap=softcap)
+  return lax.platform_dependent(
+    q,
+    layer,
+    tpu=functools.partial(paged_attention_tpu.tpu_piece, softcap=softcap),
+    default=functools.partial(pool_piece, softcap=softcap),
+  )
 
 
 def _splits(per_row: int, block: int) -> tuple[int, int]:

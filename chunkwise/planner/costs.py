@@ -209,7 +209,8 @@ def estimate(
   head_flops = 2 * logit_rows * m.E * m.V / n
   head_hbm = m.V * m.E * wb / n + 4 * logit_rows * m.V / n
   # Memory held.
-  total_weights = m.layers * m.layer_params + m.V * m.E
+  # The embedding and, untied, the unembedding (the compiler counts both).
+  total_weights = m.layers * m.layer_params + (1 if m.tied else 2) * m.V * m.E
   weight_bytes = total_weights * wb / n + m.layers * kv_extra
   kv_bytes = m.layers * B * C_max * m.kv_width * cb / kv_split
   activation_bytes = (

@@ -50,6 +50,9 @@ class Hardware:
   domain: int = 1  # chips per NVSwitch domain (GPU)
   dcn_bandwidth: float = 0.0  # bytes/s per chip beyond the domain
   int8_flops: float | None = None  # int8 peak, where it differs
+  # TPU clock: bf16 peak over the MXUs' multiply-adds per cycle (the unit
+  # of XLA:TPU's `estimated_cycles`); 0 where unknown.
+  clock_hz: float = 0.0
   source: str = ""
 
   def __post_init__(self):
@@ -121,6 +124,7 @@ HARDWARE: dict[str, Hardware] = {
     link_bandwidth=4.5e10,
     topology=Topology.TORUS,
     torus_dims=3,
+    clock_hz=1.05e9,  # peak / (2 cores x 4 MXUs of 128x128 x 2 flops)
     source=_SCALING_BOOK + "; Pope et al. 2023 §4",
   ),
   "tpu-v5e": Hardware(
@@ -132,6 +136,7 @@ HARDWARE: dict[str, Hardware] = {
     link_bandwidth=4.5e10,
     topology=Topology.TORUS,
     torus_dims=2,
+    clock_hz=1.5e9,  # peak / (4 MXUs of 128x128 x 2 flops)
     source=_SCALING_BOOK,
   ),
   "tpu-v5p": Hardware(
@@ -143,6 +148,7 @@ HARDWARE: dict[str, Hardware] = {
     link_bandwidth=9e10,
     topology=Topology.TORUS,
     torus_dims=3,
+    clock_hz=1.75e9,  # peak / (2 cores x 4 MXUs of 128x128 x 2 flops)
     source=_SCALING_BOOK,
   ),
   "tpu-v6e": Hardware(
@@ -154,6 +160,7 @@ HARDWARE: dict[str, Hardware] = {
     link_bandwidth=9e10,
     topology=Topology.TORUS,
     torus_dims=2,
+    clock_hz=1.75e9,  # peak / (4 MXUs of 256x256 x 2 flops)
     source=_SCALING_BOOK,
   ),
   "a100": Hardware(

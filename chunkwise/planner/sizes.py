@@ -63,6 +63,7 @@ class Shapes:
   sequential: bool
   params: int  # the model's own count (MFU's numerator)
   widths: tuple[int, int] | None = None  # (in, out) if not the layer's
+  tied: bool = True  # one [V, E] table embeds and unembeds
 
   @classmethod
   def of(cls, h: HParams, heads: int = 0) -> Shapes:
@@ -76,6 +77,7 @@ class Shapes:
       V=h.vocab,
       sequential=h.block is Block.SEQUENTIAL,
       params=h.num_params(),
+      tied=h.tied_embeddings,
     )
 
   @property

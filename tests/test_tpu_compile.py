@@ -1,0 +1,277 @@
+"""The engine's programs compiled by XLA:TPU on this CPU (libtpu, no TPU:
+`chunkwise.bench.tpu_target`), for a v5e 2x2 slice and a 3-axis v4
+2x2x2 one: every layout and collective variant, f32 / bf16 / int8
+weights, int8 K/V, the slot loop with LoRA and with speculative
+verification, and a paged pool read by JAX's Pallas TPU kernel. Each
+compiled program reads its weights in place, updates its K/V in place
+(aliased), runs the collectives its layout is designed to, and holds the
+planner's share of the weights per chip. A program that does not fit is
+reported with the compiler's refusal, not raised."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import chunkwise as cw
+from chunkwise.bench import hlo, tpu_target, weight_reads
+from chunkwise.bench import simulate as sim
+from chunkwise.bench import simulate_report as sim_report
+from chunkwise.bench.simulate_compile import (
+  Case,
+  Phase,
+  WeightFormat,
+  abstract_weights,
+  compile_depth,
+)
+from chunkwise.inference.speculation import Speculation
+from chunkwise.partitioning import Layout
+
+pytestmark = pytest.mark.skipif(
+  not tpu_target.available(), reason="needs libtpu: the 'tpu' extra"
+)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Small, in the TPU's (8, 128) tiles: head_dim 128, widths of 128s, and
+# wide enough for int8 groups of 128 inputs (the planner's count).
+H = cw.configs.get("tiny").replace(
+  d_model=2048, heads=16, kv_heads=4, head_dim=128, d_ff=2048, vocab=1024
+)
+V5E, V4, ONE = "tpu-v5e:2x2", "tpu-v4:2x2x2", "tpu-v5e:1x1"
+KINDS = {V5E: "TPU v5 lite", V4: "TPU v4", ONE: "TPU v5 lite"}
+# (target, phase, layout, weights, K/V dtype, extras)
+CASES = [
+  (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "bfloat16", {}),
+  (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
+  (V5E, Phase.GENERATE, "ws_1d/none/latency", "int8", "bfloat16", {}),
+  (V5E, Phase.GENERATE, "wg", "bf16", "bfloat16", {}),
+  (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "int8", {}),
+  (V5E, Phase.SLOTS, "ws_2d/yz", "bf16", "bfloat16", {"adapters": 2}),
+  (
+    V5E,
+    Phase.SLOTS,
+    "ws_1d/yz",
+    "bf16",
+    "bfloat16",
+    {"speculation": Speculation(drafter="ngram", k=2)},
+  ),
+  (V4, Phase.GENERATE, "ws_2d/yzx", "bf16", "bfloat16", {}),
+  (V4, Phase.GENERATE, "ws_2d/yz/latency", "bf16", "bfloat16", {}),
+  (V4, Phase.PREFILL, "ws_2d/yz/throughput", "int8", "bfloat16", {}),
+  (V4, Phase.PREFILL, "wg", "bf16", "bfloat16", {}),
+  (V4, Phase.GENERATE, "ws_1d/z/one_way", "f32", "float32", {}),
+  (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
+]
+
+
+def _id(case) -> str:
+  target, phase, layout, weights, kv, extras = case
+  return "-".join(
+    (target[4:], phase.value, layout, weights, kv, *map(str, extras))
+  )
+
+
+@pytest.fixture(scope="module")
+def meshes():
+  return {t: tpu_target.Target.parse(t).mesh() for t in (V5E, V4, ONE)}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_id)
+def compiled(request, meshes):
+  target, phase, layout, weights, kv, extras = request.param
+  case = Case(
+    phase=phase,
+    layout=Layout.parse(layout),
+    batch=8,
+    length=120 if phase is Phase.SLOTS else 128,
+    steps=8,
+    weights=WeightFormat(weights),
+    **extras,
+  )
+  dtypes = dict(
+    cache_dtype=jnp.dtype(kv),
+    compute_dtype=jnp.float32 if weights == "f32" else jnp.bfloat16,
+  )
+  mesh = meshes[target]
+  return target, mesh, case, dtypes, compile_depth(H, mesh, case, **dtypes)
+
+
+def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
+  target, _, case, _, r = compiled
+  assert "error" not in r, r.get("error")
+  assert (r["platform"], r["device_kind"]) == ("tpu", KINDS[target])
+  assert r["weight_copies"] == []  # VMEM prefetches are not copies
+  assert r["memory"]["weight_copies"] == 0
+  # The arguments are the inputs' shards, small ones padded to tiles.
+  padding = r["memory"]["argument"] - sum(r["inputs"].values())
+  assert 0 <= padding <= 0.02 * r["memory"]["argument"]
+  assert r["memory"]["generated_code"] > 0
+  # XLA:TPU's own estimate of the time: the decode loops per step.
+  key = "once" if case.phase is Phase.PREFILL else "per_iteration"
+  assert r["cycles"][key] > 0
+
+
+def test_kv_cache_is_updated_in_place(compiled):
+  _, _, case, _, r = compiled
+  memory, kv = r["memory"], r["outputs"]["kv_cache"]
+  if case.phase is Phase.PREFILL:
+    # A prefill writes a new cache: nothing donated.
+    assert memory["alias"] == 0 and kv > 0
+    return
+  # The loop's state (its K/V buffers, or the slots' cache or pool) is
+  # donated and written into: every byte of it aliased.
+  assert kv > 0 and memory["alias"] >= kv
+  # but a scalar or two (each a 512-byte tile)
+  assert memory["output"] - memory["alias"] <= 2048
+
+
+def test_weights_per_chip_are_the_planners_share(compiled):
+  target, mesh, case, dtypes, r = compiled
+  if case.adapters or case.pages:
+    pytest.skip("adapters join the weights; the pool runs unsharded")
+  est = sim_report.predict(
+    H,
+    list(mesh.devices.shape),
+    case,
+    tpu_target.Target.parse(target).hardware,
+    **dtypes,
+  )
+  assert r["inputs"]["weights"] == pytest.approx(est.weight_bytes, rel=0.02)
+
+
+def test_each_layout_runs_its_collectives(compiled):
+  _, mesh, case, _, r = compiled
+  program, ops = r["program_collectives"], r["collectives"]
+  kind = case.layout.kind.value
+  if case.pages:
+    assert program == {} and ops == {}
+    return
+  if kind == "wg":
+    # Weights gathered layer by layer: all-gathers only, of at least every
+    # layer's weights (each device holds 1/n of them).
+    assert set(program) == {"all-gather"}
+    n = math.prod(mesh.devices.shape)
+    layer_bytes = sum(
+      math.prod(x.shape) * x.dtype.itemsize
+      for x in jax.tree.leaves(abstract_weights(H, case.weights).layers)
+    )
+    assert program["all-gather"]["full_bytes"] >= layer_bytes * (n - 1) / n
+    return
+  # Weight-stationary: activations reduced and gathered, weights not.
+  assert program.keys() & {"reduce-scatter", "all-reduce"}
+  if case.layout.collectives.shuffled:
+    # The collective matmuls: rings of collective-permutes in the program
+    # XLA:TPU compiles.
+    assert ops.get("collective-permute", {}).get("count", 0) > 0
+  else:
+    assert "collective-permute" not in program
+
+
+def test_the_paged_pool_is_read_by_the_pallas_tpu_kernel(compiled):
+  _, _, case, _, r = compiled
+  if case.pages:
+    assert r["kernels"] == ["chunkwise_tpu_paged_attention"]
+  else:
+    assert r["kernels"] == []
+
+
+def test_a_program_that_does_not_fit_is_a_result(meshes):
+  """Too many tokens for one v5e's HBM: XLA:TPU refuses, and the report
+  says so (fits false, the compiler's message) instead of raising."""
+  case = Case(
+    phase=Phase.PREFILL, layout=Layout.parse("wg"), batch=512, length=4096
+  )
+  target = tpu_target.Target.parse(ONE)
+  with pytest.raises(ValueError, match="holding the 1 devices"):
+    target.mesh((1, 2, 1))
+  mesh = target.mesh((1, 1, 1))
+  report = sim.simulate(
+    H, mesh, case, depths=(1, 2), hardware="tpu-v5e", target=target
+  )
+  assert report["fits"] is False
+  assert "RESOURCE_EXHAUSTED" in report["error"]
+  assert report["predicted"]["memory_bytes"] > target.hbm_bytes
+  assert "refused (out of memory" in sim_report.table([report])
+
+
+def test_targets_parse_and_refuse_what_is_not_a_tpu():
+  t = tpu_target.Target.parse("tpu-v4:4x4x4", slices=2)
+  assert (t.chips, t.default_mesh(), t.hardware) == (128, (8, 4, 4), "tpu-v4")
+  assert tpu_target.Target.parse("TPU-v6e:2x4").default_mesh() == (1, 2, 4)
+  for bad, match in [
+    ("v5e:2x2", "tpu-<generation>:<topology>"),
+    ("tpu-v3:2x2", "not one of v4, v5e, v5p, v6e"),
+    ("tpu-v4:2x2", "must be 3 positive sizes"),
+    ("tpu-v5e:2x2x2", "must be 2 positive sizes"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      tpu_target.Target.parse(bad)
+
+
+def test_vmem_prefetches_are_not_weight_copies():
+  """XLA:TPU stages slices of a weight in VMEM (layout S(1)) for its
+  matmuls; a copy in HBM is still found."""
+  tiled = "{2,1,0:T(8,128)(2,1)}"
+  vmem = "{2,1,0:T(8,128)(2,1)S(1)}"
+  text = "\n".join(
+    [
+      "HloModule m",
+      "ENTRY %main (p0: bf16[4096,8,128]) -> bf16[4096,8,128] {",
+      f"  %p0 = bf16[4096,8,128]{tiled} parameter(0)",
+      f"  %s = ((bf16[4096,8,128]{tiled}), bf16[1024,8,128]{vmem}, "
+      "s32[]{:S(2)}) slice-start(%p0), slice={[0:1024], [0:8], [0:128]}",
+      f"  %d = bf16[1024,8,128]{vmem} slice-done(%s)",
+      f"  %v = bf16[4096,8,128]{vmem} copy(%p0)",
+      f"  ROOT %c = bf16[4096,8,128]{tiled} copy(%p0)",
+      "}",
+    ]
+  )
+  found = weight_reads.weight_copies(text, 1)
+  assert len(found) == 1 and "%c = copy" in found[0]
+  cycles = hlo.estimated_cycles(
+    text.replace(
+      "copy(%p0)", 'copy(%p0), backend_config={"estimated_cycles":"7"}'
+    )
+  )
+  assert cycles == {"once": 14, "per_iteration": 0}
+
+
+def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
+  out = tmp_path / "sim.json"
+  run = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "scripts" / "simulate.py"),
+      "--target=tpu-v5e:2x2",
+      "--model=tiny",
+      "--phases=generate",
+      "--layouts=ws_2d/yz",
+      "--batch=8",
+      "--context=64",
+      "--layers=1,full",
+      f"--json_out={out}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "tpu-v5e:2x2" in run.stdout and "fits" in run.stdout
+  (report,) = json.loads(out.read_text())["reports"]
+  assert report["target"] == "tpu-v5e:2x2"
+  assert report["device_kind"] == "TPU v5 lite"
+  assert report["mesh"] == [1, 2, 2]
+  assert report["fits"] is True and not report["scaled_depth"]
+  assert "full depth" in report["scaling"]
+  for field in ("argument", "output", "alias", "temp", "code"):
+    assert report[f"{field}_bytes"] > 0, field
+  e = report["estimate"]
+  assert e["compiler_s"] > 0 and e["interconnect_s"] > 0
+  assert e["total_s"] == pytest.approx(e["compiler_s"] + e["interconnect_s"])
