@@ -200,6 +200,23 @@ def test_a_program_that_does_not_fit_is_a_result(meshes):
   assert "refused (out of memory" in sim_report.table([report])
 
 
+def test_two_slices_span_x_over_the_network():
+  """--slices: x spans the slices (each slice's chips on y, z), and the
+  program compiles for the multi-slice mesh."""
+  target = tpu_target.Target.parse(V5E, slices=2)
+  mesh = target.mesh()
+  assert mesh.devices.shape == (2, 2, 2)
+  for i in range(2):
+    assert {d.slice_index for d in mesh.devices[i].flat} == {i}
+  case = Case(
+    phase=Phase.GENERATE, layout=Layout.parse("ws_2d/yzx"), batch=8, length=64
+  )
+  dtypes = dict(cache_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+  r = compile_depth(H, mesh, case, **dtypes)
+  assert "error" not in r and r["weight_copies"] == []
+  assert r["memory"]["alias"] >= r["outputs"]["kv_cache"] > 0
+
+
 def test_targets_parse_and_refuse_what_is_not_a_tpu():
   t = tpu_target.Target.parse("tpu-v4:4x4x4", slices=2)
   assert (t.chips, t.default_mesh(), t.hardware) == (128, (8, 4, 4), "tpu-v4")
