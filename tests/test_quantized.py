@@ -208,3 +208,49 @@ def test_int8_every_layout_and_variant(int8_reference, kind, variant):
   np.testing.assert_allclose(
     got_result.per_token_scores, result.per_token_scores, atol=_ATOL
   )
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_grouped_matmul_equals_the_dequantized_one(tied):
+  """TPU's int8 matmul (`matmul.grouped`: a dot per scale group of the
+  int8 values, then the scales) against `plain` (the weight dequantized
+  first) for every weight of the model and the equation it runs in:
+  the same sums in another order, so equal to f32 rounding."""
+  from chunkwise.models import matmul
+
+  h = cw.configs.get("tiny").replace(
+    d_model=256,
+    d_ff=512,
+    heads=4,
+    kv_heads=2,
+    head_dim=128,
+    tied_embeddings=tied,
+  )
+  w = quantized.quantize_weights(
+    cw.models.init_random(h, jax.random.key(0)), Weights.axes(h)
+  )
+  layer = w.layers[0]
+  x = jax.random.normal(jax.random.key(1), (2, 3, 256), jnp.float32)
+  xh = jax.random.normal(jax.random.key(2), (2, 3, 4, 128), jnp.float32)
+  xf = jax.random.normal(jax.random.key(3), (2, 3, 512), jnp.float32)
+  cases = [
+    ("bte,ehd->bthd", x, layer.q),
+    ("bte,ehd->bthd", x, layer.k),
+    ("bthd,hde->bte", xh, layer.o),
+    ("bte,ef->btf", x, layer.gate),
+    ("btf,fe->bte", xf, layer.down),
+    ("bte,ve->btv", x, w.embedding)
+    if tied
+    else ("bte,ev->btv", x, w.unembedding),
+  ]
+  for eq, a, q in cases:
+    assert isinstance(q, QArray)
+    # the grouped axis really is grouped (else the test shows nothing)
+    assert any(
+      1 < g < n for g, n in zip(q.scale.shape, q.shape, strict=True)
+    ), eq
+    want = matmul.plain(eq, a, q)
+    got = matmul.grouped(eq, a, q)
+    np.testing.assert_allclose(
+      got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max())
+    )

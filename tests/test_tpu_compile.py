@@ -181,6 +181,41 @@ def test_the_paged_pool_is_read_by_the_pallas_tpu_kernel(compiled):
     assert r["kernels"] == []
 
 
+@pytest.mark.parametrize(
+  "eq, shape, scale",
+  [
+    # PaLM 540B's tied int8 embedding shard unembedding on v4 4x4x4, and
+    # a k-major projection grouped along its inputs
+    ("bte,ve->btv", (16008, 4608), (16008, 36)),
+    ("bte,ef->btf", (4608, 8192), (36, 8192)),
+  ],
+)
+def test_int8_matmuls_make_no_dequantized_weight(meshes, eq, shape, scale):
+  """XLA:TPU does not fuse the int8 weight's scales into its dot: the
+  plain twin (dequantize, then contract) holds a weight-sized buffer,
+  `weight_matmul` (a dot per scale group on TPU) none."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from chunkwise.models import QArray, matmul
+
+  one = NamedSharding(meshes[ONE], P())
+  w = QArray(
+    values=jax.ShapeDtypeStruct(shape, jnp.int8, sharding=one),
+    scale=jax.ShapeDtypeStruct(scale, jnp.float32, sharding=one),
+  )
+  x = jax.ShapeDtypeStruct((8, 1, 4608), jnp.bfloat16, sharding=one)
+  dequantized = math.prod(shape) * 2  # bytes of the weight in bf16
+
+  def temp(fn):
+    with tpu_target.compiling(meshes[ONE]):
+      compiled = jax.jit(fn).lower(x, w).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert temp(lambda x, w: matmul.plain(eq, x, w)) >= dequantized
+  assert temp(lambda x, w: matmul.weight_matmul(eq, x, w)) < dequantized / 64
+
+
 def test_a_program_that_does_not_fit_is_a_result(meshes):
   """Too many tokens for one v5e's HBM: XLA:TPU refuses, and the report
   says so (fits false, the compiler's message) instead of raising."""

@@ -147,8 +147,9 @@ def table(reports: Sequence[dict]) -> str:
     f"{'weights':>8} {'kv':>7} {'temp':>7} {'copy':>7} {'total':>7} "
     f"{'pred':>7} {'diff':>6}",
     "  (GiB per device at full depth; copy: the largest copy of a weight "
-    "(XLA:CPU's f32 twins for its dots), part of temp; diff: total vs the "
-    "planner's; compile s: lower + compile at the deepest depth)",
+    "(XLA:CPU's f32 twins for its dots; XLA:TPU makes none), part of "
+    "temp; diff: total vs the planner's; compile s: lower + compile at "
+    "the deepest depth)",
   ]
   for r in reports:
     pred = (r.get("predicted") or {}).get("memory_bytes")
@@ -173,8 +174,8 @@ def table(reports: Sequence[dict]) -> str:
     )
   lines.append("")
   lines.append(
-    "per-layer collectives, MiB per device (program dtypes / XLA:CPU "
-    "compiled) vs planner:"
+    "per-layer collectives, MiB per device (program dtypes / compiled) "
+    "vs planner:"
   )
   for r in reports:
     if "error" in r:

@@ -22,11 +22,21 @@ the twin by at most sum_k |w_k| * max|x over k's group| / 65534
 (`tests/test_cpu_kernels.py` asserts that bound).
 
   y = weight_matmul("bte,ehd->bthd", x, layer.q)     # QArray, bf16 or f32
+
+On a TPU an int8 weight takes `grouped` instead of `plain`: XLA:TPU does
+not fuse the dequantization (int8 times its group scales) into the dot,
+so `plain` materialised a dequantized copy of the weight at every step
+(a 283 MiB f32 buffer for PaLM 540B's int8 embedding shard on v4
+4x4x4: `scripts/simulate.py --target=tpu-...`), while it does fuse a
+plain int8 -> bf16 convert. `grouped` contracts each scale group of
+the int8 values on its own (exact in bf16, f32 sums), then scales the
+per-group sums and adds them: no weight-sized buffer.
 """
 
 from __future__ import annotations
 
 import math
+import string
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +77,54 @@ def plain(eq: str, x: jax.Array, w) -> jax.Array:
   ):
     cast = schedule.after(x, cast)
   return contract(eq, x, cast)
+
+
+def grouped(eq: str, x: jax.Array, w: QArray) -> jax.Array:
+  """`plain(eq, x, w)` for an int8 `w` without its dequantized copy: one
+  dot per scale group of the int8 values (converted inside the dot), the
+  group sums scaled and added. A contracted axis split into groups
+  becomes (group, entry); one with a scale per entry (o's heads) is kept
+  apart like a group; free axes take their scale after the sums."""
+  ins, out = eq.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  spare = (c for c in string.ascii_letters if c not in eq)
+  values, scale = w.values, w.scale.astype(jnp.float32)
+  x_labels, x_shape = list(xs), list(x.shape)
+  w_labels, w_shape, s_labels, s_shape, summed = [], [], [], [], []
+  for label, n, g in zip(ws, values.shape, scale.shape, strict=True):
+    contracted = label in xs and label not in out
+    if contracted and 1 < g < n:  # groups of n // g entries
+      k = next(spare)
+      w_labels += [k, label]
+      w_shape += [g, n // g]
+      i = x_labels.index(label)
+      x_labels[i : i + 1] = [k, label]
+      x_shape[i : i + 1] = [g, n // g]
+      s_labels.append(k)
+      summed.append(k)
+    else:
+      w_labels.append(label)
+      w_shape.append(n)
+      if g != 1:
+        s_labels.append(label)
+        if contracted:  # a scale per entry: summed after scaling
+          summed.append(label)
+    if g != 1:
+      s_shape.append(g)
+  wide = out + "".join(summed)
+  part = jnp.einsum(
+    f"{''.join(x_labels)},{''.join(w_labels)}->{wide}",
+    x.reshape(x_shape),
+    values.reshape(w_shape).astype(x.dtype),
+    preferred_element_type=jnp.float32,
+  )
+  scaled = jnp.einsum(
+    f"{wide},{''.join(s_labels)}->{out}",
+    part,
+    scale.reshape(s_shape),
+    precision=lax.Precision.HIGHEST,
+  )
+  return scaled.astype(x.dtype)
 
 
 def _form(eq: str, x, w) -> bool | None:
@@ -124,13 +182,15 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   if numerics.invariant():
     return numerics.matmul(eq, x, w)
   nmajor = _form(eq, x, w)
+  branches = {}
   # Only a CPU-backed process builds the kernel (none on a GPU host).
   on_cpu = jax.default_backend() == "cpu"
-  if nmajor is None or not on_cpu or not cpu_kernels.load():
+  if nmajor is not None and on_cpu and cpu_kernels.load():
+    branches["cpu"] = lambda x, w: _kernel(eq, x, w, nmajor)
+  if isinstance(w, QArray):
+    branches["tpu"] = lambda x, w: grouped(eq, x, w)
+  if not branches:
     return plain(eq, x, w)
   return lax.platform_dependent(
-    x,
-    w,
-    cpu=lambda x, w: _kernel(eq, x, w, nmajor),
-    default=lambda x, w: plain(eq, x, w),
+    x, w, default=lambda x, w: plain(eq, x, w), **branches
   )
