@@ -141,8 +141,8 @@ def main(argv: Sequence[str]) -> None:
 
   from chunkwise import configs
   from chunkwise.bench import figures, report, simulate
-  from chunkwise.bench.simulate_compile import WeightFormat
   from chunkwise.bench.simulate_report import table
+  from chunkwise.bench.simulate_trace import WeightFormat
   from chunkwise.bench.tpu_target import Target
   from chunkwise.partitioning import Layout, parse_mesh
 

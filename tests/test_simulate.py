@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 import chunkwise as cw
 from chunkwise.bench import hlo, weight_reads
 from chunkwise.bench import simulate as sim
-from chunkwise.bench import simulate_compile as sim_compile
 from chunkwise.bench import simulate_report as sim_report
+from chunkwise.bench import simulate_trace as sim_trace
 from chunkwise.models import QArray, Weights
 from chunkwise.partitioning import Layout, make_mesh
 from chunkwise.partitioning.placement import shardings_for
@@ -62,7 +62,7 @@ def _shard_bytes(hparams, layout, mesh) -> tuple[int, int, int]:
   """(all weights, one layer's, one layer's global) bytes per device, from
   the placement's own shardings of bf16 weights."""
   shardings = shardings_for(Weights.axes(hparams), layout, mesh, hparams)
-  shapes = sim_compile.abstract_weights(hparams, sim_compile.WeightFormat.BF16)
+  shapes = sim_trace.abstract_weights(hparams, sim_trace.WeightFormat.BF16)
 
   def nbytes(tree, shards=None):
     leaves = jax.tree.leaves(tree)
@@ -169,11 +169,11 @@ def test_planner_comparison(reports):
 
 def test_int8_weights_are_quantized_shapes():
   h = PALM8.replace(layers=1)
-  w = sim_compile.abstract_weights(h, sim_compile.WeightFormat.INT8)
+  w = sim_trace.abstract_weights(h, sim_trace.WeightFormat.INT8)
   q = w.layers[0].up
   assert isinstance(q, QArray) and q.values.dtype == jnp.int8
   cw.models.check_shapes(h, w)
-  plain = sim_compile.abstract_weights(h, sim_compile.WeightFormat.BF16)
+  plain = sim_trace.abstract_weights(h, sim_trace.WeightFormat.BF16)
   assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(w))
   assert cw.models.quantized.nbytes(w) < 0.6 * cw.models.quantized.nbytes(plain)
 

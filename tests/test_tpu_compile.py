@@ -23,12 +23,12 @@ import chunkwise as cw
 from chunkwise.bench import hlo, tpu_target, weight_reads
 from chunkwise.bench import simulate as sim
 from chunkwise.bench import simulate_report as sim_report
-from chunkwise.bench.simulate_compile import (
+from chunkwise.bench.simulate_compile import compile_depth
+from chunkwise.bench.simulate_trace import (
   Case,
   Phase,
   WeightFormat,
   abstract_weights,
-  compile_depth,
 )
 from chunkwise.inference.speculation import Speculation
 from chunkwise.partitioning import Layout

@@ -46,11 +46,14 @@ from chunkwise.bench import hlo, tpu_target
 from chunkwise.bench.simulate_compile import (
   INPUT_KINDS,
   METRICS,
-  Case,
-  Phase,
   compile_depth,
 )
 from chunkwise.bench.simulate_report import compare, predict
+from chunkwise.bench.simulate_trace import (  # noqa: F401 (the cases)
+  Case,
+  Phase,
+  WeightFormat,
+)
 from chunkwise.configs import HParams
 from chunkwise.partitioning import Layout
 from chunkwise.partitioning.plan import check

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from chunkwise.bench import hlo
-from chunkwise.bench.simulate_compile import Case, Phase
+from chunkwise.bench.simulate_trace import Case, Phase
 
 GiB = 1 << 30
 
