@@ -291,7 +291,12 @@ def test_vmem_prefetches_are_not_weight_copies():
       "copy(%p0)", 'copy(%p0), backend_config={"estimated_cycles":"7"}'
     )
   )
-  assert cycles == {"once": 14, "per_iteration": 0}
+  assert cycles == {"once": 14, "per_iteration": 0, "unknown": 0}
+  unknown = text.replace(
+    "copy(%p0)",
+    'copy(%p0), backend_config={"estimated_cycles":"' + str(2**63 - 1) + '"}',
+  )
+  assert hlo.estimated_cycles(unknown)["unknown"] == 2
 
 
 def test_simulate_script_compiles_for_a_tpu_target(tmp_path):

@@ -126,6 +126,7 @@ COLLECTIVE_KINDS = (
 _ARRAY_TYPE = re.compile(r"\b([a-z]+)(\d*)(?:e\d+m\d+\w*)?\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
+_NO_ESTIMATE = 1 << 62  # XLA:TPU writes INT64_MAX where it has none
 
 
 def shape_bytes(shape: str) -> int:
@@ -216,12 +217,14 @@ def estimated_cycles(text: str) -> dict[str, int]:
   for its collectives, whose time depends on the interconnect:
   `once`, of what runs a known number of times (weighted by it), and
   `per_iteration`, of what runs inside a loop of unknown trip count (the
-  decode loop: one step). Both 0 for a module without the annotation
-  (XLA:CPU's). The compiler sums each op's slower of compute and memory
-  and schedules nothing in parallel: read it relatively."""
+  decode loop: one step); `unknown`, the instructions it gave no estimate
+  (INT64_MAX: fusions holding a Pallas call or a mixed int8 dot), left
+  out of both. All 0 for a module without the annotation (XLA:CPU's).
+  The compiler sums each op's slower of compute and memory and schedules
+  nothing in parallel: read it relatively."""
   module = parse(text)
   times = _executions(module)
-  out = dict(once=0, per_iteration=0)
+  out = dict(once=0, per_iteration=0, unknown=0)
   for comp, instrs in module.computations.items():
     if comp not in times:
       continue
@@ -230,7 +233,9 @@ def estimated_cycles(text: str) -> dict[str, int]:
       m = _CYCLES.search(i.attrs)
       if m is None or kind in COLLECTIVE_KINDS:
         continue
-      if times[comp] is None:
+      if int(m.group(1)) >= _NO_ESTIMATE:
+        out["unknown"] += 1
+      elif times[comp] is None:
         out["per_iteration"] += int(m.group(1))
       else:
         out["once"] += times[comp] * int(m.group(1))

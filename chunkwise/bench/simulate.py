@@ -332,6 +332,8 @@ def _on_target(report: dict, target: tpu_target.Target) -> dict:
       interconnect_s=interconnect_s,
       total_s=compiler_s + (interconnect_s or 0.0),
       planner_s=predicted.get("time_s"),
+      # instructions XLA:TPU gave no estimate, left out of compiler_s
+      unestimated=round(cycles["unknown"]["total"]),
       note=(
         "compiler_s: XLA:TPU's estimated cycles (each op's slower of "
         "compute and memory, collectives left out) at the chip's clock; "

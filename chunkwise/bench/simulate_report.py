@@ -230,7 +230,8 @@ def _tpu_table(reports: Sequence[dict]) -> str:
     f"{'code':>6} {'held':>6} {'HBM':>6} {'fits':>5} {'xla ms':>8} "
     f"{'ici ms':>8} {'sum ms':>8} {'plan ms':>8}",
     "  (GiB per chip at full depth; ms per pass: a prefill, or one decode "
-    "step; xla: XLA:TPU's estimated cycles at the chip's clock)",
+    "step; xla: XLA:TPU's estimated cycles at the chip's clock, '+' where "
+    "some ops have no estimate)",
   ]
   for r in reports:
     e = r["estimate"]
@@ -238,7 +239,8 @@ def _tpu_table(reports: Sequence[dict]) -> str:
       f"{r['target']:<16} {_config(r):<44} {_gib(r['argument_bytes']):>6} "
       f"{_gib(r['temp_bytes']):>6} {_gib(r['code_bytes']):>6} "
       f"{_gib(r['held_bytes']):>6} {_gib(r['hbm_bytes']):>6} "
-      f"{'yes' if r['fits'] else 'NO':>5} {_ms(e['compiler_s']):>8} "
+      f"{'yes' if r['fits'] else 'NO':>5} "
+      f"{_ms(e['compiler_s']) + ('+' if e.get('unestimated') else ''):>8} "
       f"{_ms(e['interconnect_s']):>8} {_ms(e['total_s']):>8} "
       f"{_ms(e['planner_s']):>8}"
     )
