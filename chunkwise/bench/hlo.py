@@ -95,8 +95,13 @@ class Module:
     return out
 
 
+@functools.lru_cache(maxsize=4)
 def parse(text: str) -> Module:
-  """The computations of an HLO module's text (`Compiled.as_text()`)."""
+  """The computations of an HLO module's text (`Compiled.as_text()`).
+  Remembered for the last few texts: the simulation reads one compiled
+  module's collectives, weight copies, cycles and kernels, each of them
+  parsing it (a 118-layer module has ~10^5 lines); a `Module` is never
+  changed after it is built."""
   comps: dict[str, list[Instr]] = {}
   entry, current = None, None
   for line in text.splitlines():

@@ -264,7 +264,7 @@ def simulate(
       )
     ),
   )
-  refused = next((r["error"] for r in results if "error" in r), None)
+  refused = results[-1].get("error")  # the loop stops at a refusal
   if refused is not None:
     out_of_memory = any(k in refused for k in _OUT_OF_MEMORY)
     report.update(error=refused, fits=False if out_of_memory else None)
