@@ -26,19 +26,17 @@ def tiny(
   """A 2-layer model with every parameter random (norm scales near 1,
   biases near 0 but not equal to them), so a dropped scale, bias or
   transpose cannot hide."""
+  sizes = dict(hidden_size=64, intermediate_size=96, head_dim=16)
   config = CONFIGS[kind](
     vocab_size=vocab,
-    hidden_size=64,
-    intermediate_size=96,
     num_hidden_layers=2,
     num_attention_heads=heads,
     num_key_value_heads=kv_heads,
-    head_dim=16,
     rope_theta=500.0,
     rms_norm_eps=1e-5,
     max_position_embeddings=128,
     tie_word_embeddings=tied,
-    **kw,
+    **{**sizes, **kw},
   )
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   _randomize(model, seed)
@@ -259,10 +257,13 @@ def write_gguf(
   edit_metadata=None,
   drop=(),
   rows=None,
+  qtypes=None,
 ):
-  """Writes `model` as a llama-architecture GGUF; matrices in `qtype`,
-  norms in F32. `vocab_tokens`: optional byte-level token list (tokenizer
-  model "gpt2", no merges). To write broken files: `edit_metadata(writer)`
+  """Writes `model` as a llama-architecture GGUF; matrices in `qtype`
+  (or `qtypes(name)` per tensor: types the gguf package cannot quantize,
+  the K-quants, get `random_blocks` of the tensor's scale), norms in F32.
+  `vocab_tokens`: optional byte-level token list (tokenizer model "gpt2",
+  no merges). To write broken files: `edit_metadata(writer)`
   adds fields or tensors, `drop` leaves tensors out, `rows` ({name: n})
   keeps only a tensor's first n rows."""
   c = model.config
@@ -284,14 +285,42 @@ def write_gguf(
       continue
     if rows and name in rows:
       value = value[: rows[name]]
-    if value.ndim == 2 and qtype != QType.F32:
-      writer.add_tensor(name, quants.quantize(value, qtype), raw_dtype=qtype)
+    kind = qtype if qtypes is None else qtypes(name)
+    if value.ndim == 2 and kind != QType.F32:
+      try:
+        raw = quants.quantize(value, kind)
+      except NotImplementedError:
+        seed = sum(map(ord, name))
+        raw = random_blocks(value.shape, kind, np.abs(value).mean(), seed)
+      writer.add_tensor(name, raw, raw_dtype=kind)
     else:
       writer.add_tensor(name, np.ascontiguousarray(value, np.float32))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
   writer.close()
+
+
+def random_blocks(shape, kind, mean_abs, seed):
+  """Raw blocks of `kind` (a K-quant) for a tensor of `shape`: random
+  codes, sub-block scales and mins, with f16 super-block scales set so
+  that entries have about `mean_abs` magnitude."""
+  rng = np.random.default_rng(seed)
+  block, size = gguf.GGML_QUANT_SIZES[kind]
+  rows, cols = shape
+  b = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+
+  def put(at, value):
+    scale = rng.uniform(0.5, 1.5, (len(b), 1)) * value
+    b[:, at : at + 2] = scale.astype(np.float16).view(np.uint8)
+
+  if kind == QType.Q6_K:  # d * sc * (q - 32): |sc| ~ 64, |q - 32| ~ 16
+    put(208, mean_abs / (64 * 16))
+  else:  # d * sc * q - dmin * m: sc, m ~ 32, q ~ 8 (Q4) or 16 (Q5)
+    q = 8 if kind == QType.Q4_K else 16
+    put(0, mean_abs / (32 * q))
+    put(2, mean_abs / 32)
+  return b.reshape(rows, -1)
 
 
 _GGUF_ARCH = {

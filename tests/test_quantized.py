@@ -254,3 +254,28 @@ def test_grouped_matmul_equals_the_dequantized_one(tied):
     np.testing.assert_allclose(
       got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max())
     )
+
+
+def test_int8_scales_of_one_head_per_shard_are_gathered():
+  """Four K/V heads over wg's four head shards: each shard holds one
+  head, so its scales have size 1 there and must still be gathered
+  (they are a split axis, not a shared scale)."""
+  h = cw.configs.get("tiny").replace(heads=8, kv_heads=4)
+  w = cw.models.init_random(h, jax.random.key(3))
+  q = quantized.quantize_weights(w, Weights.axes(h))
+  reference = cw.InferenceModel(h, q, cw.ByteVocabulary())
+  sharded = cw.InferenceModel(
+    h,
+    q,
+    cw.ByteVocabulary(),
+    mesh=make_mesh((2, 2, 2)),
+    layout="wg/none/xla",
+  )
+  chunk = cw.Chunk.tokenize(
+    reference.vocab, ["Cows have 4"], is_first_chunk=True
+  )
+  np.testing.assert_allclose(
+    sharded.prefill(chunk).per_token_scores,
+    reference.prefill(chunk).per_token_scores,
+    atol=_ATOL,
+  )

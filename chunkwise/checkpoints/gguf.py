@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from chunkwise import untrusted
-from chunkwise.checkpoints import gguf_file, hf_tensors
+from chunkwise.checkpoints import gguf_blocks, gguf_file, hf_tensors
 from chunkwise.checkpoints.gguf_arch import (
   MAX_SIZE,
   ROPE_TENSORS,
@@ -210,8 +210,28 @@ def describe(path: str | os.PathLike) -> tuple[HParams, Any]:
   return hparams, vocab_from_metadata(f.metadata, f.path)
 
 
-def read(path: str | os.PathLike, *, dtype=jnp.float32) -> hf_tensors.Imported:
+def block_type(path: str | os.PathLike) -> str | None:
+  """The block format holding most of a GGUF file's weights as
+  `quantize="native"` keeps them ("Q4_K"), None for a float file (what
+  the planner counts bytes by)."""
+  f = gguf_file.open_file(path)
+  counts: dict[str, int] = {}
+  for info in f.tensors.values():
+    if gguf_blocks.supported(info.qtype.name):
+      n = int(np.prod(info.shape))
+      counts[info.qtype.name] = counts.get(info.qtype.name, 0) + n
+  return max(counts, key=counts.get) if counts else None
+
+
+def read(
+  path: str | os.PathLike, *, dtype=jnp.float32, native: bool = False
+) -> hf_tensors.Imported:
   """Reads a GGUF file of a supported architecture (`gguf_arch`).
+
+  With `native`, quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+  Q5_K, Q6_K) stay in their blocks as `models.blocks.BlockArray`s
+  (`gguf_blocks`); float tensors become `dtype`. Without, every tensor is
+  dequantized to `dtype`.
 
   Every tensor's declared shape is checked against the HParams before any
   is dequantized (see also `gguf_file`).
@@ -229,11 +249,20 @@ def read(path: str | os.PathLike, *, dtype=jnp.float32) -> hf_tensors.Imported:
 
   permuted = permutes_qk(f.metadata.get("general.architecture"))
 
-  def get(name: str) -> np.ndarray:
-    value = f.dequantize(tensors[name].name)
+  if native:
+    gguf_blocks.check_types(f, tensors.values())
+
+  def get(name: str):
+    info = tensors[name]
+    if native and gguf_blocks.supported(info.qtype.name):
+      value = gguf_blocks.decode(f.raw(info.name), info.qtype.name, info.shape)
+    else:
+      value = f.dequantize(info.name)
     heads = {"q_proj.weight": hparams.heads, "k_proj.weight": hparams.kv_heads}
     for suffix, n in heads.items():
       if permuted and name.endswith(suffix):
+        if isinstance(value, gguf_blocks.HostBlocks):
+          return value.map_rows(lambda a, n=n: unpermute_rows(a, n))
         return unpermute_rows(value, n)
     return value
 

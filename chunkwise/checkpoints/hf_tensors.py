@@ -33,6 +33,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from chunkwise.checkpoints import gguf_blocks
 from chunkwise.configs import HParams
 from chunkwise.models import Layer, Weights, check_shapes
 
@@ -179,6 +180,11 @@ _FUSED = {
 }
 
 
+def _blocked(value) -> bool:
+  """A tensor kept in its quantized blocks (`gguf_blocks.HostBlocks`)."""
+  return isinstance(value, gguf_blocks.HostBlocks)
+
+
 def unfuse(
   hparams: HParams,
   get: Callable[[str], np.ndarray],
@@ -217,7 +223,8 @@ def unfuse(
     fused, start, end = parts[name]
     if fused not in last:
       last.clear()
-      last[fused] = np.asarray(get(fused))
+      value = get(fused)
+      last[fused] = value if _blocked(value) else np.asarray(value)
     return last[fused][start:end]
 
   return get_part, shapes
@@ -253,11 +260,15 @@ def to_weights(
   target = np.dtype(jnp.dtype(dtype))
 
   def fetch(name: str) -> np.ndarray:
-    value = np.asarray(get(name))
+    value = get(name)
+    if not _blocked(value):
+      value = np.asarray(value)
     _check_shape(name, value.shape, shapes[name], hparams, source)
     return value
 
   def put(value: np.ndarray) -> jnp.ndarray:
+    if _blocked(value):  # quantized blocks kept (`gguf_blocks`)
+      return value.to_device()
     return jnp.asarray(value.astype(target, copy=False))
 
   def norm(name: str) -> jnp.ndarray:

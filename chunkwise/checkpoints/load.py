@@ -168,6 +168,21 @@ def describe(name_or_path: str | os.PathLike) -> Description:
   )
 
 
+def _planned_weights(name_or_path, dtype, quantize: Quantization) -> str:
+  """The weight format the planner counts bytes by."""
+  if quantize is Quantization.INT8:
+    return "int8"
+  if quantize is Quantization.NATIVE:
+    path = resolve(name_or_path)
+    if os.path.isfile(path) and _is_gguf_file(path):
+      kind = gguf.block_type(path)
+      if kind is not None:
+        return kind
+  if dtype is None or jnp.dtype(dtype).name == "float32":
+    return "f32"
+  return "bf16"
+
+
 def load(
   name_or_path: str | os.PathLike,
   *,
@@ -190,8 +205,10 @@ def load(
       GGUF tensors are dequantized to it); None: float32, or as saved for
       a `cw.save` checkpoint.
     quantize: "int8": symmetric int8 with per-group scales for every
-      matmul weight and the embedding (`models.quantized`); None: as
-      stored.
+      matmul weight and the embedding (`models.quantized`); "native": a
+      GGUF file's quantized tensors kept in their blocks (Q4_0, Q4_1,
+      Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; `models.blocks`); None: as
+      stored (GGUF blocks dequantized to `dtype`).
     mesh, layout: where and how to shard (None: one device, reference);
       "auto" plans the layouts for `mesh` (`chunkwise.planner`) from the
       checkpoint's shapes and `workload=` (a `planner.Workload`), and
@@ -227,11 +244,7 @@ def load(
       model_kwargs.get("prefill_layout"),
       model_kwargs.get("generate_layout"),
       workload=model_kwargs.pop("workload", None),
-      weights="int8"
-      if quantize is Quantization.INT8
-      else "f32"
-      if dtype is None or jnp.dtype(dtype).name == "float32"
-      else "bf16",
+      weights=_planned_weights(name_or_path, dtype, quantize),
       cache_dtype=kv_dtype.name,
     )
     model_kwargs.update(prefill_layout=pre, generate_layout=gen)
@@ -254,10 +267,16 @@ def load(
       **model_kwargs,
     )
   dtype = "float32" if dtype is None else dtype
+  native = quantize is Quantization.NATIVE
   if os.path.isdir(path):
+    if native:
+      raise ValueError(
+        f"quantize='native' keeps a GGUF file's quantized blocks; {path} is "
+        "a Hugging Face directory (use quantize='int8' or None)"
+      )
     imported = hf.read(path, dtype=dtype)
   else:
-    imported = gguf.read(path, dtype=dtype)
+    imported = gguf.read(path, dtype=dtype, native=native)
   weights = imported.weights
   if quantize is Quantization.INT8:  # placed as float, quantized in place
     h = imported.hparams
@@ -269,7 +288,7 @@ def load(
     "loaded %s (%.1fM parameters%s) in %.1f s",
     path,
     imported.hparams.num_params() / 1e6,
-    ", int8" if quantize is Quantization.INT8 else "",
+    "" if quantize is Quantization.NONE else f", {quantize.value}",
     time.perf_counter() - start,
   )
   return InferenceModel(

@@ -72,6 +72,12 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
   """
   if isinstance(obj, InferenceModel):
     weights = obj.plain_weights()
+    if quantized.is_blocked(weights):
+      raise ValueError(
+        "cw.save cannot save GGUF blocks (quantize='native') yet: the GGUF "
+        "file they came from is their checkpoint; load it again, or load "
+        "with quantize='int8' or None to save"
+      )
     vocab, files = saved_vocab.to_json(obj.vocab)
     meta = {
       "kind": "model",

@@ -44,7 +44,8 @@ from flax import struct
 from chunkwise import collectives
 from chunkwise.collectives import ring as ring_ops
 from chunkwise.collectives import streaming
-from chunkwise.models.quantized import QArray
+from chunkwise.models.blocks import BlockArray
+from chunkwise.models.quantized import is_grouped
 from chunkwise.models.weights import Weights
 from chunkwise.partitioning.layout import Collectives, LayoutKind
 from chunkwise.partitioning.plan import Plan
@@ -134,35 +135,48 @@ class Pieces:
     return tuple(p.astype(dtype) for p in self.parts)
 
 
+def _scales(w) -> tuple[str, ...]:
+  """The per-group fields of a QArray or BlockArray."""
+  if isinstance(w, BlockArray) and w.offset is not None:
+    return ("scale", "offset")
+  return ("scale",)
+
+
 def split(w, dim: int, count: int) -> Pieces:
-  """`w` (array or QArray) cut into `count` pieces along `dim`."""
-  if not isinstance(w, QArray):
+  """`w` (array, QArray or BlockArray) cut into `count` pieces along
+  `dim`."""
+  if not is_grouped(w):
     return Pieces(ring_ops.split(w, dim, count), dim)
-  values = ring_ops.split(w.values, dim, count)
+  fields = {"values": ring_ops.split(w.values, dim, count)}
   shared = w.scale.shape[dim] == 1
-  if shared:
-    scales = (w.scale,) * count
-  elif w.scale.shape[dim] % count:
-    raise ValueError(
-      f"cannot cut int8 scales of shape {w.scale.shape} into {count} "
-      f"pieces along dim {dim}: the pieces would split a group"
-    )
-  else:
-    scales = ring_ops.split(w.scale, dim, count)
+  for name in _scales(w):
+    scale = getattr(w, name)
+    if shared:
+      fields[name] = (scale,) * count
+    elif scale.shape[dim] % count:
+      raise ValueError(
+        f"cannot cut scales of shape {scale.shape} into {count} pieces "
+        f"along dim {dim}: the pieces would split a group"
+      )
+    else:
+      fields[name] = ring_ops.split(scale, dim, count)
   parts = tuple(
-    QArray(values=v, scale=sc) for v, sc in zip(values, scales, strict=True)
+    w.replace(**{name: cut[i] for name, cut in fields.items()})
+    for i in range(count)
   )
   return Pieces(parts, dim, shared)
 
 
 def join(p: Pieces):
   """`split` undone."""
-  if not isinstance(p.parts[0], QArray):
+  first = p.parts[0]
+  if not is_grouped(first):
     return ring_ops.join(p.parts, p.dim)
-  values = ring_ops.join(tuple(q.values for q in p.parts), p.dim)
-  scales = tuple(q.scale for q in p.parts)
-  scale = scales[0] if p.shared else ring_ops.join(scales, p.dim)
-  return QArray(values=values, scale=scale)
+  fields = {"values": ring_ops.join(tuple(q.values for q in p.parts), p.dim)}
+  for name in _scales(first):
+    scales = tuple(getattr(q, name) for q in p.parts)
+    fields[name] = scales[0] if p.shared else ring_ops.join(scales, p.dim)
+  return first.replace(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,19 +233,21 @@ class _Reorder:
     if self.fn is None:
       return w
     fn = self.inverse if inverse else self.fn
-    if not isinstance(w, QArray):
+    if not is_grouped(w):
       return fn(w)
-    scale = w.scale
-    if scale.shape[self.dim] > 1:
-      if self.subdim is not None and scale.shape[self.subdim] == 1:
-        # The two halves of subdim read dim's blocks in different orders.
-        raise ValueError(
-          f"cannot reorder scales of shape {scale.shape} along dim "
-          f"{self.dim} when dim {self.subdim}, whose halves are reordered "
-          "differently, has a single group"
-        )
-      scale = fn(scale)
-    return QArray(values=fn(w.values), scale=scale)
+    fields = {"values": fn(w.values)}
+    for name in _scales(w):
+      scale = getattr(w, name)
+      if scale.shape[self.dim] > 1:
+        if self.subdim is not None and scale.shape[self.subdim] == 1:
+          # The two halves of subdim read dim's blocks in different orders.
+          raise ValueError(
+            f"cannot reorder scales of shape {scale.shape} along dim "
+            f"{self.dim} when dim {self.subdim}, whose halves are reordered "
+            "differently, has a single group"
+          )
+        fields[name] = fn(scale)
+    return w.replace(**fields)
 
   def apply(self, w):
     """Reordered, then cut into pieces (kept whole for a single piece)."""
@@ -344,10 +360,7 @@ def shuffled_specs(plan: Plan, specs: Weights, shapes: Weights) -> Weights:
       spec = getattr(layer_specs, name)
       if r.count == 1:
         continue
-      shared = (
-        isinstance(spec, QArray)
-        and getattr(layer, name).scale.shape[r.dim] == 1
-      )
+      shared = is_grouped(spec) and getattr(layer, name).scale.shape[r.dim] == 1
       out[name] = Pieces((spec,) * r.count, r.dim, shared)
     return layer_specs.replace(**out)
 
@@ -359,7 +372,7 @@ def shuffled_specs(plan: Plan, specs: Weights, shapes: Weights) -> Weights:
 
 
 def _values(spec):
-  return spec.values if isinstance(spec, QArray) else spec
+  return spec.values if is_grouped(spec) else spec
 
 
 def unwrap(plan: Plan, weights) -> Weights:

@@ -45,7 +45,8 @@ from jax import lax
 from chunkwise import cpu_kernels, numerics
 from chunkwise.contract import contract, contract_dims
 from chunkwise.models import schedule
-from chunkwise.models.quantized import QArray
+from chunkwise.models.blocks import BlockArray
+from chunkwise.models.quantized import QArray, is_grouped
 
 # Rows (product of x's free dims) up to which the kernel runs: beyond, the
 # matmul is bound by FLOPs, not bytes, and XLA's GEMM of the dequantized
@@ -72,7 +73,7 @@ def plain(eq: str, x: jax.Array, w) -> jax.Array:
   rows = math.prod(n for d, n in enumerate(x.shape) if d not in lhs)
   if (
     jax.default_backend() == "cpu"
-    and (isinstance(w, QArray) or w.dtype != x.dtype)
+    and (is_grouped(w) or w.dtype != x.dtype)
     and rows >= AFTER_ROWS
   ):
     cast = schedule.after(x, cast)
@@ -176,9 +177,19 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
   return out.reshape(*free_x, *free_w).astype(x.dtype)
 
 
+def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
+  """A block-quantized weight's matmul: dequantized inside the jit (the
+  plain twin), under invariant numerics then through `numerics.matmul`."""
+  if numerics.invariant():
+    return numerics.matmul(eq, x, w.astype(jnp.float32))
+  return plain(eq, x, w)
+
+
 def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   """`plain(eq, x, w)`, through the CPU kernel where it applies (module
   doc). `w`: an array or a `QArray`."""
+  if isinstance(w, BlockArray):
+    return _blocked(eq, x, w)
   if numerics.invariant():
     return numerics.matmul(eq, x, w)
   nmajor = _form(eq, x, w)

@@ -45,6 +45,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from chunkwise.models import blocks
+from chunkwise.models.blocks import BlockArray, expand
 from chunkwise.partitioning import axes as ax
 
 CONTRACTED = {
@@ -62,11 +64,13 @@ TABLES = ("embedding", "unembedding")
 
 
 class Quantization(enum.Enum):
-  """How matmul weights are stored: as loaded (NONE) or symmetric int8
-  with per-group scales (INT8)."""
+  """How matmul weights are stored: as loaded (NONE), symmetric int8
+  with per-group scales (INT8), or a GGUF file's quantized blocks as they
+  are (NATIVE: `models.blocks`)."""
 
   NONE = "none"
   INT8 = "int8"
+  NATIVE = "native"
 
   @classmethod
   def of(cls, value) -> Quantization:
@@ -78,7 +82,8 @@ class Quantization(enum.Enum):
       return cls(value)
     except ValueError:
       raise ValueError(
-        f"quantize={value!r} is not supported; expected None or 'int8'"
+        f"quantize={value!r} is not supported; expected None, 'int8' or "
+        "'native' (a GGUF file's blocks as they are)"
       ) from None
 
 
@@ -99,14 +104,6 @@ def group_size(n: int, axis: str = ax.EMBED, *, grouped: bool = True) -> int:
     return n
   part = n // splits
   return max(d for d in range(1, MAX_GROUP + 1) if part % d == 0)
-
-
-def expand(scale: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """A scale repeated over its groups, broadcastable against `shape`."""
-  for i, (s, n) in enumerate(zip(scale.shape, shape, strict=True)):
-    if s not in (1, n):
-      scale = jnp.repeat(scale, n // s, axis=i, total_repeat_length=n)
-  return scale
 
 
 @struct.dataclass
@@ -196,13 +193,18 @@ def quantize_weights(
   )
 
 
-def scale_spec(spec: P, name: str, scale_shape: tuple[int, ...]) -> P:
-  """The logical spec of a `QArray.scale` of `scale_shape`: the weight's,
-  with axes of size 1 (one group, or contracted per-channel axes) unsplit;
-  groups are sharded like the inputs they scale."""
+def scale_spec(
+  spec: P, name: str, scale_shape: tuple[int, ...], shape: tuple[int, ...]
+) -> P:
+  """The logical spec of a `QArray.scale` (or a BlockArray's scale and
+  offset) of `scale_shape`, for a weight of `shape`: the weight's, with
+  axes where one scale serves several entries (one group, or contracted
+  per-channel axes) unsplit; groups are sharded like the inputs they
+  scale. Shapes may be a shard's: an axis a shard holds one entry of
+  keeps its split."""
   full = (*spec, *(None,) * (len(scale_shape) - len(spec)))
-  pairs = zip(full, scale_shape, strict=True)
-  return P(*(None if n == 1 else a for a, n in pairs))
+  pairs = zip(full, scale_shape, shape, strict=True)
+  return P(*(None if n == 1 and m > 1 else a for a, n, m in pairs))
 
 
 def specs_like(specs, weights):
@@ -213,7 +215,15 @@ def specs_like(specs, weights):
   def one(path, spec, w):
     if isinstance(w, QArray):
       return QArray(
-        values=spec, scale=scale_spec(spec, _name(path), w.scale.shape)
+        values=spec,
+        scale=scale_spec(spec, _name(path), w.scale.shape, w.shape),
+      )
+    if isinstance(w, BlockArray):
+      per_block = scale_spec(spec, _name(path), w.scale.shape, w.shape)
+      return w.replace(
+        values=spec,
+        scale=per_block,
+        offset=None if w.offset is None else per_block,
       )
     return spec
 
@@ -240,8 +250,10 @@ def shape_like(
 
 
 def take_rows(table, ids: jax.Array) -> jax.Array:
-  """Rows `ids` of an embedding table (a QArray dequantizes only those).
-  Ids must already lie inside the table."""
+  """Rows `ids` of an embedding table (a QArray or BlockArray
+  dequantizes only those). Ids must already lie inside the table."""
+  if isinstance(table, BlockArray):
+    return blocks.take_rows(table, ids)
   if isinstance(table, QArray):
     rows = jnp.take(table.values, ids, axis=0).astype(jnp.float32)
     scale = jnp.take(table.scale, ids, axis=0)
@@ -249,15 +261,28 @@ def take_rows(table, ids: jax.Array) -> jax.Array:
   return jnp.take(table, ids, axis=0)
 
 
+def is_grouped(x) -> bool:
+  """An int8 `QArray` or a `BlockArray`: a leaf of values and scales."""
+  return isinstance(x, (QArray, BlockArray))
+
+
 def is_quantized(weights) -> bool:
   return any(
-    isinstance(x, QArray)
-    for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QArray))
+    isinstance(x, QArray) for x in jax.tree.leaves(weights, is_leaf=is_grouped)
+  )
+
+
+def is_blocked(weights) -> bool:
+  """Whether any leaf of `weights` is a `BlockArray` (GGUF blocks)."""
+  return any(
+    isinstance(x, BlockArray)
+    for x in jax.tree.leaves(weights, is_leaf=is_grouped)
   )
 
 
 def nbytes(tree) -> int:
-  """Bytes held by the arrays of `tree` (int8 values and scales included)."""
+  """Bytes held by the arrays of `tree` (int8 values and scales, blocks'
+  codes, scales and offsets included)."""
   return sum(
     int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
   )

@@ -32,7 +32,8 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import Block, HParams
-from chunkwise.models import quantized
+from chunkwise.models import blocks, quantized
+from chunkwise.models.blocks import BlockArray
 from chunkwise.models.quantized import QArray
 from chunkwise.partitioning import axes as ax
 
@@ -152,7 +153,9 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
         f"weight {name} has shape {tuple(leaf.shape)}, expected {expected} "
         f"{tuple(spec)} for these HParams"
       )
-    if isinstance(leaf, QArray):
+    if isinstance(leaf, BlockArray):
+      blocks.check(leaf, name)
+    elif isinstance(leaf, QArray):
       short = name.rsplit(".", 1)[-1]
       scales = {
         quantized.shape_like(expected, spec, short, grouped=g)
@@ -168,7 +171,7 @@ def check_shapes(hparams: HParams, weights: Weights) -> None:
 
 
 def _is_q(x) -> bool:
-  return isinstance(x, QArray)
+  return quantized.is_grouped(x)
 
 
 def init_random(hparams: HParams, key: jax.Array, dtype=jnp.float32) -> Weights:

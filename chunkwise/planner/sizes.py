@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from chunkwise.configs import Block, HParams
+from chunkwise.models import blocks
 
 DTYPE_BYTES = {
   "int8": 1,
@@ -44,7 +45,11 @@ INT8_GROUP = 128
 
 
 def weight_bytes_per_value(name) -> float:
-  """Bytes a stored weight value takes: int8 counts its group scales."""
+  """Bytes a stored weight value takes: int8 counts its group scales; a
+  GGUF block type kept natively ("Q4_K", `models.blocks`) its codes, f16
+  scales and offsets."""
+  if str(name).upper() in blocks.FORMATS:
+    return blocks.bytes_per_value(str(name).upper())
   size = dtype_bytes(name)
   return size + 4 / INT8_GROUP if size == 1 else float(size)
 

@@ -1,0 +1,280 @@
+"""GGUF's quantized blocks kept as they are (`quantize="native"`,
+`models.blocks`, `checkpoints.gguf_blocks`): decoding against the gguf
+package, loading, every layout against the dequantized twin, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as QType
+
+import chunkwise as cw
+from chunkwise import numerics
+from chunkwise.checkpoints import gguf_blocks
+from chunkwise.models import blocks, quantized
+from chunkwise.models.blocks import BlockArray
+from chunkwise.partitioning import make_mesh
+from chunkwise.planner import sizes
+from tests import hf_models
+
+_K = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _raw(kind: str, shape, seed=0):
+  """Blocks of `kind` for a [rows, cols] tensor: the gguf package's
+  quantizer where it has one, random blocks (the K-quants) otherwise."""
+  w = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+  try:
+    return quants.quantize(w, QType[kind])
+  except NotImplementedError:
+    return hf_models.random_blocks(shape, QType[kind], 1.0, seed)
+
+
+@pytest.mark.parametrize("kind", list(blocks.FORMATS))
+def test_blocks_decode_to_what_gguf_dequantizes(kind):
+  raw = _raw(kind, (6, 512))
+  want = quants.dequantize(raw, QType[kind])
+  host = gguf_blocks.decode(raw, kind, (6, 512))
+  bits, block = blocks.FORMATS[kind]
+  assert host.values.shape == (6, 512 * bits // 8)
+  assert host.scale.shape == (6, 512 // block)
+  got = host.dequantize()
+  if kind in _K:  # sub-block scale and min rounded to f16: 2^-11 each
+    codes = blocks.unpack(host.values, 1, bits).astype(np.float32)
+    reps = np.repeat(np.abs(host.scale.astype(np.float32)), block, axis=1)
+    bound = 2.0**-11 * (np.abs(codes) * reps + np.abs(want - codes * reps))
+    assert np.all(np.abs(got - want) <= bound * 1.01 + 1e-12)
+    assert not np.array_equal(got, want) or kind == "Q6_K"
+  else:  # exactly llama.cpp's values
+    np.testing.assert_array_equal(got, want)
+  device = host.to_device()
+  np.testing.assert_array_equal(np.asarray(device.astype(jnp.float32)), got)
+  ids = jnp.array([[4, 0], [2, 5]])
+  np.testing.assert_array_equal(
+    np.asarray(blocks.take_rows(device, ids)), got[np.asarray(ids)]
+  )
+
+
+def test_host_blocks_move_like_the_tensor():
+  """`.T`, the reshapes `hf_tensors` makes, row slices and row maps keep
+  each entry with its own scale."""
+  host = gguf_blocks.decode(_raw("Q4_1", (6, 128)), "Q4_1", (6, 128))
+  full = host.dequantize()
+  moved = host.T.reshape(2, 64, 6)  # o: [heads * head_dim, d] -> heads
+  assert moved.axis == 1
+  np.testing.assert_array_equal(moved.dequantize(), full.T.reshape(2, 64, 6))
+  np.testing.assert_array_equal(host[2:5].dequantize(), full[2:5])
+  flip = host.map_rows(lambda a: a[::-1])
+  np.testing.assert_array_equal(flip.dequantize(), full[::-1])
+  with pytest.raises(ValueError, match="whole blocks"):
+    host.T.reshape(8, 16, 6)  # blocks of 32 would straddle the new axis
+  with pytest.raises(ValueError, match="blocks"):
+    host.T[1:3]
+
+
+# Every block format in one model, two layers, inputs a multiple of 512
+# (so 8 shards, each halved by the throughput matmuls, hold whole blocks).
+_TYPES = {
+  "attn_q": QType.Q4_K,
+  "attn_k": QType.Q6_K,
+  "attn_v": QType.Q5_K,
+  "attn_output": QType.Q4_0,
+  "ffn_gate": QType.Q4_1,
+  "ffn_up": QType.Q5_0,
+  "ffn_down": QType.Q5_1,
+  "token_embd": QType.Q8_0,
+  "output": QType.Q6_K,
+}
+
+
+def _qtype(name: str):
+  return _TYPES.get(name.split(".")[-2], QType.F32)
+
+
+def _tiny(tied: bool):
+  return hf_models.tiny(
+    "llama",
+    heads=8,
+    kv_heads=4,
+    vocab=256,
+    tied=tied,
+    hidden_size=512,
+    intermediate_size=1024,
+    head_dim=64,
+  )
+
+
+@pytest.fixture(scope="module")
+def blocked_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("blocks") / "every-format.gguf"
+  hf_models.write_gguf(_tiny(False), path, qtypes=_qtype)
+  return path
+
+
+def _dequantized(model):
+  """The model with every BlockArray dequantized to f32 (the plain twin
+  of the same values)."""
+  weights = jax.tree.map(
+    lambda w: w.astype(jnp.float32) if isinstance(w, BlockArray) else w,
+    model.plain_weights(),
+    is_leaf=lambda w: isinstance(w, BlockArray),
+  )
+  return cw.InferenceModel(model.hparams, weights, model.vocab)
+
+
+def _chunk():
+  return cw.Chunk(
+    tokens=jnp.array([[1, 5, 7, 9, 11, 3, 200], [1, 17, 4, 250, 0, 0, 0]]),
+    lengths=jnp.array([7, 4]),
+  )
+
+
+def _run(model):
+  first = model.prefill(_chunk(), top_n=3)
+  tokens, result = model.generate(
+    [first], sample_ids=np.arange(2), steps=4, sampling=cw.Sampling()
+  )
+  return first, tokens, result
+
+
+@pytest.fixture(scope="module")
+def blocked(blocked_file):
+  native = cw.load(blocked_file, quantize="native")
+  return native, _run(_dequantized(native))
+
+
+def test_native_load_keeps_every_format(blocked_file, blocked):
+  native, _ = blocked
+  layer = native.weights.layers[1]
+  kinds = {
+    name: getattr(layer, name).kind
+    for name in ("q", "k", "v", "o", "gate", "up", "down")
+  }
+  assert kinds == {
+    "q": "Q4_K",
+    "k": "Q6_K",
+    "v": "Q5_K",
+    "o": "Q4_0",
+    "gate": "Q4_1",
+    "up": "Q5_0",
+    "down": "Q5_1",
+  }
+  assert native.weights.embedding.kind == "Q8_0"
+  assert native.weights.unembedding.kind == "Q6_K"
+  assert layer.o.axis == 1 and layer.o.shape == (8, 64, 512)
+  f32 = cw.load(blocked_file)
+  ratio = quantized.nbytes(native.weights) / quantized.nbytes(f32.weights)
+  assert ratio < 0.25  # 4.5 to 9 bits a weight, norms in f32
+  # The same values as the dequantizing reader (K-quant scales: f16).
+  got = native.prefill(_chunk()).per_token_scores
+  want = f32.prefill(_chunk()).per_token_scores
+  np.testing.assert_allclose(got, want, atol=2e-2)
+
+
+def test_native_runs_like_its_dequantized_twin(blocked):
+  native, (first, tokens, result) = blocked
+  got_first, got_tokens, got_result = _run(native)
+  np.testing.assert_allclose(
+    got_first.per_token_scores, first.per_token_scores, atol=1e-4
+  )
+  np.testing.assert_array_equal(got_tokens.tokens, tokens.tokens)
+  np.testing.assert_allclose(
+    got_result.per_token_scores, result.per_token_scores, atol=1e-4
+  )
+
+
+def _layouts():
+  for layout in [
+    "ws_1d/none/xla",
+    "ws_2d/yz/one_way",
+    "ws_2d/none/throughput",
+    "wg/none/throughput",
+  ]:
+    yield pytest.param(layout, id=layout.replace("/", "-"))
+  for layout in ["ws_1d/none/latency", "ws_2d/yzx/latency", "wg/none/xla"]:
+    yield pytest.param(
+      layout, id=layout.replace("/", "-"), marks=pytest.mark.long
+    )
+
+
+@pytest.mark.parametrize("layout", list(_layouts()))
+def test_native_every_layout(blocked_file, blocked, layout):
+  _, (first, tokens, result) = blocked
+  model = cw.load(
+    blocked_file, quantize="native", mesh=make_mesh((2, 2, 2)), layout=layout
+  )
+  got_first, got_tokens, got_result = _run(model)
+  np.testing.assert_allclose(
+    got_first.per_token_scores, first.per_token_scores, atol=2e-4
+  )
+  np.testing.assert_array_equal(got_first.top_ids, first.top_ids)
+  np.testing.assert_array_equal(got_tokens.tokens, tokens.tokens)
+  np.testing.assert_allclose(
+    got_result.per_token_scores, result.per_token_scores, atol=2e-4
+  )
+
+
+def test_native_tied_table_unembeds(tmp_path):
+  path = tmp_path / "tied.gguf"
+  hf_models.write_gguf(_tiny(True), path, qtypes=_qtype)
+  native = cw.load(path, quantize="native")
+  assert native.weights.unembedding is None
+  with numerics.scope("fast"):
+    want = _dequantized(native).prefill(_chunk()).per_token_scores
+    got = native.prefill(_chunk()).per_token_scores
+  np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_unsupported_block_types_are_named(tmp_path):
+  path = tmp_path / "q2.gguf"
+  model = hf_models.tiny("llama", head_dim=64, hidden_size=256)
+
+  def qtypes(name):
+    return QType.Q2_K if "ffn_up" in name else QType.Q8_0
+
+  hf_models.write_gguf(model, path, qtypes=qtypes)
+  with pytest.raises(ValueError, match=r"ffn_up.weight has type Q2_K.*Q4_K"):
+    cw.load(path, quantize="native")
+  with pytest.raises(ValueError, match=r"not supported natively.*Q8_0"):
+    block, size = GGML_QUANT_SIZES[QType.Q2_K]
+    gguf_blocks.decode(np.zeros((1, size), np.uint8), "Q2_K", (1, block))
+
+
+def test_bad_block_arrays_are_refused():
+  host = gguf_blocks.decode(_raw("Q4_0", (4, 64)), "Q4_0", (4, 64))
+  good = host.to_device()
+  blocks.check(good, "w")
+  with pytest.raises(ValueError, match="scale of shape"):
+    blocks.check(good.replace(scale=good.scale[:, :1]), "w")
+  with pytest.raises(ValueError, match="block type 'Q3_K'"):
+    blocks.check(good.replace(kind="Q3_K"), "w")
+  with pytest.raises(ValueError, match="expected 4-bit uint8"):
+    blocks.check(good.replace(values=good.values.astype(jnp.int8)), "w")
+
+
+def test_native_is_refused_where_it_cannot_be(blocked):
+  native, _ = blocked
+  with pytest.raises(ValueError, match=r"quantize='nf4'.*'int8' or 'native'"):
+    cw.load("x", quantize="nf4")
+  with pytest.raises(ValueError, match="cannot save GGUF blocks"):
+    cw.save(native, "/tmp/never-written-blocks")
+
+
+@pytest.mark.parametrize("kind", list(blocks.FORMATS))
+def test_planner_counts_what_blocks_hold(kind):
+  host = gguf_blocks.decode(_raw(kind, (4, 256)), kind, (4, 256))
+  per_value = sizes.weight_bytes_per_value(kind)
+  assert per_value * 4 * 256 == blocks.nbytes(host.to_device())
+  assert per_value < sizes.weight_bytes_per_value("bf16")
+
+
+def test_planning_a_native_load_counts_the_file_blocks(blocked_file):
+  from chunkwise.checkpoints import gguf
+
+  # gate, up and down hold 512 x 1024 entries a layer each, the most
+  assert gguf.block_type(blocked_file) in ("Q4_1", "Q5_0", "Q5_1")
+  hf_models.write_gguf(
+    hf_models.tiny("llama"), blocked_file.parent / "none.gguf"
+  )
+  assert gguf.block_type(blocked_file.parent / "none.gguf") is None
