@@ -6,7 +6,8 @@
       --hf_dtypes=float32,bfloat16 --output=bench.json --plot=bench.png
   python scripts/benchmark.py --model=random:tiny --decode_batches=1,4
 
-For each weights configuration (--weights: float32, bfloat16 or int8) it
+For each weights configuration (--weights: float32, bfloat16, int8, or
+native: a GGUF file's blocks as they are) it
 times, after a warm-up call, the median of --runs calls of
   - prefill of every --prefill_batches x --prefill_lengths grid point
     (random token ids after BOS): seconds, tokens/s, MFU;
@@ -77,7 +78,7 @@ from chunkwise.numerics import NUMERICS
 from chunkwise.precision import PRECISIONS
 from chunkwise.precision import resolve as resolve_precision
 
-WEIGHTS = ("float32", "bfloat16", "int8")
+WEIGHTS = ("float32", "bfloat16", "int8", "native")
 
 _MODEL = flags.DEFINE_string(
   "model",
@@ -395,7 +396,7 @@ def _load(
   name: str, described, weights: str, mesh, layout, numerics=None
 ) -> InferenceModel:
   dtype = "bfloat16" if weights == "bfloat16" else "float32"
-  quantize = "int8" if weights == "int8" else None
+  quantize = weights if weights in ("int8", "native") else None
   common = dict(
     mesh=mesh,
     layout=layout,
@@ -405,10 +406,14 @@ def _load(
   )
   if not name.startswith(checkpoints.RANDOM):
     return checkpoints.load(name, dtype=dtype, quantize=quantize, **common)
+  if quantize == "native":
+    raise app.UsageError(
+      f"--weights=native keeps a GGUF file's blocks; --model={name} is random"
+    )
   h = described.hparams
   # Drawn on the default device from the shapes alone, leaf by leaf.
   params = init_random(h, jax.random.key(_SEED.value), _init_dtype(weights))
-  if quantize:
+  if quantize == "int8":
     params = quantize_weights(params, Weights.axes(h))
   return InferenceModel(h, params, described.vocab, **common)
 

@@ -49,6 +49,7 @@ struct Case {
   i64 G, M, K, N, groups;
   Weight type;
   bool nmajor, acc, ones, shift = false;
+  bool offset = false, half = false;  // int8 / u4: offsets, f16 scales
 };
 
 std::mt19937 rng(0);
@@ -69,12 +70,16 @@ void fail(const std::string& what) {
 }
 
 std::string describe(const Case& c) {
-  const char* t = c.type == Weight::kF32 ? "f32" : c.type == Weight::kBF16 ? "bf16" : "int8";
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s%s",
+  const char* t = c.type == Weight::kF32    ? "f32"
+                  : c.type == Weight::kBF16 ? "bf16"
+                  : c.type == Weight::kU4   ? "u4"
+                                            : "int8";
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s%s%s%s",
                 (long long)c.G, (long long)c.M, (long long)c.K, (long long)c.N,
                 (long long)c.groups, t, c.nmajor ? "n-major" : "k-major", c.acc ? " acc" : "",
-                c.ones ? " ones" : "", c.shift ? " shift" : "");
+                c.ones ? " ones" : "", c.shift ? " shift" : "", c.offset ? " offset" : "",
+                c.half ? " f16" : "");
   return buf;
 }
 
@@ -92,15 +97,30 @@ void check_matmul(const Table* table, const Case& c) {
     wi[i] = static_cast<int8_t>(std::uniform_int_distribution<int>(-127, 127)(rng));
   }
   for (auto& v : s) v = std::uniform_real_distribution<float>(0.f, 0.02f)(rng);
-  for (auto& v : acc) v = normal();
-  if (!x.empty()) x[0] = 0.f;  // a zero and a tiny input among them
-  if (x.size() > 1) x[1] = 1e-20f;
+  const bool u4 = c.type == Weight::kU4;
+  std::vector<uint8_t> w4(wf.size() / 2);  // u4: two codes a byte along K
+  for (auto& v : w4) v = static_cast<uint8_t>(rng());
+  std::vector<float> o(s.size());
+  for (auto& v : o) v = std::uniform_real_distribution<float>(-0.1f, 0.1f)(rng);
+  std::vector<uint16_t> s16(s.size()), o16(o.size());
+  if (c.half)  // f16 scales of 2^-10 .. 2^-5, offsets of either sign
+    for (size_t i = 0; i < s.size(); ++i) {
+      s16[i] = static_cast<uint16_t>(std::uniform_int_distribution<int>(0x1400, 0x27ff)(rng));
+      o16[i] = static_cast<uint16_t>(s16[i] | (rng() & 0x8000));
+      s[i] = chunkwise::half_bits_to_float(s16[i]);
+      o[i] = chunkwise::half_bits_to_float(o16[i]);
+    }
   Problem p;
   p.x = x.data();
-  p.w = c.type == Weight::kF32 ? static_cast<const void*>(wf.data())
+  const bool int8 = c.type == Weight::kI8 || u4;
+  p.w = c.type == Weight::kF32    ? static_cast<const void*>(wf.data())
         : c.type == Weight::kBF16 ? static_cast<const void*>(wb.data())
+        : u4                      ? static_cast<const void*>(w4.data())
                                   : static_cast<const void*>(wi.data());
-  p.s = c.type == Weight::kI8 ? s.data() : nullptr;
+  p.s = int8 && !c.half ? s.data() : nullptr;
+  p.o = int8 && c.offset && !c.half ? o.data() : nullptr;
+  p.s16 = int8 && c.half ? s16.data() : nullptr;
+  p.o16 = int8 && c.offset && c.half ? o16.data() : nullptr;
   p.acc = c.acc ? acc.data() : nullptr;
   p.shift = c.shift ? shift.data() : nullptr;
   p.type = c.type;
@@ -257,6 +277,12 @@ int main(int argc, char** argv) {
       {1, 18, 72, 9, 2, Weight::kI8, true, false, false},
       {1, 18, 30, 37, 2, Weight::kI8, true, false, false},
       {1, 3, 600, 21, 1, Weight::kI8, true, false, false},
+      {1, 7, 64, 40, 2, Weight::kU4, false, false, false},       // GGUF blocks
+      {1, 1, 576, 70, 18, Weight::kU4, false, false, false, false, true, true},
+      {1, 9, 96, 33, 3, Weight::kU4, true, false, false, false, true, false},
+      {1, 18, 64, 37, 4, Weight::kU4, true, true, false, false, false, true},
+      {1, 5, 96, 50, 6, Weight::kI8, false, true, false, false, true, true},
+      {1, 3, 64, 21, 4, Weight::kI8, true, false, false, false, true, true},
       {3, 40, 300, 64, 1, Weight::kF32, false, true, true, true},  // values from logits
       {2, 3, 70, 64, 1, Weight::kBF16, false, true, true, true},
   };
@@ -267,15 +293,19 @@ int main(int argc, char** argv) {
     };
     Case c{};
     c.G = 1;
-    c.type = static_cast<Weight>(i % 3);
-    c.nmajor = (i / 3) % 2;
+    c.type = static_cast<Weight>(i % 4);
+    c.nmajor = (i / 4) % 2;
+    const bool int8 = c.type == Weight::kI8 || c.type == Weight::kU4;
     c.M = pick({1, 2, 3, 5, 8, 17, 33, 40});
     c.N = std::uniform_int_distribution<i64>(1, 150)(rng);
-    c.groups = c.type == Weight::kI8 ? pick({1, 2, 3}) : 1;
-    c.K = c.groups * std::uniform_int_distribution<i64>(1, 70)(rng);
-    c.ones = c.type != Weight::kI8 && !c.nmajor && (rng() & 1);
+    c.groups = int8 ? pick({1, 2, 3}) : 1;
+    const i64 per = std::uniform_int_distribution<i64>(1, 70)(rng);
+    c.K = c.groups * (c.type == Weight::kU4 ? 2 * per : per);  // u4: even groups
+    c.ones = !int8 && !c.nmajor && (rng() & 1);
     c.acc = !c.nmajor && (rng() & 1);
-    c.shift = c.type != Weight::kI8 && (rng() % 3 == 0);
+    c.shift = !int8 && (rng() % 3 == 0);
+    c.offset = int8 && (rng() & 1);
+    c.half = int8 && (rng() & 1);
     check_matmul(table, c);
   }
   for (i64 n : {1, 3, 7, 16, 33, 1001}) check_unary(table, n);

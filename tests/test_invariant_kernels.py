@@ -356,3 +356,87 @@ def test_a_process_picks_its_path_by_environment():
   assert out.returncode != 0
   assert "CHUNKWISE_CPU_ISA='avx1024'" in out.stderr
   assert cpu_kernels.isa.cpu_name() in out.stderr
+
+
+# GGUF blocks (`models.blocks`): 4-bit codes two to a byte along K or int8
+# codes, f16 scales and offsets per block (w = code * scale + offset).
+BLOCK_CASES = [
+  # m, k, n, bits, nmajor, block, offset
+  (1, 576, 200, 4, False, 32, True),  # decode, Q4_1-like
+  (7, 64, 40, 4, False, 32, False),  # Q4_0 without its offset folded in
+  (33, 96, 70, 4, False, 16, True),  # tiles and a column tail
+  (3, 576, 37, 4, True, 32, True),  # a tied 4-bit table
+  (5, 96, 50, 8, False, 32, True),  # Q5_1-like
+  (2, 64, 21, 8, True, 16, False),  # Q6_K-like
+  (18, 256, 33, 8, False, 32, False),  # Q8_0
+]
+
+
+@paths
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=str)
+def test_block_matmul_is_its_definition(case, isa):
+  m, k, n, bits, nmajor, block, with_offset = case
+  rng = np.random.default_rng(m * k + n)
+  x = jnp.asarray(rng.standard_normal((1, m, k)).astype(np.float32))
+  codes = (
+    rng.integers(0, 16, (n, k)) if bits == 4 else rng.integers(-32, 32, (n, k))
+  )
+  groups = (n, k // block)
+  scale = rng.uniform(1e-3, 2e-2, groups).astype(np.float16)
+  offset = rng.uniform(-0.1, 0.1, groups).astype(np.float16)
+  dequant = codes * np.repeat(scale.astype(np.float64), block, axis=1)
+  if with_offset:
+    dequant = dequant + np.repeat(offset.astype(np.float64), block, axis=1)
+  if bits == 4:  # even k in the low nibble
+    values = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
+  else:
+    values = codes.astype(np.int8)
+  if not nmajor:
+    values, scale, offset = values.T, scale.T, offset.T
+
+  def run(isa, rows=slice(None)):
+    return _matmul(
+      x[:, rows],
+      jnp.asarray(values)[None],
+      jnp.asarray(scale)[None],
+      None,
+      nmajor=nmajor,
+      isa=isa,
+      offset=jnp.asarray(offset)[None] if with_offset else None,
+    )
+
+  got = run(isa)
+  assert np.array_equal(got, run("portable")), isa
+  # f32 scales and offsets of the same values: the same bits
+  widened = _matmul(
+    x,
+    jnp.asarray(values)[None],
+    jnp.asarray(scale, jnp.float32)[None],
+    None,
+    nmajor=nmajor,
+    isa=isa,
+    offset=jnp.asarray(offset, jnp.float32)[None] if with_offset else None,
+  )
+  assert np.array_equal(got, widened)
+  # the dequantized weight times x, but for x rounded to int16 per block
+  xf = np.asarray(x[0], np.float64)
+  want = xf @ dequant.T
+  half = np.abs(xf).reshape(m, k // block, block).max(-1) / 32767 / 2
+  bound = np.repeat(half, block, axis=1) @ np.abs(dequant).T
+  err = np.abs(np.asarray(got[0], np.float64) - want)
+  assert np.all(err <= 1e-5 * k * np.abs(want).max() + 1.01 * bound)
+  assert np.max(bound) < 1e-3 * np.max(np.abs(want))
+  for r in {0, m - 1}:  # each row alone: the same bits
+    assert np.array_equal(run(isa, slice(r, r + 1))[0, 0], got[0, r])
+
+
+def test_bad_block_operands_are_refused():
+  x = jnp.ones((1, 2, 64))
+  w = jnp.zeros((1, 32, 8), jnp.uint8)
+  s = jnp.ones((1, 2, 8), jnp.float16)
+  with pytest.raises(Exception, match="offset needs"):
+    _matmul(x, w, s, None, nmajor=False, offset=jnp.ones((1, 1, 8)))
+  with pytest.raises(Exception, match="x and w shapes disagree"):
+    _matmul(x, jnp.zeros((1, 64, 8), jnp.uint8), s, None, nmajor=False)
+  with pytest.raises(Exception, match="one dtype"):
+    _matmul(x, w, s, None, nmajor=False, offset=jnp.ones((1, 2, 8)))

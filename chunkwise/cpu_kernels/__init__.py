@@ -3,7 +3,8 @@ with a path per instruction set chosen at run time (`isa`).
 
 `invariant_matmul` is every matmul of invariant numerics (one fixed chain
 per output, `portable.cc`), and with few rows the decode matmul of fast
-numerics too (`matmul`, reading int8, bf16 and f32 weights in place);
+numerics too (`matmul`, reading int8, bf16 and f32 weights in place,
+and GGUF's blocks: 4-bit codes two to a byte, f16 scales and offsets);
 `invariant_unary`, `invariant_row_sum` and `invariant_exp_sum` are exp,
 log, norms' sums and a log-softmax's total; `invariant_attend` is
 attention's chains in one call. Their plain twins are XLA's

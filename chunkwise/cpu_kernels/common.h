@@ -39,13 +39,17 @@ class Parallel {
   virtual void run(i64 total, const std::function<void(i64)>& body) = 0;
 };
 
-enum class Weight { kF32, kBF16, kI8 };
+// kU4: 4-bit codes (0..15) two to a byte along K (input k even in the low
+// nibble, k + 1 in the high one): [K / 2, N] k-major, [N, K / 2] n-major
+// (`models.blocks`, GGUF's Q4 formats); scaled like int8.
+enum class Weight { kF32, kBF16, kI8, kU4 };
 
 // One matmul call (invariant.py's `invariant_matmul`):
 //
 //   x: f32 [G, M, K]; w: f32, bf16 or int8, [Gw, K, N] ("k-major") or
 //   [Gw, N, K] ("n-major"), Gw = 1 (one weight for every g) or G;
-//   scale: f32 [Gw, K / group, N] or [Gw, N, K / group] (int8 only);
+//   scale: f32 [Gw, K / group, N] or [Gw, N, K / group] (int8, u4 only);
+//   offset: like scale, or nullptr (int8, u4: w = code * scale + offset);
 //   acc: f32 [G, M, N'] (nullptr: +0); shift: f32 [G, M] (float weights:
 //   x[g, m, k] enters as exp(x[g, m, k] - shift[g, m]); nullptr: none);
 //   out: f32 [G, M, N'] with N' = N + ones (a last column of weight 1,
@@ -56,6 +60,11 @@ struct Problem {
   const float* x = nullptr;
   const void* w = nullptr;
   const float* s = nullptr;    // int8 scales, else nullptr
+  const float* o = nullptr;    // int8 / u4 offsets per group, or nullptr
+  // The same as f16 (then s and o are nullptr; one shared weight): each
+  // block of outputs widens its own (run_int8), the portable path all.
+  const uint16_t* s16 = nullptr;
+  const uint16_t* o16 = nullptr;
   const float* acc = nullptr;  // nullptr: chains start at +0
   // A float weight's x enters as exp(x - shift[g * M + m]) (attention's
   // weights from its logits and their max); nullptr: as it is.
@@ -81,6 +90,12 @@ struct Problem {
   CW_INLINE const float* scale(i64 g) const {
     return s == nullptr ? nullptr : s + w_index(g) * groups * N;
   }
+  CW_INLINE const float* offset(i64 g) const {
+    return o == nullptr ? nullptr : o + w_index(g) * groups * N;
+  }
+  CW_INLINE bool u4() const { return type == Weight::kU4; }
+  // Byte of a u4 weight's codes (k, n) (its k's parity picks the nibble).
+  CW_INLINE i64 u4_byte(i64 k, i64 n) const { return nmajor ? n * (K / 2) + k / 2 : k / 2 * N + n; }
   CW_INLINE const float* xrow(i64 g, i64 m) const { return x + (g * M + m) * K; }
   CW_INLINE float* orow(i64 g, i64 m) const { return out + (g * M + m) * cols(); }
   CW_INLINE const float* arow(i64 g, i64 m) const {
@@ -146,11 +161,59 @@ class LineBuffer {
 struct QuantizedX {
   std::vector<int16_t> q;
   std::vector<float> scale;
+  std::vector<int32_t> qsum;  // [M, groups], with offsets only
   i64 M = 0, groups = 0, group = 0, P = 0;
 
   CW_INLINE const int16_t* at(i64 m, i64 g) const { return q.data() + (m * groups + g) * P; }
   CW_INLINE float scale_of(i64 m, i64 g) const { return scale[m * groups + g]; }
 };
+
+// The offsets' chain (above) for rows [0, M) x outputs [n0, n1) of batch g,
+// after every chunk: the same scalar operations on every path.
+inline void add_offsets(const Problem& p, const int32_t* qsum, const float* sx, i64 g, i64 m,
+                        i64 n0, i64 n1) {
+  const float* o = p.offset(g);
+  float* out = p.orow(g, m);
+  for (i64 gr = 0; gr < p.groups; ++gr) {
+    const float q = static_cast<float>(qsum[gr]);
+    const float x = sx[gr];
+    if (p.nmajor) {
+      for (i64 n = n0; n < n1; ++n) out[n] = std::fma(q, o[n * p.groups + gr] * x, out[n]);
+    } else {
+      const float* og = o + gr * p.N;
+      for (i64 n = n0; n < n1; ++n) out[n] = std::fma(q, og[n] * x, out[n]);
+    }
+  }
+}
+
+// An IEEE half (its bits) as f32: exact, so every path's value.
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 31u, man = h & 1023u, bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 1024u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 1023u) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// A u4 weight's code at (k, n) (Problem::u4_byte).
+inline int8_t u4_code(const Problem& p, const uint8_t* w, i64 k, i64 n) {
+  const uint8_t b = w[p.u4_byte(k, n)];
+  return static_cast<int8_t>((k & 1) ? b >> 4 : b & 15);
+}
 
 // The per-group factor and whether the group is rounded at all (module
 // doc): sets *sx and *inv from the group's max |x| and finiteness.
@@ -368,6 +431,8 @@ struct Table {
                   Parallel& par);
   // Attend's out.
   void (*attend)(const Attend& a, Parallel& par);
+  // out[i] = the IEEE half in[i] as f32 (exact), i < n.
+  void (*half_to_float)(const uint16_t* in, float* out, i64 n);
 };
 
 // The instruction sets, as dispatch.cc and invariant.py number them.

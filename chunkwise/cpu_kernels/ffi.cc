@@ -122,12 +122,28 @@ ffi::Error table_of(int64_t isa, const Table** table) {
   return ffi::Error::Success();
 }
 
+// A scale or offset buffer (f32, or f16 widened into `held` first) as f32.
+ffi::Error as_f32(const Table* table, ffi::AnyBuffer b, std::vector<float>& held,
+                  const float** out) {
+  if (b.element_type() == ffi::DataType::F32) {
+    *out = static_cast<const float*>(b.untyped_data());
+    return ffi::Error::Success();
+  }
+  if (b.element_type() != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("scales and offsets must be f32 or f16");
+  held.resize(b.element_count());
+  table->half_to_float(static_cast<const uint16_t*>(b.untyped_data()), held.data(),
+                       static_cast<i64>(held.size()));
+  *out = held.data();
+  return ffi::Error::Success();
+}
+
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> acc,
+                     ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> acc,
                      ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::S32> first,
-                     ffi::ResultBuffer<ffi::F32> out, int64_t count, int64_t nmajor,
-                     int64_t scaled, int64_t has_acc, int64_t has_shift, int64_t ones,
-                     int64_t isa) {
+                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> out,
+                     int64_t count, int64_t nmajor, int64_t scaled, int64_t has_acc,
+                     int64_t has_shift, int64_t ones, int64_t has_offset, int64_t isa) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scale.dimensions();
@@ -148,11 +164,13 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   p.ones = ones != 0;
   switch (w.element_type()) {
     case ffi::DataType::S8: p.type = chunkwise::Weight::kI8; break;
+    case ffi::DataType::U8: p.type = chunkwise::Weight::kU4; break;
     case ffi::DataType::BF16: p.type = chunkwise::Weight::kBF16; break;
     case ffi::DataType::F32: p.type = chunkwise::Weight::kF32; break;
-    default: return ffi::Error::InvalidArgument("w must be int8, bf16 or f32");
+    default: return ffi::Error::InvalidArgument("w must be int8, uint8 (u4), bf16 or f32");
   }
-  const bool int8 = p.type == chunkwise::Weight::kI8;
+  const bool u4 = p.type == chunkwise::Weight::kU4;
+  const bool int8 = p.type == chunkwise::Weight::kI8 || u4;
   if ((scaled != 0) != int8)
     return ffi::Error::InvalidArgument("scale is given for int8 weights, and only for them");
   if (count > 0) {  // a window of heads: w [b, heads, ...]
@@ -166,7 +184,9 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     gw = p.G;
   }
   p.w_shared = gw == 1 && count == 0;
-  if ((p.nmajor ? wd[r - 1] : wd[r - 2]) != p.K || (gw != 1 && gw != p.G))
+  if (u4 && (!p.w_shared || p.K % 2))
+    return ffi::Error::InvalidArgument("a u4 weight is one [K / 2, N] or [N, K / 2], K even");
+  if ((p.nmajor ? wd[r - 1] : wd[r - 2]) * (u4 ? 2 : 1) != p.K || (gw != 1 && gw != p.G))
     return ffi::Error::InvalidArgument("x and w shapes disagree");
   if (od[0] != p.G || od[1] != p.M || od[2] != p.cols())
     return ffi::Error::InvalidArgument("out shape disagrees");
@@ -180,8 +200,11 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
         p.K % p.groups != 0)
       return ffi::Error::InvalidArgument("w and scale shapes disagree");
     p.group = p.K / p.groups;
-    p.s = scale.typed_data();
+    if (u4 && p.group % 2)
+      return ffi::Error::InvalidArgument("a u4 weight's groups must be even");
   }
+  if (has_offset && (!int8 || offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("offset needs an int8 or u4 weight and scale's shape");
   if (has_acc) {
     auto ad = acc.dimensions();
     if (ad.size() != 3 || ad[0] != p.G || ad[1] != p.M || ad[2] != p.cols())
@@ -198,6 +221,22 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   p.out = out->typed_data();
   const Table* table;
   if (auto e = table_of(isa, &table); e.failure()) return e;
+  thread_local std::vector<float> scales, offsets;  // f16 ones widened
+  if (int8) {
+    const bool f16 = scale.element_type() == ffi::DataType::F16;
+    if (has_offset && (offset.element_type() == ffi::DataType::F16) != f16)
+      return ffi::Error::InvalidArgument("scale and offset must have one dtype");
+    if (f16 && !p.w_shared)
+      return ffi::Error::InvalidArgument("f16 scales need one shared weight");
+    if (f16) {  // widened by the kernels (per block of outputs)
+      p.s16 = static_cast<const uint16_t*>(scale.untyped_data());
+      if (has_offset) p.o16 = static_cast<const uint16_t*>(offset.untyped_data());
+    } else {
+      if (auto e = as_f32(table, scale, scales, &p.s); e.failure()) return e;
+      if (has_offset)
+        if (auto e = as_f32(table, offset, offsets, &p.o); e.failure()) return e;
+    }
+  }
   if (p.G * p.M * p.cols() == 0) return ffi::Error::Success();
   if (p.K == 0) {  // every chain is its start
     for (i64 i = 0; i < p.G * p.M * p.cols(); ++i) p.out[i] = p.acc ? p.acc[i] : 0.f;
@@ -339,10 +378,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("nmajor")
@@ -350,6 +390,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Attr<int64_t>("has_acc")
                                   .Attr<int64_t>("has_shift")
                                   .Attr<int64_t>("ones")
+                                  .Attr<int64_t>("has_offset")
                                   .Attr<int64_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantUnary, Unary,

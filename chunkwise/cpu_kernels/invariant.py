@@ -8,7 +8,9 @@ inputs in order; a row sum (`invariant_row_sum`) is 16 lane chains and a
 fixed tree.
 
   x: [G, M, K] (cast to f32); w: f32, bf16 or int8, [..., K, N]
-  (k-major) or [..., N, K] (n-major), its leading dims' product 1 or G (a
+  (k-major) or [..., N, K] (n-major), or uint8 4-bit codes two to a byte
+  along K ([1, K / 2, N] or [1, N, K / 2]: `models.blocks`, scaled like
+  int8), its leading dims' product 1 or G (a
   [b, kv, S, D] cache is read as it is: a reshape made XLA copy a loop's
   buffer every step); scale: f32 [1 or G, K / group, N] or
   [1 or G, N, K / group] for an int8 weight (whose product rounds x to
@@ -20,6 +22,9 @@ fixed tree.
   column N of
   weight 1 (the chained sum of x's row; k-major float only); isa: the
   instruction set to run (`isa.NAMES`; None: the process's default);
+  offset: like scale (int8 and 4-bit weights: w = code * scale + offset;
+  the rounded x's group sums times offset * its scale, chained after
+  every code chunk: `common.h`);
   heads: (first int32[1], count) reads the heads [first, first + count)
   of a w [b, kv, ...] in place, for G = b * count.
   Returns f32 [G, M, N'] with N' = N + ones.
@@ -38,6 +43,11 @@ from chunkwise.cpu_kernels import build
 from chunkwise.cpu_kernels import isa as isa_lib
 
 
+def _f32_or_f16(a):
+  """Scales and offsets go as f32, or as f16 (widened in the call)."""
+  return a if a.dtype == jnp.float16 else a.astype(jnp.float32)
+
+
 def invariant_matmul(
   x,
   w,
@@ -49,6 +59,7 @@ def invariant_matmul(
   ones: bool = False,
   isa: str | None = None,
   heads: tuple | None = None,
+  offset=None,
 ) -> jax.Array:
   g, m, _ = x.shape
   n = (w.shape[-2] if nmajor else w.shape[-1]) + int(ones)
@@ -59,16 +70,18 @@ def invariant_matmul(
   )(
     x.astype(jnp.float32),
     w,
-    dummy if scale is None else scale.astype(jnp.float32),
+    dummy if scale is None else _f32_or_f16(scale),
     dummy if acc is None else acc.astype(jnp.float32),
     dummy if shift is None else jnp.asarray(shift, jnp.float32),
     jnp.asarray(first, jnp.int32).reshape(1),
+    dummy if offset is None else _f32_or_f16(offset),
     count=int(count),
     nmajor=int(nmajor),
     scaled=int(scale is not None),
     has_acc=int(acc is not None),
     has_shift=int(shift is not None),
     ones=int(ones),
+    has_offset=int(offset is not None),
     isa=isa_lib.number(isa),
   )
 

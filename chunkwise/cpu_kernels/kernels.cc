@@ -477,6 +477,27 @@ void quantize(const Problem& p, QuantizedX& xq) {
       for (; k + W <= p.group; k += W) Vec::store_i16(q + k, Vec::mul(Vec::load(xg + k), iv));
       for (; k < p.group; ++k) q[k] = round_i16(xg[k] * inv);
     }
+  if (p.o == nullptr && p.o16 == nullptr) return;
+  xq.qsum.assign(xq.M * xq.groups, 0);
+  for (i64 row = 0; row < xq.M; ++row)
+    for (i64 gr = 0; gr < p.groups; ++gr) {
+      const int16_t* q = xq.at(row, gr);
+      int32_t sum = 0;
+      for (i64 k = 0; k < p.group; ++k) sum += q[k];
+      xq.qsum[row * xq.groups + gr] = sum;
+    }
+}
+
+// IEEE halves to f32 (exact; int8 and u4 weights' f16 scales).
+void half_to_float(const uint16_t* in, float* out, i64 n) {
+  i64 i = 0;
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#elif defined(CW_ISA_NEON)
+  for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(in + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_bits_to_float(in[i]);
 }
 
 #include "kernels_int8.h"
@@ -486,7 +507,8 @@ void matmul(const Problem& p, Parallel& par) {
   switch (p.type) {
     case Weight::kF32: run_float<float>(p, par); break;
     case Weight::kBF16: run_float<uint16_t>(p, par); break;
-    case Weight::kI8: {
+    case Weight::kI8:
+    case Weight::kU4: {
       QuantizedX xq;
       quantize(p, xq);
       run_int8(p, xq, par);
@@ -517,7 +539,7 @@ void unary(const float* x, float* out, i64 n, int64_t op, Parallel& par) {
 }  // namespace
 
 extern const Table kTable;
-const Table kTable = {CW_STR(CW_NS), matmul, unary, row_sum, attend};
+const Table kTable = {CW_STR(CW_NS), matmul, unary, row_sum, attend, half_to_float};
 
 }  // namespace CW_NS
 }  // namespace chunkwise

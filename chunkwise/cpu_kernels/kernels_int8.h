@@ -39,8 +39,11 @@ inline void nmajor_pack_scalar(const Problem& p, const int8_t* w, int16_t* buf, 
       for (int r = 0; r < 16; ++r)
         for (int h = 0; h < 2; ++h) {
           const i64 t = 2 * j + h;
-          out[2 * r + h] =
-              r < rows && t < p.group ? w[(n + r) * p.K + gr * p.group + t] : int16_t{0};
+          const i64 k = gr * p.group + t;
+          const uint8_t* w4 = reinterpret_cast<const uint8_t*>(w);
+          out[2 * r + h] = r < rows && t < p.group
+                               ? (p.u4() ? u4_code(p, w4, k, n + r) : w[(n + r) * p.K + k])
+                               : int16_t{0};
         }
     }
 }
@@ -49,7 +52,7 @@ inline void nmajor_pack_scalar(const Problem& p, const int8_t* w, int16_t* buf, 
 // time: a 16 x 16 transpose of 16-bit words (pairs of int8 inputs), then
 // widened.
 inline void nmajor_pack(const Problem& p, const int8_t* w, int16_t* buf, i64 n, i64 rows) {
-  if (p.group % 2) return nmajor_pack_scalar(p, w, buf, n, rows);
+  if (p.group % 2 || p.u4()) return nmajor_pack_scalar(p, w, buf, n, rows);
   const i64 K = p.K;
   for (i64 k = 0; k < K; k += 32) {
     alignas(32) int8_t tail[16][32];
@@ -130,9 +133,10 @@ inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
 // to int16 pairs, columns {0-7, 16-23} in `lo`, {8-15, 24-31} in `hi` (put
 // back in order once a chunk). A step's second row past the chunk reads
 // `zeros`.
-template <int MR, bool MASKED>
+template <int MR, bool MASKED, bool U4>
 void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
                     const float* s, const int8_t* zeros, i64 m0, i64 n, i64 cols) {
+  const __m256i nib = _mm256_set1_epi8(15);
   const __mmask32 bmask = MASKED ? static_cast<__mmask32>((1ull << cols) - 1) : ~0u;
   const __mmask16 f0 = static_cast<__mmask16>(bmask), f1 = static_cast<__mmask16>(bmask >> 16);
   const i64 N = p.N;
@@ -148,14 +152,19 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
       __m512i lo[MR], hi[MR];
       for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
       for (i64 t = c0; t < c1; t += 2) {
-        const int8_t* r0 = w + (k0 + t) * N + n;
-        const int8_t* r1 = t + 1 < c1 ? r0 + N : zeros + n;
+        const int8_t* r0 = U4 ? w + (k0 + t) / 2 * N + n : w + (k0 + t) * N + n;
+        const int8_t* r1 = U4 ? r0 : t + 1 < c1 ? r0 + N : zeros + n;
         if ((n & 63) == 0) {  // this row's next line, for the next tiles
           prefetch(r0 + 64);
-          prefetch(r1 + 64);
+          if (!U4) prefetch(r1 + 64);
         }
         __m256i a, b;
-        if (MASKED) {
+        if (U4) {  // both rows in one: even k low nibble, odd k high
+          const __m256i c = MASKED ? _mm256_maskz_loadu_epi8(bmask, r0)
+                                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0));
+          a = _mm256_and_si256(c, nib);
+          b = _mm256_and_si256(_mm256_srli_epi16(c, 4), nib);
+        } else if (MASKED) {
           a = _mm256_maskz_loadu_epi8(bmask, r0);
           b = _mm256_maskz_loadu_epi8(bmask, r1);
         } else {
@@ -184,12 +193,19 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
   }
 }
 
-template <int MR>
+template <int MR, bool U4>
 void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
                     const float* s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
   i64 n = n0;
-  for (; n + 32 <= n1; n += 32) kmajor_tile_i8<MR, false>(p, xq, g, w, s, zeros, m0, n, 32);
-  if (n < n1) kmajor_tile_i8<MR, true>(p, xq, g, w, s, zeros, m0, n, n1 - n);
+  for (; n + 32 <= n1; n += 32) kmajor_tile_i8<MR, false, U4>(p, xq, g, w, s, zeros, m0, n, 32);
+  if (n < n1) kmajor_tile_i8<MR, true, U4>(p, xq, g, w, s, zeros, m0, n, n1 - n);
+}
+
+template <int MR>
+void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
+                    const float* s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
+  if (p.u4()) kmajor_cols_i8<MR, true>(p, xq, g, w, s, zeros, m0, n0, n1);
+  else kmajor_cols_i8<MR, false>(p, xq, g, w, s, zeros, m0, n0, n1);
 }
 
 // k-major: columns [n0, n1), every row of batch g. Column strips of 64 (a
@@ -289,6 +305,8 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
                     const float* s, i64 m0, i64 n, i64 cols) {
   const i64 N = p.N;
   const bool tail = cols < 16 * H;
+  const bool u4 = p.u4();
+  const __m128i nib = _mm_set1_epi8(15);
   for (i64 gr = 0; gr < p.groups; ++gr) {
     const i64 k0 = gr * p.group;
     const int16_t* xg[MR];
@@ -299,25 +317,29 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
       for (int m = 0; m < MR; ++m)
         for (int h = 0; h < H; ++h) lo[m][h] = hi[m][h] = _mm256_setzero_si256();
       for (i64 t = c0; t < c1; t += 2) {
-        const int8_t* r0 = w + (k0 + t) * N + n;
-        const bool two = t + 1 < c1;
+        const int8_t* r0 = u4 ? w + (k0 + t) / 2 * N + n : w + (k0 + t) * N + n;
+        const bool two = u4 || t + 1 < c1;
         if ((n & 63) == 0 && k0 + t + kAhead + 2 <= p.K) {
-          prefetch(r0 + kAhead * N);
-          prefetch(r0 + (kAhead + 1) * N);
+          prefetch(r0 + (u4 ? kAhead / 2 : kAhead) * N);
+          if (!u4) prefetch(r0 + (kAhead + 1) * N);
         }
         alignas(32) int8_t buf[2][32];
-        const int8_t *a0 = r0, *a1 = r0 + N;
+        const int8_t *a0 = r0, *a1 = u4 ? r0 : r0 + N;
         if (tail || !two) {
           std::memset(buf, 0, sizeof(buf));
           std::memcpy(buf[0], r0, std::min<i64>(cols, 16 * H));
-          if (two) std::memcpy(buf[1], r0 + N, std::min<i64>(cols, 16 * H));
+          if (two && !u4) std::memcpy(buf[1], r0 + N, std::min<i64>(cols, 16 * H));
           a0 = buf[0];
-          a1 = buf[1];
+          a1 = u4 ? buf[0] : buf[1];
         }
         __m256i wl[H], wh[H];
         for (int h = 0; h < H; ++h) {
-          const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a0 + 16 * h));
-          const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a1 + 16 * h));
+          __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a0 + 16 * h));
+          __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a1 + 16 * h));
+          if (u4) {  // both rows in one: even k low nibble, odd k high
+            vb = _mm_and_si128(_mm_srli_epi16(va, 4), nib);
+            va = _mm_and_si128(va, nib);
+          }
           wl[h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(va, vb));
           wh[h] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(va, vb));
         }
@@ -449,7 +471,7 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
       for (int m = 0; m < MR; ++m)
         for (int j = 0; j < 4; ++j) acc[m][j] = vdupq_n_s32(0);
       for (i64 t = c0; t < c1; ++t) {
-        const int8_t* r = w + (k0 + t) * N + n;
+        const int8_t* r = p.u4() ? w + (k0 + t) / 2 * N + n : w + (k0 + t) * N + n;
         int8x16_t v;
         if (cols >= 16) {
           v = vld1q_s8(r);
@@ -457,6 +479,10 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
           int8_t buf[16] = {};
           std::memcpy(buf, r, cols);
           v = vld1q_s8(buf);
+        }
+        if (p.u4()) {  // even k: low nibbles; odd k: high
+          const uint8x16_t c = vreinterpretq_u8_s8(v);
+          v = vreinterpretq_s8_u8((k0 + t) & 1 ? vshrq_n_u8(c, 4) : vandq_u8(c, vdupq_n_u8(15)));
         }
         const int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_high_s8(v);
         for (int m = 0; m < MR; ++m) {
@@ -517,7 +543,12 @@ void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
         for (int i = 0; i < RR; ++i) {
           const int8_t* r = w + (n + i) * p.K + k0 + t;
           int8x8_t b;
-          if (k0 + t + 8 <= p.K) {
+          if (p.u4()) {
+            int8_t buf[8] = {};
+            for (i64 j = 0; j < 8 && k0 + t + j < p.K; ++j)
+              buf[j] = u4_code(p, reinterpret_cast<const uint8_t*>(w), k0 + t + j, n + i);
+            b = vld1_s8(buf);
+          } else if (k0 + t + 8 <= p.K) {
             b = vld1_s8(r);
           } else {
             int8_t buf[8] = {};
@@ -557,6 +588,27 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
 }
 #endif
 
+// f16 scales (and offsets) of outputs [n0, n1) widened into this thread's
+// buffers, at the same indices (`wide` then reads them as f32 ones).
+inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
+  thread_local LineBuffer<float> scales, offsets;
+  const uint16_t* in[2] = {p.s16, p.o16};
+  float* out[2] = {nullptr, nullptr};
+  for (int f = 0; f < 2; ++f) {
+    if (in[f] == nullptr) continue;
+    out[f] = (f ? offsets : scales).get(p.groups * p.N);
+    if (p.nmajor) {
+      half_to_float(in[f] + n0 * p.groups, out[f] + n0 * p.groups, (n1 - n0) * p.groups);
+    } else {
+      for (i64 gr = 0; gr < p.groups; ++gr)
+        half_to_float(in[f] + gr * p.N + n0, out[f] + gr * p.N + n0, n1 - n0);
+    }
+  }
+  wide->s = out[0];
+  wide->o = out[1];
+  wide->s16 = wide->o16 = nullptr;
+}
+
 // Column (k-major) or table-row (n-major) blocks of every batch, claimed
 // by threads; k-major blocks are multiples of 64 columns (a line of every
 // weight row), n-major of 16 table rows.
@@ -571,8 +623,16 @@ void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
   auto body = [&, z](i64 b) {
     const i64 g = b / nblocks;
     const i64 n0 = b % nblocks * block, n1 = std::min(p.N, n0 + block);
-    if (p.nmajor) nmajor_i8(p, xq, g, n0, n1);
-    else kmajor_i8(p, xq, g, z, n0, n1);
+    Problem q = p;  // with f16 scales: this block's widened
+    if (p.s16 != nullptr) widen_block(p, n0, n1, &q);
+    if (q.nmajor) nmajor_i8(q, xq, g, n0, n1);
+    else kmajor_i8(q, xq, g, z, n0, n1);
+    if (q.o != nullptr)
+      for (i64 m = 0; m < q.M; ++m) {
+        const i64 row = g * q.M + m;
+        add_offsets(q, xq.qsum.data() + row * q.groups, xq.scale.data() + row * q.groups, g, m,
+                    n0, n1);
+      }
   };
   if (p.G * p.M * p.K * p.N < kInline) {
     for (i64 b = 0; b < p.G * nblocks; ++b) body(b);

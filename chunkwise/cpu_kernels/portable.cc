@@ -11,7 +11,8 @@
 // `unary` computes it). With `ones`, column N has weight 1 everywhere (the
 // chained sum of the row's x). An int8 weight's (either order): x rounded
 // to int16 per row and weight group, int32 sums per chunk, one f32 chain
-// over the chunks (common.h). A row sum (norms, a log-softmax's total) is
+// over the chunks, then over the groups' offsets where there are (common.h);
+// a u4 weight's codes enter as int8 ones. A row sum (norms, a log-softmax's total) is
 // 16 lanes: lane l chains v = x[k] (or exp(x[k] - shift)) for k = 16 j + l
 // as a <- fma(v, 1, a) from +0 (past K, a lane takes fma(0, 0, a)), then
 // the lanes are added as the fixed tree of common.h's tree16. exp and log
@@ -65,6 +66,7 @@ void quantize_row(const Problem& p, i64 g, i64 m, int16_t* q, float* sx, i64 P) 
 
 void int8_row(const Problem& p, i64 g, i64 m) {
   const int8_t* w = p.weight<int8_t>(g);
+  const uint8_t* w4 = static_cast<const uint8_t*>(p.w);  // u4: w_shared
   const float* s = p.scale(g);
   const i64 P = (p.group + 31) / 32 * 32;
   std::vector<int16_t> q(p.groups * P);
@@ -81,7 +83,7 @@ void int8_row(const Problem& p, i64 g, i64 m) {
         int32_t isum = 0;
         for (i64 t = c0; t < std::min(p.group, c0 + kChunk); ++t) {
           const i64 k = gr * p.group + t;
-          const int8_t wv = p.nmajor ? w[n * p.K + k] : w[k * p.N + n];
+          const int8_t wv = p.u4() ? u4_code(p, w4, k, n) : p.nmajor ? w[n * p.K + k] : w[k * p.N + n];
           isum += static_cast<int32_t>(q[gr * P + t]) * wv;
         }
         a = std::fma(static_cast<float>(isum), f, a);
@@ -89,13 +91,37 @@ void int8_row(const Problem& p, i64 g, i64 m) {
     }
     out[n] = a;
   }
+  if (p.o != nullptr) {
+    std::vector<int32_t> qsum(p.groups, 0);
+    for (i64 gr = 0; gr < p.groups; ++gr)
+      for (i64 t = 0; t < p.group; ++t) qsum[gr] += q[gr * P + t];
+    add_offsets(p, qsum.data(), sx.data(), g, m, 0, p.N);
+  }
 }
 
-void matmul(const Problem& p, Parallel& par) {
+void half_to_float(const uint16_t* in, float* out, i64 n) {
+  for (i64 i = 0; i < n; ++i) out[i] = half_bits_to_float(in[i]);
+}
+
+void matmul(const Problem& given, Parallel& par) {
+  Problem p = given;  // f16 scales and offsets widened whole
+  std::vector<float> scales, offsets;
+  if (given.s16 != nullptr) {
+    scales.resize(p.groups * p.N);
+    half_to_float(given.s16, scales.data(), static_cast<i64>(scales.size()));
+    p.s = scales.data();
+    if (given.o16 != nullptr) {
+      offsets.resize(scales.size());
+      half_to_float(given.o16, offsets.data(), static_cast<i64>(offsets.size()));
+      p.o = offsets.data();
+    }
+    p.s16 = p.o16 = nullptr;
+  }
   par.run(p.G * p.M, [&](i64 b) {
     const i64 g = b / p.M, m = b % p.M;
     switch (p.type) {
-      case Weight::kI8: int8_row(p, g, m); break;
+      case Weight::kI8:
+      case Weight::kU4: int8_row(p, g, m); break;
       case Weight::kBF16: float_row<uint16_t>(p, g, m); break;
       case Weight::kF32: float_row<float>(p, g, m); break;
     }
@@ -158,7 +184,7 @@ void attend(const Attend& a, Parallel& par) {
   });
 }
 
-constexpr Table kTable = {"portable", matmul, unary, row_sum, attend};
+constexpr Table kTable = {"portable", matmul, unary, row_sum, attend, half_to_float};
 
 }  // namespace
 

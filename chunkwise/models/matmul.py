@@ -23,6 +23,11 @@ the twin by at most sum_k |w_k| * max|x over k's group| / 65534
 
   y = weight_matmul("bte,ehd->bthd", x, layer.q)     # QArray, bf16 or f32
 
+A GGUF block-quantized weight (`models.blocks.BlockArray`) takes the
+kernel on the CPU whatever its rows (4-bit codes unpacked in registers,
+f16 scales and offsets widened per block of outputs: `_blocked`), the
+dequantizing twin elsewhere.
+
 On a TPU an int8 weight takes `grouped` instead of `plain`: XLA:TPU does
 not fuse the dequantization (int8 times its group scales) into the dot,
 so `plain` materialised a dequantized copy of the weight at every step
@@ -128,11 +133,11 @@ def grouped(eq: str, x: jax.Array, w: QArray) -> jax.Array:
   return scaled.astype(x.dtype)
 
 
-def _form(eq: str, x, w) -> bool | None:
+def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
   """n-major (True), k-major (False), or None where the kernel does not
-  apply to `eq` and these operands."""
-  values = w.values if isinstance(w, QArray) else w
-  if not isinstance(w, QArray) and jnp.dtype(values.dtype) not in _DTYPES:
+  apply to `eq` and these operands (more than `max_rows` rows)."""
+  values = w if not is_grouped(w) else jax.ShapeDtypeStruct(w.shape, jnp.int8)
+  if not is_grouped(w) and jnp.dtype(values.dtype) not in _DTYPES:
     return None
   lhs, rhs, order = contract_dims(eq)
   c = len(rhs)
@@ -147,9 +152,11 @@ def _form(eq: str, x, w) -> bool | None:
     nmajor = True
   else:
     return None
-  if math.prod(x.shape[: x.ndim - c]) > MAX_ROWS:
+  if max_rows is not None and math.prod(x.shape[: x.ndim - c]) > max_rows:
     return None
-  if isinstance(w, QArray):  # free dims of the scale must be whole
+  if isinstance(w, BlockArray) and w.axis != (nw - 1 if nmajor else c - 1):
+    return None  # blocks along the last contracted dim only
+  if is_grouped(w):  # free dims of the scale must be whole
     free = range(c, nw) if not nmajor else range(nw - c)
     if any(w.scale.shape[i] != values.shape[i] for i in free):
       return None
@@ -159,7 +166,7 @@ def _form(eq: str, x, w) -> bool | None:
 def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
   _, rhs, _ = contract_dims(eq)
   c = len(rhs)
-  values = w.values if isinstance(w, QArray) else w
+  values = w if not is_grouped(w) else jax.ShapeDtypeStruct(w.shape, jnp.int8)
   free_x = x.shape[: x.ndim - c]
   if nmajor:
     free_w = values.shape[: values.ndim - c]
@@ -168,21 +175,41 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
     free_w = values.shape[c:]
     k = math.prod(values.shape[:c])
   rows, n = math.prod(free_x), math.prod(free_w)
-  w2 = values.reshape((n, k) if nmajor else (k, n))
-  scale = None
-  if isinstance(w, QArray):
-    scale = w.scale.astype(jnp.float32)
-    scale = scale.reshape((n, -1) if nmajor else (-1, n))
-  out = cpu_kernels.matmul(x.reshape(rows, k), w2, scale, nmajor=nmajor)
+  kw = k // 2 if isinstance(w, BlockArray) and w.bits == 4 else k
+  codes = w.values if is_grouped(w) else w
+  w2 = codes.reshape((n, kw) if nmajor else (kw, n))
+
+  def per_group(a):  # f16 ones are widened inside the kernel's call
+    return a.reshape((n, -1) if nmajor else (-1, n))
+
+  scale = per_group(w.scale) if is_grouped(w) else None
+  offset = None
+  if isinstance(w, BlockArray) and w.offset is not None:
+    offset = per_group(w.offset)
+  out = cpu_kernels.matmul(
+    x.reshape(rows, k), w2, scale, nmajor=nmajor, offset=offset
+  )
   return out.reshape(*free_x, *free_w).astype(x.dtype)
 
 
 def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
-  """A block-quantized weight's matmul: dequantized inside the jit (the
-  plain twin), under invariant numerics then through `numerics.matmul`."""
-  if numerics.invariant():
-    return numerics.matmul(eq, x, w.astype(jnp.float32))
-  return plain(eq, x, w)
+  """A block-quantized weight's matmul: on the CPU the kernel reads its
+  codes in place, whatever the rows (its fixed chains serve invariant
+  numerics too); elsewhere, or where its form does not fit the kernel,
+  the codes are dequantized inside the jit (the plain twin; under
+  invariant numerics through `numerics.matmul`)."""
+  nmajor = _form(eq, x, w, max_rows=None)
+  on_cpu = jax.default_backend() == "cpu"
+  if nmajor is None or not on_cpu or not cpu_kernels.load():
+    if numerics.invariant():
+      return numerics.matmul(eq, x, w.astype(jnp.float32))
+    return plain(eq, x, w)
+  return lax.platform_dependent(
+    x,
+    w,
+    default=lambda x, w: plain(eq, x, w),
+    cpu=lambda x, w: _kernel(eq, x, w, nmajor),
+  )
 
 
 def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
