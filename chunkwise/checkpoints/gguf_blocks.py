@@ -48,8 +48,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:
   """Bit i of a little-endian uint32 (bytes [n, 4]) for i < 32: [n, 32]."""
-  bits = np.unpackbits(qh, axis=1, bitorder="little")
-  return bits.astype(np.uint8)
+  return np.unpackbits(qh, axis=1, bitorder="little")
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +114,11 @@ def _decode_blocks(b: np.ndarray, kind: str):
     sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)
     d = _f16(b, 208).astype(np.float32)
     return codes.reshape(-1, 256), _to_f16(d * sc, kind), None
-  raise ValueError(
+  raise _unsupported(kind)
+
+
+def _unsupported(kind: str) -> ValueError:
+  return ValueError(
     f"GGUF block type {kind} is not supported natively; supported: "
     f"{', '.join(_BYTES)} (or load with quantize=None to dequantize)"
   )
@@ -205,7 +208,7 @@ class HostBlocks:
       if size > before and size <= span_end:
         axis = i
     block = old[self.axis] // self.scale.shape[self.axis]
-    if axis is None or shape[axis] % block or size_before(shape, axis) < before:
+    if axis is None or shape[axis] % block or math.prod(shape[:axis]) < before:
       raise ValueError(f"cannot reshape {old} into {shape} by whole blocks")
 
     def cut(n: int):
@@ -243,15 +246,11 @@ class HostBlocks:
     return out
 
 
-def size_before(shape, axis: int) -> int:
-  return math.prod(shape[:axis])
-
-
 def decode(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> HostBlocks:
   """The blocks of a tensor of NumPy `shape` (blocks along its last axis)
   from its raw bytes (`GGUFFile.raw`)."""
   if kind not in _BYTES:
-    _decode_blocks(raw[:0], kind)  # raises, naming what is supported
+    raise _unsupported(kind)
   size = _BYTES[kind]
   b = np.ascontiguousarray(raw).reshape(-1, size)
   codes, scale, offset = _decode_blocks(b, kind)

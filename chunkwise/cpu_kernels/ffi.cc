@@ -122,22 +122,6 @@ ffi::Error table_of(int64_t isa, const Table** table) {
   return ffi::Error::Success();
 }
 
-// A scale or offset buffer (f32, or f16 widened into `held` first) as f32.
-ffi::Error as_f32(const Table* table, ffi::AnyBuffer b, std::vector<float>& held,
-                  const float** out) {
-  if (b.element_type() == ffi::DataType::F32) {
-    *out = static_cast<const float*>(b.untyped_data());
-    return ffi::Error::Success();
-  }
-  if (b.element_type() != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument("scales and offsets must be f32 or f16");
-  held.resize(b.element_count());
-  table->half_to_float(static_cast<const uint16_t*>(b.untyped_data()), held.data(),
-                       static_cast<i64>(held.size()));
-  *out = held.data();
-  return ffi::Error::Success();
-}
-
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> acc,
                      ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::S32> first,
@@ -221,20 +205,21 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   p.out = out->typed_data();
   const Table* table;
   if (auto e = table_of(isa, &table); e.failure()) return e;
-  thread_local std::vector<float> scales, offsets;  // f16 ones widened
-  if (int8) {
-    const bool f16 = scale.element_type() == ffi::DataType::F16;
-    if (has_offset && (offset.element_type() == ffi::DataType::F16) != f16)
+  if (int8) {  // scales and offsets: f32, or f16 the kernels widen per block
+    const auto type = scale.element_type();
+    if (type != ffi::DataType::F32 && type != ffi::DataType::F16)
+      return ffi::Error::InvalidArgument("scales and offsets must be f32 or f16");
+    if (has_offset && offset.element_type() != type)
       return ffi::Error::InvalidArgument("scale and offset must have one dtype");
+    const bool f16 = type == ffi::DataType::F16;
     if (f16 && !p.w_shared)
       return ffi::Error::InvalidArgument("f16 scales need one shared weight");
-    if (f16) {  // widened by the kernels (per block of outputs)
+    if (f16) {
       p.s16 = static_cast<const uint16_t*>(scale.untyped_data());
       if (has_offset) p.o16 = static_cast<const uint16_t*>(offset.untyped_data());
     } else {
-      if (auto e = as_f32(table, scale, scales, &p.s); e.failure()) return e;
-      if (has_offset)
-        if (auto e = as_f32(table, offset, offsets, &p.o); e.failure()) return e;
+      p.s = static_cast<const float*>(scale.untyped_data());
+      if (has_offset) p.o = static_cast<const float*>(offset.untyped_data());
     }
   }
   if (p.G * p.M * p.cols() == 0) return ffi::Error::Success();

@@ -136,16 +136,16 @@ def grouped(eq: str, x: jax.Array, w: QArray) -> jax.Array:
 def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
   """n-major (True), k-major (False), or None where the kernel does not
   apply to `eq` and these operands (more than `max_rows` rows)."""
-  values = w if not is_grouped(w) else jax.ShapeDtypeStruct(w.shape, jnp.int8)
-  if not is_grouped(w) and jnp.dtype(values.dtype) not in _DTYPES:
+  if not is_grouped(w) and jnp.dtype(w.dtype) not in _DTYPES:
     return None
+  shape = tuple(w.shape)  # a QArray's or BlockArray's: the weight's
   lhs, rhs, order = contract_dims(eq)
   c = len(rhs)
   if order is not None or c == 0:
     return None
   if lhs != tuple(range(x.ndim - c, x.ndim)):
     return None
-  nw = values.ndim
+  nw = len(shape)
   if rhs == tuple(range(c)):
     nmajor = False
   elif rhs == tuple(range(nw - c, nw)):
@@ -158,7 +158,7 @@ def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
     return None  # blocks along the last contracted dim only
   if is_grouped(w):  # free dims of the scale must be whole
     free = range(c, nw) if not nmajor else range(nw - c)
-    if any(w.scale.shape[i] != values.shape[i] for i in free):
+    if any(w.scale.shape[i] != shape[i] for i in free):
       return None
   return nmajor
 
@@ -166,14 +166,14 @@ def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
 def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
   _, rhs, _ = contract_dims(eq)
   c = len(rhs)
-  values = w if not is_grouped(w) else jax.ShapeDtypeStruct(w.shape, jnp.int8)
+  shape = tuple(w.shape)  # a QArray's or BlockArray's: the weight's
   free_x = x.shape[: x.ndim - c]
   if nmajor:
-    free_w = values.shape[: values.ndim - c]
-    k = math.prod(values.shape[values.ndim - c :])
+    free_w = shape[: len(shape) - c]
+    k = math.prod(shape[len(shape) - c :])
   else:
-    free_w = values.shape[c:]
-    k = math.prod(values.shape[:c])
+    free_w = shape[c:]
+    k = math.prod(shape[:c])
   rows, n = math.prod(free_x), math.prod(free_w)
   kw = k // 2 if isinstance(w, BlockArray) and w.bits == 4 else k
   codes = w.values if is_grouped(w) else w
