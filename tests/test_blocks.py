@@ -17,6 +17,7 @@ from chunkwise.models.blocks import BlockArray
 from chunkwise.partitioning import make_mesh
 from chunkwise.planner import sizes
 from tests import hf_models
+from tests.test_adapters import random_adapter
 
 _K = ("Q4_K", "Q5_K", "Q6_K")
 
@@ -260,11 +261,53 @@ def test_bad_block_arrays_are_refused():
 
 
 def test_native_is_refused_where_it_cannot_be(blocked):
-  native, _ = blocked
   with pytest.raises(ValueError, match=r"quantize='nf4'.*'int8' or 'native'"):
     cw.load("x", quantize="nf4")
-  with pytest.raises(ValueError, match="cannot save GGUF blocks"):
-    cw.save(native, "/tmp/never-written-blocks")
+
+
+def test_saved_blocks_restore_as_blocks_on_any_layout(blocked, tmp_path):
+  native, (first, tokens, _) = blocked
+  path = cw.save(native, tmp_path / "native")
+  restored = cw.load(
+    path, mesh=make_mesh((2, 2, 2)), layout="ws_2d/none/throughput"
+  )
+  want = jax.tree.leaves(native.plain_weights())
+  got = jax.tree.leaves(restored.plain_weights())
+  assert [x.dtype for x in got] == [x.dtype for x in want]
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  assert restored.plain_weights().layers[1].q.kind == "Q4_K"
+  got_first, got_tokens, _ = _run(restored)
+  np.testing.assert_allclose(
+    got_first.per_token_scores, first.per_token_scores, atol=_ATOL
+  )
+  np.testing.assert_array_equal(got_tokens.tokens, tokens.tokens)
+  with pytest.raises(ValueError, match=r"holds GGUF blocks.*'native' or None"):
+    cw.load(path, quantize="int8")
+  f32 = cw.save(_dequantized(native), tmp_path / "f32")
+  with pytest.raises(ValueError, match=r"keeps GGUF blocks.*float weights"):
+    cw.load(f32, quantize="native")
+
+
+def test_lora_on_native_blocks_matches_its_dequantized_twin(blocked):
+  native, _ = blocked
+  h = native.hparams
+  adapter = random_adapter(h, 4, 1, scale=0.05)
+  rows = ["a", None]
+  got = native.with_adapters({"a": adapter}).prefill(
+    _chunk(), adapters=rows, top_n=3
+  )
+  want = (
+    _dequantized(native)
+    .with_adapters({"a": adapter})
+    .prefill(_chunk(), adapters=rows, top_n=3)
+  )
+  np.testing.assert_allclose(
+    got.per_token_scores, want.per_token_scores, atol=_ATOL
+  )
+  plain = native.prefill(_chunk()).per_token_scores
+  assert not np.allclose(got.per_token_scores[0], plain[0], atol=1e-2)
+  np.testing.assert_array_equal(got.per_token_scores[1], plain[1])
 
 
 @pytest.mark.parametrize("kind", list(blocks.FORMATS))

@@ -50,7 +50,7 @@ VERSION = 3
 # channel as before. All are read.
 READS = (1, 2, 3)
 # Array dtypes a checkpoint may hold.
-DTYPES = ("float32", "bfloat16", "float16", "int8", "int32")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "uint8", "int32")
 # Restored arrays may take this many times the bytes of their files.
 MAX_EXPANSION = 256
 EXPANSION_FLOOR = 64 << 20  # bytes always allowed

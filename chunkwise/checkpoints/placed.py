@@ -19,10 +19,72 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from chunkwise.configs import HParams
-from chunkwise.models import Weights, quantized
+from chunkwise.models import Weights, blocks, quantized
 from chunkwise.models.weights import shape_of, stack_layers
 from chunkwise.partitioning import LayoutKind
 from chunkwise.partitioning.placement import shardings_for
+
+
+def block_formats(weights) -> dict[str, dict]:
+  """{name: {"kind": "Q4_K", "axis": 1}} for each `BlockArray` weight: what
+  a checkpoint's description records to restore it."""
+  leaves = jax.tree_util.tree_leaves_with_path(
+    weights, is_leaf=quantized.is_grouped
+  )
+  return {
+    ".".join(quantized.key_name(k) for k in path): {
+      "kind": w.kind,
+      "axis": w.axis,
+    }
+    for path, w in leaves
+    if isinstance(w, blocks.BlockArray)
+  }
+
+
+def parse_block_formats(formats, source: str) -> dict[str, tuple[str, int]]:
+  """A description's "blocks" entry checked: {name: (kind, axis)}."""
+  if formats is None:
+    return {}
+  if not isinstance(formats, dict):
+    raise ValueError(f"{source}: 'blocks' is not an object")
+  out = {}
+  for name, f in formats.items():
+    kind = f.get("kind") if isinstance(f, dict) else None
+    axis = f.get("axis") if isinstance(f, dict) else None
+    if kind not in blocks.FORMATS or type(axis) is not int or axis < 0:
+      raise ValueError(
+        f"{source}: blocks entry {name!r} is {f!r}; expected "
+        f'{{"kind": one of {", ".join(blocks.FORMATS)}, "axis": an axis}}'
+      )
+    out[name] = (kind, axis)
+  return out
+
+
+def _block_template(name: str, shape, kind: str, axis: int):
+  """The ShapeDtypeStructs of a `BlockArray` of weight shape `shape`."""
+  if axis >= len(shape):
+    raise ValueError(
+      f"weight {name} has {len(shape)} axes; its blocks' axis {axis} "
+      "does not exist"
+    )
+  bits, block = blocks.FORMATS[kind]
+  values, groups = list(shape), list(shape)
+  if bits == 4:
+    values[axis] //= 2
+  groups[axis] //= block
+  f16 = lambda s: jax.ShapeDtypeStruct(tuple(s), jnp.float16)
+  w = blocks.BlockArray(
+    values=jax.ShapeDtypeStruct(
+      tuple(values), jnp.uint8 if bits == 4 else jnp.int8
+    ),
+    scale=f16(groups),
+    offset=f16(groups) if kind in blocks.OFFSET else None,
+    axis=axis,
+    bits=bits,
+    kind=kind,
+  )
+  blocks.check(w, name)  # the shape holds whole blocks
+  return w
 
 
 def abstract_weights(
@@ -32,17 +94,22 @@ def abstract_weights(
   *,
   stacked: bool = False,
   grouped: bool = True,
+  blocked: dict[str, tuple[str, int]] | None = None,
 ) -> Weights:
   """ShapeDtypeStructs of the weights: QArray leaves for the names saved
   as int8 (scales per group, or per output channel without `grouped`),
-  `dtype` for the float ones; with `stacked`, the layers stacked as
-  format version 1 stored them (names "layers.q", not "layers.0.q")."""
+  BlockArray leaves for those in `blocked` ({name: (GGUF type, grouped
+  axis)}), `dtype` for the float ones; with `stacked`, the layers stacked
+  as format version 1 stored them (names "layers.q", not "layers.0.q")."""
+  blocked = blocked or {}
 
   def one(path, spec):
     shape = shape_of(h, spec)
     name = ".".join(quantized.key_name(k) for k in path)
     if stacked:
       name = re.sub(r"^layers\.\d+\.", "layers.", name)
+    if name in blocked:
+      return _block_template(name, shape, *blocked[name])
     if name in quantized_names:
       leaf = quantized.key_name(path[-1])
       return quantized.QArray(

@@ -20,7 +20,10 @@ straight into the sharding the target mesh and layout give it
 onto any other, and no host ever holds more than its own shards. Weights
 are saved in plain block order (shuffled weights are reordered back
 first). A model serving LoRA adapters (`with_adapters`) stores them
-beside its weights and is restored serving them; a saved result keeps the
+beside its weights and is restored serving them; GGUF blocks
+(quantize="native") are stored as their codes, scales and offsets, each
+weight's block type and grouped axis in the description, and restored as
+blocks; a saved result keeps the
 adapter of each of its rows, so a restored prefix still serves only rows
 of its own adapters. Only local file systems are supported.
 """
@@ -72,18 +75,15 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
   """
   if isinstance(obj, InferenceModel):
     weights = obj.plain_weights()
-    if quantized.is_blocked(weights):
-      raise ValueError(
-        "cw.save cannot save GGUF blocks (quantize='native') yet: the GGUF "
-        "file they came from is their checkpoint; load it again, or load "
-        "with quantize='int8' or None to save"
-      )
     vocab, files = saved_vocab.to_json(obj.vocab)
+    blocked = placed.block_formats(weights)
     meta = {
       "kind": "model",
       "hparams": obj.hparams.to_json(),
       "quantization": (
-        quantized.Quantization.INT8.value
+        quantized.Quantization.NATIVE.value
+        if blocked
+        else quantized.Quantization.INT8.value
         if quantized.is_quantized(weights)
         else None
       ),
@@ -93,6 +93,8 @@ def save(obj, directory: str | os.PathLike, *, overwrite: bool = False):
       "vocabulary": vocab,
     }
     tree = weights
+    if blocked:  # each GGUF block weight's type and grouped axis
+      meta["blocks"] = blocked
     if obj.adapters:  # beside the weights (absent: none, as before)
       meta["adapters"], flat = saved_adapters.to_json(obj.adapters)
       tree = {**arrays.flatten(weights), **flat}
@@ -178,7 +180,9 @@ def load_model(
     dtype: the float weights' dtype (None: as saved); int8 values and
       their f32 scales stay as they are.
     quantize: "int8" quantizes float weights after restoring them (a
-      no-op for an int8 checkpoint).
+      no-op for an int8 checkpoint; refused for saved GGUF blocks);
+      "native" only for a checkpoint of GGUF blocks, which load as
+      blocks with None too.
     vocab: replaces the saved vocabulary.
   """
   directory = os.path.abspath(os.fspath(directory))
@@ -199,13 +203,27 @@ def load_model(
       f"checkpoint {directory}: format version 1 lists adapters, which "
       "only later versions store"
     )
+  blocked = placed.parse_block_formats(
+    meta.get("blocks"), os.path.join(directory, META)
+  )
+  quantize = quantized.Quantization.of(quantize)
+  if blocked and quantize is quantized.Quantization.INT8:
+    raise ValueError(
+      f"checkpoint {directory} holds GGUF blocks (saved with "
+      "quantize='native'); load it with quantize='native' or None"
+    )
+  if not blocked and quantize is quantized.Quantization.NATIVE:
+    raise ValueError(
+      f"quantize='native' keeps GGUF blocks; checkpoint {directory} holds "
+      f"{meta.get('quantization') or 'float'} weights (use 'int8' or None)"
+    )
   names = {
     n[: -len(".values")] for n in meta["arrays"] if n.endswith(".values")
-  }
+  } - set(blocked)
   saved = {
     jnp.dtype(a["dtype"]).name
     for n, a in meta["arrays"].items()
-    if not n.endswith((".values", ".scale"))
+    if not n.endswith((".values", ".scale", ".offset"))
     and not saved_adapters.is_adapter_array(n)
   }
   if dtype is None:
@@ -216,7 +234,12 @@ def load_model(
       "expected float32 or bfloat16"
     )
   template = placed.abstract_weights(
-    h, names, jnp.dtype(dtype), stacked=legacy, grouped=meta["version"] >= 3
+    h,
+    names,
+    jnp.dtype(dtype),
+    stacked=legacy,
+    grouped=meta["version"] >= 3,
+    blocked=blocked,
   )
   adapter_targets = saved_adapters.templates(h, served)
   arrays.check_arrays(
@@ -245,7 +268,7 @@ def load_model(
       directory, {**arrays.flatten(targets), **adapter_targets}
     )
     weights = arrays.unflatten(targets, restored)
-  if quantized.Quantization.of(quantize) is quantized.Quantization.INT8:
+  if quantize is quantized.Quantization.INT8:
     weights = placed.quantize_placed(h, mesh, phases[0], weights)
   ids = _special_ids(meta)
   model = InferenceModel(
