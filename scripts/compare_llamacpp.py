@@ -13,6 +13,16 @@ prompt of --prompt_tokens tokens, then decodes --steps tokens greedily,
 --runs times after a first (compiling) run; the table gives medians and
 each process's peak RSS (and, for chunkwise, "runtime": the peak before
 it loaded the model, Python's, JAX's and XLA's own).
+
+  python scripts/compare_llamacpp.py --quality --requantize=Q4_0,Q8_0
+
+--quality measures instead how close the distributions are, on the texts
+of scripts/data/eval_texts.jsonl (the same tokens on both sides, every
+position after BOS): each chunkwise --weights against llama.cpp's own
+next-token distribution on the same file (`scripts/llamacpp/probs.mjs`,
+teacher-forced; top-1 agreement and KL(llama.cpp ‖ chunkwise) of the
+whole vocabulary's distributions), and the native blocks against the
+same file dequantized to f32 in chunkwise (`checkpoints.quality.measure`).
 """
 
 from __future__ import annotations
@@ -49,6 +59,12 @@ _PROMPT = flags.DEFINE_integer("prompt_tokens", 512, "Prefill length.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Greedy decode steps.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed runs after the first.")
 _OUT = flags.DEFINE_string("out", "", "Also write the rows as JSON here.")
+_QUALITY = flags.DEFINE_bool(
+  "quality", False, "Measure distributions against llama.cpp, not speed."
+)
+_TEXTS = flags.DEFINE_string(
+  "texts", str(ROOT / "scripts" / "data" / "eval_texts.jsonl"), "--quality's."
+)
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one chunkwise side.")
 
 
@@ -177,10 +193,7 @@ def _run(cmd: list[str]) -> tuple[dict, float]:
 
 def _llamacpp(path: str) -> dict:
   script = NODE_DIR / "bench.mjs"
-  if not (NODE_DIR / "node_modules" / "node-llama-cpp").exists():
-    raise app.UsageError(
-      f"node-llama-cpp is not installed: npm install --prefix {NODE_DIR}"
-    )
+  _need_node()
   result, rss = _run(
     [
       "node",
@@ -232,6 +245,60 @@ def _row(file: str, side: str, r: dict, ref: list | None) -> dict:
   )
 
 
+def _need_node() -> None:
+  if not (NODE_DIR / "node_modules" / "node-llama-cpp").exists():
+    raise app.UsageError(
+      f"node-llama-cpp is not installed: npm install --prefix {NODE_DIR}"
+    )
+
+
+def _quality(files: list[str]) -> list[dict]:
+  """--quality's rows: every chunkwise --weights against llama.cpp on each
+  file, and native against the file dequantized to f32."""
+  import numpy as np
+
+  import chunkwise as cw
+  from chunkwise.checkpoints import quality
+
+  texts = quality.read_texts(_TEXTS.value)
+  rows = []
+  for path in files:
+    models = {}
+    for weights in dict.fromkeys([*_WEIGHTS.value, "float32"]):
+      quantize = weights if weights in ("native", "int8") else None
+      models[weights] = cw.load(path, quantize=quantize)
+    with tempfile.TemporaryDirectory() as tmp:
+      tokens, out = f"{tmp}/rows.json", f"{tmp}/probs.f32"
+      model = models["float32"]
+      pathlib.Path(tokens).write_text(
+        json.dumps(quality.token_rows(model.vocab, texts))
+      )
+      cmd = ["node", str(NODE_DIR / "probs.mjs"), path, str(_THREADS.value)]
+      n = model.hparams.vocab
+      subprocess.run([*cmd, tokens, out, str(n)], check=True)
+      reference = np.fromfile(out, np.float32).reshape(-1, n)
+    name = os.path.basename(path)
+    for weights in _WEIGHTS.value:
+      r = quality.against_reference(models[weights], texts, reference)
+      rows.append(dict(file=name, candidate=weights, vs="llama.cpp", **r))
+    if "native" in models:
+      r = quality.measure(models["float32"], models["native"], texts)
+      rows.append(dict(file=name, candidate="native", vs="f32 same file", **r))
+  return rows
+
+
+def _print_quality(rows: list[dict]) -> None:
+  print(
+    f"{'file':40s} {'chunkwise':10s} {'against':16s} {'top-1':>7s} "
+    f"{'mean KL':>9s} {'max KL':>9s}"
+  )
+  for r in rows:
+    print(
+      f"{r['file']:40s} {r['candidate']:10s} {r['vs']:16s} "
+      f"{r['top1_agreement']:7.4f} {r['mean_kl']:9.2e} {r['max_kl']:9.2e}"
+    )
+
+
 def _mib(value) -> str:
   return "-" if value is None else f"{value:.0f}"
 
@@ -252,6 +319,14 @@ def main(argv):
   for kind in _REQUANTIZE.value:
     out = work / f"{pathlib.Path(files[0]).stem}.{kind}.gguf"
     files.append(requantize(files[0], kind.upper(), str(out)))
+  _need_node()
+  if _QUALITY.value:
+    rows = _quality(files)
+    print(f"cpu: {isa.cpu_name()}, kernel path {isa.current()}")
+    _print_quality(rows)
+    if _OUT.value:
+      pathlib.Path(_OUT.value).write_text(json.dumps(rows, indent=1))
+    return
   rows = []
   for path in files:
     ref = _llamacpp(path)

@@ -4,6 +4,7 @@ texts, the weights' bytes and the K/V bytes per token.
 
   python scripts/int8_quality.py                       # SmolLM2, int8
   python scripts/int8_quality.py --quantize=none --kv_dtype=int8  # int8 K/V
+  python scripts/int8_quality.py --quantize=native     # GGUF Q4_1 blocks
   python scripts/int8_quality.py --model=path/to/ckpt --texts=more.jsonl
 
 Every position that predicts a token of a text (all but its BOS) counts:
@@ -25,7 +26,11 @@ TEXTS = os.path.join(os.path.dirname(__file__), "data", "eval_texts.jsonl")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Preset name or path.")
 _TEXTS = flags.DEFINE_string("texts", TEXTS, "JSONL of {id, text}.")
 _QUANTIZE = flags.DEFINE_enum(
-  "quantize", "int8", ["int8", "none"], "The candidate's weight quantization."
+  "quantize",
+  "int8",
+  ["int8", "native", "none"],
+  "The candidate's weight quantization (native: a GGUF file's blocks as "
+  "they are, against the same file dequantized to f32).",
 )
 _KV_DTYPE = flags.DEFINE_enum(
   "kv_dtype",

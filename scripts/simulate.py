@@ -85,7 +85,10 @@ _STEPS = flags.DEFINE_integer(
   "generate_steps", 8, "Decode steps (columns of the loop's K/V buffer).", 1
 )
 _WEIGHTS = flags.DEFINE_enum(
-  "weights", "bf16", ["bf16", "int8", "f32"], "How weights are stored."
+  "weights",
+  "bf16",
+  ["bf16", "int8", "f32", "Q4_0", "Q4_K", "Q8_0"],
+  "How weights are stored (Q*: GGUF blocks kept as they are).",
 )
 _CACHE = flags.DEFINE_enum(
   "cache_dtype", "bfloat16", ["bfloat16", "float32"], "K/V cache dtype."

@@ -310,6 +310,42 @@ def test_lora_on_native_blocks_matches_its_dequantized_twin(blocked):
   np.testing.assert_array_equal(got.per_token_scores[1], plain[1])
 
 
+def test_tpu_block_matmul_equals_the_dequantized_one(blocked):
+  """A TPU's block matmul (`matmul.by_block`: a dot per block, 4-bit
+  nibbles against x's even and odd entries, then scales and offsets)
+  against `plain` (the blocks dequantized first), every format in the
+  equation its weight runs in, at one row and at several."""
+  from chunkwise.models import matmul
+
+  native, _ = blocked
+  w = native.plain_weights()
+  layer = w.layers[1]
+  table = gguf_blocks.decode(_raw("Q4_0", (256, 512)), "Q4_0", (256, 512))
+  key = iter(jax.random.split(jax.random.key(1), 16))
+  x = lambda *s: jax.random.normal(next(key), s, jnp.float32)
+  cases = [
+    ("bte,ehd->bthd", x(2, 3, 512), layer.q),
+    ("bte,ehd->bthd", x(1, 1, 512), layer.k),
+    ("bte,ehd->bthd", x(2, 3, 512), layer.v),
+    ("bthd,hde->bte", x(1, 1, 8, 64), layer.o),
+    ("bte,ef->btf", x(2, 3, 512), layer.gate),
+    ("bte,ef->btf", x(1, 1, 512), layer.up),
+    ("btf,fe->bte", x(2, 3, 1024), layer.down),
+    ("bte,ev->btv", x(1, 1, 512), w.unembedding),
+    ("bte,ve->btv", x(2, 3, 512), w.embedding),
+    ("bte,ve->btv", x(1, 1, 512), table.to_device()),
+  ]
+  kinds = set()
+  for eq, a, b in cases:
+    kinds.add(b.kind)
+    want = matmul.plain(eq, a, b)
+    got = jax.jit(matmul.by_block, static_argnums=0)(eq, a, b)
+    np.testing.assert_allclose(
+      got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max())
+    )
+  assert kinds == set(blocks.FORMATS)
+
+
 @pytest.mark.parametrize("kind", list(blocks.FORMATS))
 def test_planner_counts_what_blocks_hold(kind):
   host = gguf_blocks.decode(_raw(kind, (4, 256)), kind, (4, 256))

@@ -243,6 +243,8 @@ def test_grouped_matmul_equals_the_dequantized_one(tied):
     if tied
     else ("bte,ev->btv", x, w.unembedding),
   ]
+  one = x[:1, :1]  # one row: padded to two inside (see `grouped`)
+  cases.append(("bte,ef->btf", one, layer.gate))
   for eq, a, q in cases:
     assert isinstance(q, QArray)
     # the grouped axis really is grouped (else the test shows nothing)
@@ -279,3 +281,28 @@ def test_int8_scales_of_one_head_per_shard_are_gathered():
     reference.prefill(chunk).per_token_scores,
     atol=_ATOL,
   )
+
+
+def test_quality_against_a_reference_distribution():
+  """`quality.against_reference` (compare_llamacpp --quality's measure):
+  the model's own distributions are at KL 0 and agree everywhere; a
+  flattened copy is not; a reference of the wrong shape is named."""
+  from chunkwise.checkpoints import quality
+
+  h = cw.configs.get("tiny")
+  model = cw.InferenceModel.random(h, seed=1)
+  texts = ["hello there", "a longer text, for a second row"]
+  chunks, order = quality._batches(model.vocab, texts)
+  own = np.exp(quality._distributions(model, chunks))
+  rows = quality.token_rows(model.vocab, texts)
+  starts = np.cumsum([0] + [len(rows[t]) - 1 for t in order])
+  by_text = {t: own[starts[i] : starts[i + 1]] for i, t in enumerate(order)}
+  reference = np.concatenate([by_text[t] for t in range(len(texts))])
+  same = quality.against_reference(model, texts, reference)
+  assert same["top1_agreement"] == 1.0
+  assert same["positions"] == sum(len(r) - 1 for r in rows)
+  assert abs(same["mean_kl"]) < 1e-6
+  flat = 0.5 * reference + 0.5 / h.vocab
+  assert quality.against_reference(model, texts, flat)["mean_kl"] > 1e-3
+  with pytest.raises(ValueError, match=r"shape \(3, .*expected"):
+    quality.against_reference(model, texts, reference[:3])

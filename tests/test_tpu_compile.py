@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,7 @@ from chunkwise.bench.simulate_trace import (
   abstract_weights,
 )
 from chunkwise.inference.speculation import Speculation
+from chunkwise.models import blocks
 from chunkwise.partitioning import Layout
 
 pytestmark = pytest.mark.skipif(
@@ -67,6 +69,8 @@ CASES = [
   (V4, Phase.PREFILL, "wg", "bf16", "bfloat16", {}),
   (V4, Phase.GENERATE, "ws_1d/z/one_way", "f32", "float32", {}),
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
+  (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
+  (V4, Phase.PREFILL, "ws_2d/yz/throughput", "Q8_0", "bfloat16", {}),
 ]
 
 
@@ -106,8 +110,19 @@ def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   target, _, case, _, r = compiled
   assert "error" not in r, r.get("error")
   assert (r["platform"], r["device_kind"]) == ("tpu", KINDS[target])
-  assert r["weight_copies"] == []  # VMEM prefetches are not copies
-  assert r["memory"]["weight_copies"] == 0
+  copies = r["weight_copies"]  # VMEM prefetches are not copies
+  if case.weights.value in blocks.FORMATS:
+    # but XLA:TPU lays a GGUF table's f16 scales and offsets out again
+    # for the embedding's row gather (1/16 of its codes' bytes, Q4)
+    assert all(re.search(r"copy f16\[\d+,\d+\] from", c) for c in copies)
+    assert r["memory"]["weight_copies"] <= 0.01 * r["inputs"]["weights"]
+    # and no dequantized weight: scratch well under the weights in f32
+    kind = case.weights.value
+    f32 = r["inputs"]["weights"] * 4 / blocks.bytes_per_value(kind)
+    assert r["memory"]["temp"] < f32 / 4
+  else:
+    assert copies == []
+    assert r["memory"]["weight_copies"] == 0
   # The arguments are the inputs' shards, small ones padded to tiles.
   padding = r["memory"]["argument"] - sum(r["inputs"].values())
   assert 0 <= padding <= 0.02 * r["memory"]["argument"]
@@ -181,6 +196,13 @@ def test_the_paged_pool_is_read_by_the_pallas_tpu_kernel(compiled):
     assert r["kernels"] == []
 
 
+def _temp_bytes(mesh, fn, x, w) -> int:
+  with tpu_target.compiling(mesh):
+    compiled = jax.jit(fn).lower(x, w).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize(
   "eq, shape, scale",
   [
@@ -190,10 +212,14 @@ def test_the_paged_pool_is_read_by_the_pallas_tpu_kernel(compiled):
     ("bte,ef->btf", (4608, 8192), (36, 8192)),
   ],
 )
-def test_int8_matmuls_make_no_dequantized_weight(meshes, eq, shape, scale):
+def test_int8_matmuls_make_no_dequantized_weight(
+  meshes, eq, shape, scale, rows
+):
   """XLA:TPU does not fuse the int8 weight's scales into its dot: the
   plain twin (dequantize, then contract) holds a weight-sized buffer,
-  `weight_matmul` (a dot per scale group on TPU) none."""
+  `weight_matmul` (a dot per scale group on TPU) none, at one row (a
+  batch-1 decode step, which XLA would turn into a multiply-and-reduce
+  over the converted weight) as at several."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -204,16 +230,42 @@ def test_int8_matmuls_make_no_dequantized_weight(meshes, eq, shape, scale):
     values=jax.ShapeDtypeStruct(shape, jnp.int8, sharding=one),
     scale=jax.ShapeDtypeStruct(scale, jnp.float32, sharding=one),
   )
-  x = jax.ShapeDtypeStruct((8, 1, 4608), jnp.bfloat16, sharding=one)
+  x = jax.ShapeDtypeStruct((rows, 1, 4608), jnp.bfloat16, sharding=one)
   dequantized = math.prod(shape) * 2  # bytes of the weight in bf16
+  plain = _temp_bytes(meshes[ONE], lambda x, w: matmul.plain(eq, x, w), x, w)
+  assert plain >= dequantized
+  fn = lambda x, w: matmul.weight_matmul(eq, x, w)
+  assert _temp_bytes(meshes[ONE], fn, x, w) < dequantized / 64
 
-  def temp(fn):
-    with tpu_target.compiling(meshes[ONE]):
-      compiled = jax.jit(fn).lower(x, w).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
 
-  assert temp(lambda x, w: matmul.plain(eq, x, w)) >= dequantized
-  assert temp(lambda x, w: matmul.weight_matmul(eq, x, w)) < dequantized / 64
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])  # 4 and 8 bits
+@pytest.mark.parametrize(
+  "eq, shape, axis",
+  [("bte,ef->btf", (4096, 8192), 0), ("bte,ve->btv", (16000, 4096), 1)],
+)
+def test_gguf_block_matmuls_make_no_dequantized_weight(
+  meshes, eq, shape, axis, kind, rows
+):
+  """GGUF blocks on a TPU (`matmul.by_block`): no buffer of the weight's
+  size, where the plain twin (unpack, dequantize, contract) holds at
+  least one f32 copy of it (4-bit: three)."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from chunkwise.models import matmul
+
+  one = NamedSharding(meshes[ONE], P())
+  w = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+    blocks.template("w", shape, kind, axis),
+  )
+  x = jax.ShapeDtypeStruct((rows, 1, 4096), jnp.bfloat16, sharding=one)
+  f32 = math.prod(shape) * 4
+  plain = _temp_bytes(meshes[ONE], lambda x, w: matmul.plain(eq, x, w), x, w)
+  assert plain >= f32
+  fn = lambda x, w: matmul.weight_matmul(eq, x, w)
+  assert _temp_bytes(meshes[ONE], fn, x, w) < f32 / 256
 
 
 def test_a_program_that_does_not_fit_is_a_result(meshes):

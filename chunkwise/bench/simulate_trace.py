@@ -35,7 +35,14 @@ from chunkwise.inference.engine import make_engines
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.sharded_engine import ShardedEngine
-from chunkwise.models import Weights, check_shapes, kv_int8, lora, quantized
+from chunkwise.models import (
+  Weights,
+  blocks,
+  check_shapes,
+  kv_int8,
+  lora,
+  quantized,
+)
 from chunkwise.models.weights import shape_of
 from chunkwise.partitioning import Layout
 from chunkwise.precision import resolve as resolve_precision
@@ -56,6 +63,11 @@ class WeightFormat(enum.Enum):
   F32 = "f32"
   BF16 = "bf16"
   INT8 = "int8"  # QArrays: int8 values, f32 group scales; norms bf16
+  # GGUF blocks kept as they are (`models.blocks`): every matmul weight
+  # and table in that type, blocked along its last contracted axis
+  Q4_0 = "Q4_0"
+  Q4_K = "Q4_K"
+  Q8_0 = "Q8_0"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,7 +111,8 @@ class Case:
 
 def abstract_weights(hparams: HParams, fmt: WeightFormat) -> Weights:
   """The weights of `hparams` as unplaced `ShapeDtypeStruct`s (int8:
-  `QArray`s of them, with the scales `quantize_weights` gives)."""
+  `QArray`s of them, with the scales `quantize_weights` gives; a GGUF
+  type: `BlockArray`s of them)."""
   specs = Weights.axes(hparams)
   dtype = jnp.float32 if fmt is WeightFormat.F32 else jnp.bfloat16
   plain = jax.tree.map(
@@ -107,6 +120,18 @@ def abstract_weights(hparams: HParams, fmt: WeightFormat) -> Weights:
     specs,
     is_leaf=lambda s: isinstance(s, P),
   )
+  if fmt.value in blocks.FORMATS:
+
+    def blocked(path, spec, w):
+      name = quantized.key_name(path[-1])
+      if name not in quantized.CONTRACTED:
+        return w
+      axis = quantized.contracted_dims(name, spec)[-1]
+      return blocks.template(name, w.shape, fmt.value, axis)
+
+    return jax.tree_util.tree_map_with_path(
+      blocked, specs, plain, is_leaf=lambda s: isinstance(s, P)
+    )
   if fmt is not WeightFormat.INT8:
     return plain
   return jax.eval_shape(

@@ -60,33 +60,6 @@ def parse_block_formats(formats, source: str) -> dict[str, tuple[str, int]]:
   return out
 
 
-def _block_template(name: str, shape, kind: str, axis: int):
-  """The ShapeDtypeStructs of a `BlockArray` of weight shape `shape`."""
-  if axis >= len(shape):
-    raise ValueError(
-      f"weight {name} has {len(shape)} axes; its blocks' axis {axis} "
-      "does not exist"
-    )
-  bits, block = blocks.FORMATS[kind]
-  values, groups = list(shape), list(shape)
-  if bits == 4:
-    values[axis] //= 2
-  groups[axis] //= block
-  f16 = lambda s: jax.ShapeDtypeStruct(tuple(s), jnp.float16)
-  w = blocks.BlockArray(
-    values=jax.ShapeDtypeStruct(
-      tuple(values), jnp.uint8 if bits == 4 else jnp.int8
-    ),
-    scale=f16(groups),
-    offset=f16(groups) if kind in blocks.OFFSET else None,
-    axis=axis,
-    bits=bits,
-    kind=kind,
-  )
-  blocks.check(w, name)  # the shape holds whole blocks
-  return w
-
-
 def abstract_weights(
   h: HParams,
   quantized_names: set[str],
@@ -109,7 +82,7 @@ def abstract_weights(
     if stacked:
       name = re.sub(r"^layers\.\d+\.", "layers.", name)
     if name in blocked:
-      return _block_template(name, shape, *blocked[name])
+      return blocks.template(name, shape, *blocked[name])
     if name in quantized_names:
       leaf = quantized.key_name(path[-1])
       return quantized.QArray(

@@ -31,21 +31,29 @@ def read_texts(path: str) -> list[str]:
 _BUCKET = 128  # texts are batched by length, padded to multiples of this
 
 
+def token_rows(vocab, texts: Sequence[str]) -> list[list[int]]:
+  """Each text's token ids (BOS first), as every measure here reads it."""
+  out = []
+  for t in texts:
+    chunk = Chunk.tokenize(vocab, [t], is_first_chunk=True)
+    out.append([int(x) for x in chunk.tokens[0, : int(chunk.lengths[0])]])
+  return out
+
+
 def _batches(vocab, texts):
-  """Chunks of the texts, batched by length rounded up to `_BUCKET` (a
-  few programs, little padding), shortest first."""
-  lengths = [
-    int(Chunk.tokenize(vocab, [t], is_first_chunk=True).lengths[0])
-    for t in texts
-  ]
+  """(chunks of the texts batched by length rounded up to `_BUCKET`: a
+  few programs, little padding, shortest first; the texts' indices in
+  the order the chunks hold them)."""
+  lengths = [len(r) for r in token_rows(vocab, texts)]
   groups: dict[int, list[int]] = {}
   for i, n in enumerate(lengths):
     groups.setdefault(-(-n // _BUCKET) * _BUCKET, []).append(i)
-  chunks = []
+  chunks, order = [], []
   for width, idx in sorted(groups.items()):
     chunk = Chunk.tokenize(vocab, [texts[i] for i in idx], is_first_chunk=True)
     chunks.append(chunk.pad_to_length(width))
-  return chunks
+    order += idx
+  return chunks, order
 
 
 def _distributions(model, chunks):
@@ -76,19 +84,13 @@ def _distributions(model, chunks):
 def measure(original, candidate, texts: Sequence[str]) -> dict:
   """Top-1 agreement, KL(original ‖ candidate), weight bytes and K/V
   bytes per token."""
-  chunks = _batches(original.vocab, list(texts))
+  chunks, _ = _batches(original.vocab, list(texts))
   p = _distributions(original, chunks)
   q = _distributions(candidate, chunks)
-  kl = np.sum(np.exp(p) * (p - q), axis=-1)
-  agree = np.argmax(p, axis=-1) == np.argmax(q, axis=-1)
   original_bytes = quantized.nbytes(original.plain_weights())
   candidate_bytes = quantized.nbytes(candidate.plain_weights())
   return {
-    "texts": len(texts),
-    "positions": int(p.shape[0]),
-    "top1_agreement": float(np.mean(agree)),
-    "mean_kl": float(np.mean(kl)),
-    "max_kl": float(np.max(kl)),
+    **_agreement(np.exp(p), p, q, len(texts)),
     "original_weight_bytes": original_bytes,
     "candidate_weight_bytes": candidate_bytes,
     "bytes_ratio": candidate_bytes / original_bytes,
@@ -97,8 +99,43 @@ def measure(original, candidate, texts: Sequence[str]) -> dict:
   }
 
 
+def _agreement(p, log_p, log_q, texts: int) -> dict:
+  """Top-1 agreement and KL(p ‖ q) over positions (rows)."""
+  kl = np.sum(p * (log_p - log_q), axis=-1)
+  agree = np.argmax(p, axis=-1) == np.argmax(log_q, axis=-1)
+  return {
+    "texts": texts,
+    "positions": int(p.shape[0]),
+    "top1_agreement": float(np.mean(agree)),
+    "mean_kl": float(np.mean(kl)),
+    "max_kl": float(np.max(kl)),
+  }
+
+
 def _kv_bytes(model) -> int:
   """K/V bytes one token holds in `model`'s caches (every layer)."""
   h = model.hparams
   per_head = kv_int8.bytes_per_vector(h.head_dim, model.cache_dtype)
   return 2 * h.layers * h.kv_heads * per_head
+
+
+def against_reference(model, texts: Sequence[str], reference) -> dict:
+  """Top-1 agreement and KL(reference ‖ model) against another program's
+  next-token distributions along the same tokens (`token_rows`):
+  `reference` [positions, vocab] holds the probabilities after each
+  prefix of each text (all but the last token of each), texts in order."""
+  texts = list(texts)
+  rows = token_rows(model.vocab, texts)
+  want = (sum(len(r) - 1 for r in rows), model.hparams.vocab)
+  if tuple(reference.shape) != want:
+    raise ValueError(
+      f"the reference's distributions have shape {tuple(reference.shape)}; "
+      f"expected {want} (one per token after each text's first)"
+    )
+  chunks, order = _batches(model.vocab, texts)
+  q = _distributions(model, chunks)
+  starts = np.cumsum([0] + [len(r) - 1 for r in rows])
+  p = np.concatenate([reference[starts[t] : starts[t + 1]] for t in order])
+  p = p.astype(np.float64)
+  p /= p.sum(axis=-1, keepdims=True)  # llama.cpp's f32 sums: 1 +- 1e-4
+  return _agreement(p, np.log(np.where(p > 0, p, 1.0)), q, len(texts))

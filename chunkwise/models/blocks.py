@@ -187,3 +187,32 @@ def nbytes(w: BlockArray) -> int:
     math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
     for a in w.fields().values()
   )
+
+
+def template(name: str, shape, kind: str, axis: int) -> BlockArray:
+  """The `ShapeDtypeStruct`s of a `BlockArray` of weight `shape` in GGUF
+  type `kind`, blocked along `axis` (ValueError naming `name` unless the
+  axis exists and holds whole blocks)."""
+  if not 0 <= axis < len(shape):
+    raise ValueError(
+      f"weight {name} has {len(shape)} axes; its blocks' axis {axis} "
+      "does not exist"
+    )
+  bits, block = FORMATS[kind]
+  values, groups = list(shape), list(shape)
+  if bits == 4:
+    values[axis] //= 2
+  groups[axis] //= block
+  f16 = jax.ShapeDtypeStruct(tuple(groups), jnp.float16)
+  w = BlockArray(
+    values=jax.ShapeDtypeStruct(
+      tuple(values), jnp.uint8 if bits == 4 else jnp.int8
+    ),
+    scale=f16,
+    offset=f16 if kind in OFFSET else None,
+    axis=axis,
+    bits=bits,
+    kind=kind,
+  )
+  check(w, name)  # whole blocks
+  return w

@@ -25,8 +25,9 @@ the twin by at most sum_k |w_k| * max|x over k's group| / 65534
 
 A GGUF block-quantized weight (`models.blocks.BlockArray`) takes the
 kernel on the CPU whatever its rows (4-bit codes unpacked in registers,
-f16 scales and offsets widened per block of outputs: `_blocked`), the
-dequantizing twin elsewhere.
+f16 scales and offsets widened per block of outputs: `_blocked`), a
+dot per block on a TPU (`by_block`, below), the dequantizing twin
+elsewhere (XLA:GPU's own fusion decides there).
 
 On a TPU an int8 weight takes `grouped` instead of `plain`: XLA:TPU does
 not fuse the dequantization (int8 times its group scales) into the dot,
@@ -93,6 +94,14 @@ def grouped(eq: str, x: jax.Array, w: QArray) -> jax.Array:
   apart like a group; free axes take their scale after the sums."""
   ins, out = eq.replace(" ", "").split("->")
   xs, ws = ins.split(",")
+  if math.prod(n for c, n in zip(xs, x.shape, strict=True) if c in out) == 1:
+    # One row: XLA rewrites the dot as multiply-and-reduce and converts
+    # the whole weight first, a weight-sized f32 buffer; two rows (one of
+    # zeros) keep the dot.
+    i = next((j for j, c in enumerate(xs) if c in out), None)
+    if i is not None:
+      two = jnp.concatenate([x, jnp.zeros_like(x)], axis=i)
+      return lax.slice_in_dim(grouped(eq, two, w), 0, 1, axis=out.index(xs[i]))
   spare = (c for c in string.ascii_letters if c not in eq)
   values, scale = w.values, w.scale.astype(jnp.float32)
   x_labels, x_shape = list(xs), list(x.shape)
@@ -131,6 +140,31 @@ def grouped(eq: str, x: jax.Array, w: QArray) -> jax.Array:
     precision=lax.Precision.HIGHEST,
   )
   return scaled.astype(x.dtype)
+
+
+def by_block(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
+  """`plain(eq, x, w)` for GGUF blocks without their dequantized copy (a
+  TPU's path, like `grouped` for int8): the codes contracted block by
+  block, converted inside the dots, each block's sum times its scale;
+  4-bit codes as two dots over the bytes as they are (low nibbles with
+  x's even entries, high ones with its odd: no interleaving copy); then,
+  where the format has offsets, each block's sum of x times its offset
+  (the same contraction over a ones weight, a constant XLA broadcasts
+  inside the dot)."""
+  if w.bits == 4:
+    xs = eq.split(",")[0]
+    i = xs.index(eq.split(",")[1].split("->")[0][w.axis])
+    n = x.shape[i]
+    even = lax.slice_in_dim(x, 0, n, stride=2, axis=i)
+    odd = lax.slice_in_dim(x, 1, n, stride=2, axis=i)
+    out = grouped(eq, even, QArray(values=w.values & 15, scale=w.scale))
+    out = out + grouped(eq, odd, QArray(values=w.values >> 4, scale=w.scale))
+  else:
+    out = grouped(eq, x, QArray(values=w.values, scale=w.scale))
+  if w.offset is None:
+    return out
+  ones = jnp.ones(w.shape, jnp.int8)
+  return out + grouped(eq, x, QArray(values=ones, scale=w.offset))
 
 
 def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
@@ -195,20 +229,19 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
 def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
   """A block-quantized weight's matmul: on the CPU the kernel reads its
   codes in place, whatever the rows (its fixed chains serve invariant
-  numerics too); elsewhere, or where its form does not fit the kernel,
-  the codes are dequantized inside the jit (the plain twin; under
-  invariant numerics through `numerics.matmul`)."""
+  numerics too); on a TPU `by_block`; elsewhere, or where its form does
+  not fit the kernel, the codes are dequantized inside the jit (the plain
+  twin; under invariant numerics through `numerics.matmul`)."""
   nmajor = _form(eq, x, w, max_rows=None)
   on_cpu = jax.default_backend() == "cpu"
+  branches = {"tpu": lambda x, w: by_block(eq, x, w)}
   if nmajor is None or not on_cpu or not cpu_kernels.load():
     if numerics.invariant():
       return numerics.matmul(eq, x, w.astype(jnp.float32))
-    return plain(eq, x, w)
+  else:
+    branches["cpu"] = lambda x, w: _kernel(eq, x, w, nmajor)
   return lax.platform_dependent(
-    x,
-    w,
-    default=lambda x, w: plain(eq, x, w),
-    cpu=lambda x, w: _kernel(eq, x, w, nmajor),
+    x, w, default=lambda x, w: plain(eq, x, w), **branches
   )
 
 
