@@ -392,3 +392,54 @@ def test_schema_errors_name_its_file(tmp_path):
     )
   with pytest.raises(FileNotFoundError):
     C.JsonSchema.from_file(tmp_path / "missing.json")
+
+
+def test_live_slots_budget_forcing_equals_generate_many(tiny):
+  """The always-on loop (the server's) with budget forcing: each request
+  closes its match within its steps, with `generate_many`'s tokens; a
+  request whose steps cannot hold its shortest match is refused."""
+  words = C.Regex(r"[a-z]{2,40}")
+  requests = [
+    cw.Request(
+      tokens=[1, 20 + i],
+      sample_id=i,
+      steps=6,
+      sampling=cw.Sampling(temperature=1.0, seed=3),
+      constraint=words,
+    )
+    for i in range(4)
+  ]
+  loose = tiny.generate_many(requests, slots=4)
+  assert "length" in {r.finish_reason for r in loose}  # else nothing shown
+  want = tiny.generate_many(requests, slots=4, budget_forcing=True)
+  loop = tiny.live_slots(slots=2, capacity=64, every=4, budget_forcing=True)
+  for i, r in enumerate(requests):
+    loop.add(i, loop.prepare(r))
+  got, reasons = {}, {}
+  while loop.busy:
+    for u in loop.step():
+      got[u.key] = [*got.get(u.key, []), *u.tokens.tolist()]
+      reasons[u.key] = u.finish_reason or reasons.get(u.key)
+  for r in want:
+    assert got[r.index] == r.tokens.tolist()
+    assert reasons[r.index] == r.finish_reason == "stop"
+    text = tiny.vocab.decode(r.tokens.tolist())
+    assert re.fullmatch(words.regex(), text), text
+  date = cw.Request(tokens=[1], sample_id=9, steps=2, constraint=C.Regex(DATE))
+  with pytest.raises(ValueError, match=r"steps=2 is too few .* needs 10"):
+    loop.prepare(date)
+
+
+def test_host_twin_of_budget_forcing():
+  """`Tables.budget_narrows` (the server's finish_reason "length" for an
+  answer the budget closed): a choice is removed exactly when it would
+  leave no room for the rest of a match and a stop."""
+  t = C.Regex(r"[a-z]{2,40}").compile(
+    cw.ByteVocabulary(), stop_ids=[2], width=259
+  )
+  a, b = 3 + ord("a"), 3 + ord("b")
+  two = t.step(t.step(0, a), b)  # "ab": a match, more letters allowed
+  assert t.budget_narrows(two, 1, [2])  # a letter leaves no room to stop
+  assert not t.budget_narrows(two, 2, [2])  # a letter, then the stop
+  assert t.budget_narrows(0, 2, [2])  # "a" then the stop: no match yet
+  assert not t.budget_narrows(0, 3, [2])

@@ -18,7 +18,8 @@ PENALTY = cw.processors.penalties
 
 
 def _alone(model, g: serving.Generation, seed: int):
-  """`generate` of one serving request alone (its penalties included)."""
+  """`generate` of one serving request alone (its penalties included;
+  budget forcing with a constraint, as the server always forces)."""
   prompt = cw.Chunk(
     tokens=np.asarray([g.prompt], np.int32),
     lengths=np.asarray([len(g.prompt)], np.int32),
@@ -32,6 +33,7 @@ def _alone(model, g: serving.Generation, seed: int):
     ),
     stop_ids=tuple(g.stop_ids),
     constraint=g.constraint,
+    budget_forcing=g.constraint is not None,
     processors=[
       PENALTY(
         repetition=g.repetition_penalty,

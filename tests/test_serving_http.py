@@ -609,3 +609,29 @@ def test_overload_429_then_sigterm_drains_and_exits_0():
     assert len(events) == events[-1]["details"]["generated_tokens"]
     assert waiting and waiting[0].details.generated_tokens >= 1
     assert "shutting down" in s.log()
+
+
+def test_unbounded_numbers_get_a_digit_limit():
+  from chunkwise.serving.api import MAX_DIGITS, digit_bounded
+
+  big = 10**MAX_DIGITS - 1
+  schema = {
+    "type": "object",
+    "properties": {
+      "n": {"type": "integer"},
+      "x": {"type": ["number", "null"]},
+      "kept": {"type": "integer", "minimum": 0},
+      "step": {"type": "integer", "multipleOf": 5},
+      "items": {"type": "array", "items": {"type": "number"}},
+    },
+    "$defs": {"d": {"type": "integer"}},
+    "enum": [{"type": "integer"}],
+  }
+  out = digit_bounded(schema)
+  p = out["properties"]
+  for got in (p["n"], p["x"], p["items"]["items"], out["$defs"]["d"]):
+    assert (got["minimum"], got["maximum"]) == (-big, big)
+  assert p["kept"] == {"type": "integer", "minimum": 0}
+  assert p["step"] == {"type": "integer", "multipleOf": 5}
+  assert out["enum"] == [{"type": "integer"}]  # data, untouched
+  assert "minimum" not in schema["properties"]["n"]  # a copy

@@ -5,7 +5,9 @@ equal to `prefill`, multi-byte text, and concurrent requests equal to
 `generate` alone."""
 
 import asyncio
+import json
 
+import jsonschema
 import numpy as np
 import openai
 import pydantic
@@ -102,6 +104,52 @@ def test_parse_a_pydantic_model(server):
   )
   colour = c.choices[0].message.parsed
   assert isinstance(colour, Colour) and colour.name
+
+
+PARIS = {
+  "type": "object",
+  "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+  "required": ["city", "population"],
+  "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("max_tokens, finish", [(12, "length"), (64, "stop")])
+def test_a_json_answer_is_closed_within_max_tokens(server, max_tokens, finish):
+  """Greedy SmolLM2 writes Paris's population as 1111111... without end.
+  With 12 tokens the server's budget forcing closes the JSON, and
+  finish_reason says the budget decided ("length"); with 64 the integer
+  stops at its 16 digits and the model closes the JSON itself."""
+  c = _client(server).chat.completions.create(
+    model=MODEL,
+    messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+    response_format={
+      "type": "json_schema",
+      "json_schema": {"name": "city", "schema": PARIS},
+    },
+    max_tokens=max_tokens,
+    temperature=0,
+  )
+  choice = c.choices[0]
+  value = json.loads(choice.message.content)
+  jsonschema.validate(value, PARIS)
+  assert abs(value["population"]) < 10**16
+  assert choice.finish_reason == finish
+  assert choice.message.refusal is None
+  assert c.usage.completion_tokens <= max_tokens
+
+
+def test_a_constraint_longer_than_max_tokens_is_refused(server):
+  with pytest.raises(openai.BadRequestError, match="too few for its"):
+    _client(server).chat.completions.create(
+      model=MODEL,
+      messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+      response_format={
+        "type": "json_schema",
+        "json_schema": {"name": "city", "schema": PARIS},
+      },
+      max_tokens=3,
+    )
 
 
 SHORT = [{"role": "user", "content": "Say hello in one word."}]

@@ -303,10 +303,12 @@ class GrammarSet:
   grammar ids (1, 2, ...; 0 is unconstrained), each shared while any row
   uses it (`take` / `give_back`); `processor()` concatenates the current
   set again only after it changed (a freed id stays empty until reused,
-  so running rows keep theirs)."""
+  so running rows keep theirs). With `force`, every constrained row is
+  budget-forced (module docstring) within its own steps."""
 
-  def __init__(self, width: int):
+  def __init__(self, width: int, *, force: bool = False):
     self._width = width
+    self._force = force
     self._tables: list = []  # id i + 1; None: free
     self._users: list[int] = []
     self._processor = None
@@ -338,7 +340,7 @@ class GrammarSet:
   def processor(self):
     if self._dirty:
       self._processor = processor(
-        (), self._tables, width=self._width
+        (), self._tables, width=self._width, force=self._force
       ).for_loop()
       self._dirty = False
     return self._processor

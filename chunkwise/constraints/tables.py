@@ -69,6 +69,16 @@ class Tables:
     """The next state after `token` (-1: rejected)."""
     return int(self.next_state[state, self.token_class[token]])
 
+  def budget_narrows(self, state: int, remaining: int, stop_ids) -> bool:
+    """Whether budget forcing (`processor`'s `force`) with `remaining`
+    columns left removes a token that `state` allows: a non-stop token
+    after which no match and stop fit in the columns left. The host twin
+    of the device's rule (`distance[next] + 2 <= remaining`)."""
+    allowed = self.allowed(state)
+    allowed = allowed[~np.isin(allowed, np.asarray(list(stop_ids)))]
+    nxt = self.next_state[state, self.token_class[allowed]]
+    return bool(np.any(self.distance[np.maximum(nxt, 0)] + 2 > remaining))
+
   def forced(self, state: int) -> bool:
     """Whether `state` allows exactly one token (stop ids included): the
     constraint, not the model, chose it."""

@@ -98,6 +98,7 @@ class LiveSlots:
     prefix_cache: prefix_cache_lib.PrefixCache | None = None,
     kv_pages: int = 0,
     preempt: bool = True,
+    budget_forcing: bool = False,
   ):
     h = hparams
     # Full pages of prompts' K/V, shared by the requests that start alike
@@ -123,11 +124,13 @@ class LiveSlots:
     self.admit_rows = admit_rows
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
-    self._grammars = constraints_lib.GrammarSet(h.vocab)
+    self._grammars = constraints_lib.GrammarSet(h.vocab, force=budget_forcing)
     procs, states = processors_lib.check(
       (
         *processors,
-        constraints_lib.processor((0,) * slots_n, [], width=h.vocab),
+        constraints_lib.processor(
+          (0,) * slots_n, [], width=h.vocab, force=budget_forcing
+        ),
       ),
       batch=slots_n,
       vocab=h.vocab,
@@ -144,6 +147,7 @@ class LiveSlots:
       stop_width=stop_width,
       prefix=prefix,
       start=self._start,
+      budget_forcing=budget_forcing,
       templates=processors,
       loop_forms=self._loop_forms,
     )

@@ -124,6 +124,7 @@ class Intake:
   stop_width: int
   prefix: tuple[ChunkResult, ...]
   start: int  # tokens of the prefix
+  budget_forcing: bool  # constrained requests close within their steps
   templates: tuple  # the loop's processors, as given
   loop_forms: tuple  # their loop forms (`for_loop()`)
 
@@ -173,6 +174,14 @@ class Intake:
         )
       except ValueError as e:
         raise ValueError(f"{what}.constraint: {e}") from e
+      shortest = int(tables.distance[0])
+      if self.budget_forcing and shortest + 1 > int(request.steps):
+        raise ValueError(
+          f"{what}.steps={request.steps} is too few for its constraint: "
+          f"its shortest match needs {shortest} tokens and a stop "
+          "(budget forcing closes every constrained request within its "
+          "steps)"
+        )
     padded = np.full(self.stop_width, h.vocab, np.int32)
     padded[: stops.size] = stops
     sampling = request.sampling.for_batch(1)

@@ -211,6 +211,7 @@ class InferenceModel(ModelSetup):
     speculation: Speculation | None = None,
     prefix_cache_bytes: int = 0,
     kv_pages: int = 0,
+    budget_forcing: bool = False,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -245,6 +246,10 @@ class InferenceModel(ModelSetup):
         new tokens: the rerun's are the same); elsewhere a rerun could
         differ from tokens already reported, so a request is admitted
         only once pages for all of its steps fit. 0: fixed slots.
+      budget_forcing: every constrained request closes its match within
+        its own steps (as `generate_many`'s; a request whose steps cannot
+        hold its constraint's shortest match and a stop is refused by
+        `prepare`).
     """
     cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
@@ -281,6 +286,7 @@ class InferenceModel(ModelSetup):
       piece=self._prefill_chunk,
       prefix_cache=cache,
       kv_pages=kv_pages,
+      budget_forcing=bool(budget_forcing),
       # A preempted request reruns to the same tokens only where every sum
       # is fixed whatever the batch and pages: invariant numerics (CPU).
       preempt=numerics_lib.rows_invariant(self._numerics),

@@ -188,9 +188,38 @@ class Context:
     return n
 
 
+# Unbounded integers and numbers are generated with at most this many
+# digits before the point (bounds +-(10^16 - 1) added where a schema has
+# none): a model that repeats a digit stops there instead of spending
+# max_tokens on one value (budget forcing then still closes the JSON).
+MAX_DIGITS = 16
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_VALUE_KEYS = ("enum", "const", "default", "examples")  # data, not schemas
+
+
+def digit_bounded(schema: Any) -> Any:
+  """`schema` with `MAX_DIGITS` bounds on every integer and number
+  (sub)schema that has no bound of its own (a copy; the rest as given)."""
+  if isinstance(schema, list):
+    return [digit_bounded(s) for s in schema]
+  if not isinstance(schema, dict):
+    return schema
+  out = {
+    k: v if k in _VALUE_KEYS else digit_bounded(v) for k, v in schema.items()
+  }
+  kind = schema.get("type")
+  kinds = set(kind) if isinstance(kind, list) else {kind}
+  if kinds & {"integer", "number"} and not any(
+    k in schema for k in (*_BOUND_KEYS, "multipleOf", *_VALUE_KEYS)
+  ):
+    out["minimum"], out["maximum"] = -(10**MAX_DIGITS - 1), 10**MAX_DIGITS - 1
+  return out
+
+
 def json_constraint(schema: Any, where: str) -> constraints.JsonSchema:
   """A JSON-schema constraint of `schema` (a dict or its JSON text); any
-  JSON object when it is None or empty."""
+  JSON object when it is None or empty; unbounded integers and numbers
+  get `MAX_DIGITS`."""
   if isinstance(schema, str):
     try:
       schema = json.loads(schema)
@@ -203,7 +232,7 @@ def json_constraint(schema: Any, where: str) -> constraints.JsonSchema:
       422, f"{where} must be a JSON schema object, got {type(schema).__name__}"
     )
   try:
-    return constraints.JsonSchema(schema)
+    return constraints.JsonSchema(digit_bounded(schema))
   except ValueError as e:
     raise ApiError(422, f"{where}: {e}") from None
 

@@ -139,6 +139,9 @@ class Engine:
       speculation=speculation,
       prefix_cache_bytes=prefix_cache_bytes,
       kv_pages=kv_pages,
+      # A constrained answer (JSON schema, regex, choice, tool call) is
+      # closed within max_tokens: never a cut-off value.
+      budget_forcing=True,
     )
     self._loop = self._make()
     self.speculation = self._loop.speculation  # checked, or None

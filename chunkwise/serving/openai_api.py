@@ -196,10 +196,18 @@ def chat(call: Call, ctx: Context, streams: dict[int, TokenStream]) -> dict:
     choices.append(
       {
         "index": c.index,
-        "message": {"role": "assistant", "content": visible(s)},
+        # `refusal` is required (nullable) in OpenAI's schema of both
+        "message": {
+          "role": "assistant",
+          "content": visible(s),
+          "refusal": None,
+        },
         "logprobs": None
         if call.logprobs is None
-        else {"content": chat_logprobs(ctx, s.tokens, call.logprobs)},
+        else {
+          "content": chat_logprobs(ctx, s.tokens, call.logprobs),
+          "refusal": None,
+        },
         "finish_reason": reason(s),
       }
     )

@@ -175,6 +175,6 @@ def _chunk_logprobs(ctx, call, chat, lp, tokens, text):
     return None
   if chat:
     content = openai_api.chat_logprobs(ctx, tokens, call.logprobs)
-    return {"content": content} if content else None
+    return {"content": content, "refusal": None} if content else None
   entries = openai_api.completion_entries(lp, tokens, len(text))
   return openai_api.merge(entries) if entries else None

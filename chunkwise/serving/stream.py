@@ -158,16 +158,27 @@ class Token:
 class ConstraintWalk:
   """The request's constraint automaton, walked on the host over the
   tokens it emits (as the device's processor walks it) to say which of
-  them it forced."""
+  them it forced, and whether budget forcing (the engine's, within
+  `steps`) removed a choice the constraint allowed at any of them:
+  `budget` (then the budget, not the model, ended the answer)."""
 
-  def __init__(self, tables):
+  def __init__(self, tables, steps: int = 0, stop_ids=()):
     self.tables, self.state = tables, 0
+    self.steps, self.stop_ids = steps, tuple(stop_ids)
+    self.taken, self.budget = 0, False
+    self._window = 0 if tables is None else int(tables.distance.max()) + 2
 
   def forced(self, token: int) -> bool | None:
     """Whether the current state forced `token`; then steps over it."""
     if self.tables is None:
       return None
     forced = self.tables.forced(self.state)
+    remaining = self.steps - self.taken
+    if not self.budget and remaining <= self._window:
+      self.budget = self.tables.budget_narrows(
+        self.state, remaining, self.stop_ids
+      )
+    self.taken += 1
     nxt = self.tables.step(self.state, token)
     self.state = nxt if nxt >= 0 else self.state
     return forced
@@ -201,7 +212,11 @@ class TokenStream:
     self._text = Detokenizer(engine.model.vocab, specials=engine.model.eos_ids)
     self._stops = StopStrings(g.stop)
     self._chars: list[str] = []  # text so far, joined lazily
-    self._walk = ConstraintWalk(tables)
+    self._walk = ConstraintWalk(
+      tables,
+      g.max_new_tokens,
+      (*g.stop_ids, *engine.model.eos_ids),
+    )
 
   # -- the reader's side --------------------------------------------------
 
@@ -345,6 +360,8 @@ class TokenStream:
           )
         )
         reason = EOS if sid in self._engine.model.eos_ids else STOP_SEQUENCE
+        if self._walk.budget:  # closed early by budget forcing
+          reason = LENGTH
       else:
         reason = LENGTH
     with self._cv:
