@@ -188,27 +188,44 @@ def chat_logprobs(ctx: Context, tokens: list[Token], k: int) -> list[dict]:
   return out
 
 
+def chat_reason(call: Call, s: TokenStream, called: bool) -> str:
+  """OpenAI's finish_reason of a chat choice: "tool_calls" when it made
+  calls ("stop" for a named tool_choice), unless the budget decided."""
+  if not called or s.finish_reason == LENGTH:
+    return reason(s)
+  return "stop" if call.tools.named else "tool_calls"
+
+
+def chat_message(call: Call, s: TokenStream) -> tuple[dict, bool]:
+  """(The choice's message, whether it made tool calls)."""
+  # `refusal` is required (nullable) in OpenAI's schema of both
+  message = {"role": "assistant", "content": visible(s), "refusal": None}
+  if call.tools is None:
+    return message, False
+  content, calls = call.tools.read(message["content"])
+  message["content"] = content
+  if calls:
+    message["tool_calls"] = [c.wire() for c in calls]
+  return message, bool(calls)
+
+
 def chat(call: Call, ctx: Context, streams: dict[int, TokenStream]) -> dict:
   choices, generated = [], 0
   for c in call.choices:
     s = streams[c.index]
     generated += len(s.tokens)
+    message, called = chat_message(call, s)
     choices.append(
       {
         "index": c.index,
-        # `refusal` is required (nullable) in OpenAI's schema of both
-        "message": {
-          "role": "assistant",
-          "content": visible(s),
-          "refusal": None,
-        },
+        "message": message,
         "logprobs": None
         if call.logprobs is None
         else {
           "content": chat_logprobs(ctx, s.tokens, call.logprobs),
           "refusal": None,
         },
-        "finish_reason": reason(s),
+        "finish_reason": chat_reason(call, s, called),
       }
     )
   return {

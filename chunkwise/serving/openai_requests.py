@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api
+from chunkwise.serving import api, tools
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.stream import (
   Generation,
@@ -73,6 +73,7 @@ class ChatBody(_Common):
   top_logprobs: int | None = None
   tools: list | None = None
   tool_choice: Any = None
+  parallel_tool_calls: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Call:
   logprobs: int | None  # completions: top-k per token; chat: top_logprobs
   adapter: str | None = None
   echo: bool = False
+  tools: Any = None  # chat: a `tools.Plan`, or None
 
 
 def _validate(model: type[BaseModel], raw: Any) -> BaseModel:
@@ -308,8 +310,7 @@ def chat_prompt(ctx: Context, messages: list[dict]) -> list[int]:
 def parse_chat(raw: Any, ctx: Context) -> Call:
   b = _validate(ChatBody, raw)
   adapter = ctx.adapter(b.model, status=404)
-  if b.tools or b.tool_choice not in (None, "none"):
-    raise _bad("tools are not supported by this server")
+  plan = tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls)
   if b.top_logprobs is not None:
     if not b.logprobs:
       raise _bad("top_logprobs requires logprobs=true")
@@ -320,7 +321,15 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
       )
     ctx.top_n(b.top_logprobs, "top_logprobs", 400)
   shared = _sampling(b, ctx)
-  ids = chat_prompt(ctx, b.messages)
+  messages = b.messages
+  if plan is not None:
+    if shared["stop"]:
+      raise _bad("stop strings with tools are not supported by this server")
+    if not all(isinstance(m, dict) for m in messages):
+      raise _bad("messages must be objects")
+    messages = plan.messages(messages)
+    shared["constraint"] = plan.constraint(shared["constraint"])
+  ids = chat_prompt(ctx, messages)
   asked = b.max_completion_tokens or b.max_tokens
   n = b.n or 1
   top = (b.top_logprobs or 0) if b.logprobs else 0
@@ -348,4 +357,5 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
     include_usage=bool((b.stream_options or {}).get("include_usage")),
     logprobs=top if b.logprobs else None,
     adapter=adapter,
+    tools=plan,
   )

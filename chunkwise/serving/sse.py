@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from chunkwise.serving import native, openai_api
+from chunkwise.serving import native, openai_api, tool_calls
 from chunkwise.serving.api import Context, dumps
 from chunkwise.serving.stream import ERROR, TokenStream
 
@@ -96,6 +96,12 @@ async def openai_events(
 
   tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
   held = {i: openai_api.Held(s.generation.stop) for i, s in streams.items()}
+  calls = (
+    {i: tool_calls.Deltas(call.tools.mode) for i in streams}
+    if call.tools
+    else {}
+  )
+  called = dict.fromkeys(streams, False)
   sent_tokens = dict.fromkeys(streams, 0)
   lp = {
     i: openai_api.CompletionLogprobs(ctx, call.logprobs or 0) for i in streams
@@ -111,7 +117,8 @@ async def openai_events(
             rid,
             created,
             i,
-            {"role": "assistant", "content": ""},
+            # with tools: null until the answer is text (else calls)
+            {"role": "assistant", "content": None if calls else ""},
             None,
             None,
           ),
@@ -134,22 +141,44 @@ async def openai_events(
         )
         open_.discard(index)
         continue
-      text = held[index].delta(s, final)
-      tokens = s.tokens[sent_tokens[index] :] if final or text else []
+      if index in calls:  # tools: content or calls, as they come
+        deltas = calls[index](openai_api.visible(s) if final else s.text, final)
+        called[index] |= any("tool_calls" in d for d in deltas)
+        text = "".join(d.get("content", "") for d in deltas)
+      else:
+        text = held[index].delta(s, final)
+        deltas = [{"content": text}] if text else []
+      tokens = s.tokens[sent_tokens[index] :] if final or deltas else []
       sent_tokens[index] += len(tokens)
       logprobs = _chunk_logprobs(ctx, call, chat, lp[index], tokens, text)
-      finish = openai_api.reason(s) if final else None
-      if text or finish or logprobs:
-        if chat:
-          delta = {"content": text} if text else {}
-          chunk = openai_api.chat_chunk(
-            call, rid, created, index, delta, finish, logprobs
-          )
-        else:
+      finish = None
+      if final:
+        finish = (
+          openai_api.chat_reason(call, s, called[index])
+          if chat
+          else openai_api.reason(s)
+        )
+      if not chat:
+        if text or finish or logprobs:
           chunk = openai_api.completion_chunk(
             call, rid, created, index, text, finish, logprobs
           )
-        await send(response, chunk)
+          await send(response, chunk)
+      else:
+        if not deltas and (finish or logprobs):
+          deltas = [{}]
+        last = len(deltas) - 1
+        for k, delta in enumerate(deltas):
+          chunk = openai_api.chat_chunk(
+            call,
+            rid,
+            created,
+            index,
+            delta,
+            finish if k >= last else None,
+            logprobs if k == 0 else None,
+          )
+          await send(response, chunk)
       if final:
         open_.discard(index)
     if call.include_usage:

@@ -1,0 +1,293 @@
+"""OpenAI tool calling: a request's tools, the one language its answer may
+take, the tools' text in the prompt, and the calls read back.
+
+  plan = tools.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
+  constraint = plan.constraint(answer)   # answer: response_format's or None
+  messages = plan.messages(messages)     # tool text, past calls, results
+  content, calls = plan.read(text)       # the calls (`tool_calls`)
+
+Calls take the Hermes form, one block per call (the fallback for chat
+templates that do not render tools, SmolLM2's ChatML among them):
+
+  <tool_call>
+  {"name": "get_weather", "arguments": {"city": "Paris"}}
+  </tool_call>
+
+Each mode is one regular language, enforced by the constraint automaton
+while decoding (never parsed after the fact):
+
+  none      text without "<tool_call>" (or the response_format's JSON)
+  named     exactly one call of that function
+  required  one call, or several with parallel_tool_calls (the default)
+  auto      the text of `none`, or the calls of `required`
+
+A call's object is {"name": <one of the tools>, "arguments": <that tool's
+parameters schema>}, compiled by the JSON-schema path, so every call is
+valid JSON valid against its schema, sampled or greedy, whatever the
+model. `read` finds each block's JSON value with a JSON decoder (a string
+argument may itself contain "</tool_call>"), and keeps each arguments
+value as the exact text generated, which streams send in pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+from typing import Any
+
+from chunkwise import constraints
+from chunkwise.serving.api import ApiError, digit_bounded
+from chunkwise.serving.tool_calls import CLOSE, OPEN, ToolCall, read_calls
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MODES = ("none", "auto", "required")
+
+
+def _bad(message: str) -> ApiError:
+  return ApiError(400, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+  name: str
+  description: str
+  parameters: dict  # a JSON schema (an object)
+  strict: bool
+
+
+def _tool(i: int, raw: Any) -> Tool:
+  where = f"tools[{i}]"
+  if not isinstance(raw, dict) or raw.get("type") != "function":
+    kind = raw.get("type") if isinstance(raw, dict) else raw
+    raise _bad(f"{where}.type must be 'function', got {kind!r:.60}")
+  f = raw.get("function")
+  if not isinstance(f, dict):
+    raise _bad(f"{where}.function must be an object")
+  name = f.get("name")
+  if not isinstance(name, str) or not NAME.fullmatch(name):
+    raise _bad(
+      f"{where}.function.name must be 1 to 64 of a-z, A-Z, 0-9, '_' and "
+      f"'-', got {name!r:.80}"
+    )
+  params = f.get("parameters", {"type": "object", "properties": {}})
+  if not isinstance(params, dict) or params.get("type", "object") != "object":
+    raise _bad(
+      f"{where}.function.parameters must be a JSON schema of an object, "
+      f"got {params!r:.80}"
+    )
+  description = f.get("description") or ""
+  if not isinstance(description, str):
+    raise _bad(f"{where}.function.description must be a string")
+  return Tool(name, description, params, bool(f.get("strict")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A request's tools and the language its answer may take."""
+
+  tools: tuple[Tool, ...]
+  mode: str  # "none", "auto", "required" or "named"
+  allowed: tuple[str, ...]  # the tools the answer may call
+  parallel: bool
+
+  @property
+  def named(self) -> str | None:
+    return self.allowed[0] if self.mode == "named" else None
+
+  # -- the language ----------------------------------------------------
+
+  def _arguments(self, tool: Tool) -> dict:
+    """A tool's parameters schema as the calls follow it: `strict` ones
+    as given, every keyword enforced in full (else a 400 naming the one
+    that cannot be); others with the server's digit bounds."""
+    schema = tool.parameters if tool.strict else digit_bounded(tool.parameters)
+    try:
+      constraints.JsonSchema(schema, strict=tool.strict)
+    except ValueError as e:
+      raise _bad(f"tool {tool.name!r}: parameters: {e}") from None
+    return schema
+
+  def call_schema(self) -> dict:
+    """The JSON schema of one call's object: {"name", "arguments"}."""
+    by_name = {t.name: t for t in self.tools}
+    options = [
+      {
+        "type": "object",
+        "properties": {
+          "name": {"const": name},
+          "arguments": self._arguments(by_name[name]),
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+      }
+      for name in self.allowed
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+  def calls_regex(self) -> str:
+    obj = constraints.JsonSchema(self.call_schema()).regex()
+    one = f"{re.escape(OPEN)}\\n({obj})\\n{re.escape(CLOSE)}"
+    if self.parallel and self.mode != "named":
+      return f"{one}(\\n{one})*"
+    return one
+
+  def constraint(self, answer=None):
+    """The constraint of the whole answer (`answer`: response_format's
+    constraint for the text, or None for free text)."""
+    text = answer.regex() if answer is not None else without(OPEN)
+    if self.mode == "none":
+      return constraints.Regex(text)
+    calls = self.calls_regex()
+    if self.mode == "auto":
+      return constraints.Regex(f"({text})|({calls})")
+    return constraints.Regex(calls)
+
+  # -- the prompt ------------------------------------------------------
+
+  def system_text(self) -> str:
+    """The tools, described for a model whose template has no tools."""
+    specs = "\n".join(
+      json.dumps(
+        {
+          "type": "function",
+          "function": {
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+          },
+        }
+      )
+      for t in self.tools
+    )
+    return (
+      "You can call these functions (JSON schemas of their arguments):\n"
+      f"<tools>\n{specs}\n</tools>\n"
+      "To call one, answer with its name and arguments as a JSON object "
+      "in tags, one block per call:\n"
+      f'{OPEN}\n{{"name": "function_name", "arguments": {{...}}}}\n{CLOSE}'
+    )
+
+  def messages(self, messages: list[dict]) -> list[dict]:
+    """`messages` for a template without tools: the tools in the system
+    turn, past calls as their blocks, results as `tool` turns."""
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+      first = out[0].get("content") or ""
+      out[0]["content"] = f"{first}\n\n{self.system_text()}".lstrip()
+    else:
+      out.insert(0, {"role": "system", "content": self.system_text()})
+    return [render_turn(m) for m in out]
+
+  # -- reading the answer -----------------------------------------------
+
+  def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished answer: the calls when it made
+    them (content None), else its text."""
+    if self.mode == "none" or not text.startswith(OPEN):
+      return text, []
+    return None, read_calls(text)
+
+
+def without(word: str) -> str:
+  """A regex of the texts in which `word` never occurs and that do not end
+  in a start of it ("<tool_cal"): `word`'s first character must not occur
+  again in it, as in "<tool_call>". Each '<' starts either a run of
+  partial matches, each cut by the next '<', or a partial match broken by
+  a character that is neither the next one of `word` nor '<'."""
+  first, rest = word[0], word[1:]
+  if first in rest:
+    raise ValueError(f"{word!r} repeats its first character")
+  f = re.escape(first)
+  partial = "|".join(re.escape(rest[:j]) for j in range(1, len(rest)))
+  broken = "|".join(
+    f"{re.escape(rest[:j])}[^{f}{re.escape(rest[j])}]" for j in range(len(rest))
+  )
+  return f"([^{f}]|({f}({partial})?)*{f}({broken}))*"
+
+
+def render_turn(m: dict) -> dict:
+  """An assistant turn's tool calls as the blocks the model writes, a
+  tool result as its text (content None: empty)."""
+  content = m.get("content") or ""
+  if m.get("role") == "assistant" and m.get("tool_calls"):
+    blocks = []
+    for c in m["tool_calls"]:
+      f = c.get("function") or {}
+      args = f.get("arguments") or "{}"
+      if isinstance(args, str):  # templates expect an object
+        with contextlib.suppress(json.JSONDecodeError):
+          args = json.loads(args)
+      body = json.dumps({"name": f.get("name"), "arguments": args})
+      blocks.append(f"{OPEN}\n{body}\n{CLOSE}")
+    content = "\n".join([content, *blocks]).lstrip("\n")
+  out = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+  out["content"] = content
+  return out
+
+
+def parse(tools: Any, tool_choice: Any, parallel: Any) -> Plan | None:
+  """The request's tools and choice checked (400s name the bad field);
+  None without tools."""
+  if not tools:
+    if tool_choice not in (None, "none"):
+      raise _bad("tool_choice needs tools")
+    if parallel is not None:
+      raise _bad("parallel_tool_calls needs tools")
+    return None
+  if not isinstance(tools, list):
+    raise _bad("tools must be a list")
+  defined = tuple(_tool(i, t) for i, t in enumerate(tools))
+  names = [t.name for t in defined]
+  if len(set(names)) != len(names):
+    raise _bad(f"tools define a name twice: {names}")
+  if parallel is not None and not isinstance(parallel, bool):
+    raise _bad(f"parallel_tool_calls must be true or false, got {parallel!r}")
+  mode, allowed = _choice(tool_choice, names)
+  return Plan(defined, mode, allowed, parallel is not False)
+
+
+def _choice(choice: Any, names: list[str]) -> tuple[str, tuple[str, ...]]:
+  if choice is None:
+    return "auto", tuple(names)
+  if isinstance(choice, str):
+    if choice not in MODES:
+      raise _bad(
+        f"tool_choice must be one of {', '.join(MODES)} or a function, got "
+        f"{choice!r:.60}"
+      )
+    return choice, tuple(names)
+  if not isinstance(choice, dict):
+    raise _bad(f"tool_choice must be a string or an object, got {choice!r:.60}")
+  if choice.get("type") == "function":
+    name = (choice.get("function") or {}).get("name")
+    if name not in names:
+      raise _bad(
+        f"tool_choice names function {name!r:.80}, which is not in tools "
+        f"({', '.join(names)})"
+      )
+    return "named", (name,)
+  if choice.get("type") == "allowed_tools":
+    spec = choice.get("allowed_tools") or {}
+    mode = spec.get("mode", "auto")
+    if mode not in ("auto", "required"):
+      raise _bad("tool_choice.allowed_tools.mode must be auto or required")
+    picked = []
+    for k, t in enumerate(spec.get("tools") or []):
+      name = (
+        (t.get("function") or {}).get("name") if isinstance(t, dict) else None
+      )
+      if name not in names:
+        raise _bad(
+          f"tool_choice.allowed_tools.tools[{k}] names {name!r:.80}, which "
+          f"is not in tools ({', '.join(names)})"
+        )
+      picked.append(name)
+    if not picked:
+      raise _bad("tool_choice.allowed_tools.tools must name a tool")
+    return mode, tuple(picked)
+  raise _bad(
+    "tool_choice.type must be 'function' or 'allowed_tools', got "
+    f"{choice.get('type')!r:.60}"
+  )

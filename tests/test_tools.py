@@ -1,0 +1,219 @@
+"""Tool calling's pieces without a server (`serving/tools.py`,
+`serving/tool_calls.py`): the
+request checks (400s), the languages of each mode, the fallback prompt and
+reading calls back."""
+
+import json
+import re
+
+import pytest
+
+from chunkwise.serving import tool_calls, tools
+from chunkwise.serving.api import ApiError
+
+WEATHER = {
+  "type": "function",
+  "function": {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+      "type": "object",
+      "properties": {
+        "city": {"type": "string"},
+        "unit": {"enum": ["C", "F"]},
+      },
+      "required": ["city", "unit"],
+      "additionalProperties": False,
+    },
+  },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize(
+  "args, match",
+  [
+    (([], "required", None), "tool_choice needs tools"),
+    (([], None, False), "parallel_tool_calls needs tools"),
+    (([{"type": "code"}], None, None), r"tools\[0\].type must be 'function'"),
+    (
+      ([{"type": "function", "function": {"name": "a b"}}], None, None),
+      r"name must be 1 to 64",
+    ),
+    (
+      ([WEATHER], {"type": "function", "function": {"name": "x"}}, None),
+      "names function 'x', which is not in tools",
+    ),
+    (([WEATHER], "sometimes", None), "tool_choice must be one of"),
+    (([WEATHER, WEATHER], None, None), "define a name twice"),
+  ],
+)
+def test_bad_requests_are_named(args, match):
+  with pytest.raises(ApiError, match=match) as e:
+    tools.parse(*args)
+  assert e.value.status == 400
+
+
+def test_modes():
+  assert tools.parse(None, None, None) is None
+  auto = tools.parse([WEATHER, TIME], None, None)
+  assert (auto.mode, auto.allowed, auto.parallel) == (
+    "auto",
+    ("get_weather", "get_time"),
+    True,
+  )
+  named = tools.parse(
+    [WEATHER, TIME],
+    {"type": "function", "function": {"name": "get_time"}},
+    False,
+  )
+  assert (named.mode, named.named, named.parallel) == (
+    "named",
+    "get_time",
+    False,
+  )
+  allowed = tools.parse(
+    [WEATHER, TIME],
+    {
+      "type": "allowed_tools",
+      "allowed_tools": {
+        "mode": "required",
+        "tools": [{"type": "function", "function": {"name": "get_time"}}],
+      },
+    },
+    None,
+  )
+  assert (allowed.mode, allowed.allowed) == ("required", ("get_time",))
+
+
+def test_text_without_a_call():
+  r = re.compile(tools.without(tool_calls.OPEN))
+  for ok in ("", "hello", "a < b", "<tool>", "<tool_cal x", "<tool_call)"):
+    assert r.fullmatch(ok), ok
+  for bad in ("<tool_call>", "x<tool_call>y", "<<tool_call>", "<tool_cal"):
+    assert not r.fullmatch(bad), bad
+
+
+def test_each_mode_is_one_language():
+  plan = tools.parse([WEATHER, TIME], "required", None)
+  calls = re.compile(plan.calls_regex())
+  one = (
+    '<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "unit": "C"}}\n</tool_call>'
+  )
+  two = (
+    one + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+  )
+  assert calls.fullmatch(one) and calls.fullmatch(two)
+  assert not calls.fullmatch(one.replace('"C"', '"K"'))  # the enum
+  assert not calls.fullmatch(one.replace("get_weather", "get_wether"))
+  single = tools.parse([WEATHER, TIME], "required", False)
+  assert not re.fullmatch(single.calls_regex(), two)
+  auto = tools.parse([WEATHER, TIME], "auto", None).constraint()
+  assert re.fullmatch(auto.regex(), "It is sunny.")
+  assert re.fullmatch(auto.regex(), one)
+  assert not re.fullmatch(auto.regex(), "Sure: " + one)
+  none = tools.parse([WEATHER], "none", None).constraint()
+  assert not re.fullmatch(none.regex(), one)
+
+
+def test_strict_schemas_are_refused_by_keyword():
+  bad = json.loads(json.dumps(WEATHER))
+  bad["function"]["strict"] = True
+  bad["function"]["parameters"]["properties"]["n"] = {
+    "type": "integer",
+    "minimum": 3,
+  }
+  with pytest.raises(ApiError, match=r"get_weather.*keyword 'minimum'"):
+    tools.parse([bad], "required", None).constraint()
+
+
+def test_calls_read_back_exactly():
+  text = (
+    '<tool_call>\n{"name": "say", "arguments": {"text": "a </tool_call> b"}}'
+    '\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{}}\n'
+    "</tool_call>"
+  )
+  calls = tool_calls.read_calls(text)
+  assert [c.name for c in calls] == ["say", "get_time"]
+  assert calls[0].arguments == '{"text": "a </tool_call> b"}'
+  assert calls[1].arguments == "{}"
+  ids = {c.id for c in calls}
+  assert len(ids) == 2 and all(
+    re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids
+  )
+
+
+def test_the_fallback_prompt_renders_calls_and_results():
+  plan = tools.parse([WEATHER], None, None)
+  msgs = plan.messages(
+    [
+      {"role": "user", "content": "Weather in Paris?"},
+      {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+          {
+            "id": "call_1",
+            "type": "function",
+            "function": {
+              "name": "get_weather",
+              "arguments": '{"city": "Paris"}',
+            },
+          }
+        ],
+      },
+      {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+  )
+  assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"]
+  assert msgs[2]["content"] == (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>"
+  )
+  assert msgs[3] == {"role": "tool", "content": "18 C"}
+
+
+def _accumulate(plan, text, step):
+  """The deltas of `text` handed over `step` characters at a time, joined
+  by the openai client's own accumulation."""
+  from openai.lib.streaming._deltas import accumulate_delta
+
+  deltas = tool_calls.Deltas(plan.mode)
+  acc: dict = {}
+  headers = []
+  for end in range(step, len(text) + step, step):
+    for d in deltas(text[:end], end >= len(text)):
+      for c in d.get("tool_calls", []):
+        assert "function" in c  # every tool-call delta carries one
+        if "id" in c:
+          headers.append(c["index"])
+      acc = accumulate_delta(acc, d)
+  return acc, headers
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_calls_add_up_to_the_whole(step):
+  plan = tools.parse([WEATHER, TIME], None, None)
+  text = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a \\"}\\" '
+    '</tool_call>", "unit": "C"}}\n</tool_call>\n<tool_call>\n'
+    '{"name":"get_time","arguments":{}}\n</tool_call>'
+  )
+  acc, headers = _accumulate(plan, text, step)
+  whole = tool_calls.read_calls(text)
+  assert headers == [0, 1]  # each call's id, type and name once, in order
+  got = acc["tool_calls"]
+  assert [c["function"]["name"] for c in got] == ["get_weather", "get_time"]
+  assert [c["function"]["arguments"] for c in got] == [
+    c.arguments for c in whole
+  ]
+  assert [c["type"] for c in got] == ["function"] * 2
+  assert "content" not in acc
+
+
+@pytest.mark.parametrize("text", ["<to be or not>", "<tool_cal", "plain"])
+def test_streamed_text_in_auto_is_held_until_it_cannot_be_a_call(text):
+  plan = tools.parse([WEATHER], "auto", None)
+  acc, headers = _accumulate(plan, text, 1)
+  assert acc == {"content": text} and headers == []
