@@ -217,3 +217,25 @@ def test_streamed_text_in_auto_is_held_until_it_cannot_be_a_call(text):
   plan = tools.parse([WEATHER], "auto", None)
   acc, headers = _accumulate(plan, text, 1)
   assert acc == {"content": text} and headers == []
+
+
+def test_tools_with_a_response_format():
+  """`tools` + `response_format`: the answer's text follows the schema
+  when the model does not call."""
+  from chunkwise import constraints
+
+  answer = constraints.JsonSchema(
+    {
+      "type": "object",
+      "properties": {"a": {"type": "integer"}},
+      "required": ["a"],
+    }
+  )
+  call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+  auto = tools.parse([WEATHER, TIME], "auto", None).constraint(answer)
+  assert re.fullmatch(auto.regex(), '{"a": 1}')
+  assert re.fullmatch(auto.regex(), call)
+  assert not re.fullmatch(auto.regex(), "hello")
+  none = tools.parse([WEATHER, TIME], "none", None).constraint(answer)
+  assert re.fullmatch(none.regex(), '{"a": 1}')
+  assert not re.fullmatch(none.regex(), call)
