@@ -620,9 +620,12 @@ def test_unbounded_numbers_get_a_digit_limit():
     "properties": {
       "n": {"type": "integer"},
       "x": {"type": ["number", "null"]},
-      "kept": {"type": "integer", "minimum": 0},
+      "kept": {"type": "integer", "minimum": 0, "maximum": big},
       "step": {"type": "integer", "multipleOf": 5},
       "items": {"type": "array", "items": {"type": "number"}},
+      "type": {"type": "string"},  # a property named "type"
+      "half": {"type": "integer", "minimum": 0},
+      "huge": {"type": "integer", "minimum": 10**20},
     },
     "$defs": {"d": {"type": "integer"}},
     "enum": [{"type": "integer"}],
@@ -631,7 +634,10 @@ def test_unbounded_numbers_get_a_digit_limit():
   p = out["properties"]
   for got in (p["n"], p["x"], p["items"]["items"], out["$defs"]["d"]):
     assert (got["minimum"], got["maximum"]) == (-big, big)
-  assert p["kept"] == {"type": "integer", "minimum": 0}
+  assert p["kept"] == {"type": "integer", "minimum": 0, "maximum": big}
+  assert p["half"] == {"type": "integer", "minimum": 0, "maximum": big}
+  assert p["huge"] == {"type": "integer", "minimum": 10**20}  # not emptied
+  assert p["type"] == {"type": "string"}
   assert p["step"] == {"type": "integer", "multipleOf": 5}
   assert out["enum"] == [{"type": "integer"}]  # data, untouched
   assert "minimum" not in schema["properties"]["n"]  # a copy

@@ -33,7 +33,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 @pytest.mark.parametrize(
   "args, match",
   [
-    (([], "required", None), "tool_choice needs tools"),
+    (([], "required", None), r"tool_choice=.* needs tools"),
     (([], None, False), "parallel_tool_calls needs tools"),
     (([{"type": "code"}], None, None), r"tools\[0\].type must be 'function'"),
     (
@@ -131,7 +131,7 @@ def test_strict_schemas_are_refused_by_keyword():
 def test_calls_read_back_exactly():
   text = (
     '<tool_call>\n{"name": "say", "arguments": {"text": "a </tool_call> b"}}'
-    '\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{}}\n'
+    '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
     "</tool_call>"
   )
   calls = tool_calls.read_calls(text)
@@ -198,7 +198,7 @@ def test_streamed_calls_add_up_to_the_whole(step):
   text = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a \\"}\\" '
     '</tool_call>", "unit": "C"}}\n</tool_call>\n<tool_call>\n'
-    '{"name":"get_time","arguments":{}}\n</tool_call>'
+    '{"name": "get_time", "arguments": {}}\n</tool_call>'
   )
   acc, headers = _accumulate(plan, text, step)
   whole = tool_calls.read_calls(text)
@@ -239,3 +239,44 @@ def test_tools_with_a_response_format():
   none = tools.parse([WEATHER, TIME], "none", None).constraint(answer)
   assert re.fullmatch(none.regex(), '{"a": 1}')
   assert not re.fullmatch(none.regex(), call)
+
+
+def test_review_cases():
+  """Tools from a nested pydantic model ($defs and $ref), a tool named
+  "arguments", parameters {}, a regex answer with tools."""
+  from chunkwise import constraints
+
+  nested = {
+    "type": "function",
+    "function": {
+      "name": "arguments",
+      "parameters": {
+        "$defs": {
+          "Inner": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}},
+            "required": ["x"],
+          }
+        },
+        "type": "object",
+        "properties": {"inner": {"$ref": "#/$defs/Inner"}},
+        "required": ["inner"],
+      },
+    },
+  }
+  anything = {"type": "function", "function": {"name": "f", "parameters": {}}}
+  plan = tools.parse([nested, anything], "required", None)
+  calls = re.compile(plan.calls_regex())
+  one = (
+    '<tool_call>\n{"name": "arguments", "arguments": {"inner": {"x": 3}}}'
+    "\n</tool_call>"
+  )
+  assert calls.fullmatch(one)
+  assert not calls.fullmatch(one.replace('{"x": 3}', '{"y": 3}'))
+  assert not calls.fullmatch(
+    '<tool_call>\n{"name": "f", "arguments": true}\n</tool_call>'
+  )
+  (call,) = tool_calls.read_calls(one)
+  assert (call.name, call.arguments) == ("arguments", '{"inner": {"x": 3}}')
+  with pytest.raises(ApiError, match="not a regex or a choice"):
+    plan.constraint(constraints.Regex("a+"))

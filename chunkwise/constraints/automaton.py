@@ -252,7 +252,7 @@ def _distance(next_state, final) -> np.ndarray:
   search backwards from the final states over the class table's edges,
   each visited once."""
   n = final.shape[0]
-  big = np.iinfo(np.int32).max // 2
+  big = np.iinfo(np.int32).max // 2  # tables.DEAD: no final state reachable
   dist = np.full(n, big, np.int64)
   src, cls = np.nonzero(next_state >= 0)
   edges = np.unique(next_state[src, cls].astype(np.int64) * n + src)

@@ -91,9 +91,11 @@ class ConstraintProcessor(LogitsProcessor):
         fits = (far + 2 <= info.remaining_rows()) | is_stop
         return allowed & (fits | (g == 0)[:, None])
 
-      # Only a shortcut: with more columns left, every token fits.
+      # Only a shortcut: with more columns left on every constrained row,
+      # every token fits (free rows, and a loop's empty slots, ignored).
+      left = jnp.where(g > 0, info.remaining, jnp.iinfo(jnp.int32).max)
       allowed = lax.cond(
-        jnp.min(info.remaining) <= self.max_distance + 2,
+        jnp.min(left) <= self.max_distance + 2,
         closing,
         lambda a: a,
         allowed,

@@ -77,12 +77,25 @@ class Tables:
     allowed = self.allowed(state)
     allowed = allowed[~np.isin(allowed, np.asarray(list(stop_ids)))]
     nxt = self.next_state[state, self.token_class[allowed]]
-    return bool(np.any(self.distance[np.maximum(nxt, 0)] + 2 > remaining))
+    far = self.distance[np.maximum(nxt, 0)]
+    far = far[far < DEAD]  # states that cannot finish: never chosen anyway
+    return bool(np.any(far + 2 > remaining))
+
+  @property
+  def longest(self) -> int:
+    """The most tokens from a state that can still finish to a final one
+    (budget forcing acts within this many columns of the end, plus 2)."""
+    live = self.distance[self.distance < DEAD]
+    return int(live.max()) if live.size else 0
 
   def forced(self, state: int) -> bool:
     """Whether `state` allows exactly one token (stop ids included): the
     constraint, not the model, chose it."""
     return int(np.bitwise_count(self.bits[state]).sum()) == 1
+
+
+# `distance` of a state from which no final state can be reached.
+DEAD = np.iinfo(np.int32).max // 2
 
 
 @dataclasses.dataclass(frozen=True)

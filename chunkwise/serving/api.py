@@ -193,26 +193,44 @@ class Context:
 # none): a model that repeats a digit stops there instead of spending
 # max_tokens on one value (budget forcing then still closes the JSON).
 MAX_DIGITS = 16
-_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_VALUE_KEYS = ("enum", "const", "default", "examples")  # data, not schemas
+_LOWER, _UPPER = (
+  ("minimum", "exclusiveMinimum"),
+  ("maximum", "exclusiveMaximum"),
+)
+# Where a schema holds schemas: one, a list of them, a map of them.
+_ONE = ("items", "additionalProperties", "contains", "propertyNames")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def digit_bounded(schema: Any) -> Any:
   """`schema` with `MAX_DIGITS` bounds on every integer and number
-  (sub)schema that has no bound of its own (a copy; the rest as given)."""
-  if isinstance(schema, list):
-    return [digit_bounded(s) for s in schema]
+  (sub)schema without a bound on that side (a copy; the rest as given:
+  `enum` / `const` / `multipleOf` values, and what `not` / `if` hold)."""
   if not isinstance(schema, dict):
     return schema
-  out = {
-    k: v if k in _VALUE_KEYS else digit_bounded(v) for k, v in schema.items()
-  }
+  out = dict(schema)
+  for k in _ONE:
+    if k in out:
+      out[k] = digit_bounded(out[k])
+  for k in _LIST:
+    if isinstance(out.get(k), list):
+      out[k] = [digit_bounded(s) for s in out[k]]
+  for k in _MAP:
+    if isinstance(out.get(k), dict):
+      out[k] = {n: digit_bounded(s) for n, s in out[k].items()}
   kind = schema.get("type")
   kinds = set(kind) if isinstance(kind, list) else {kind}
-  if kinds & {"integer", "number"} and not any(
-    k in schema for k in (*_BOUND_KEYS, "multipleOf", *_VALUE_KEYS)
-  ):
-    out["minimum"], out["maximum"] = -(10**MAX_DIGITS - 1), 10**MAX_DIGITS - 1
+  numeric = any(k in ("integer", "number") for k in kinds if isinstance(k, str))
+  if not numeric or any(k in schema for k in ("enum", "const", "multipleOf")):
+    return out
+  top = 10**MAX_DIGITS - 1
+  lower = [schema[k] for k in _LOWER if isinstance(schema.get(k), int | float)]
+  upper = [schema[k] for k in _UPPER if isinstance(schema.get(k), int | float)]
+  if not any(k in schema for k in _LOWER) and all(u >= -top for u in upper):
+    out["minimum"] = -top
+  if not any(k in schema for k in _UPPER) and all(lo <= top for lo in lower):
+    out["maximum"] = top
   return out
 
 

@@ -325,9 +325,12 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
   if plan is not None:
     if shared["stop"]:
       raise _bad("stop strings with tools are not supported by this server")
-    if not all(isinstance(m, dict) for m in messages):
-      raise _bad("messages must be objects")
-    messages = plan.messages(messages)
+    # text parts joined first (their indices as the client sent them)
+    messages = [_content(m, i) for i, m in enumerate(messages)]
+    try:
+      messages = plan.messages(messages)
+    except ValueError as e:
+      raise _bad(f"messages: {e}") from None
     shared["constraint"] = plan.constraint(shared["constraint"])
   ids = chat_prompt(ctx, messages)
   asked = b.max_completion_tokens or b.max_tokens

@@ -166,7 +166,7 @@ class ConstraintWalk:
     self.tables, self.state = tables, 0
     self.steps, self.stop_ids = steps, tuple(stop_ids)
     self.taken, self.budget = 0, False
-    self._window = 0 if tables is None else int(tables.distance.max()) + 2
+    self._window = 0 if tables is None else tables.longest + 2
 
   def forced(self, token: int) -> bool | None:
     """Whether the current state forced `token`; then steps over it."""

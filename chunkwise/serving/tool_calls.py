@@ -26,6 +26,9 @@ import secrets
 import string
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# A call's object up to its arguments (a format string of its name); "}"
+# closes it after them. Fixed: no optional spaces, the name first.
+HEAD = '{{"name": "{name}", "arguments": '
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -54,35 +57,30 @@ def new_call_id() -> str:
 
 def read_calls(text: str) -> list[ToolCall]:
   """The calls of an answer in the Hermes form (the constraint made it
-  one), each arguments value as the exact text generated."""
+  one: each call `HEAD`, its arguments, "}"), each arguments value as
+  the exact text generated. ValueError if `text` is not that."""
   decoder = json.JSONDecoder()
   calls, at = [], 0
   while True:
-    if not text.startswith(OPEN + "\n", at):
-      raise ValueError(f"no {OPEN} at {at} in {text[:200]!r}")
-    start = at + len(OPEN) + 1
-    value, end = decoder.raw_decode(text, start)
-    args_at = _value_start(text, start, end, "arguments")
-    _, args_end = decoder.raw_decode(text, args_at)
-    calls.append(ToolCall(new_call_id(), value["name"], text[args_at:args_end]))
-    at = end + 1 + len(CLOSE)
+    m = _BLOCK.match(text, at)
+    if m is None:
+      raise ValueError(f"no call at {at} in {text[:200]!r}")
+    _, end = decoder.raw_decode(text, m.end())
+    if not text.startswith("}\n" + CLOSE, end):
+      raise ValueError(f"no end of a call at {end} in {text[:200]!r}")
+    calls.append(ToolCall(new_call_id(), m.group(1), text[m.end() : end]))
+    at = end + 2 + len(CLOSE)
     if at >= len(text):
       return calls
     at += 1  # the newline between blocks
 
 
-def _value_start(text: str, start: int, end: int, key: str) -> int:
-  """Where the value of `key` begins inside the object text[start:end]
-  (keys are plain names: no escapes to skip)."""
-  i = text.index(json.dumps(key), start, end) + len(key) + 2
-  while text[i] in " :":
-    i += 1
-  return i
-
-
-# A call's object up to its arguments value (its first character seen, so
-# that an optional space is not taken for the value's).
-_HEAD = re.compile(r'\{ ?"name": ?"([A-Za-z0-9_-]+)", ?"arguments": ?(?=[^ ])')
+# A call's block up to its arguments value.
+_BLOCK = re.compile(
+  re.escape(OPEN + '\n{"name": "')
+  + "([A-Za-z0-9_-]+)"
+  + re.escape('", "arguments": ')
+)
 
 
 class Deltas:
@@ -123,7 +121,7 @@ class Deltas:
         start = text.find(OPEN + "\n", self.sent)
         if start < 0:
           return out
-        m = _HEAD.match(text, start + len(OPEN) + 1)
+        m = _BLOCK.match(text, start)
         if m is None:
           return out
         self.index += 1

@@ -39,7 +39,13 @@ from typing import Any
 
 from chunkwise import constraints
 from chunkwise.serving.api import ApiError, digit_bounded
-from chunkwise.serving.tool_calls import CLOSE, OPEN, ToolCall, read_calls
+from chunkwise.serving.tool_calls import (
+  CLOSE,
+  HEAD,
+  OPEN,
+  ToolCall,
+  read_calls,
+)
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
@@ -77,6 +83,7 @@ def _tool(i: int, raw: Any) -> Tool:
       f"{where}.function.parameters must be a JSON schema of an object, "
       f"got {params!r:.80}"
     )
+  params = {"type": "object", **params}  # arguments are an object
   description = f.get("description") or ""
   if not isinstance(description, str):
     raise _bad(f"{where}.function.description must be a string")
@@ -98,51 +105,49 @@ class Plan:
 
   # -- the language ----------------------------------------------------
 
-  def _arguments(self, tool: Tool) -> dict:
-    """A tool's parameters schema as the calls follow it: `strict` ones
-    as given, every keyword enforced in full (else a 400 naming the one
-    that cannot be); others with the server's digit bounds."""
+  def _arguments(self, tool: Tool) -> str:
+    """The regex of a tool's arguments, compiled from its own schema (its
+    `$ref`s resolve in it): `strict` ones as given, every keyword
+    enforced in full (else a 400 naming the one that cannot be); others
+    with the server's digit bounds."""
     schema = tool.parameters if tool.strict else digit_bounded(tool.parameters)
     try:
-      constraints.JsonSchema(schema, strict=tool.strict)
+      return constraints.JsonSchema(schema, strict=tool.strict).regex()
     except ValueError as e:
       raise _bad(f"tool {tool.name!r}: parameters: {e}") from None
-    return schema
-
-  def call_schema(self) -> dict:
-    """The JSON schema of one call's object: {"name", "arguments"}."""
-    by_name = {t.name: t for t in self.tools}
-    options = [
-      {
-        "type": "object",
-        "properties": {
-          "name": {"const": name},
-          "arguments": self._arguments(by_name[name]),
-        },
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-      }
-      for name in self.allowed
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
 
   def calls_regex(self) -> str:
-    obj = constraints.JsonSchema(self.call_schema()).regex()
-    one = f"{re.escape(OPEN)}\\n({obj})\\n{re.escape(CLOSE)}"
+    """Calls: each a fixed frame (`HEAD`, then its tool's arguments, then
+    "}") in its block; several with `parallel` (not for a named choice)."""
+    by_name = {t.name: t for t in self.tools}
+    frames = "|".join(
+      f"{literal(HEAD.format(name=name))}({self._arguments(by_name[name])})"
+      for name in self.allowed
+    )
+    one = f"{re.escape(OPEN)}\\n({frames})\\}}\\n{re.escape(CLOSE)}"
     if self.parallel and self.mode != "named":
       return f"{one}(\\n{one})*"
     return one
 
   def constraint(self, answer=None):
     """The constraint of the whole answer (`answer`: response_format's
-    constraint for the text, or None for free text)."""
-    text = answer.regex() if answer is not None else without(OPEN)
-    if self.mode == "none":
-      return constraints.Regex(text)
-    calls = self.calls_regex()
-    if self.mode == "auto":
-      return constraints.Regex(f"({text})|({calls})")
-    return constraints.Regex(calls)
+    JSON schema for the text, or None for free text). A 400 names what
+    cannot be compiled."""
+    if answer is not None and not isinstance(answer, constraints.JsonSchema):
+      raise _bad(
+        "with tools, the answer's text can follow a JSON schema "
+        "(response_format) but not a regex or a choice"
+      )
+    try:
+      text = answer.regex() if answer is not None else without(OPEN)
+      if self.mode == "none":
+        return constraints.Regex(text)
+      calls = self.calls_regex()
+      if self.mode == "auto":
+        return constraints.Regex(f"({text})|({calls})")
+      return constraints.Regex(calls)
+    except ValueError as e:
+      raise _bad(f"tools: {e}") from None
 
   # -- the prompt ------------------------------------------------------
 
@@ -187,7 +192,16 @@ class Plan:
     them (content None), else its text."""
     if self.mode == "none" or not text.startswith(OPEN):
       return text, []
-    return None, read_calls(text)
+    try:
+      return None, read_calls(text)
+    except ValueError:  # not the calls' language (the constraint's is)
+      return text, []
+
+
+def literal(text: str) -> str:
+  """`text` as a regex of itself, escaping only the metacharacters (the
+  constraint's regex engine refuses escapes of letters and spaces)."""
+  return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)
 
 
 def without(word: str) -> str:
@@ -214,7 +228,9 @@ def render_turn(m: dict) -> dict:
   if m.get("role") == "assistant" and m.get("tool_calls"):
     blocks = []
     for c in m["tool_calls"]:
-      f = c.get("function") or {}
+      f = c.get("function") if isinstance(c, dict) else None
+      if not isinstance(f, dict):
+        raise ValueError(f"a tool call {c!r:.80} has no function object")
       args = f.get("arguments") or "{}"
       if isinstance(args, str):  # templates expect an object
         with contextlib.suppress(json.JSONDecodeError):
@@ -232,12 +248,12 @@ def parse(tools: Any, tool_choice: Any, parallel: Any) -> Plan | None:
   None without tools."""
   if not tools:
     if tool_choice not in (None, "none"):
-      raise _bad("tool_choice needs tools")
+      raise _bad(f"tool_choice={tool_choice!r:.60} needs tools")
     if parallel is not None:
       raise _bad("parallel_tool_calls needs tools")
     return None
   if not isinstance(tools, list):
-    raise _bad("tools must be a list")
+    raise _bad(f"tools must be a list, got {type(tools).__name__}")
   defined = tuple(_tool(i, t) for i, t in enumerate(tools))
   names = [t.name for t in defined]
   if len(set(names)) != len(names):
@@ -261,7 +277,8 @@ def _choice(choice: Any, names: list[str]) -> tuple[str, tuple[str, ...]]:
   if not isinstance(choice, dict):
     raise _bad(f"tool_choice must be a string or an object, got {choice!r:.60}")
   if choice.get("type") == "function":
-    name = (choice.get("function") or {}).get("name")
+    f = choice.get("function")
+    name = f.get("name") if isinstance(f, dict) else None
     if name not in names:
       raise _bad(
         f"tool_choice names function {name!r:.80}, which is not in tools "
@@ -269,15 +286,24 @@ def _choice(choice: Any, names: list[str]) -> tuple[str, tuple[str, ...]]:
       )
     return "named", (name,)
   if choice.get("type") == "allowed_tools":
-    spec = choice.get("allowed_tools") or {}
+    spec = choice.get("allowed_tools")
+    if not isinstance(spec, dict):
+      raise _bad(
+        f"tool_choice.allowed_tools must be an object, got {spec!r:.60}"
+      )
     mode = spec.get("mode", "auto")
     if mode not in ("auto", "required"):
-      raise _bad("tool_choice.allowed_tools.mode must be auto or required")
-    picked = []
-    for k, t in enumerate(spec.get("tools") or []):
-      name = (
-        (t.get("function") or {}).get("name") if isinstance(t, dict) else None
+      raise _bad(
+        "tool_choice.allowed_tools.mode must be auto or required, got "
+        f"{mode!r:.60}"
       )
+    picked = []
+    listed = spec.get("tools") or []
+    if not isinstance(listed, list):
+      raise _bad("tool_choice.allowed_tools.tools must be a list")
+    for k, t in enumerate(listed):
+      f = t.get("function") if isinstance(t, dict) else None
+      name = f.get("name") if isinstance(f, dict) else None
       if name not in names:
         raise _bad(
           f"tool_choice.allowed_tools.tools[{k}] names {name!r:.80}, which "
