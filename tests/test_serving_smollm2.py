@@ -252,3 +252,16 @@ def test_concurrent_sampled_and_greedy_requests(model, server):
     np.testing.assert_array_equal(
       np.float32(choice.logprobs.token_logprobs), scores, err_msg=str(i)
     )
+
+
+def test_the_tgi_client_chats(server):
+  """TGI's own client (`text_generation` 0.7) sends `model="tgi"` to the
+  chat route: the base model answers (its streamed chat's chunk model
+  does not fit OpenAI's deltas: not supported)."""
+  client = text_generation.Client(server.url, timeout=120)
+  r = client.chat(
+    messages=[text_generation.types.Message(role="user", content="Say hi.")],
+    max_tokens=8,
+  )
+  assert r.choices[0].message.content
+  assert r.choices[0].finish_reason in ("stop", "length")

@@ -96,9 +96,13 @@ class Context:
     return tuple(self.model.adapters)
 
   def adapter(self, name: str | None, *, status: int = 422) -> str | None:
-    """The adapter `name` asks for: None (the base) for None, "" or the
-    model's own id; ApiError for an adapter that is not served."""
+    """The adapter `name` asks for: None (the base) for None, "", the
+    model's own id, or "tgi" (what TGI's own client sends: TGI serves one
+    model) unless an adapter has that name; ApiError for an adapter that
+    is not served."""
     if name in (None, "", self.model_id):
+      return None
+    if name == "tgi" and name not in self.model.adapters:
       return None
     if name not in self.model.adapters:
       served = ", ".join(map(repr, self.adapters)) or "none"
