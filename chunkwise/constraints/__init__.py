@@ -27,6 +27,7 @@ from chunkwise.constraints.constraint import (
 from chunkwise.constraints.processor import (
   ConstraintProcessor,
   GrammarSet,
+  check_room,
   compile_rows,
   for_call,
   for_rows,
@@ -44,6 +45,7 @@ __all__ = [
   "Regex",
   "Tables",
   "Validation",
+  "check_room",
   "compile_regex",
   "compile_rows",
   "escape",

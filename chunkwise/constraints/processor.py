@@ -241,13 +241,19 @@ def for_call(
   if budget_forcing:
     room = steps - (0 if has_prefix else 1)
     for t in tables:
-      if int(t.distance[0]) + 1 > room:
-        raise ValueError(
-          f"budget_forcing: steps={steps} is too few for the constraint "
-          f"{t.regex[:60]!r}, whose shortest match needs "
-          f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
-        )
+      check_room(t, room, f"budget_forcing: steps={steps}")
   return processor(grammar, tables, width=width, force=budget_forcing)
+
+
+def check_room(tables: Tables, room: int, what: str) -> None:
+  """ValueError (`what` first) unless `room` columns hold the shortest
+  match of `tables` and a stop: what budget forcing needs to close it."""
+  need = int(tables.distance[0])
+  if need + 1 > room:
+    raise ValueError(
+      f"{what} is too few for its constraint {tables.regex[:60]!r}, whose "
+      f"shortest match needs {need} tokens and a stop ({room} columns left)"
+    )
 
 
 def for_rows(
@@ -287,12 +293,8 @@ def for_rows(
     except ValueError as e:
       raise ValueError(f"requests[{i}].constraint: {e}") from e
     room = steps[i] - (0 if has_prefix[i] else 1)
-    if budget_forcing and int(t.distance[0]) + 1 > room:
-      raise ValueError(
-        f"budget_forcing: requests[{i}] has steps={steps[i]}, too few for "
-        f"its constraint {t.regex[:60]!r}, whose shortest match needs "
-        f"{int(t.distance[0])} tokens and a stop ({room} columns left)"
-      )
+    if budget_forcing:
+      check_room(t, room, f"budget_forcing: requests[{i}].steps={steps[i]}")
     if id(t) not in seen:
       seen[id(t)] = len(tables) + 1
       tables.append(t)

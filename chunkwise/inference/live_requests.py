@@ -174,13 +174,9 @@ class Intake:
         )
       except ValueError as e:
         raise ValueError(f"{what}.constraint: {e}") from e
-      shortest = int(tables.distance[0])
-      if self.budget_forcing and shortest + 1 > int(request.steps):
-        raise ValueError(
-          f"{what}.steps={request.steps} is too few for its constraint: "
-          f"its shortest match needs {shortest} tokens and a stop "
-          "(budget forcing closes every constrained request within its "
-          "steps)"
+      if self.budget_forcing:  # a prompt's request: every step its own
+        constraints_lib.check_room(
+          tables, int(request.steps), f"{what}.steps={request.steps}"
         )
     padded = np.full(self.stop_width, h.vocab, np.int32)
     padded[: stops.size] = stops

@@ -152,8 +152,8 @@ def by_block(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
   (the same contraction over a ones weight, a constant XLA broadcasts
   inside the dot)."""
   if w.bits == 4:
-    xs = eq.split(",")[0]
-    i = xs.index(eq.split(",")[1].split("->")[0][w.axis])
+    lhs, rhs, _ = contract_dims(eq)
+    i = lhs[rhs.index(w.axis)]  # x's axis the blocks run along
     n = x.shape[i]
     even = lax.slice_in_dim(x, 0, n, stride=2, axis=i)
     odd = lax.slice_in_dim(x, 1, n, stride=2, axis=i)
