@@ -157,6 +157,11 @@ def test_profile_reads_gpu_kernels_by_op_and_kind():
         _event("memcpy32_post", 30, 30, "dynamic-slice.2"),
         _event("MemcpyD2D", 200, 20),  # no op: named by the kernel
       ],
+      # Kernels of a command buffer (a CUDA graph) go by their own names.
+      "Stream #16(graph)": [
+        _event("nvjet_tst_64x8_64x16", 300, 40, "command_buffer_9"),
+        _event("memcpy32_post", 340, 5, "command_buffer_9"),
+      ],
       "Stream #15(nccl)": [
         _event("ncclDevKernel_AllReduce", 60, 20, "all-reduce.1")
       ],
@@ -167,22 +172,22 @@ def test_profile_reads_gpu_kernels_by_op_and_kind():
   host = _plane("/host:CPU", {"tf_XLAEigen/1": [_event("dot.1", 0, 999)]})
   source, found = profile.events([host, _plane("/device:GPU:1", {}), gpu])
   assert source.startswith("/device:GPU:0: Stream #13(compute)")
-  assert len(found) == 6
+  assert len(found) == 8
   p = profile.summarize(source, found, wall_ns=400, count=2)
   assert p.kinds == {
-    "matmul": 80e-6,
-    "copy": 50e-6,
+    "matmul": 120e-6,
+    "copy": 55e-6,
     "collective": 20e-6,
     "other": 10e-6,
   }
-  # Busy: [0, 80) and [100, 140) and [200, 220), overlaps counted once.
-  assert p.busy_ms == pytest.approx(140e-6)
-  assert p.busy_share == pytest.approx(140 / 400)
+  # Busy: [0, 80), [100, 140), [200, 220), [300, 345), overlaps once.
+  assert p.busy_ms == pytest.approx(185e-6)
+  assert p.busy_share == pytest.approx(185 / 400)
   (top, second) = p.ops
   assert (top.name, top.kind, top.calls) == ("custom-call.3", "matmul", 2)
-  assert top.share == pytest.approx(80 / 160)
-  assert (second.name, second.kind) == ("dynamic-slice.2", "copy")
-  assert p.describe()["kinds_ms"]["matmul"] == pytest.approx(80e-6)
+  assert top.share == pytest.approx(80 / 205)
+  assert (second.name, second.kind) == ("nvjet_tst_64x8_64x16", "matmul")
+  assert p.describe()["kinds_ms"]["matmul"] == pytest.approx(120e-6)
 
 
 def test_profile_reads_tpu_op_lines_and_cpu_thunks():

@@ -9,7 +9,10 @@ was busy.
 
 On a GPU or TPU the events are the first device's kernels (the trace's
 "/device:GPU:0" plane: its "Stream #..." lines; TPU: its "XLA Ops" line),
-named by the HLO op that launched them. On the CPU they are XLA:CPU's
+named by the HLO op that launched them; kernels that XLA:GPU runs
+inside a command buffer (a CUDA graph: the op is `command_buffer_N`,
+the whole decode step's body) are named by the kernel itself, since one
+such op holds matmuls, fusions and copies alike. On the CPU they are XLA:CPU's
 thunks on its worker threads ("XLAEigen" lines of the host plane); times
 are summed over threads, so an op's `share` is of all the threads' busy
 time, and `busy_ms` is the time at least one thread was busy. Names are
@@ -132,7 +135,9 @@ def events(planes: Iterable) -> tuple[str, list[Event]]:
     out = []
     for line in lines:
       for e in line.events:
-        op = _stats(e).get("hlo_op") or e.name
+        op = str(_stats(e).get("hlo_op") or e.name)
+        if op.startswith("command_buffer"):
+          op = e.name
         out.append(Event(str(op), e.name, e.start_ns, e.duration_ns))
     return source, out
   out = []
