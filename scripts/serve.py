@@ -34,6 +34,7 @@ import sys
 from absl import app, flags
 
 from chunkwise import jobs, serving
+from chunkwise.checkpoints.chat_template import ChatTemplate
 from chunkwise.jobs import cli, model_flags, sampling_flags
 
 MODEL = model_flags.ModelFlags()
@@ -112,6 +113,13 @@ _KV_PAGES = flags.DEFINE_integer(
   "are in /metrics.",
   lower_bound=0,
 )
+_CHAT_TEMPLATE = flags.DEFINE_string(
+  "chat_template",
+  None,
+  "A Jinja chat template file rendered in place of the model's own (as "
+  "transformers renders it, sandboxed). Tool calls take the format it "
+  "asks for (docs/serving.md#tools).",
+)
 _MODEL_ID = flags.DEFINE_string(
   "model_id", None, "The base model's name in the APIs (default: --model)."
 )
@@ -120,6 +128,14 @@ _MODEL_ID = flags.DEFINE_string(
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  chat_template = None
+  if _CHAT_TEMPLATE.value:  # checked before any model is loaded
+    try:
+      with open(_CHAT_TEMPLATE.value, encoding="utf-8") as f:
+        chat_template = f.read()
+      ChatTemplate(chat_template, _CHAT_TEMPLATE.value).check()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+      cli.fail(f"--chat_template={_CHAT_TEMPLATE.value}: {e}")
   try:
     process, _ = jobs.start_processes(HOSTS.config())
     model = jobs.load_served(MODEL.config())
@@ -158,6 +174,8 @@ def main(argv):
     max_input_tokens=max_input,
     max_total_tokens=total,
     max_stop_sequences=_MAX_STOP.value,
+    chat_template=chat_template,
+    chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
   )
 
   def ready(port):

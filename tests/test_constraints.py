@@ -87,6 +87,30 @@ def test_tables_walks_match(name):
   )
 
 
+@pytest.mark.parametrize(
+  "pattern, texts",
+  [
+    ("a(bc)?", ["a", "abc"]),
+    ("yes|yes please", ["yes", "yes please"]),
+    ("[0-9]+(\\.[0-9]+)?", ["12", "1.5"]),
+    ("(ab)*", ["", "abab"]),
+    ("ab$", ["ab"]),  # a regex that ends in "$" compiles as it is
+  ],
+)
+def test_every_match_is_spelled_one_byte_at_a_time(pattern, texts):
+  """outlines-core's Index alone drops a token that leaves an accepting
+  position for a non-accepting one (after "yes", the byte " "); the end
+  mark of `automaton._marked_index` keeps it."""
+  t = C.Regex(pattern).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+  for text in texts:
+    s = 0
+    for b in text.encode():
+      s = t.step(s, b + 3)
+      assert s >= 0, (pattern, text)
+    assert t.final[s], (pattern, text)
+    assert 2 in t.allowed(s)
+
+
 def test_mask_bits_match_the_dense_twin_at_any_width():
   rng = np.random.default_rng(1)
   for width in (31, 32, 301):

@@ -267,10 +267,107 @@ def test_an_openai_agents_run_completes(client):
       ),
     ),
     model_settings=agents.ModelSettings(
-      tool_choice="required", temperature=0, max_tokens=80
+      tool_choice="required",
+      parallel_tool_calls=False,
+      temperature=0,
+      max_tokens=80,
     ),
     tool_use_behavior="stop_on_first_tool",
   )
   result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
   assert len(calls) == 1
   assert result.final_output == f"18 degrees and sunny in {calls[0]}"
+
+
+# -- a template that renders tools: the model's own format ---------------------
+
+QWEN_TEMPLATE = __file__.replace(
+  "test_serving_tools.py", "data/qwen2_5_style.jinja"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen_style():
+  """SmolLM2 served with a Qwen2.5-style template (tests/data), which
+  renders the tools and past calls itself and asks for <tool_call>
+  blocks: the native Hermes format, no fallback text."""
+  with running(
+    f"--model={MODEL}",
+    "--slots=2",
+    "--max_total_tokens=1024",
+    f"--chat_template={QWEN_TEMPLATE}",
+  ) as s:
+    yield openai.OpenAI(
+      base_url=s.url + "/v1",
+      api_key="-",
+      max_retries=0,
+      _strict_response_validation=True,
+    )
+
+
+def test_a_native_template_calls_in_its_format(qwen_style):
+  for kw in (dict(temperature=0), dict(temperature=1, seed=3)):
+    c = _create(qwen_style, tool_choice="required", max_tokens=120, **kw)
+    _valid_calls(c.choices[0].message)
+  kw = dict(
+    model=MODEL,
+    messages=ASK,
+    tools=TOOLS,
+    tool_choice="required",
+    max_tokens=120,
+    temperature=1,
+    seed=5,
+  )
+  whole = qwen_style.chat.completions.create(**kw).choices[0].message
+  with qwen_style.chat.completions.stream(**kw) as stream:
+    for _ in stream:
+      pass
+    streamed = stream.get_final_completion().choices[0].message
+  assert [
+    (c.function.name, c.function.arguments) for c in whole.tool_calls
+  ] == [(c.function.name, c.function.arguments) for c in streamed.tool_calls]
+  # The next turn: the template renders the call and its result.
+  call = whole.tool_calls[0]
+  c = qwen_style.chat.completions.create(
+    model=MODEL,
+    messages=[
+      *ASK,
+      whole.model_dump(exclude_none=True),
+      {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"},
+    ],
+    tools=TOOLS,
+    tool_choice="none",
+    max_tokens=20,
+    temperature=0,
+  )
+  assert c.choices[0].message.content and not c.choices[0].message.tool_calls
+  # The prompt is the template's own rendering of the tools, the call (its
+  # arguments as an object) and the result, token for token.
+  import chunkwise as cw
+
+  vocab = cw.load(MODEL).vocab
+  with open(QWEN_TEMPLATE, encoding="utf-8") as f:
+    vocab = vocab.with_chat_template(f.read())
+  text = vocab.apply_chat_template(
+    [
+      *ASK,
+      {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+          {
+            "id": call.id,
+            "type": "function",
+            "function": {
+              "name": call.function.name,
+              "arguments": json.loads(call.function.arguments),
+            },
+          }
+        ],
+      },
+      {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"},
+    ],
+    tools=TOOLS,
+  )
+  assert "# Tools" in text and "<tool_response>" in text
+  assert c.usage.prompt_tokens == len(vocab.encode(text))

@@ -297,6 +297,12 @@ class ChatTemplate:
   def _error(self, what: str) -> ChatTemplateError:
     return ChatTemplateError(f"chat template of {self.source}: {what}")
 
+  def check(self) -> ChatTemplate:
+    """Parses the template now (a ChatTemplateError if it does not);
+    returns it."""
+    self._template()
+    return self
+
   def _template(self):
     if self._compiled is None:
       try:

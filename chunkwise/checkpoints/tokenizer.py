@@ -15,6 +15,7 @@ constrained generation.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -184,6 +185,15 @@ class TokenizerVocabulary:
   def chat_template(self) -> str | None:
     """The Jinja chat template string the checkpoint ships, or None."""
     return None if self._chat_template is None else self._chat_template.text
+
+  def with_chat_template(
+    self, text: str, source: str = "the caller"
+  ) -> TokenizerVocabulary:
+    """This vocabulary with `text` as its chat template (checked to
+    parse now: a ChatTemplateError names `source`)."""
+    out = copy.copy(self)
+    out._chat_template = ChatTemplate(text, source).check()
+    return out
 
   @property
   def chat_template_source(self) -> str | None:

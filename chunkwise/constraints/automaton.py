@@ -13,7 +13,9 @@ second; it never imports chunkwise.
 
 What it computes (see `tables.py` for the layout): outlines-core's `Index`
 walks every vocabulary token through the regex's DFA from every state and
-keeps the tokens that do not die. Its states are renumbered densely (the
+keeps the tokens that do not die (the regex followed by an end mark, so
+that none is lost: `_marked_index`). States that reach no final state and
+states nothing reaches are dropped, the rest renumbered densely (the
 initial one is 0), its single-EOS self-loops are replaced by *every* stop
 id in final states only, and tokens whose next-state columns agree in
 every state are merged into classes (found by hashing each column with
@@ -85,16 +87,13 @@ def build(
   max_table_mb: float,
 ) -> dict:
   """The regex and, with a `vocab`, its tables as NumPy arrays."""
-  import outlines_core
 
   start = time.perf_counter()
   regex = regex_of(kind, text)
   if vocab is None:
     return {"regex": regex}
   try:
-    index = outlines_core.Index(
-      regex, outlines_core.Vocabulary(stops[0], vocab)
-    )
+    index, transitions, finals = _marked_index(regex, vocab, stops, width)
   except ValueError as e:
     message = str(e)
     if "incompatible" in message or "no transitions" in message.lower():
@@ -115,18 +114,58 @@ def build(
       f"limit of max_table_mb={max_table_mb:g}; simplify it (e.g. a "
       "smaller maxLength) or raise the limit"
     )
-  out = tables(
-    index.get_transitions(),
-    index.get_initial_state(),
-    set(index.get_final_states()),
-    stops,
-    width,
-  )
+  out = tables(transitions, index.get_initial_state(), finals, stops, width)
   if not out["final"][0] and not out["next_state"][0].max(initial=-1) >= 0:
     raise UserError(
       f"the constraint {short(regex)} matches no text this vocabulary can spell"
     )
   return {**out, "regex": regex, "build_s": time.perf_counter() - start}
+
+
+# Characters that end a regex's text in `_marked_index` (noncharacters:
+# no tokenizer spells them; the first no token contains is taken).
+END_MARKS = ("\U0010fffe", "\U0010ffff", "\U000ffffe")
+
+
+def _marked_index(regex, vocab, stops, width):
+  """(index, transitions, final states) of `regex` over `vocab`.
+
+  outlines-core's Index drops a token whose bytes pass through an
+  accepting position into a non-accepting one ("a(bc)?": after "a", the
+  token "b"; "(text)|(calls)": at the start, "<"), since its DFA reports
+  a match one byte late. So the regex is compiled followed by an end mark
+  (a noncharacter, as one more token past every id): no position before
+  the mark accepts, so no token is dropped, and the final states are
+  those the mark takes to an end (inside a string of a schema it is just
+  a character: it goes on, not to an end). The mark's transitions are
+  removed; what only the mark led to (the state after it, or a byte
+  vocabulary's walk through its bytes) reaches no final state and is
+  pruned by `tables`. A regex that accepts nothing before a mark (one
+  ending in "$") is compiled as it is."""
+  import outlines_core
+
+  mark = next(
+    (m for m in END_MARKS if not any(m.encode() in t for t in vocab)), None
+  )
+  if mark is not None:
+    ids = (width, max(stops) + 1, *(1 + max(v) for v in vocab.values()))
+    mark_id = max(ids)
+    entries = {**vocab, mark.encode(): [mark_id]}
+    try:
+      index = outlines_core.Index(
+        f"(?:{regex}){mark}", outlines_core.Vocabulary(stops[0], entries)
+      )
+    except ValueError:  # the plain index below says why
+      index = None
+    if index is not None:
+      transitions, ends = index.get_transitions(), set(index.get_final_states())
+      finals = {s for s, r in transitions.items() if r.get(mark_id) in ends}
+      if finals:
+        for s in finals:
+          del transitions[s][mark_id]
+        return index, transitions, finals
+  index = outlines_core.Index(regex, outlines_core.Vocabulary(stops[0], vocab))
+  return index, index.get_transitions(), set(index.get_final_states())
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
@@ -176,6 +215,17 @@ def tables(transitions, initial, finals, stops, width) -> dict:
   src, tok, dst = src[keep], tok[keep], dst[keep]
   final = np.zeros(n, bool)
   final[dense(np.array(sorted(finals), np.int64))] = True
+  # Tokens into states that reach no final state are dropped (a walk
+  # there could never end), then the states no walk reaches.
+  keep = _closure(dst, src, final)[dst]
+  src, tok, dst = src[keep], tok[keep], dst[keep]
+  start = np.zeros(n, bool)
+  start[0] = True
+  live = _closure(src, dst, start)
+  keep = live[src]
+  renumber = np.cumsum(live) - 1
+  src, tok, dst = renumber[src[keep]], tok[keep], renumber[dst[keep]]
+  final, n = final[live], int(live.sum())
   f = np.flatnonzero(final)
   stop_arr = np.asarray(stops, np.int64)
   stop_arr = stop_arr[stop_arr < width]
@@ -198,6 +248,21 @@ def tables(transitions, initial, finals, stops, width) -> dict:
     "final": final,
     "distance": _distance(next_state, final),
   }
+
+
+def _closure(frm, to, seed) -> np.ndarray:
+  """`seed` and every state a transition `frm` -> `to` leads to from it,
+  repeatedly (swap `frm` and `to` for the states that lead to `seed`)."""
+  n = seed.size
+  pairs = np.unique(frm * n + to)
+  pf, pt = np.divmod(pairs, n)
+  reached = seed.copy()
+  while True:
+    more = reached.copy()
+    more[pt[reached[pf]]] = True
+    if np.array_equal(more, reached):
+      return reached
+    reached = more
 
 
 def mask_bits(src, tok, n_states: int, width: int) -> np.ndarray:

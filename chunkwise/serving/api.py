@@ -60,13 +60,27 @@ class Context:
   max_stop_sequences: int = 8
   max_n: int = 8
   created: int = 0
+  # A chat template (Jinja text) in place of the model's own (--chat_template)
+  chat_template: str | None = None
+  chat_template_source: str = "--chat_template"
 
   def __post_init__(self):
     self._bytes = token_bytes(self.model.vocab)
+    vocab = self.model.vocab
+    if self.chat_template is not None:
+      vocab = vocab.with_chat_template(
+        self.chat_template, self.chat_template_source
+      )
+    self._chat_vocab = vocab
 
   @property
   def model(self):
     return self.engine.model
+
+  @property
+  def chat_vocab(self):
+    """The model's vocabulary with the chat template the server renders."""
+    return self._chat_vocab
 
   def text_of(self, token: int) -> str:
     """A token's own spelling (an alternative's text)."""

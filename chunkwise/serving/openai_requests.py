@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api, tools
+from chunkwise.serving import api, tool_formats, tools
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.stream import (
   Generation,
@@ -284,16 +284,21 @@ def _content(message: dict, i: int) -> dict:
   return {**message, "content": content or ""}
 
 
-def chat_prompt(ctx: Context, messages: list[dict]) -> list[int]:
-  """The chat template's text for `messages`, tokenized (BOS first)."""
-  vocab = ctx.model.vocab
+def chat_prompt(
+  ctx: Context, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
+  """The chat template's text for `messages` (and `tools`, for a template
+  that renders them), tokenized (BOS first)."""
+  vocab = ctx.chat_vocab
   if not messages:
     raise _bad("messages must not be empty")
   if getattr(vocab, "chat_template", None) is None:
     raise _bad("this model has no chat template: use /v1/completions")
   messages = [_content(m, i) for i, m in enumerate(messages)]
   try:
-    text = vocab.apply_chat_template(messages, add_generation_prompt=True)
+    text = vocab.apply_chat_template(
+      messages, add_generation_prompt=True, tools=tools
+    )
   except ValueError as e:
     raise _bad(f"the chat template failed: {e}") from None
   ids = vocab.encode(text)
@@ -321,8 +326,10 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
       )
     ctx.top_n(b.top_logprobs, "top_logprobs", 400)
   shared = _sampling(b, ctx)
-  messages = b.messages
+  messages, specs = b.messages, None
   if plan is not None:
+    plan = plan.written(tool_formats.of(ctx.chat_vocab))
+    specs = plan.specs() if plan.fmt.native else None
     if shared["stop"]:
       raise _bad("stop strings with tools are not supported by this server")
     # text parts joined first (their indices as the client sent them)
@@ -332,7 +339,7 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
     except ValueError as e:
       raise _bad(f"messages: {e}") from None
     shared["constraint"] = plan.constraint(shared["constraint"])
-  ids = chat_prompt(ctx, messages)
+  ids = chat_prompt(ctx, messages, specs)
   asked = b.max_completion_tokens or b.max_tokens
   n = b.n or 1
   top = (b.top_logprobs or 0) if b.logprobs else 0

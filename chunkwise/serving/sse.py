@@ -97,7 +97,7 @@ async def openai_events(
   tasks = [asyncio.create_task(pump(i, s)) for i, s in streams.items()]
   held = {i: openai_api.Held(s.generation.stop) for i, s in streams.items()}
   calls = (
-    {i: tool_calls.Deltas(call.tools.mode) for i in streams}
+    {i: tool_calls.Deltas(call.tools.mode, call.tools.fmt) for i in streams}
     if call.tools
     else {}
   )

@@ -159,8 +159,9 @@ class ConstraintWalk:
   """The request's constraint automaton, walked on the host over the
   tokens it emits (as the device's processor walks it) to say which of
   them it forced, and whether budget forcing (the engine's, within
-  `steps`) removed a choice the constraint allowed at any of them:
-  `budget` (then the budget, not the model, ended the answer)."""
+  `steps`) removed a choice the constraint allowed at any of them before
+  the answer was a whole match: `budget` (then the budget, not the model,
+  ended the answer)."""
 
   def __init__(self, tables, steps: int = 0, stop_ids=()):
     self.tables, self.state = tables, 0
@@ -174,7 +175,10 @@ class ConstraintWalk:
       return None
     forced = self.tables.forced(self.state)
     remaining = self.steps - self.taken
-    if not self.budget and remaining <= self._window:
+    # Counted only where the answer is not yet whole: at a final state
+    # forcing just declines to start more than fits (a second call).
+    final = bool(self.tables.final[self.state])
+    if not self.budget and not final and remaining <= self._window:
       self.budget = self.tables.budget_narrows(
         self.state, remaining, self.stop_ids
       )

@@ -1,17 +1,17 @@
-"""Tool calls read back from an answer in the Hermes form (`tools`), whole
-or as they stream:
+"""Tool calls read back from an answer in a model's format (`tools`,
+`tool_formats`), whole or as they stream:
 
-  calls = read_calls(text)          # [ToolCall(id, name, arguments)]
-  deltas = Deltas(plan)             # per stream
+  calls = read_calls(text, fmt)     # [ToolCall(id, name, arguments)]
+  deltas = Deltas(mode, fmt)        # per stream
   for d in deltas(text_so_far, final): send({"delta": d, ...})
 
-The constraint made the answer exactly blocks of
+The constraint made the answer exactly the format's calls, e.g. Hermes'
 
   <tool_call>
   {"name": ..., "arguments": ...}
   </tool_call>
 
-so reading it is finding each block's JSON value with a JSON decoder (a
+so reading it is finding each call's JSON value with a JSON decoder (a
 string argument may itself contain "</tool_call>"), and each arguments
 value is kept as the exact text generated: a stream's fragments join to
 it byte for byte.
@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import secrets
 import string
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# A call's object up to its arguments (a format string of its name); "}"
-# closes it after them. Fixed: no optional spaces, the name first.
-HEAD = '{{"name": "{name}", "arguments": '
+from chunkwise.serving.tool_formats import Format
+
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -55,32 +52,29 @@ def new_call_id() -> str:
   return "call_" + "".join(secrets.choice(_ALNUM) for _ in range(24))
 
 
-def read_calls(text: str) -> list[ToolCall]:
-  """The calls of an answer in the Hermes form (the constraint made it
-  one: each call `HEAD`, its arguments, "}"), each arguments value as
-  the exact text generated. ValueError if `text` is not that."""
+def read_calls(text: str, fmt: Format) -> list[ToolCall]:
+  """The calls of an answer in `fmt` (the constraint made it one: the
+  start, each call's head, arguments and tail, joined by the separator,
+  the end), each arguments value as the exact text generated. ValueError
+  if `text` is not that."""
   decoder = json.JSONDecoder()
-  calls, at = [], 0
+  if not text.startswith(fmt.start):
+    raise ValueError(f"no start of calls in {text[:200]!r}")
+  calls, at, block = [], len(fmt.start), fmt.block
   while True:
-    m = _BLOCK.match(text, at)
+    m = block.match(text, at)
     if m is None:
       raise ValueError(f"no call at {at} in {text[:200]!r}")
     _, end = decoder.raw_decode(text, m.end())
-    if not text.startswith("}\n" + CLOSE, end):
+    if not text.startswith(fmt.tail, end):
       raise ValueError(f"no end of a call at {end} in {text[:200]!r}")
     calls.append(ToolCall(new_call_id(), m.group(1), text[m.end() : end]))
-    at = end + 2 + len(CLOSE)
-    if at >= len(text):
+    at = end + len(fmt.tail)
+    if text[at:] == fmt.end:
       return calls
-    at += 1  # the newline between blocks
-
-
-# A call's block up to its arguments value.
-_BLOCK = re.compile(
-  re.escape(OPEN + '\n{"name": "')
-  + "([A-Za-z0-9_-]+)"
-  + re.escape('", "arguments": ')
-)
+    if not fmt.sep or not text.startswith(fmt.sep, at):
+      raise ValueError(f"no separator at {at} in {text[:200]!r}")
+    at += len(fmt.sep)
 
 
 class Deltas:
@@ -88,11 +82,12 @@ class Deltas:
   text as `content`; each call's `index`, `id`, `type` and name once,
   then its arguments in fragments as they are generated (they join to
   `read_calls`' arguments, byte for byte). In `auto` an answer that may
-  still become a call ("<tool_ca") is held back until it is one or is
-  not."""
+  still become a call (a start of the format's marker, "<tool_ca") is
+  held back until it is one or is not."""
 
-  def __init__(self, mode: str):
-    """`mode`: the request's `tools.Plan.mode`."""
+  def __init__(self, mode: str, fmt: Format):
+    """`mode`: the request's `tools.Plan.mode`; `fmt`: its format."""
+    self.fmt = fmt
     self.calls = mode not in ("none", "auto")
     self.decided = mode != "auto"
     self.sent = 0  # characters of text handled
@@ -102,10 +97,11 @@ class Deltas:
 
   def __call__(self, text: str, final: bool) -> list[dict]:
     """The deltas for `text` (the answer so far; `final`: all of it)."""
+    marker = self.fmt.marker
     if not self.decided:
-      if text.startswith(OPEN):
+      if text.startswith(marker):
         self.decided = self.calls = True
-      elif final or not OPEN.startswith(text[: len(OPEN)]):
+      elif final or not marker.startswith(text[: len(marker)]):
         self.decided = True
       else:
         return []
@@ -118,10 +114,7 @@ class Deltas:
     out = []
     while True:
       if self._scan is None:  # before a call's arguments
-        start = text.find(OPEN + "\n", self.sent)
-        if start < 0:
-          return out
-        m = _BLOCK.match(text, start)
+        m = self.fmt.block.search(text, self.sent)
         if m is None:
           return out
         self.index += 1

@@ -2,12 +2,17 @@
 take, the tools' text in the prompt, and the calls read back.
 
   plan = tools.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
+  plan = plan.written(tool_formats.of(vocab))   # the template's format
   constraint = plan.constraint(answer)   # answer: response_format's or None
-  messages = plan.messages(messages)     # tool text, past calls, results
+  messages = plan.messages(messages)     # past calls and results
+  specs = plan.specs()                   # `tools` for a native template
   content, calls = plan.read(text)       # the calls (`tool_calls`)
 
-Calls take the Hermes form, one block per call (the fallback for chat
-templates that do not render tools, SmolLM2's ChatML among them):
+Calls take the format the model's chat template asks for (`tool_formats`:
+Hermes blocks, Llama 3's JSON, Mistral's [TOOL_CALLS]); the template then
+renders the tools and past calls itself. A template that does not render
+tools (SmolLM2's ChatML among them) gets the fallback: the tools described
+in the system turn, calls in the Hermes form, past calls as their blocks:
 
   <tool_call>
   {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -16,7 +21,8 @@ templates that do not render tools, SmolLM2's ChatML among them):
 Each mode is one regular language, enforced by the constraint automaton
 while decoding (never parsed after the fact):
 
-  none      text without "<tool_call>" (or the response_format's JSON)
+  none      text without the format's marker, "<tool_call>" (or the
+            response_format's JSON)
   named     exactly one call of that function
   required  one call, or several with parallel_tool_calls (the default)
   auto      the text of `none`, or the calls of `required`
@@ -24,7 +30,7 @@ while decoding (never parsed after the fact):
 A call's object is {"name": <one of the tools>, "arguments": <that tool's
 parameters schema>}, compiled by the JSON-schema path, so every call is
 valid JSON valid against its schema, sampled or greedy, whatever the
-model. `read` finds each block's JSON value with a JSON decoder (a string
+model. `read` finds each call's JSON value with a JSON decoder (a string
 argument may itself contain "</tool_call>"), and keeps each arguments
 value as the exact text generated, which streams send in pieces.
 """
@@ -38,14 +44,10 @@ import re
 from typing import Any
 
 from chunkwise import constraints
+from chunkwise.serving import tool_formats
 from chunkwise.serving.api import ApiError, digit_bounded
-from chunkwise.serving.tool_calls import (
-  CLOSE,
-  HEAD,
-  OPEN,
-  ToolCall,
-  read_calls,
-)
+from chunkwise.serving.tool_calls import ToolCall, read_calls
+from chunkwise.serving.tool_formats import Format
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MODES = ("none", "auto", "required")
@@ -98,10 +100,15 @@ class Plan:
   mode: str  # "none", "auto", "required" or "named"
   allowed: tuple[str, ...]  # the tools the answer may call
   parallel: bool
+  fmt: Format = tool_formats.FALLBACK  # how the model writes calls
 
   @property
   def named(self) -> str | None:
     return self.allowed[0] if self.mode == "named" else None
+
+  def written(self, fmt: Format) -> Plan:
+    """This plan with calls written in `fmt` (the model's format)."""
+    return dataclasses.replace(self, fmt=fmt)
 
   # -- the language ----------------------------------------------------
 
@@ -117,17 +124,18 @@ class Plan:
       raise _bad(f"tool {tool.name!r}: parameters: {e}") from None
 
   def calls_regex(self) -> str:
-    """Calls: each a fixed frame (`HEAD`, then its tool's arguments, then
-    "}") in its block; several with `parallel` (not for a named choice)."""
-    by_name = {t.name: t for t in self.tools}
+    """Calls in the format: each its fixed head (open, name, key), its
+    tool's arguments and its fixed tail; several with `parallel` (not for
+    a named choice, nor where the template takes one call only)."""
+    f, by_name = self.fmt, {t.name: t for t in self.tools}
     frames = "|".join(
-      f"{literal(HEAD.format(name=name))}({self._arguments(by_name[name])})"
+      f"{literal(f.head(name))}({self._arguments(by_name[name])})"
       for name in self.allowed
     )
-    one = f"{re.escape(OPEN)}\\n({frames})\\}}\\n{re.escape(CLOSE)}"
-    if self.parallel and self.mode != "named":
-      return f"{one}(\\n{one})*"
-    return one
+    one = f"({frames}){literal(f.tail)}"
+    if self.parallel and self.mode != "named" and f.parallel:
+      one = f"{one}({literal(f.sep)}{one})*"
+    return f"{literal(f.start)}{one}{literal(f.end)}"
 
   def constraint(self, answer=None):
     """The constraint of the whole answer (`answer`: response_format's
@@ -139,7 +147,8 @@ class Plan:
         "(response_format) but not a regex or a choice"
       )
     try:
-      text = answer.regex() if answer is not None else without(OPEN)
+      marker = self.fmt.marker
+      text = answer.regex() if answer is not None else without(marker)
       if self.mode == "none":
         return constraints.Regex(text)
       calls = self.calls_regex()
@@ -151,32 +160,37 @@ class Plan:
 
   # -- the prompt ------------------------------------------------------
 
+  def specs(self) -> list[dict]:
+    """The tools as chat templates take them (`tools=`)."""
+    return [
+      {
+        "type": "function",
+        "function": {
+          "name": t.name,
+          "description": t.description,
+          "parameters": t.parameters,
+        },
+      }
+      for t in self.tools
+    ]
+
   def system_text(self) -> str:
     """The tools, described for a model whose template has no tools."""
-    specs = "\n".join(
-      json.dumps(
-        {
-          "type": "function",
-          "function": {
-            "name": t.name,
-            "description": t.description,
-            "parameters": t.parameters,
-          },
-        }
-      )
-      for t in self.tools
-    )
+    specs = "\n".join(json.dumps(s) for s in self.specs())
     return (
       "You can call these functions (JSON schemas of their arguments):\n"
       f"<tools>\n{specs}\n</tools>\n"
       "To call one, answer with its name and arguments as a JSON object "
-      "in tags, one block per call:\n"
-      f'{OPEN}\n{{"name": "function_name", "arguments": {{...}}}}\n{CLOSE}'
+      "in tags, one block per call:\n" + self.fmt.instructions()
     )
 
   def messages(self, messages: list[dict]) -> list[dict]:
-    """`messages` for a template without tools: the tools in the system
-    turn, past calls as their blocks, results as `tool` turns."""
+    """`messages` for the template: for a native format past calls with
+    their arguments as objects (`native_turn`; the tools go as `specs`);
+    for the fallback the tools in the system turn, past calls as their
+    blocks, results as `tool` turns (`render_turn`)."""
+    if self.fmt.native:
+      return [native_turn(m, self.fmt) for m in messages]
     out = [dict(m) for m in messages]
     if out and out[0].get("role") == "system":
       first = out[0].get("content") or ""
@@ -190,18 +204,20 @@ class Plan:
   def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished answer: the calls when it made
     them (content None), else its text."""
-    if self.mode == "none" or not text.startswith(OPEN):
+    if self.mode == "none" or not text.startswith(self.fmt.marker):
       return text, []
     try:
-      return None, read_calls(text)
+      return None, read_calls(text, self.fmt)
     except ValueError:  # not the calls' language (the constraint's is)
       return text, []
 
 
 def literal(text: str) -> str:
   """`text` as a regex of itself, escaping only the metacharacters (the
-  constraint's regex engine refuses escapes of letters and spaces)."""
-  return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)
+  constraint's regex engine refuses escapes of letters and spaces); a
+  newline as "\\n"."""
+  escaped = re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text)
+  return escaped.replace("\n", "\\n")
 
 
 def without(word: str) -> str:
@@ -221,25 +237,55 @@ def without(word: str) -> str:
   return f"([^{f}]|({f}({partial})?)*{f}({broken}))*"
 
 
+def _arguments_object(call: Any) -> tuple[str, Any]:
+  """A past call's (name, arguments), the arguments as an object where
+  they are a JSON string (templates expect objects)."""
+  f = call.get("function") if isinstance(call, dict) else None
+  if not isinstance(f, dict):
+    raise ValueError(f"a tool call {call!r:.80} has no function object")
+  args = f.get("arguments") or "{}"
+  if isinstance(args, str):
+    with contextlib.suppress(json.JSONDecodeError):
+      args = json.loads(args)
+  return f.get("name"), args
+
+
 def render_turn(m: dict) -> dict:
-  """An assistant turn's tool calls as the blocks the model writes, a
-  tool result as its text (content None: empty)."""
+  """For the fallback: an assistant turn's tool calls as the blocks the
+  model writes, a tool result as its text (content None: empty)."""
+  fmt = tool_formats.FALLBACK
   content = m.get("content") or ""
   if m.get("role") == "assistant" and m.get("tool_calls"):
     blocks = []
     for c in m["tool_calls"]:
-      f = c.get("function") if isinstance(c, dict) else None
-      if not isinstance(f, dict):
-        raise ValueError(f"a tool call {c!r:.80} has no function object")
-      args = f.get("arguments") or "{}"
-      if isinstance(args, str):  # templates expect an object
-        with contextlib.suppress(json.JSONDecodeError):
-          args = json.loads(args)
-      body = json.dumps({"name": f.get("name"), "arguments": args})
-      blocks.append(f"{OPEN}\n{body}\n{CLOSE}")
+      name, args = _arguments_object(c)
+      body = json.dumps({"name": name, "arguments": args})
+      blocks.append(f"{fmt.open}{body}{fmt.close}")
     content = "\n".join([content, *blocks]).lstrip("\n")
   out = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
   out["content"] = content
+  return out
+
+
+def native_turn(m: dict, fmt: Format) -> dict:
+  """For a template that renders tools: past calls with their arguments
+  as objects and ids as `fmt` wants them (Mistral's 9 characters), the
+  results' `tool_call_id` likewise, content None as empty."""
+  out = {**m, "content": m.get("content") or ""}
+  if m.get("role") == "assistant" and m.get("tool_calls"):
+    calls = []
+    for c in m["tool_calls"]:
+      name, args = _arguments_object(c)
+      calls.append(
+        {
+          "id": fmt.call_id(str(c.get("id") or "")),
+          "type": "function",
+          "function": {"name": name, "arguments": args},
+        }
+      )
+    out["tool_calls"] = calls
+  if m.get("role") == "tool" and m.get("tool_call_id") is not None:
+    out["tool_call_id"] = fmt.call_id(str(m["tool_call_id"]))
   return out
 
 
