@@ -40,6 +40,13 @@ class ApiError(Exception):
     self.status, self.message, self.kind = status, message, kind
 
 
+def documented(default: Any = None, **schema: Any) -> Any:
+  """A request model's field whose JSON schema (the OpenAPI document,
+  `openapi.py`) also holds `schema`'s keywords: the bounds its route
+  enforces with messages of its own (validation is unchanged)."""
+  return pydantic.Field(default, json_schema_extra=schema)
+
+
 def pydantic_message(e: pydantic.ValidationError) -> str:
   """One line naming each bad field and what was expected."""
   parts = []
