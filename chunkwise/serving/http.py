@@ -28,6 +28,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ log = logging.getLogger("chunkwise.serving")
 
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uXXXX escape of one
 _SSE_HEADERS = {
   "Content-Type": "text/event-stream",
   "Cache-Control": "no-cache",
@@ -185,6 +187,8 @@ class Server:
       )
     if not isinstance(body, dict):
       raise ApiError(status, "the body must be a JSON object")
+    if _SURROGATE.search(raw) and (where := api.unpaired_surrogate(body)):
+      raise ApiError(status, f"{where} holds an unpaired surrogate: not text")
     return body
 
   def _prepare(self, g: Generation, status: int):
