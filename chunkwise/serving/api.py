@@ -40,6 +40,34 @@ class ApiError(Exception):
     self.status, self.message, self.kind = status, message, kind
 
 
+def documented(default: Any = None, **schema: Any) -> Any:
+  """A request model's field whose JSON schema (the OpenAPI document,
+  `openapi.py`) also holds `schema`'s keywords: the bounds its route
+  enforces with messages of its own (validation is unchanged)."""
+  return pydantic.Field(default, json_schema_extra=schema)
+
+
+def unpaired_surrogate(value: Any) -> str | None:
+  """Where a parsed JSON body holds text with an unpaired surrogate
+  ("\\udc80": JSON can spell it, UTF-8 cannot, and no tokenizer encodes
+  it), as `messages[0].content`; None if nowhere."""
+  todo: list[tuple[Any, str]] = [(value, "")]
+  while todo:
+    v, where = todo.pop()
+    if isinstance(v, str):
+      try:
+        v.encode("utf-8")
+      except UnicodeEncodeError:
+        return where or "the body"
+    elif isinstance(v, dict):
+      for k, x in v.items():
+        todo.append((k, f"a key of {where or 'the body'}"))
+        todo.append((x, f"{where}.{k}" if where else k))
+    elif isinstance(v, list):
+      todo += [(x, f"{where}[{i}]") for i, x in enumerate(v)]
+  return None
+
+
 def pydantic_message(e: pydantic.ValidationError) -> str:
   """One line naming each bad field and what was expected."""
   parts = []

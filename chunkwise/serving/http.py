@@ -5,7 +5,8 @@
 
 Routes (../shared/SERVING.md): `POST /`, `/generate`, `/generate_stream`
 (native); `/v1/completions`, `/v1/chat/completions`, `GET /v1/models[/id]`
-(OpenAI); `GET /`, `/health`, `/info`, `/metrics`; the token explorer
+(OpenAI); `GET /`, `/health`, `/info`, `/metrics`, `/openapi.json`
+(`openapi`: generated from the request models); the token explorer
 page at `GET /explore` (`explore`).
 
 Each request is parsed and validated, its constraint compiled and (when
@@ -14,10 +15,10 @@ a stream's tokens are written as the engine hands them over (SSE, one
 event per token, flushed). A client that goes away cancels its request
 (aiohttp cancels the handler; the engine frees the slot at the next
 segment). Errors are JSON in each API's shape, the framework's own 404 /
-405 / 413 included. With an API key every route but the health checks
-and the explorer's own files (they hold no data) needs `Authorization:
-Bearer <key>`. SIGTERM stops admitting (503), lets running requests
-finish within a grace period, and exits.
+405 / 413 included. With an API key every route but the health checks,
+the OpenAPI document and the explorer's own files (they hold no data)
+needs `Authorization: Bearer <key>`. SIGTERM stops admitting (503),
+lets running requests finish within a grace period, and exits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,7 @@ from chunkwise.serving import (
   native,
   openai_api,
   openai_requests,
+  openapi,
   sse,
 )
 from chunkwise.serving.api import ApiError, Context, dumps
@@ -54,6 +57,7 @@ log = logging.getLogger("chunkwise.serving")
 
 MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uXXXX escape of one
 _SSE_HEADERS = {
   "Content-Type": "text/event-stream",
   "Cache-Control": "no-cache",
@@ -116,10 +120,12 @@ def _error_response(path: str, e: ApiError) -> web.Response:
 
 
 def _public(request: web.Request) -> bool:
-  """Whether `request` needs no API key: reading the health checks and the
-  explorer page's files (`POST /` generates: it needs the key)."""
+  """Whether `request` needs no API key: reading the health checks, the
+  OpenAPI document and the explorer page's files (`POST /` generates: it
+  needs the key)."""
   return request.method in ("GET", "HEAD") and (
-    request.path in ("/", "/health") or explore.public(request.path)
+    request.path in ("/", "/health", "/openapi.json")
+    or explore.public(request.path)
   )
 
 
@@ -155,6 +161,7 @@ class Server:
       workers, thread_name_prefix="chunkwise-http"
     )
     self.draining = False
+    self._openapi: bytes | None = None
 
   # -- helpers ---------------------------------------------------------------
 
@@ -180,6 +187,8 @@ class Server:
       )
     if not isinstance(body, dict):
       raise ApiError(status, "the body must be a JSON object")
+    if _SURROGATE.search(raw) and (where := api.unpaired_surrogate(body)):
+      raise ApiError(status, f"{where} holds an unpaired surrogate: not text")
     return body
 
   def _prepare(self, g: Generation, status: int):
@@ -313,6 +322,13 @@ class Server:
       headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 
+  async def openapi_route(self, request: web.Request) -> web.Response:
+    if self._openapi is None:  # generated once, on first use
+      names = [self.ctx.model_id, *self.ctx.adapters]
+      doc = openapi.document(models=names, auth=self.api_key is not None)
+      self._openapi = dumps(doc)
+    return web.Response(body=self._openapi, content_type="application/json")
+
   # -- native ------------------------------------------------------------------
 
   async def native_root(self, request: web.Request):
@@ -409,6 +425,7 @@ class Server:
         web.get("/health", self.health),
         web.get("/info", self.info),
         web.get("/metrics", self.metrics_route),
+        web.get("/openapi.json", self.openapi_route),
         web.get("/v1/models", self.models),
         web.get("/v1/models/{name:.+}", self.model),
         web.post("/", self.native_root),

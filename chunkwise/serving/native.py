@@ -26,39 +26,41 @@ class Parameters(BaseModel):
   model_config = ConfigDict(extra="ignore")
 
   adapter_id: str | None = None
-  adapter_source: str | None = None
+  adapter_source: str | None = api.documented(
+    enum=["local", "hub", "s3", "pbase", None]
+  )
   merged_adapters: dict | None = None
   api_token: str | None = None
   do_sample: bool | None = None
-  max_new_tokens: int | None = None
+  max_new_tokens: int | None = api.documented(minimum=1)
   ignore_eos_token: bool | None = None
-  repetition_penalty: float | None = None
-  frequency_penalty: float | None = None
+  repetition_penalty: float | None = api.documented(exclusiveMinimum=0)
+  frequency_penalty: float | None = api.documented(exclusiveMinimum=0)
   return_full_text: bool | None = None
-  stop: list[str] | None = None
-  seed: int | None = None
-  temperature: float | None = None
-  top_k: int | None = None
-  top_p: float | None = None
+  stop: list[str] | None = api.documented(items={"minLength": 1})
+  seed: int | None = api.documented(minimum=0, maximum=2**32 - 1)
+  temperature: float | None = api.documented(minimum=0)
+  top_k: int | None = api.documented(exclusiveMinimum=0)
+  top_p: float | None = api.documented(exclusiveMinimum=0, exclusiveMaximum=1)
   typical_p: float | None = None
-  truncate: int | None = None
-  best_of: int | None = None
+  truncate: int | None = api.documented(exclusiveMinimum=0)
+  best_of: int | None = api.documented(maximum=1)
   watermark: bool | None = None
   details: bool | None = None
   decoder_input_details: bool | None = None
-  return_k_alternatives: int | None = None
-  top_n_tokens: int | None = None
+  return_k_alternatives: int | None = api.documented(minimum=0)
+  top_n_tokens: int | None = api.documented(minimum=0)
   response_format: dict | None = None
   grammar: dict | None = None
   # chunkwise's extension: which sample of (inputs, seed) this is (the RNG
   # contract's sample id; batch jobs number their samples so)
-  sample_id: int | None = None
+  sample_id: int | None = api.documented(minimum=0, maximum=2**31 - 1)
 
 
 class Body(BaseModel):
   model_config = ConfigDict(extra="ignore")
 
-  inputs: str
+  inputs: str = api.documented(..., minLength=1, examples=["Hello"])
   parameters: Parameters | None = None
   stream: bool | None = None
 

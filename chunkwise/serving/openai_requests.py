@@ -27,25 +27,31 @@ from chunkwise.serving.stream import (
 MAX_LOGPROBS = 20
 
 
+def _penalty() -> Any:
+  return api.documented(minimum=-2, maximum=2)
+
+
 class _Common(BaseModel):
   model_config = ConfigDict(extra="ignore")
 
   model: str
-  n: int | None = None
-  temperature: float | None = None
-  top_p: float | None = None
+  n: int | None = api.documented(minimum=1)
+  temperature: float | None = api.documented(minimum=0, maximum=2)
+  top_p: float | None = api.documented(exclusiveMinimum=0, maximum=1)
   stream: bool | None = None
   stream_options: dict | None = None
-  stop: str | list[str] | None = None
-  seed: int | None = None
-  presence_penalty: float | None = None
-  frequency_penalty: float | None = None
+  stop: str | list[str] | None = api.documented(
+    minLength=1, items={"minLength": 1}
+  )
+  seed: int | None = api.documented(minimum=0, maximum=2**32 - 1)
+  presence_penalty: float | None = _penalty()
+  frequency_penalty: float | None = _penalty()
   logit_bias: dict | None = None
   user: str | None = None
   # vLLM / LoRAX extensions (extra_body)
-  top_k: int | None = None
-  min_p: float | None = None
-  repetition_penalty: float | None = None
+  top_k: int | None = api.documented(minimum=-1)
+  min_p: float | None = api.documented(minimum=0, maximum=1)
+  repetition_penalty: float | None = api.documented(exclusiveMinimum=0)
   ignore_eos: bool | None = None
   response_format: dict | None = None
   structured_outputs: dict | None = None
@@ -56,21 +62,25 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-  prompt: str | list[str]
-  max_tokens: int | None = 16
+  prompt: str | list[str] = api.documented(
+    ..., minLength=1, minItems=1, items={"minLength": 1}, examples=["Hello"]
+  )
+  max_tokens: int | None = api.documented(16, minimum=0)
   best_of: int | None = None
-  logprobs: int | None = None
+  logprobs: int | None = api.documented(minimum=0, maximum=MAX_LOGPROBS)
   echo: bool | None = None
   suffix: str | None = None
   prompt_logprobs: int | None = None
 
 
 class ChatBody(_Common):
-  messages: list[dict]
-  max_tokens: int | None = None
-  max_completion_tokens: int | None = None
+  messages: list[dict] = api.documented(
+    ..., minItems=1, examples=[[{"role": "user", "content": "Hello"}]]
+  )
+  max_tokens: int | None = api.documented(minimum=1)
+  max_completion_tokens: int | None = api.documented(minimum=1)
   logprobs: bool | None = None
-  top_logprobs: int | None = None
+  top_logprobs: int | None = api.documented(minimum=0, maximum=MAX_LOGPROBS)
   tools: list | None = None
   tool_choice: Any = None
   parallel_tool_calls: Any = None
