@@ -279,6 +279,31 @@ def test_an_openai_agents_run_completes(client):
   assert result.final_output == f"18 degrees and sunny in {calls[0]}"
 
 
+def test_tgis_own_client_calls_tools(client):
+  """`text_generation.Client.chat` (TGI's client: model "tgi", a tool's
+  name alone as `tool_choice`, unstreamed) gets valid calls."""
+  import text_generation
+  from text_generation.types import Message, Tool
+
+  tgi = text_generation.Client(str(client.base_url).removesuffix("/v1/"))
+  tgi.timeout = 120
+  for choice, allowed in (("get_time", ("get_time",)), ("required", SCHEMAS)):
+    out = tgi.chat(
+      [Message(role="user", content=ASK[0]["content"])],
+      tools=[Tool(**t) for t in TOOLS],
+      tool_choice=choice,
+      max_tokens=80,
+      seed=1,
+      temperature=1.0,
+    )
+    message = out.choices[0].message
+    assert message.content is None and message.tool_calls
+    for c in message.tool_calls:
+      name = c["function"]["name"]
+      assert name in allowed
+      jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[name])
+
+
 # -- a template that renders tools: the model's own format ---------------------
 
 QWEN_TEMPLATE = __file__.replace(

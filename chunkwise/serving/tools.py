@@ -314,12 +314,14 @@ def _choice(choice: Any, names: list[str]) -> tuple[str, tuple[str, ...]]:
   if choice is None:
     return "auto", tuple(names)
   if isinstance(choice, str):
-    if choice not in MODES:
-      raise _bad(
-        f"tool_choice must be one of {', '.join(MODES)} or a function, got "
-        f"{choice!r:.60}"
-      )
-    return choice, tuple(names)
+    if choice in MODES:
+      return choice, tuple(names)
+    if choice in names:  # TGI's form: a tool's name alone
+      return "named", (choice,)
+    raise _bad(
+      f"tool_choice must be one of {', '.join(MODES)}, a function or a "
+      f"tool's name, got {choice!r:.60}"
+    )
   if not isinstance(choice, dict):
     raise _bad(f"tool_choice must be a string or an object, got {choice!r:.60}")
   if choice.get("type") == "function":
