@@ -46,6 +46,9 @@ _COLD = flags.DEFINE_integer("compile_runs", 3, "Cold and cached waits.", 1)
 _PROMPTS = flags.DEFINE_integer(
   "prompts", 4, "How many of the fixed prompts to send (at most 4).", 1, 4
 )
+_MODES = flags.DEFINE_list(
+  "modes", ["required", "auto", "unconstrained"], "Which modes to run."
+)
 _OUTPUT = flags.DEFINE_string("output", "", "JSON results ('': none).")
 
 
@@ -126,6 +129,7 @@ PROMPTS = [
   "Find me gardening books under 30 dollars.",
   "What is the weather in Tokyo, and find toys for a 5 year old.",
 ]
+_COUNTS = ("calls", "valid", "loose_calls", "loose_valid")
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
@@ -158,6 +162,23 @@ def parsed_after(text: str) -> list[bool]:
   return out + [False] * (starts - len(out))
 
 
+def written_anywhere(text: str) -> list[bool]:
+  """A lenient reading of free text: every JSON object in it with a
+  "name" (tags or none, "arguments" or "parameters"); valid or not."""
+  decoder, out, at = json.JSONDecoder(), [], text.find("{")
+  while at >= 0:
+    try:
+      call, end = decoder.raw_decode(text, at)
+    except json.JSONDecodeError:
+      at = text.find("{", at + 1)
+      continue
+    if isinstance(call, dict) and isinstance(call.get("name"), str):
+      args = call.get("arguments", call.get("parameters", {}))
+      out.append(valid(call["name"], args))
+    at = text.find("{", end)
+  return out
+
+
 def one(client, mode: str, prompt: str, seed: int) -> dict:
   messages = [{"role": "user", "content": prompt}]
   kw = dict(
@@ -169,7 +190,9 @@ def one(client, mode: str, prompt: str, seed: int) -> dict:
   if mode == "unconstrained":
     plan = tool_plans.parse(TOOLS, None, None)
     c = client.chat.completions.create(messages=plan.messages(messages), **kw)
-    calls = parsed_after(c.choices[0].message.content or "")
+    text = c.choices[0].message.content or ""
+    calls = parsed_after(text)
+    loose = written_anywhere(text)
   else:
     c = client.chat.completions.create(
       messages=messages, tools=TOOLS, tool_choice=mode, **kw
@@ -178,12 +201,18 @@ def one(client, mode: str, prompt: str, seed: int) -> dict:
       valid(t.function.name, t.function.arguments)
       for t in c.choices[0].message.tool_calls or []
     ]
+    text = c.choices[0].message.content or ""
+    loose = calls
   return {
     "mode": mode,
     "seed": seed,
+    "prompt": prompt,
     "calls": len(calls),
     "valid": sum(calls),
+    "loose_calls": len(loose),
+    "loose_valid": sum(loose),
     "finish_reason": c.choices[0].finish_reason,
+    "text": text,
   }
 
 
@@ -248,7 +277,7 @@ def main(argv):
     cached = [first_token_s(client, "_0") for _ in range(_COLD.value)]
     jobs = [
       (mode, prompt, seed)
-      for mode in ("required", "auto", "unconstrained")
+      for mode in _MODES.value
       for prompt in PROMPTS[: _PROMPTS.value]
       for seed in range(_SEEDS.value)
     ]
@@ -264,18 +293,20 @@ def main(argv):
   )
   print(
     f"{'mode':>14} {'answers':>8} {'no call':>8} {'calls':>6} "
-    f"{'valid':>6} {'valid %':>8}"
+    f"{'valid':>6} {'valid %':>8}   any JSON object with a name: "
+    "objects, valid"
   )
   summary = {}
-  for mode in ("required", "auto", "unconstrained"):
+  for mode in _MODES.value:
     mine = [r for r in rows if r["mode"] == mode]
-    calls = sum(r["calls"] for r in mine)
-    ok = sum(r["valid"] for r in mine)
+    count = {k: sum(r[k] for r in mine) for k in _COUNTS}
     none = sum(r["calls"] == 0 for r in mine)
+    calls, ok = count["calls"], count["valid"]
     share = 100 * ok / calls if calls else float("nan")
-    summary[mode] = dict(answers=len(mine), no_call=none, calls=calls, valid=ok)
+    summary[mode] = dict(answers=len(mine), no_call=none, **count)
     print(
-      f"{mode:>14} {len(mine):>8} {none:>8} {calls:>6} {ok:>6} {share:>7.1f}%"
+      f"{mode:>14} {len(mine):>8} {none:>8} {calls:>6} {ok:>6} "
+      f"{share:>7.1f}%   {count['loose_calls']}, {count['loose_valid']}"
     )
   print(
     f"first token, tools compiled cold: median "
