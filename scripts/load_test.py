@@ -30,10 +30,8 @@ and time, then stops the server (SIGTERM) and checks it exits 0.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -43,7 +41,9 @@ from absl import app, flags
 import chunkwise as cw
 from chunkwise import jobs, serving
 from chunkwise.bench import continuous as bench_continuous
+from chunkwise.bench import load
 from chunkwise.inference import slot_capacity
+from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.serving_helpers import ROOT, Server
@@ -91,14 +91,14 @@ _DISCONNECT = flags.DEFINE_float(
 _TIMEOUT = flags.DEFINE_integer(
   "timeout", 900, "Most seconds of one rate run before it is abandoned."
 )
+_KV_DTYPE = flags.DEFINE_enum(
+  "kv_dtype",
+  "float32",
+  list(KV_DTYPES),
+  "How the server's K/V caches are stored (its --kv_dtype; generate_many "
+  "runs with the same).",
+)
 _OUTPUT = flags.DEFINE_string("output", "load_test.json", "JSON results.")
-
-
-def _pct(values) -> dict:
-  if not len(values):
-    return {"p50": None, "p90": None, "p99": None}
-  v = np.asarray(values, np.float64)
-  return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
 
 
 def _system_prompt(model, tokens: int) -> str:
@@ -224,53 +224,6 @@ async def _rate_run(url, work, rate, seed):
     )
 
 
-def _summary(results, work, want) -> dict:
-  tokens = sum(len(r["times"]) for r in results)
-  first = min(r["submitted"] for r in results)
-  last = max(r.get("ended", r["submitted"]) for r in results)
-  ok = [r for r in results if r["error"] is None]
-  lost = sum(1 for r in ok if "details" not in r)
-  truncated = sum(
-    1
-    for r in ok
-    if "details" in r and r["details"]["generated_tokens"] != len(r["times"])
-  )
-  mismatched = sum(
-    1
-    for k, r in enumerate(results)
-    if r["error"] is None and r["ids"] != want[k]
-  )
-  gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"])]
-  return {
-    "requests": len(results),
-    "tokens": tokens,
-    "seconds": last - first,
-    "tokens_per_s": tokens / (last - first),
-    "requests_per_s": len(results) / (last - first),
-    "ttft_s": _pct([r["times"][0] - r["submitted"] for r in ok if r["times"]]),
-    "itl_s": _pct(gaps),
-    "e2e_s": _pct([r["ended"] - r["submitted"] for r in ok]),
-    "errors": len(results) - len(ok),
-    "lost": lost,
-    "truncated": truncated,
-    "mismatched": mismatched,
-  }
-
-
-def _median_of(runs: list[dict]) -> dict:
-  out = dict(runs[0])
-  for key in ("tokens_per_s", "requests_per_s", "seconds"):
-    out[key] = statistics.median(r[key] for r in runs)
-  for key in ("ttft_s", "itl_s", "e2e_s"):
-    out[key] = {
-      q: statistics.median(r[key][q] for r in runs) for q in runs[0][key]
-    }
-  for key in ("errors", "lost", "truncated", "mismatched"):
-    out[key] = sum(r[key] for r in runs)
-  out["runs"] = len(runs)
-  return out
-
-
 def _rss_kib(pid: int) -> int:
   with open(f"/proc/{pid}/status") as f:
     for line in f:
@@ -323,43 +276,6 @@ def _cache_counts(server) -> dict | None:
   return out or None
 
 
-def _cache_delta(before, after) -> dict | None:
-  if after is None:
-    return None
-  return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def table(report: dict) -> str:
-  rows = [
-    "| prefix cache | rate | tok/s | vs generate_many | "
-    "TTFT p50 / p90 / p99 (s) | inter-token p50 / p90 / p99 (s) | "
-    "e2e p50 / p99 (s) | cache hits / misses | errors | lost | "
-    "truncated | mismatched |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  base = report["generate_many"]["tokens_per_s"]
-  for r in report["rates"]:
-    f = lambda d, qs: " / ".join(f"{d[q]:.3f}" for q in qs)
-    mb = r.get("prefix_cache_mb", 0)
-    c = r.get("prefix_cache")
-    cache = (
-      "-"
-      if c is None
-      else (f"{c['hit_requests']:.0f} / {c['miss_requests']:.0f}")
-    )
-    rows.append(
-      f"| {f'{mb} MiB' if mb else 'off'} | {r['rate']} | "
-      f"{r['tokens_per_s']:.1f} | "
-      f"{r['tokens_per_s'] / base:.2f}x | "
-      f"{f(r['ttft_s'], ('p50', 'p90', 'p99'))} | "
-      f"{f(r['itl_s'], ('p50', 'p90', 'p99'))} | "
-      f"{f(r['e2e_s'], ('p50', 'p99'))} | {cache} | "
-      f"{r['errors']} | {r['lost']} | "
-      f"{r['truncated']} | {r['mismatched']} |"
-    )
-  return "\n".join(rows)
-
-
 def main(argv):
   del argv
   rates = []
@@ -382,7 +298,9 @@ def main(argv):
         f"--prefix_cache_mb: {mb!r} is not a number of MiB (0: none)"
       )
     caches.append(int(mb))
-  model = jobs.load_served(jobs.ModelConfig(name=_MODEL.value))
+  model = jobs.load_served(
+    jobs.ModelConfig(name=_MODEL.value, kv_dtype=_KV_DTYPE.value)
+  )
   work = _workload(model)
   capacity = max(slot_capacity(_requests(work)), 128)
   want_tokens, base_tps, base_s = _baseline(model, work, capacity, max(caches))
@@ -393,6 +311,7 @@ def main(argv):
     f"--slots={_SLOTS.value}",
     f"--max_total_tokens={capacity}",
     f"--max_queue={max(256, 2 * _REQUESTS.value)}",
+    f"--kv_dtype={_KV_DTYPE.value}",
   ]
   if _EVERY.value:
     flags_.append(f"--every={_EVERY.value}")
@@ -403,6 +322,7 @@ def main(argv):
     "slots": _SLOTS.value,
     "requests": _REQUESTS.value,
     "system_prompt_tokens": _SYSTEM.value,
+    "kv_dtype": _KV_DTYPE.value,
     "server_flags": flags_,
     "generate_many": {
       "tokens_per_s": base_tps,
@@ -423,7 +343,7 @@ def main(argv):
   report["server_exit_code"] = max(codes)
   with open(_OUTPUT.value, "w") as f:
     json.dump(report, f, indent=1)
-  print(table(report))
+  print(load.table(report))
   if max(codes) != 0:
     sys.exit(1)
 
@@ -441,8 +361,8 @@ def _serve(server, report, work, want, rates, mb, soak):
       results = asyncio.run(
         _rate_run(server.url, work, rate, _SEED.value + 100 * k)
       )
-      runs.append(_summary(results, work, want))
-    summary = _median_of(runs)
+      runs.append(load.summary(results, work, want))
+    summary = load.median_of(runs)
     if fraction == 1:
       saturation = summary["requests_per_s"]
     summary["rate"] = (
@@ -451,7 +371,7 @@ def _serve(server, report, work, want, rates, mb, soak):
       else f"{fraction:g} x ({fraction * saturation:.2f} req/s)"
     )
     summary["prefix_cache_mb"] = mb
-    summary["prefix_cache"] = _cache_delta(before, _cache_counts(server))
+    summary["prefix_cache"] = load.cache_delta(before, _cache_counts(server))
     report["rates"].append(summary)
     print(json.dumps(summary), flush=True)
   if soak and _SOAK.value:

@@ -91,8 +91,13 @@ _WEIGHTS = flags.DEFINE_enum(
   "How weights are stored (Q*: GGUF blocks kept as they are).",
 )
 _CACHE = flags.DEFINE_enum(
-  "cache_dtype", "bfloat16", ["bfloat16", "float32"], "K/V cache dtype."
+  "kv_dtype",
+  "bfloat16",
+  ["bfloat16", "float32", "int8"],
+  "How K/V caches are stored (int8: values and an f32 scale per token and "
+  "head, `chunkwise.models.kv_int8`).",
 )
+flags.DEFINE_alias("cache_dtype", "kv_dtype")  # its older name
 _COMPUTE = flags.DEFINE_enum(
   "compute_dtype", "bfloat16", ["bfloat16", "float32"], "Activation dtype."
 )

@@ -1,6 +1,7 @@
 """`scripts/load_test.py`, short: Poisson arrivals and a soak with clients
 that leave mid-stream, against the real server (tiny model), with and
-without a prefix cache for the requests' shared system prompt: no error,
+without a prefix cache for the requests' shared system prompt, int8 K/V
+(`--kv_dtype`): no error,
 nothing lost or truncated, every response equal to `generate_many`'s,
 cache hits counted, every slot free at the end, the server exits 0."""
 
@@ -31,6 +32,7 @@ def test_load_test_and_soak(tmp_path):
       "--soak_seconds=6",
       "--soak_clients=6",
       "--disconnect_share=0.5",
+      "--kv_dtype=int8",  # the server's and generate_many's K/V alike
       f"--output={out}",
     ],
     cwd=ROOT,
@@ -41,6 +43,7 @@ def test_load_test_and_soak(tmp_path):
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["server_exit_code"] == 0
+  assert "--kv_dtype=int8" in report["server_flags"]
   assert [
     (r["prefix_cache_mb"], r["rate"].split()[0]) for r in report["rates"]
   ] == [(0, "saturation"), (0, "0.5"), (16, "saturation"), (16, "0.5")]

@@ -241,7 +241,7 @@ def test_weight_copy_sizes():
 @pytest.mark.long
 def test_script(tmp_path):
   """scripts/simulate.py on 16 fake devices: the tiny preset (its 8 heads
-  padded to 16 for ws_2d), both phases, two layouts."""
+  padded to 16 for ws_2d), both phases, two layouts, int8 K/V."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out, png = tmp_path / "sim.json", tmp_path / "sim.png"
   run = subprocess.run(
@@ -256,6 +256,7 @@ def test_script(tmp_path):
       "--prefill_len=16",
       "--generate_steps=2",
       "--layers=1,2",
+      "--kv_dtype=int8",
       f"--json_out={out}",
       f"--png={png}",
     ],
@@ -267,7 +268,7 @@ def test_script(tmp_path):
   )
   assert run.returncode == 0, run.stderr[-3000:]
   assert "per-layer collectives" in run.stdout
-  assert "scaled to 2 layers" in run.stdout
+  assert "compiled at 1, 2 layers" in run.stdout
   result = json.loads(out.read_text())
   assert result["padded"] == {"heads": [8, 16]}
   assert "xla_force_host_platform_device_count=16" in result["xla_flags"]
@@ -280,4 +281,5 @@ def test_script(tmp_path):
   for r in result["reports"]:
     assert r["devices"] == 16 and r["mesh"] == [2, 2, 4]
     assert np.isfinite(r["held"]["total"])
+    assert r["cache_dtype"] == "int8"
   assert png.stat().st_size > 10_000
