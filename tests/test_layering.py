@@ -98,3 +98,54 @@ def test_every_package_has_a_floor():
   assert (packages | modules) - {"__pycache__"} <= set(FLOORS), sorted(
     (packages | modules) - set(FLOORS)
   )
+
+
+def _module_graph() -> dict[str, set[str]]:
+  """Each module's imports of other chunkwise modules, every import
+  counted: at the top, inside functions and under TYPE_CHECKING alike."""
+  names = {}
+  for module, path in _modules():
+    names[module.removesuffix(".__init__")] = path
+  graph = {}
+  for module, path in names.items():
+    out = set()
+    for imported, imported_names in _imports(path):
+      for target in (imported, *(f"{imported}.{n}" for n in imported_names)):
+        # A package's own __init__ is not a module it imports back.
+        if target in names and not module.startswith(target + "."):
+          out.add(target)
+    graph[module] = out - {module}
+  return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+  """No import circle of any length between chunkwise's modules (a lazy
+  or TYPE_CHECKING import that hides one still counts)."""
+  graph = _module_graph()
+  index, low, stack, on, circles = {}, {}, [], set(), []
+
+  def visit(v):  # Tarjan's strongly connected components
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  assert not circles, f"import circles: {circles}"

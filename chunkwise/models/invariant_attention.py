@@ -15,15 +15,11 @@ and the mask between them in XLA.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 
 from chunkwise import numerics
-
-if TYPE_CHECKING:
-  from chunkwise.models.attention import PrefixLayer
+from chunkwise.models.prefix_layer import PrefixLayer
 
 # A masked logit (as `attention`'s): exp(_MASKED - max) is exactly 0.
 _MASKED = -1e30

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise.models import kv_int8, paged_attention_tpu
+from chunkwise.models.prefix_layer import PrefixLayer
 
 
 class PagedLayer(NamedTuple):
@@ -64,8 +65,6 @@ class PagedLayer(NamedTuple):
     """Each row's pages gathered into [rows, kv_heads, width, head_dim], a
     heads-major `attention.PrefixLayer` (the plain twin). Free entries
     read the last page: masked anyway."""
-    from chunkwise.models.attention import PrefixLayer  # imports this
-
     last = self.k_pages.shape[1] - 1
     table = jnp.minimum(self.table, last)
 

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,8 +30,16 @@ from chunkwise import processors as processors_lib
 from chunkwise.inference import Chunk, Request, Sampling
 from chunkwise.serving.text import Detokenizer, StopStrings
 
-if TYPE_CHECKING:
-  from chunkwise.serving.engine import Engine
+
+class Feeder(Protocol):
+  """What a stream needs of the engine that feeds it (`engine.Engine`,
+  which imports this module): the served model, and a way to give up its
+  slot."""
+
+  model: Any
+
+  def _cancel(self, stream: TokenStream) -> None: ...
+
 
 # Finish reasons (TGI's names; the OpenAI routes map them to stop/length).
 LENGTH = "length"
@@ -194,7 +202,7 @@ class TokenStream:
   `text` and `error` say how it ended. `cancel()` stops it."""
 
   def __init__(
-    self, engine: Engine, key: int, g: Generation, seed: int, tables=None
+    self, engine: Feeder, key: int, g: Generation, seed: int, tables=None
   ):
     self._engine = engine
     self.key = key

@@ -1,0 +1,74 @@
+"""One layer of one piece of attention's context: `PrefixLayer`, the K/V
+of a prefix cache (or of the generate loop's buffer) as attention reads
+them, with the heads still to cut and int8 K/V still to decode.
+
+  p = PrefixLayer(k, v, lengths)              # [b, S, kv_heads, head_dim]
+  p = PrefixLayer(k, v, lengths, heads_major=True)   # [b, kv_heads, S, D]
+  p.heads(first, count).sliced().decoded(rotated)
+
+Its own module so that `attention` and the paths it chooses between
+(`invariant_attention`, `paged_attention`, `blocked_attention`) all
+import it without importing each other back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+from jax import lax
+
+from chunkwise import numerics
+from chunkwise.models import kv_int8
+
+
+class PrefixLayer(NamedTuple):
+  """One layer of a prefix cache: k, v [b, S, kv_heads, head_dim] (a
+  `KVCache`'s order), or [b, kv_heads, S, head_dim] where `heads_major`
+  (the generate loop's buffer, laid out for attention: read in place,
+  where a cache in its own order is transposed every time it is read);
+  lengths int32[b]. `first`, `count`: a window of K/V heads still to be
+  cut (`heads`), or None."""
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+  heads_major: bool = False
+  first: jax.Array | int | None = None
+  count: int | None = None
+
+  @property
+  def width(self) -> int:
+    """Slots per row (S)."""
+    return self.k.shape[2 if self.heads_major else 1]
+
+  def heads(self, first, count: int) -> PrefixLayer:
+    """K/V heads [first, first + count) (`first` may be traced). Under
+    invariant numerics a heads-major buffer keeps them as a window that
+    the kernels read in place (a slice of the decode loop's buffer made
+    XLA copy the whole buffer every step)."""
+    axis = 1 if self.heads_major else 2
+    if self.k.shape[axis] == count:
+      return self
+    if self.heads_major and numerics.invariant():
+      return self._replace(first=first, count=count)
+    return self._replace(first=first, count=count).sliced()
+
+  def decoded(self, rotated: bool) -> PrefixLayer:
+    """Keys and values in attention's space (`kv_int8.as_read`): int8 K/V
+    decoded, rotated where attention is (`rotated`), else as stored."""
+    if self.k.dtype != kv_int8.INT8 and not rotated:
+      return self
+    k, v = kv_int8.as_read(self.k, self.v, rotated)
+    return self._replace(k=k, v=v)
+
+  def sliced(self) -> PrefixLayer:
+    """The window of heads cut out (self when there is none)."""
+    if self.count is None:
+      return self
+    axis = 1 if self.heads_major else 2
+    k, v = (
+      lax.dynamic_slice_in_dim(a, self.first, self.count, axis)
+      for a in (self.k, self.v)
+    )
+    return self._replace(k=k, v=v, first=None, count=None)
