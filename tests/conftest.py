@@ -51,9 +51,44 @@ def pytest_addoption(parser):
   )
 
 
+# The edit-test loop's tier (`pytest -m quick -n 2`, under 5 minutes on 2
+# cores with a warm .jax_cache): the DESIGN semantics on the tiny presets,
+# the kernels against their definitions, the collectives against their
+# twins, constraints' languages, tools, the planner, layering, lint and docs.
+# No SmolLM2, no server, no multi-process run.
+QUICK = frozenset(
+  {
+    "test_chat_template",
+    "test_chunk",
+    "test_collectives",
+    "test_configs",
+    "test_cpu_kernels",
+    "test_disk_cache",
+    "test_docs",
+    "test_errors",
+    "test_invariant_kernels",
+    "test_layering",
+    "test_lint",
+    "test_partitioning",
+    "test_planner",
+    "test_processors",
+    "test_results",
+    "test_sampling",
+    "test_schedule",
+    "test_schema_rewrite",
+    "test_semantics",
+    "test_tools",
+  }
+)
+
+
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `long` (SmolLM2 variants that others mostly cover) run
-  with --long only: CI's time is bounded."""
+  """Tests of the QUICK modules get the `quick` mark. Tests marked `long`
+  (SmolLM2 variants that others mostly cover) run with --long only: CI's
+  time is bounded."""
+  for item in items:
+    if item.path.stem in QUICK:
+      item.add_marker(pytest.mark.quick)
   if config.getoption("--long"):
     return
   skip = pytest.mark.skip(reason="long: run with --long")
