@@ -14,12 +14,14 @@ it in its own wire shape (../shared/SERVING.md §1, §5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
 import pydantic
 
 from chunkwise import constraints
+from chunkwise.serving import tool_formats
 from chunkwise.serving.engine import Engine
 from chunkwise.serving.text import token_bytes
 
@@ -68,6 +70,11 @@ def unpaired_surrogate(value: Any) -> str | None:
   return None
 
 
+def openai_route(path: str) -> bool:
+  """Whether `path` is an OpenAI route (its errors in OpenAI's shape)."""
+  return path.startswith("/v1/")
+
+
 def pydantic_message(e: pydantic.ValidationError) -> str:
   """One line naming each bad field and what was expected."""
   parts = []
@@ -109,6 +116,12 @@ class Context:
   def chat_vocab(self):
     """The model's vocabulary with the chat template the server renders."""
     return self._chat_vocab
+
+  @functools.cached_property
+  def tool_format(self) -> tool_formats.Format:
+    """How the served template writes tool calls (read once, from its
+    text and the vocabulary)."""
+    return tool_formats.of(self._chat_vocab)
 
   def text_of(self, token: int) -> str:
     """A token's own spelling (an alternative's text)."""

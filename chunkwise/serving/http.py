@@ -65,13 +65,9 @@ _SSE_HEADERS = {
 }
 
 
-def _openai_route(path: str) -> bool:
-  return path.startswith("/v1/")
-
-
 def error_body(path: str, status: int, message: str, kind: str) -> dict:
   """An error in the shape of the API that `path` belongs to."""
-  if _openai_route(path):
+  if api.openai_route(path):
     names = {
       400: "BadRequestError",
       401: "AuthenticationError",
@@ -171,7 +167,7 @@ class Server:
     )
 
   async def _body(self, request: web.Request) -> Any:
-    status = 400 if _openai_route(request.path) else 422
+    status = 400 if api.openai_route(request.path) else 422
     raw = await request.read()
     try:
       body = json.loads(raw)

@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api, tool_formats, tools
+from chunkwise.serving import api, tools
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.stream import (
   Generation,
@@ -338,7 +338,7 @@ def parse_chat(raw: Any, ctx: Context) -> Call:
   shared = _sampling(b, ctx)
   messages, specs = b.messages, None
   if plan is not None:
-    plan = plan.written(tool_formats.of(ctx.chat_vocab))
+    plan = plan.written(ctx.tool_format)
     specs = plan.specs() if plan.fmt.native else None
     if shared["stop"]:
       raise _bad("stop strings with tools are not supported by this server")

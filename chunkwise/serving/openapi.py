@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, json_schema
 
 import chunkwise
-from chunkwise.serving import native, openai_requests
+from chunkwise.serving import api, native, openai_requests
 
 _REF = "#/components/schemas/{model}"
 
@@ -219,7 +219,7 @@ ROUTES = frozenset((op.method.upper(), op.path) for op in OPERATIONS)
 
 def _error_model(path: str) -> type[BaseModel]:
   # as `http.error_body` chooses
-  return OpenAIError if path.startswith("/v1/") else TgiError
+  return OpenAIError if api.openai_route(path) else TgiError
 
 
 def _schemas() -> tuple[dict, dict]:

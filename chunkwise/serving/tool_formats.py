@@ -27,6 +27,7 @@ back to Hermes blocks described in the system turn.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 # A function name, as OpenAI allows it.
@@ -62,9 +63,10 @@ class Format:
     """A call's text after its arguments value."""
     return "}" + self.close
 
-  @property
+  @functools.cached_property
   def block(self) -> re.Pattern:
-    """A call's head, the name as group 1."""
+    """A call's head, the name as group 1 (compiled once per format: a
+    stream searches with it at every token)."""
     return re.compile(
       re.escape(self.open + '{"name": "')
       + f"({NAME_CHARS}+)"
