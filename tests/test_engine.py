@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.inference import engine as engine_lib
+from chunkwise.inference.engines import engine as engine_lib
 from chunkwise.partitioning import make_mesh
 
 GREEDY = cw.Sampling(temperature=0.0)

@@ -98,7 +98,7 @@ def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   slots over a pool of 5 pages with a prefix cache and prompts prefilled
   in pieces of 8 (chunked prefill): every request bit for bit `generate`
   alone (the drafted ones: the same tokens)."""
-  from chunkwise.inference import prefix_cache as pc
+  from chunkwise.inference.paging import prefix_cache as pc
 
   requests, want = alone8
   fixed = {r.index: r for r in int8.generate_many(requests, slots=4, every=8)}

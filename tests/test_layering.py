@@ -149,3 +149,74 @@ def test_no_module_imports_one_that_imports_it_back():
     if v not in index:
       visit(v)
   assert not circles, f"import circles: {circles}"
+
+
+# Inside `inference`, each sub-package's modules stand on a floor of their
+# own (the sub-packages' docstrings say the same): an inference module may
+# import inference modules on its floor or below. The most specific key
+# names a module's floor; the top-level modules not listed are the core.
+INFERENCE_FLOORS = {
+  "": 0,  # the core: chunks, results, K/V, sampling, logits, plain loops
+  "speculation": 0,  # its __init__ re-exports `settings`, below the loops
+  "speculation.settings": 0,
+  "paging": 0,
+  "batching.slots": 1,  # the device loop and the requests' checks
+  "batching.slot_requests": 1,
+  "batching.live_requests": 1,
+  "speculation.draft": 1,
+  "speculation.verify": 1,
+  "speculation.speculative": 1,
+  "engines": 2,  # compile the core's, slots' and speculation's loops
+  "batching.admission": 3,  # the slot loops' host side, over engines
+  "batching.continuous": 3,
+  "batching.live": 3,
+  "batching": 1,  # its __init__ (a docstring) is below all its modules
+  "model_setup": 4,
+  "model": 4,
+}
+
+
+def _inference_floor(module: str) -> int | None:
+  """`module`'s floor inside inference, None for chunkwise.inference
+  itself (the package's exports) and for modules outside it."""
+  prefix = "chunkwise.inference."
+  if not module.startswith(prefix):
+    return None
+  rest = module.removeprefix(prefix).removesuffix(".__init__")
+  parts = rest.split(".")
+  for n in range(len(parts), 0, -1):
+    key = ".".join(parts[:n])
+    if key in INFERENCE_FLOORS:
+      return INFERENCE_FLOORS[key]
+  assert len(parts) == 1, f"{module}: no floor in INFERENCE_FLOORS"
+  return INFERENCE_FLOORS[""]
+
+
+def test_inference_sub_packages_import_down():
+  graph = _module_graph()
+  checked = 0
+  for module, imported in graph.items():
+    here = _inference_floor(module)
+    if here is None:
+      continue
+    for target in imported:
+      there = _inference_floor(target)
+      if there is None:
+        assert target != "chunkwise.inference", (
+          f"{module} imports chunkwise.inference's exports: import the module"
+        )
+        continue
+      checked += 1
+      assert there <= here, (
+        f"{module} (inference floor {here}) imports {target} (floor {there})"
+      )
+  assert checked > 100, checked  # the graph saw inference's imports
+
+
+def test_inference_sub_packages_say_what_they_hold():
+  for init in sorted((ROOT / "inference").glob("*/__init__.py")):
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    modules = {p.stem for p in init.parent.glob("*.py")} - {"__init__"}
+    missing = {m for m in modules if m not in doc}
+    assert not missing, f"{init.parent.name}'s docstring omits {missing}"
+    assert "may import" in doc, f"{init.parent.name}: say what it may import"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.inference import page_table
 from chunkwise.inference.kv_cache import LayerKV
-from chunkwise.inference.paged_kv import PAGE, PagedKV
+from chunkwise.inference.paging import page_table
+from chunkwise.inference.paging.paged_kv import PAGE, PagedKV
 from chunkwise.models import attention
 from chunkwise.models import paged_attention as pa
 from chunkwise.models import paged_attention_tpu as pa_tpu
@@ -277,7 +277,7 @@ def test_paged_kv_after_a_cached_start_and_in_pieces(monkeypatch, tiny):
   head's columns, then the rest at an offset) and of one prefilled in
   pieces of 16 (chunked prefill): `generate_many` over a small pool is
   bit for bit `generate` alone."""
-  from chunkwise.inference import prefix_cache as pc
+  from chunkwise.inference.paging import prefix_cache as pc
 
   monkeypatch.setattr(pc, "PAGE", 8)
   rng = np.random.default_rng(4)

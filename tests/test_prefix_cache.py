@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.inference import prefix_cache as pc
+from chunkwise.inference.paging import prefix_cache as pc
 from chunkwise.partitioning import make_mesh
 
 PAGE = 8

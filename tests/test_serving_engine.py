@@ -308,7 +308,7 @@ def test_a_failing_request_fails_alone(tiny, engine, monkeypatch):
   monkeypatch.undo()
   assert engine.running == 0
 
-  from chunkwise.inference import live
+  from chunkwise.inference.batching import live
 
   calls = {"n": 0}
   step = live.LiveSlots.step

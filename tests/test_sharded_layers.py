@@ -135,7 +135,7 @@ def test_why_the_engine_runs_shard_map_without_the_vma_check(tiny, monkeypatch):
   """`mesh_programs.CHECK_VMA` is off for the two reasons its comment
   names; each still holds (when one stops failing, turn the check on)."""
   from chunkwise import cpu_kernels
-  from chunkwise.inference import mesh_programs
+  from chunkwise.inference.engines import mesh_programs
   from chunkwise.models import matmul
 
   mesh = make_mesh((1, 1, 2), jax.devices()[:2])

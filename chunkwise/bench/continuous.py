@@ -33,9 +33,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from chunkwise.inference import Chunk, InferenceModel, Request, Sampling
-from chunkwise.inference import continuous as continuous_lib
-from chunkwise.inference.admission import admit_programs
-from chunkwise.inference.engine import compiled_programs
+from chunkwise.inference.batching import continuous as continuous_lib
+from chunkwise.inference.batching.admission import admit_programs
+from chunkwise.inference.engines.engine import compiled_programs
 
 
 def workload(
@@ -268,7 +268,7 @@ def compare_paged(
   slots * capacity columns in pages (`generate_many(kv_pages=)`), side by
   side `runs` times after a warm-up of each; medians, with requests held
   at once (per segment) and preemptions."""
-  from chunkwise.inference.paged_kv import PAGE
+  from chunkwise.inference.paging.paged_kv import PAGE
 
   chunk = Chunk(
     tokens=np.asarray([prompt], np.int32),

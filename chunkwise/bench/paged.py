@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from chunkwise.inference.paged_kv import PAGE
+from chunkwise.inference.paging.paged_kv import PAGE
 from chunkwise.models import attention
 from chunkwise.models import paged_attention as pa
 

@@ -28,13 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise.bench import adapters as bench_adapters
 from chunkwise.configs import HParams
-from chunkwise.inference import generate, paged_kv, speculation
-from chunkwise.inference import slots as slots_lib
+from chunkwise.inference import generate, speculation
+from chunkwise.inference.batching import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.engine import make_engines
+from chunkwise.inference.engines.engine import make_engines
+from chunkwise.inference.engines.sharded_engine import ShardedEngine
 from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.paging import paged_kv
 from chunkwise.inference.sampling import Sampling
-from chunkwise.inference.sharded_engine import ShardedEngine
 from chunkwise.models import (
   Weights,
   blocks,

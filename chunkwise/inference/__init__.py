@@ -2,16 +2,16 @@
 `InferenceModel` that prefills and generates."""
 
 from chunkwise.inference.attention import attend
-from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.continuous import (
+from chunkwise.inference.batching.continuous import (
   Request,
   RequestResult,
   slot_capacity,
 )
+from chunkwise.inference.batching.live import LiveSlots
+from chunkwise.inference.batching.live_requests import Prepared, SlotUpdate
+from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
-from chunkwise.inference.live import LiveSlots
-from chunkwise.inference.live_requests import Prepared, SlotUpdate
 from chunkwise.inference.model import InferenceModel
 from chunkwise.inference.results import (
   ChunkResult,

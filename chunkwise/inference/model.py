@@ -22,18 +22,14 @@ import jax.numpy as jnp
 
 from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
-from chunkwise.inference import (
-  checks,
-  continuous,
-  live,
-  long_prefill,
-  prefix_cache,
-)
+from chunkwise.inference import checks, long_prefill
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import tagged
+from chunkwise.inference.batching import continuous, live
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.engine import finished, prefix_inputs, stream
+from chunkwise.inference.engines.engine import finished, prefix_inputs, stream
 from chunkwise.inference.model_setup import ModelSetup
+from chunkwise.inference.paging import prefix_cache
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.speculation import Speculation
@@ -180,7 +176,7 @@ class InferenceModel(ModelSetup):
       adapters: the LoRA adapter of every row or of each row (see
         `prefill`); None: the base model.
       speculation: a `cw.Speculation`: draft tokens and verify them in one
-        pass (`inference/speculation.py`). The tokens, scores and top-n
+        pass (`inference/speculation/settings.py`). The tokens, scores and top-n
         are those of the call without it (bit for bit under invariant
         numerics); `result.speculation` has the counts.
     Returns:
@@ -213,7 +209,7 @@ class InferenceModel(ModelSetup):
     kv_pages: int = 0,
     budget_forcing: bool = False,
   ) -> live.LiveSlots:
-    """An always-on continuous-batching loop (`inference/live.py`): add
+    """An always-on continuous-batching loop (`inference/batching/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
     produced. Each request's tokens and scores are those of `generate` run
     alone on it.
@@ -235,7 +231,7 @@ class InferenceModel(ModelSetup):
         drafts from its prompt and tokens; finished requests' updates
         carry their counts, `speculation_totals` all of them.
       prefix_cache_bytes: keep up to this many bytes of K/V of prompts'
-        full pages (`inference/prefix_cache.py`): a request prefills only
+        full pages (`inference/paging/prefix_cache.py`): a request prefills only
         what follows its longest cached start (0: no cache). Its counts
         are the loop's `prefix_cache.stats`.
       kv_pages: the slots share one pool of this many K/V pages (as in
@@ -338,7 +334,7 @@ class InferenceModel(ModelSetup):
       prefix_cache_bytes: keep up to this many bytes of K/V of the
         requests' full prompt pages during the call: a request prefills
         only what follows its longest start cached by an earlier one
-        (`inference/prefix_cache.py`; 0: none).
+        (`inference/paging/prefix_cache.py`; 0: none).
       kv_pages: hold the slots' K/V in one pool of this many pages of
         `paged_kv.PAGE` columns (paged K/V, one device) instead of
         `capacity` columns per slot: requests are admitted as their pages

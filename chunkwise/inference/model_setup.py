@@ -27,11 +27,12 @@ import numpy as np
 from chunkwise import memory
 from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, long_prefill, paged_kv
+from chunkwise.inference import checks, long_prefill
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import AdapterSet, check_prefix, rows_of
-from chunkwise.inference.engine import make_engines, start_loop
+from chunkwise.inference.engines.engine import make_engines, start_loop
 from chunkwise.inference.infer import InferFn
+from chunkwise.inference.paging import paged_kv
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.speculation import Speculation
 from chunkwise.inference.vocabularies import (

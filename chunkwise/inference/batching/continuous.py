@@ -34,13 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.configs import HParams
-from chunkwise.inference import (
-  long_prefill,
-  page_table,
-  prefix_cache,
-  slots,
-)
-from chunkwise.inference.admission import (
+from chunkwise.inference import long_prefill
+from chunkwise.inference.batching import slots
+from chunkwise.inference.batching.admission import (
   Admission,
   advance_staged,
   prefill_into,
@@ -50,9 +46,7 @@ from chunkwise.inference.admission import (
   with_speculation,
   with_table,
 )
-from chunkwise.inference.engine import Engine, prefix_inputs
-from chunkwise.inference.results import ChunkResult
-from chunkwise.inference.slot_requests import (  # noqa: F401 (re-exported)
+from chunkwise.inference.batching.slot_requests import (  # noqa: F401 (re-exported)
   CAPACITY_STEP,
   FINISH_LENGTH,
   FINISH_STOP,
@@ -66,6 +60,9 @@ from chunkwise.inference.slot_requests import (  # noqa: F401 (re-exported)
   prompt_bucket,
   slot_capacity,
 )
+from chunkwise.inference.engines.engine import Engine, prefix_inputs
+from chunkwise.inference.paging import page_table, prefix_cache
+from chunkwise.inference.results import ChunkResult
 
 
 def run_many(

@@ -25,15 +25,12 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from chunkwise.inference import (
-  long_prefill,
-  page_table,
-  prefix_cache,
-  slots,
-)
+from chunkwise.inference import long_prefill
+from chunkwise.inference.batching import slots
+from chunkwise.inference.batching.slot_requests import prompt_bucket
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.engine import Engine
-from chunkwise.inference.slot_requests import prompt_bucket
+from chunkwise.inference.engines.engine import Engine
+from chunkwise.inference.paging import page_table, prefix_cache
 from chunkwise.inference.speculation import PRIORS, SpecRows
 from chunkwise.partitioning.placement import put
 

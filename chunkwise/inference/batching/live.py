@@ -43,23 +43,20 @@ import numpy as np
 from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import (
-  admission,
-  long_prefill,
-  page_table,
-  slots,
-)
-from chunkwise.inference import prefix_cache as prefix_cache_lib
-from chunkwise.inference.admission import Admission
-from chunkwise.inference.engine import Engine, prefix_inputs
-from chunkwise.inference.live_requests import (
+from chunkwise.inference import long_prefill
+from chunkwise.inference.batching import admission, slots
+from chunkwise.inference.batching.admission import Admission
+from chunkwise.inference.batching.live_requests import (
   Intake,
   Prepared,
   SlotSettings,
   SlotUpdate,
 )
+from chunkwise.inference.batching.slot_requests import Request
+from chunkwise.inference.engines.engine import Engine, prefix_inputs
+from chunkwise.inference.paging import page_table
+from chunkwise.inference.paging import prefix_cache as prefix_cache_lib
 from chunkwise.inference.results import ChunkResult
-from chunkwise.inference.slot_requests import Request
 from chunkwise.inference.speculation import Speculation, SpeculationStats
 
 STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default

@@ -27,13 +27,14 @@ import jax.numpy as jnp
 
 from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
-from chunkwise.inference import checks, generate, prefill, speculative
-from chunkwise.inference import slots as slots_lib
+from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference.batching import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.engines.sharded_engine import ShardedEngine
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.results import ChunkResult
-from chunkwise.inference.sharded_engine import ShardedEngine
+from chunkwise.inference.speculation import speculative
 from chunkwise.models import Weights, check_shapes, fused, lora, quantized
 from chunkwise.partitioning import Layout, LayoutKind
 from chunkwise.precision import with_precision

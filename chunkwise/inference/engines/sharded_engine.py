@@ -38,14 +38,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from chunkwise.configs import HParams
-from chunkwise.inference import generate, prefill, speculative
-from chunkwise.inference import slots as slots_lib
+from chunkwise.inference import generate, prefill
+from chunkwise.inference.batching import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.engines.mesh_programs import MeshPrograms
 from chunkwise.inference.infer import sharded_infer
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
-from chunkwise.inference.mesh_programs import MeshPrograms
 from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.speculation import speculative
 from chunkwise.models import (
   Weights,
   fused,

@@ -41,7 +41,7 @@ from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn
 from chunkwise.inference.kv_cache import KVCache, LayerKV
 from chunkwise.inference.logits import LogitsShards
-from chunkwise.inference.paged_kv import PAGE, PagedKV
+from chunkwise.inference.paging.paged_kv import PAGE, PagedKV
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.speculation import SpecRows

@@ -26,10 +26,10 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import adapters as adapters_lib
-from chunkwise.inference import slot_requests, slots
+from chunkwise.inference.batching import slot_requests, slots
+from chunkwise.inference.batching.slot_requests import Request
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
-from chunkwise.inference.slot_requests import Request
 from chunkwise.inference.speculation import SpeculationStats
 
 

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from chunkwise.inference import draft, generate, slots, speculation, verify
+from chunkwise.inference import generate, speculation
+from chunkwise.inference.batching import slots
 from chunkwise.inference.kv_cache import KVCache
 from chunkwise.inference.logits import LogitsShards
-from chunkwise.inference.speculation import SpecRows, Speculation
+from chunkwise.inference.speculation import SpecRows, Speculation, draft, verify
 
 
 def _iterate(

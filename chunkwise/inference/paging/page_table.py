@@ -19,7 +19,7 @@ import heapq
 
 import numpy as np
 
-from chunkwise.inference.paged_kv import PAGE
+from chunkwise.inference.paging.paged_kv import PAGE
 
 
 def pool(
