@@ -145,6 +145,25 @@ def measure(
   return result
 
 
+def check(h, lengths: Sequence[int], sides: Sequence[str], weights) -> None:
+  """What `compare` needs of the model `h`, checked before anything runs:
+  a ValueError names the flag (`scripts/benchmark.py`'s)."""
+  if list(weights) == ["int8"]:
+    raise ValueError("--long_prompt_lengths times float weights")
+  if max(lengths) > h.max_len:
+    raise ValueError(
+      f"--long_prompt_lengths: {max(lengths)} tokens exceed the model's "
+      f"max_len={h.max_len}"
+    )
+  if "transformers" in sides:
+    from chunkwise.bench import reference  # torch only where it runs
+
+    try:
+      reference.check_supported(h)
+    except ValueError as e:
+      raise ValueError(f"--long_prompt_sides: {e}") from None
+
+
 def compare(
   model: str,
   length: int,
