@@ -46,7 +46,7 @@ def _worker_env() -> dict[str, str]:
   return env
 
 
-def _run_workers(tmp_path) -> list[dict]:
+def _run_workers(tmp_path, worker=WORKER) -> list[dict]:
   port, env = _free_port(), _worker_env()
   procs, logs, outs = [], [], []
   for pid in range(2):
@@ -54,7 +54,7 @@ def _run_workers(tmp_path) -> list[dict]:
     log = open(tmp_path / f"stderr{pid}.txt", "w+")  # noqa: SIM115
     procs.append(
       subprocess.Popen(
-        [sys.executable, str(WORKER), str(port), str(pid), str(out)],
+        [sys.executable, str(worker), str(port), str(pid), str(out)],
         cwd=ROOT,
         env=env,
         stdout=log,

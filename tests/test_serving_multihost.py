@@ -1,7 +1,8 @@
 """The server on a pod: two JAX processes of 4 CPU devices (gloo) serve one
 2x2x2 mesh; process 0 takes HTTP and shares each segment's schedule,
 process 1 follows in lockstep. Responses equal one process's on the same
-mesh and layout; SIGTERM to process 0 stops both."""
+mesh and layout; SIGTERM to process 0 stops both; a failure on process 1
+alone fails the same requests on both, and both go on serving."""
 
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import text_generation
 
 from tests.serving_helpers import ROOT, running
-from tests.test_multihost import _free_port, _worker_env
+from tests.test_multihost import _free_port, _run_workers, _worker_env
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 FLAGS = (
@@ -101,3 +102,27 @@ def test_two_processes_answer_as_one():
         [t.logprob for t in w.details.prefill[1:]],
         atol=1e-5,
       )
+
+
+def test_a_follower_failing_alone_fails_the_same_requests_everywhere(
+  tmp_path,
+):
+  """Process 1 cannot admit one request (tests/pod_fault_worker.py): the
+  segment fails on both processes, the request and the one running beside
+  it end with process 1's error, every process restarts its loop, later
+  requests get the tokens they got before, and nothing hangs."""
+  leader, follower = _run_workers(
+    tmp_path, ROOT / "tests" / "pod_fault_worker.py"
+  )
+  assert follower == {"process_id": 1, "finished": True}
+  for name in ("running", "fault"):
+    ended = leader[name]
+    assert ended["finish_reason"] == "error", ended
+    assert "process 1: RuntimeError: injected" in ended["error"], ended
+  # The running request had begun, and did not reach its 60 tokens.
+  assert 1 <= len(leader["running"]["tokens"]) < 60
+  before = leader["before"]
+  assert before["finish_reason"] == "length" and len(before["tokens"]) == 12
+  for later in leader["later"]:
+    assert later == before
+  assert leader["closed_clean"]

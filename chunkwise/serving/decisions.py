@@ -3,6 +3,7 @@
   d = Decision(add=[(key, generation, seed)], cancel=[key], steps=1)
   d = share(d)          # process 0's decision on every process
   d.stop                # process 0 is shutting down
+  error = agree(error)  # None where every process succeeded
 
 On a pod (JAX's multi-controller runtime) process 0 takes the HTTP
 requests and runs the schedule; every process must run the same device
@@ -13,6 +14,9 @@ keys it cancels, the steps it runs, the prompts it scores) as JSON bytes
 to its own `LiveSlots`: same adds, same cancels, same steps, hence the
 same programs on the same data. With one process `share` returns its
 argument.
+
+After applying it, and before the segment's step, every process says
+whether it succeeded (`agree`): one failure fails the segment on all.
 
 Constraints travel as their constructor arguments and are compiled on
 each process (the compile is deterministic and cached on disk).
@@ -106,3 +110,20 @@ def share(d: Decision | None) -> Decision:
     assert d is not None
     return d
   return decode(multihost.broadcast_bytes(None if d is None else encode(d)))
+
+
+class _Failed(Exception):
+  pass
+
+
+def agree(error: str | None) -> str | None:
+  """None if every process passes None (its part of the segment went
+  well), else the first failing process's error, on every process: one
+  small collective on a pod (`multihost.agree`), `error` itself alone."""
+  if not multihost.is_multiprocess():
+    return error
+  try:
+    multihost.agree(error, raise_as=_Failed)
+  except _Failed as e:
+    return str(e)
+  return None

@@ -26,7 +26,9 @@ sampled request without a seed gets a random one, reported in
 Failures stay with their request: an exception while handling one
 request's tokens ends that stream with an error and frees its slot; one
 in the device step ends the streams it was running and starts a fresh
-loop, and the engine keeps serving.
+loop, and the engine keeps serving. On a pod every process reports each
+segment whether it succeeded, so a failure on any process fails the same
+requests everywhere and every process restarts its loop together.
 """
 
 from __future__ import annotations
@@ -295,6 +297,7 @@ class Engine:
   # -- the engine's thread (process 0) and followers (the others) ---------
 
   _stop = False
+  _failed: str | None = None  # this process's last step failed: the error
 
   def _run(self) -> None:
     """Process 0: decides each segment, shares the decision, applies it,
@@ -308,11 +311,16 @@ class Engine:
           or self._scores
           or self._loop.busy
           or self._stop
+          or self._failed
         ):
           if not self._cv.wait(timeout=_HEARTBEAT_S) and _pod():
             break  # followers hear from process 0 now and then
         stop = self._stop and not self._loop.busy and not self._inbox
-        inbox, self._inbox = self._inbox, []
+        # After a failed step the next segment restarts every process's
+        # loop: what waits is admitted after it.
+        inbox, self._inbox = (
+          ([], self._inbox) if self._failed else (self._inbox, [])
+        )
         cancels, self._cancels = self._cancels, []
         scores, self._scores = self._scores, []
         for stream, _ in inbox:
@@ -360,7 +368,13 @@ class Engine:
   def _apply(self, d: decisions.Decision, prepared: dict, futures=()) -> list:
     """Applies a shared decision to this process's loop and runs its
     segment (every process runs the same programs on the same data);
-    prompt scorings first, their results to `futures` (process 0)."""
+    prompt scorings first, their results to `futures` (process 0).
+
+    Before the segment's step every process of a pod says, in one small
+    collective, whether it admitted and cancelled as told and whether its
+    last step succeeded. If any did not, every process starts a fresh loop
+    together and process 0 ends the requests it ran with that process's
+    error: no process is left waiting in a program another will not run."""
     for i, (prompt, top_n, adapter) in enumerate(d.score):
       try:
         result = self._score_now(prompt, top_n, adapter)
@@ -371,13 +385,22 @@ class Engine:
           futures[i].set_exception(result)
         else:
           futures[i].set_result(result)
-    for key, g, seed in d.add:
-      ready = prepared.get(key)
-      if ready is None:  # a follower compiles the request itself
-        ready, _ = self.prepare(g, seed=seed)
-      self._loop.add(key, ready)
-    for key in d.cancel:
-      self._loop.cancel(key)
+    error, self._failed = self._failed, None
+    try:
+      for key, g, seed in d.add:
+        ready = prepared.get(key)
+        if ready is None:  # a follower compiles the request itself
+          ready, _ = self.prepare(g, seed=seed)
+        self._loop.add(key, ready)
+      for key in d.cancel:
+        self._loop.cancel(key)
+    except Exception as e:
+      log.exception("admitting the segment's requests failed")
+      error = f"process {jax.process_index()}: {type(e).__name__}: {e}"
+    error = decisions.agree(error)
+    if error is not None:
+      self._restart(error)
+      return []
     if d.stop or not self._loop.busy:
       return []
     started = time.monotonic()
@@ -385,10 +408,11 @@ class Engine:
       updates = self._loop.step(d.steps)
     except Exception as e:
       log.exception("the device step failed; restarting the slot loop")
-      for stream in list(self._active.values()):
-        self._finished(stream, ERROR, f"{type(e).__name__}: {e}")
-      self._active.clear()
-      self._loop = self._make()
+      error = f"process {jax.process_index()}: {type(e).__name__}: {e}"
+      if _pod():  # every process restarts after the next agreement
+        self._failed = error
+      else:
+        self._restart(error)
       return []
     for key in self._loop.admitted:  # a preempted one: its first time
       if key in self._active and self._active[key].admitted_at is None:
@@ -397,6 +421,13 @@ class Engine:
       if u.speculation is not None:
         self.speculation_totals = self.speculation_totals + u.speculation
     return updates
+
+  def _restart(self, error: str) -> None:
+    """A fresh loop; the requests this process ran end with `error`."""
+    for stream in list(self._active.values()):
+      self._finished(stream, ERROR, error)
+    self._active.clear()
+    self._loop = self._make()
 
   def follow(self) -> None:
     """Processes other than 0 of a pod: applies process 0's decisions in
