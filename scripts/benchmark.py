@@ -171,6 +171,18 @@ flags.DEFINE_list(
 _SPECULATE_K = flags.DEFINE_integer(
   "speculate_k", 8, "Most drafted tokens per pass of --speculate."
 )
+flags.DEFINE_float(
+  "speculate_weight_rows",
+  None,
+  "The cost prior of --speculate's passes (Speculation.weight_rows; "
+  "default: the settings' own, a 2-core CPU's).",
+)
+flags.DEFINE_bool(
+  "speculate_calibrate",
+  True,
+  "Time --speculate's passes on this device and use those costs "
+  "(Speculation.calibrate); false: the prior's always.",
+)
 flags.DEFINE_list(
   "speculate_batches", ["1", "16"], "Batch sizes of --speculate."
 )

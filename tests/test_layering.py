@@ -159,6 +159,7 @@ INFERENCE_FLOORS = {
   "": 0,  # the core: chunks, results, K/V, sampling, logits, plain loops
   "speculation": 0,  # its __init__ re-exports `settings`, below the loops
   "speculation.settings": 0,
+  "speculation.calibration": 0,  # timed from the host; imports settings
   "paging": 0,
   "batching.slots": 1,  # the device loop and the requests' checks
   "batching.slot_requests": 1,

@@ -26,10 +26,20 @@ SAMPLINGS = {
   ),
 }
 # Passes nearly free beside the weights (an accelerator's ridge point):
-# every row with drafts is verified, whatever the batch.
-SPEC = dict(k=6, ngram_min=1, ngram_max=3, widths=(2, 6), weight_rows=1e3)
+# every row with drafts is verified, whatever the batch (these costs, not
+# this CPU's timed ones: `calibrate=False`).
+SPEC = dict(
+  k=6, ngram_min=1, ngram_max=3, widths=(2, 6), weight_rows=1e3, calibrate=False
+)
 # The int8 draft, with every row drafting 4 tokens each iteration.
-DRAFT = dict(drafter="draft", k=4, widths=(4,), weight_rows=1e3, draft_cost=0)
+DRAFT = dict(
+  drafter="draft",
+  k=4,
+  widths=(4,),
+  weight_rows=1e3,
+  draft_cost=0,
+  calibrate=False,
+)
 
 
 def _chunk(rows):
@@ -387,6 +397,63 @@ def test_prompt_lookup_and_width_choice():
   spec = cw.Speculation(drafter="draft", k=8, draft_cost=0.5).checked()
   assert width(1, 8, 0.5) == 0 and width(1, 8, 0.9) == 2
   assert width(1, 8, 0.99) == 8
+
+
+class _Device:
+  """A device where a pass of width w costs (1 + w)^2 plain steps: wide
+  passes do not pay. Its clock charges a call forced to width w as 12
+  such passes (what the host would time)."""
+
+  def __init__(self, calibration):
+    self.calibration, self.now, self.started = calibration, 0.0, None
+
+  def __call__(self):
+    if self.started is None:  # a call starts: it runs the forced width
+      _, force = self.calibration.costs()
+      self.width = self.calibration.spec.widths[force]
+      self.started = self.now
+      return self.now
+    self.started = None  # it ended
+    self.now += 12 * (1 + self.width) ** 2
+    return self.now
+
+
+def test_wrong_cost_constants_recover_once_passes_are_timed(tiny):
+  """Constants that make every pass look free (weight_rows=1e6) on a
+  device where wide passes cost more than they give: the first calls
+  force each width once and are timed, then the loop drafts no more. The
+  tokens never change, and the same run on this CPU's real clock ends
+  with every width timed and those times used."""
+  from chunkwise.inference.speculation.calibration import Calibration
+
+  prompt = _chunk([[1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]])
+  pre = tiny.prefill(prompt)
+  kwargs = dict(sample_ids=np.arange(1), steps=12, sampling=SAMPLINGS["greedy"])
+  plain = tiny.generate([pre], **kwargs)
+  spec = cw.Speculation(k=4, weight_rows=1e6)
+  calibration = Calibration(spec.checked(), rows=1)
+  calibration.clock = _Device(calibration)
+  tiny._calibrations[(spec.checked(), 1)] = calibration
+  passes = []
+  for _ in range(6):  # 1 compile + 3 widths timed (0, 2, 4) + 2 after
+    got = tiny.generate([pre], speculation=spec, **kwargs)
+    assert_same(plain, got)
+    passes.append(got[1].speculation.passes)
+  assert passes[0] > 0  # the wrong constants: every iteration drafts
+  assert calibration.done
+  # Per-iteration costs: the device's 12 (1 + w)^2 a call, over the
+  # call's iterations (12 plain steps; fewer, where drafts were kept).
+  assert calibration.seconds[0] == 1
+  assert 9 <= calibration.seconds[1] < calibration.seconds[2]
+  assert passes[-2:] == [0, 0]  # recovered: plain steps only
+  # This CPU's clock: the same calls time every width and use the times.
+  real = cw.Speculation(k=4, weight_rows=1e6, ngram_max=2)
+  for _ in range(5):
+    assert_same(plain, tiny.generate([pre], speculation=real, **kwargs))
+  timed = tiny._calibrations[(real.checked(), 1)]
+  assert timed.done and (timed.seconds > 0).all()
+  cost, force = timed.costs()
+  assert force == -1 and np.array_equal(cost, timed.seconds.astype(np.float32))
 
 
 def test_bad_speculation_is_refused_before_any_work(tiny):

@@ -235,10 +235,14 @@ def from_flags(flags: Mapping[str, Any]) -> Settings:
     elif name == "speculate" and v:
       drafters = one_of(name, v, Speculation.DRAFTERS)
       try:
-        k = flags["speculate_k"]
-        v = tuple(Speculation(drafter=d, k=k).checked() for d in drafters)
+        common = dict(
+          k=flags["speculate_k"], calibrate=flags["speculate_calibrate"]
+        )
+        if flags["speculate_weight_rows"] is not None:
+          common["weight_rows"] = flags["speculate_weight_rows"]
+        v = tuple(Speculation(drafter=d, **common).checked() for d in drafters)
       except ValueError as e:
-        raise ValueError(f"--speculate_k: {e}") from None
+        raise ValueError(f"--speculate_k / _weight_rows: {e}") from None
     elif isinstance(v, list):
       v = tuple(v)
     values[name] = v

@@ -309,7 +309,7 @@ def _trace_slots(engine: _Compiling, hparams, case) -> _Call:
       lambda: speculation.SpecRows.start(
         np.zeros((b, capacity), np.int32),
         np.zeros((b,), np.int32),
-        speculation.PRIORS[spec.drafter],
+        spec,
       )
     )
     state = state.replace(spec=rows)

@@ -8,7 +8,11 @@ Two workloads, each a list of chat prompts (the model's template):
           summarizing it with quotes: the answer copies spans of the
           prompt, which prompt lookup drafts;
   "chat"  open-ended questions: little to copy.
-For each workload and batch size, every round times the plain calls and
+Before any call is timed, each speculation's first calls time its passes
+(calibration: `inference/speculation/calibration.py`), so the rounds run
+on the costs measured on this device unless its settings say
+`calibrate=False`. For each workload and batch size, every round times
+the plain calls and
 each speculation's once, interleaved (greedy, `steps` tokens; every
 prompt of the workload once, in calls of `batch` rows, the last cycling
 back; each call's prompts its drafting context), so the machine's drift
@@ -178,8 +182,11 @@ def compare(
     for batch in batches:
       chunks = _prompt_chunks(model, messages, batch)
       prefixes = [model.prefill(c) for c in chunks]
-      for s in [None, *speculations.values()]:  # compiles, untimed
-        _time(model, prefixes[:1], chunks[:1], steps, s)
+      # Compiles, untimed; a speculative call once more per pass width,
+      # which its calibration times (`speculation/calibration.py`).
+      for s in [None, *speculations.values()]:
+        for _ in range(1 if s is None else len(s.checked().widths) + 1):
+          _time(model, prefixes[:1], chunks[:1], steps, s)
       rates: dict[str, list[float]] = {"plain": []}
       ratios: dict[str, list[float]] = {n: [] for n in speculations}
       diverged = dict.fromkeys(speculations, 0)

@@ -27,12 +27,18 @@ from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import tagged
 from chunkwise.inference.batching import continuous, live
 from chunkwise.inference.chunk import Chunk
-from chunkwise.inference.engines.engine import finished, prefix_inputs, stream
+from chunkwise.inference.engines.engine import (
+  compiled_programs,
+  finished,
+  prefix_inputs,
+  stream,
+)
 from chunkwise.inference.model_setup import ModelSetup
 from chunkwise.inference.paging import prefix_cache
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
 from chunkwise.inference.speculation import Speculation
+from chunkwise.inference.speculation.calibration import Calibration
 
 
 class InferenceModel(ModelSetup):
@@ -188,9 +194,20 @@ class InferenceModel(ModelSetup):
     """
     caches, state, inputs, on, names, spec = self._start(prefix, locals())
     engine = self._generate_engine
-    state = engine.run(
-      caches, state, inputs, jnp.int32(steps), adapters=on, speculation=spec
-    )
+
+    def run(state):
+      return engine.run(
+        caches, state, inputs, jnp.int32(steps), adapters=on, speculation=spec
+      )
+
+    if spec is None:
+      state = run(state)
+    else:
+      rows = state.tokens.shape[0]
+      calibration = self._calibrations.setdefault(
+        (spec, rows), Calibration(spec, rows)
+      )
+      state = calibration.run(state, run, lambda: compiled_programs(engine))
     tokens, result = finished(state, 0, steps)
     return tokens, tagged(result, names)
 

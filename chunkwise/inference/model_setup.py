@@ -111,6 +111,8 @@ class ModelSetup:
     self._mesh = mesh
     self._layouts = phases
     self._served = None  # adapters.AdapterSet (with_adapters)
+    # Speculative passes' measured costs, per (settings, batch) of generate.
+    self._calibrations: dict = {}
     self._prefill_engine, self._generate_engine = make_engines(
       hparams,
       weights,

@@ -31,7 +31,7 @@ from chunkwise.inference.batching.slot_requests import prompt_bucket
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engines.engine import Engine
 from chunkwise.inference.paging import page_table, prefix_cache
-from chunkwise.inference.speculation import PRIORS, SpecRows
+from chunkwise.inference.speculation import SpecRows
 from chunkwise.partitioning.placement import put
 
 ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
@@ -86,9 +86,7 @@ def with_speculation(state: slots.SlotState, speculation, capacity: int):
   if speculation is None:
     return state
   empty = np.zeros((state.slots, capacity), np.int32)
-  rows = SpecRows.start(
-    empty, np.zeros(state.slots, np.int32), PRIORS[speculation.drafter]
-  )
+  rows = SpecRows.start(empty, np.zeros(state.slots, np.int32), speculation)
   return state.replace(spec=replicated_like(state, rows))
 
 

@@ -60,9 +60,14 @@ from chunkwise.inference.batching.slot_requests import (  # noqa: F401 (re-expor
   prompt_bucket,
   slot_capacity,
 )
-from chunkwise.inference.engines.engine import Engine, prefix_inputs
+from chunkwise.inference.engines.engine import (
+  Engine,
+  compiled_programs,
+  prefix_inputs,
+)
 from chunkwise.inference.paging import page_table, prefix_cache
 from chunkwise.inference.results import ChunkResult
+from chunkwise.inference.speculation.calibration import Calibration
 
 
 def run_many(
@@ -132,6 +137,9 @@ def run_many(
     )
   )
   state = with_speculation(state, speculation, call.capacity)
+  calibration = (
+    None if speculation is None else Calibration(speculation, state.slots)
+  )
   occupant = np.full(slots_n, -1)
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
@@ -211,12 +219,13 @@ def run_many(
       take = [i for i, _ in take]
       inputs = _inputs(call, occupant)
       ids = np.where(occupant >= 0, call.adapter_ids[occupant], -1)
-      state = generate_engine.slot_run(
+      state = segment(
+        generate_engine,
+        calibration,
         caches,
         state,
         inputs,
         jnp.int32(every),
-        jnp.bool_(True),
         adapters=adapters_of(generate_engine, ids.astype(np.int32)),
         speculation=speculation,
       )
@@ -277,3 +286,15 @@ def _progress_bar(total: int, show: bool):
     unit="request",
     disable=not show or jax.process_index() != 0,
   )
+
+
+def segment(engine, calibration, caches, state, inputs, every, **kw):
+  """One segment of a slot loop (`slot_run`), its speculative passes costed by
+  `calibration` (None without speculation)."""
+
+  def run(state):
+    return engine.slot_run(caches, state, inputs, every, jnp.bool_(True), **kw)
+
+  if calibration is None:
+    return run(state)
+  return calibration.run(state, run, lambda: compiled_programs(engine))

@@ -46,6 +46,7 @@ from chunkwise.configs import HParams
 from chunkwise.inference import long_prefill
 from chunkwise.inference.batching import admission, slots
 from chunkwise.inference.batching.admission import Admission
+from chunkwise.inference.batching.continuous import segment
 from chunkwise.inference.batching.live_requests import (
   Intake,
   Prepared,
@@ -58,6 +59,7 @@ from chunkwise.inference.paging import page_table
 from chunkwise.inference.paging import prefix_cache as prefix_cache_lib
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.speculation import Speculation, SpeculationStats
+from chunkwise.inference.speculation.calibration import Calibration
 
 STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
 
@@ -176,6 +178,9 @@ class LiveSlots:
       capacity,
     )
     self.speculation = speculation
+    self._calibration = (
+      None if speculation is None else Calibration(speculation, slots_n)
+    )
     # Counts of every finished request (`SpeculationStats`).
     self.speculation_totals = SpeculationStats()
     # A step's iterations emit up to k + 1 tokens each.
@@ -267,12 +272,13 @@ class LiveSlots:
     inputs = self._settings.inputs(
       self._start, live, (*self._loop_forms, self._grammars.processor())
     )
-    self._state = engine.slot_run(
+    self._state = segment(
+      engine,
+      self._calibration,
       self._caches,
       self._state,
       inputs,
       jnp.int32(steps),
-      jnp.bool_(True),
       adapters=self._adapters(
         engine, np.where(live, self._settings.adapter, -1)
       ),

@@ -6,6 +6,8 @@ speculative twins of both device loops.
                choice of each pass's width; imports only `inference.chunk`.
   draft        the "draft" drafter: the target's own weights in int8.
   verify       one pass over [y0, d1..dw]: the tokens the target keeps.
+  calibration  each pass width timed on this device: the costs the width
+               choice uses in place of the settings' assumed ones.
   speculative  `run` and `slot_run`, `generate.run` and `batching.slots.run`
                with speculation.
 

@@ -34,15 +34,18 @@ proposed: it is always accepted.
 How many positions a pass verifies is chosen per iteration among compiled
 widths (`widths`: 0, the plain step, then powers of two up to `k`): the
 width that maximises expected tokens per cost, where each row's drafts are
-expected to be accepted at its running acceptance rate, and a pass over B
-rows of w + 1 positions costs `weight_rows` + B (w + 1): reading the
-weights costs as much as computing `weight_rows` positions (the machine's
-ridge point, in rows; about 20 for SmolLM2 on a 2-core CPU, hundreds on
-accelerators). So batch 1 drafts freely, while a wide batch drafts only
-where acceptance pays for the extra positions. The "draft" drafter adds
-w draft steps, each `draft_cost` times a plain step. Rows whose drafts stop
-paying fall back to plain steps; their rate drifts back towards the
-prior, so they try again later.
+expected to be accepted at its running acceptance rate. A pass's cost is
+measured on the device (`calibration.py`: the first calls or segments of
+a loop time a pass of each width in turn, then use those times); until
+then, and with `calibrate=False`, the prior says a pass over B rows of
+w + 1 positions costs `weight_rows` + B (w + 1): reading the weights costs
+as much as computing `weight_rows` positions (the machine's ridge point,
+in rows; about 20 for SmolLM2 on a 2-core CPU, hundreds on accelerators).
+So batch 1 drafts freely, while a wide batch drafts only where acceptance
+pays for the extra positions. The "draft" drafter adds w draft steps,
+each `draft_cost` times a plain step. Rows whose drafts stop paying fall
+back to plain steps; their rate drifts back towards the prior, so they
+try again later.
 """
 
 from __future__ import annotations
@@ -80,9 +83,12 @@ class Speculation:
     widths: drafted positions of the compiled passes (0, the plain step,
       is always one); default: powers of two from 2 up to `k`, and `k`.
     weight_rows: the cost of one pass's weight reads, in computed
-      positions (module docstring).
+      positions (module docstring): the prior of a pass's cost.
     draft_cost: for "draft": one draft step's cost over a plain step's
-      (int8 at batch 1 on a 2-core CPU: ~0.5).
+      (int8 at batch 1 on a 2-core CPU: ~0.5): the prior too.
+    calibrate: time the passes of each width on this device and use
+      those costs instead of the prior's (`calibration.py`); False: the
+      prior's always.
     context: for `generate`: the tokens before the call (a `Chunk` or a
       list of them, oldest first; batches divide the call's, rows repeat
       each as prefixes do) that "ngram" searches with the generated ones.
@@ -98,6 +104,7 @@ class Speculation:
   widths: tuple[int, ...] | None = None
   weight_rows: float = 20.0
   draft_cost: float = 0.5
+  calibrate: bool = dataclasses.field(default=True, compare=False)
   context: Any = dataclasses.field(default=None, compare=False, hash=False)
 
   def checked(self) -> Speculation:
@@ -152,6 +159,18 @@ class Speculation:
       widths=widths,
       weight_rows=cost,
       draft_cost=draft_cost,
+      calibrate=bool(self.calibrate),
+    )
+
+  def prior_costs(self, rows: int) -> np.ndarray:
+    """f32[len(widths)]: each compiled pass's cost over `rows` rows as the
+    settings assume it (checked settings; module docstring): weight reads
+    plus rows * (w + 1) positions, plus the "draft" drafter's w steps."""
+    draft = self.draft_cost if self.drafter == "draft" else 0.0
+    w = np.asarray(self.widths, np.float32)
+    read = self.weight_rows
+    return (read + rows * (w + 1) + w * draft * (read + rows)).astype(
+      np.float32
     )
 
 
@@ -204,6 +223,8 @@ class SpecRows:
   accepted_tokens: jax.Array
   passes: jax.Array  # int32[rows]: iterations in a pass of width > 0
   steps: jax.Array  # int32[rows]: iterations (tokens drawn as y0)
+  cost: jax.Array  # f32[widths]: each pass's cost (`choose_width`)
+  force: jax.Array  # int32[]: the pass every iteration takes; -1: chosen
 
   @classmethod
   def axes(cls) -> SpecRows:
@@ -219,16 +240,19 @@ class SpecRows:
       accepted_tokens=rows,
       passes=rows,
       steps=rows,
+      cost=P(),
+      force=P(),
     )
 
   @classmethod
   def start(
-    cls, history: np.ndarray, filled: np.ndarray, prior: float
+    cls, history: np.ndarray, filled: np.ndarray, spec: Speculation
   ) -> SpecRows:
-    """Rows with `history` (int32[rows, H]) of `filled` tokens each, and
-    the drafter's `prior` rate."""
+    """Rows with `history` (int32[rows, H]) of `filled` tokens each, at
+    the drafter's prior rate, passes costed as `spec` (checked) assumes."""
     rows = history.shape[0]
     zeros = np.zeros(rows, np.int32)
+    prior = PRIORS[spec.drafter]
     return cls(
       history=np.asarray(history, np.int32),
       filled=np.asarray(filled, np.int32),
@@ -239,6 +263,8 @@ class SpecRows:
       accepted_tokens=zeros,
       passes=zeros,
       steps=zeros,
+      cost=spec.prior_costs(rows),
+      force=np.int32(-1),
     )
 
   def stats(self, rows=slice(None)) -> SpeculationStats:
@@ -270,7 +296,7 @@ def prepare(
     )
   checked = speculation.checked()
   history, filled = context_rows(speculation.context, batch, width)
-  rows = SpecRows.start(history, filled, PRIORS[checked.drafter])
+  rows = SpecRows.start(history, filled, checked)
   return checked, jax.tree.map(jnp.asarray, rows)
 
 
@@ -363,16 +389,19 @@ def choose_width(
   counts: jax.Array,
   rate: jax.Array,
   sure: jax.Array | None = None,
+  cost: jax.Array | None = None,
+  force: jax.Array | None = None,
 ) -> jax.Array:
   """The index into `spec.widths` (checked settings) of the pass with the
   most expected tokens per cost: each `live` row gives its next token, and
   a row with c drafts, the first s of them `sure` (forced), at acceptance
   rate a expects min(s, w) + sum_{s<j<=min(c, w)} a^(j-s) more from a pass
-  of width w, which costs weight_rows + rows * (w + 1), plus, for the
-  "draft" drafter, w draft steps of `draft_cost` times a plain step
-  (weight_rows + rows) each."""
-  widths, weight_rows = spec.widths, spec.weight_rows
-  draft_cost = spec.draft_cost if spec.drafter == "draft" else 0.0
+  of width w. `cost` (f32[widths]): each pass's cost, measured or the
+  prior's (`Speculation.prior_costs`, the default); `force` >= 0: that
+  pass, whatever it is worth (calibration)."""
+  widths = spec.widths
+  if cost is None:
+    cost = jnp.asarray(spec.prior_costs(counts.shape[0]))
   live = jnp.sum(live).astype(jnp.float32)
   sure = jnp.zeros_like(counts) if sure is None else sure
   j = jnp.arange(1, widths[-1] + 1)[None, :]
@@ -381,13 +410,14 @@ def choose_width(
     j <= sure[:, None], 1.0, rate[:, None] ** (j - sure[:, None])
   )
   scores = []
-  for w in widths:
+  for i, w in enumerate(widths):
     taken = j[:, :w] <= counts[:, None]
     gain = jnp.sum(jnp.where(taken, chance[:, :w], 0.0))
-    rows = counts.shape[0]
-    cost = weight_rows + rows * (w + 1) + w * draft_cost * (weight_rows + rows)
-    scores.append((live + gain) / cost)
-  return jnp.argmax(jnp.stack(scores)).astype(jnp.int32)
+    scores.append((live + gain) / cost[i])
+  pick = jnp.argmax(jnp.stack(scores)).astype(jnp.int32)
+  if force is not None:
+    pick = jnp.where(force >= 0, force, pick).astype(jnp.int32)
+  return pick
 
 
 def update_rate(

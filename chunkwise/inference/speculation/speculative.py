@@ -1,6 +1,6 @@
 """Speculative twins of the two device loops: `generate.run` and `slots.run`.
 
-  state = state.replace(spec=SpecRows.start(history, filled, prior))
+  state = state.replace(spec=SpecRows.start(history, filled, spec))
   state = run(infer, weights, caches, state, inputs, stop_at, spec=spec)
   state = slot_run(infer, weights, caches, slot_state, slot_inputs,
                    max_steps, until_free, spec=spec)
@@ -93,7 +93,14 @@ def _iterate(
 
   if spec.drafter == "draft":
     # The draft proposes up to k: the width is chosen before it runs.
-    pick = speculation.choose_width(spec, rows.live, most, rows_spec.rate)
+    pick = speculation.choose_width(
+      spec,
+      rows.live,
+      most,
+      rows_spec.rate,
+      cost=rows_spec.cost,
+      force=rows_spec.force,
+    )
     drafts = draft.propose(
       infer,
       shards,
@@ -131,14 +138,26 @@ def _iterate(
     # not pay for a pass, as in a wide batch at the prior rate.
     worth = (
       speculation.choose_width(
-        spec, rows.live, most, rows_spec.rate, most if forcing else None
+        spec,
+        rows.live,
+        most,
+        rows_spec.rate,
+        most if forcing else None,
+        cost=rows_spec.cost,
+        force=rows_spec.force,
       )
       > 0
     )
     drafts, counts, sure = lax.cond(worth, proposed, skipped)
     counts = jnp.minimum(counts, most)
     pick = speculation.choose_width(
-      spec, rows.live, counts, rows_spec.rate, jnp.minimum(sure, counts)
+      spec,
+      rows.live,
+      counts,
+      rows_spec.rate,
+      jnp.minimum(sure, counts),
+      cost=rows_spec.cost,
+      force=rows_spec.force,
     )
     tried = jnp.where(worth, counts > 0, keep0)
 
