@@ -82,10 +82,85 @@ QUICK = frozenset(
 )
 
 
+# Parametrized tests whose whole matrix runs with --long only (CI's time is
+# bounded). By default "cover" runs each value of each parameter at least
+# once (the first case that brings a value not seen yet, in collection
+# order: every layout kind, sharded axes, collective, mesh, preset and
+# variant, not every combination); a number n runs the first n cases.
+MATRICES = {
+  (
+    "test_adapters",
+    "test_every_layout_gives_the_single_device_result",
+  ): "cover",
+  ("test_architectures", "test_every_layout_runs_every_feature"): 3,
+  (
+    "test_architectures",
+    "test_greedy_tokens_match_transformers_past_the_window",
+  ): "cover",
+  (
+    "test_architectures",
+    "test_matches_transformers_on_a_padded_batch_and_a_prefix_split",
+  ): "cover",
+  ("test_blocks", "test_native_every_layout"): 2,
+  ("test_constraints", "test_smollm2_64_sampled_rows_match"): 1,
+  ("test_engine", "test_chained_calls_do_not_wait_for_the_previous_one"): 1,
+  ("test_invariance", "test_generate_many_slots_are_bit_identical_to_alone"): 1,
+  ("test_invariance", "test_generated_rows_do_not_depend_on_the_batch"): 1,
+  ("test_invariance", "test_on_a_mesh"): 1,
+  ("test_jobs_adapters", "test_generate_job_mixes_adapters"): 1,
+  ("test_layouts", "test_collectives_match_reference"): "cover",
+  ("test_layouts", "test_collectives_parallel_block"): "cover",
+  ("test_layouts", "test_layout_matches_reference"): "cover",
+  ("test_long_prompts", "test_prefill_in_pieces_equals_one_chunk"): 1,
+  ("test_quantized", "test_int8_every_layout_and_variant"): "cover",
+  ("test_semantics", "test_chunk_splitting_is_invisible"): "cover",
+  ("test_semantics", "test_rng_contract_independent_of_batch_packing"): 1,
+  (
+    "test_semantics",
+    "test_rng_contract_independent_of_splitting_generation",
+  ): 1,
+  ("test_serving_tools", "test_auto_is_text_or_valid_calls"): "cover",
+  (
+    "test_serving_tools",
+    "test_required_calls_are_valid_greedy_and_sampled",
+  ): "cover",
+  ("test_serving_tools", "test_the_stream_helper_adds_up_to_the_whole"): 1,
+  ("test_sharded_layers", "test_layer_matches_dense"): "cover",
+  ("test_weight_reads", "test_no_weight_is_copied"): "cover",
+}
+
+
+def _matrix_extras(items) -> list:
+  """The cases of MATRICES that run with --long only."""
+  cases: dict[tuple, list] = {}
+  for item in items:
+    key = (item.path.stem, item.originalname)
+    if key in MATRICES and hasattr(item, "callspec"):
+      cases.setdefault(key, []).append(item)
+  extras = []
+  for key, group in cases.items():
+    keep = MATRICES[key]
+    if keep != "cover":
+      extras += group[keep:]
+      continue
+    seen = set()
+    for item in group:
+      values = set()
+      for k, v in item.callspec.params.items():
+        # A layout's parts each count: "wg/none/latency" brings wg, none
+        # and latency.
+        parts = v.split("/") if isinstance(v, str) else [repr(v)]
+        values |= {(k, i, part) for i, part in enumerate(parts)}
+      if values <= seen:
+        extras.append(item)
+      seen |= values
+  return extras
+
+
 def pytest_collection_modifyitems(config, items):
   """Tests of the QUICK modules get the `quick` mark. Tests marked `long`
-  (SmolLM2 variants that others mostly cover) run with --long only: CI's
-  time is bounded."""
+  (SmolLM2 variants that others mostly cover) and MATRICES' other cases
+  run with --long only: CI's time is bounded."""
   for item in items:
     if item.path.stem in QUICK:
       item.add_marker(pytest.mark.quick)
@@ -95,6 +170,9 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "long" in item.keywords:
       item.add_marker(skip)
+  matrix = pytest.mark.skip(reason="long: the rest of a matrix (MATRICES)")
+  for item in _matrix_extras(items):
+    item.add_marker(matrix)
 
 
 def pytest_collectreport(report):

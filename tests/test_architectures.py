@@ -154,10 +154,10 @@ def _everything_reference():
   "layout",
   [
     "ws_1d",
-    "ws_2d",
     "ws_2d/yz",
-    "ws_2d/yzx",
     "wg",
+    "ws_2d",
+    "ws_2d/yzx",
     "ws_2d/yz/throughput",
   ],
 )

@@ -443,6 +443,7 @@ def test_the_plan_digest_covers_adapters(tmp_path, served):
   assert driver._plan_digest([], setup) != digest
 
 
+@pytest.mark.long  # covered by others: run with --long
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_two_processes_match_one_with_adapters(tmp_path, served):

@@ -89,6 +89,7 @@ def test_a_context_cut_anywhere_reads_the_same_int8(tmp_path, tiny, int8):
     assert np.abs(mixed - f32[:, 10:]).max() < 0.1
 
 
+@pytest.mark.long  # covered by others: run with --long
 def test_slots_pages_prefix_cache_and_pieces_equal_generate_alone(
   monkeypatch, int8, alone8
 ):
@@ -192,6 +193,7 @@ def test_bad_kv_dtypes_are_refused_before_any_work(tmp_path):
     jobs.ModelConfig(kv_dtype="fp8")
 
 
+@pytest.mark.long  # covered by others: run with --long
 def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
   """`--kv_dtype=int8` through the generation job (with and without a
   pool: byte for byte alike, and not the f32 job's bytes) and a server

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from chunkwise.bench import schema_coverage
 
 SCRIPT = os.path.join(
@@ -67,6 +69,7 @@ def _run(tmp_path, *flags):
   return report
 
 
+@pytest.mark.long  # covered by others: run with --long
 def test_the_peers_run_the_same_schemas(tmp_path):
   """xgrammar and llguidance on SmolLM2 (the same script, model and
   files): refused.json admits no value, so each engine refuses it or its

@@ -209,6 +209,7 @@ def test_echo_scores_equal_prefill_and_multibyte_text(model, server):
   )
 
 
+@pytest.mark.long  # test_serving_http.py: 16 concurrent streams
 def test_concurrent_sampled_and_greedy_requests(model, server):
   """Four requests at once (greedy and sampled with seeds, a JSON schema):
   each equals `generate` alone on it (tests/test_serving_http.py runs 16

@@ -162,6 +162,7 @@ class Weather(pydantic.BaseModel):
   unit: str
 
 
+@pytest.mark.long  # the parse helper: test_serving_smollm2.py
 def test_parse_gives_the_pydantic_arguments(client):
   c = client.chat.completions.parse(
     model=MODEL,

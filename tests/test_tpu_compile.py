@@ -52,8 +52,6 @@ CASES = [
   (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "bfloat16", {}),
   (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
   (V5E, Phase.GENERATE, "ws_1d/none/latency", "int8", "bfloat16", {}),
-  (V5E, Phase.GENERATE, "wg", "bf16", "bfloat16", {}),
-  (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "int8", {}),
   (V5E, Phase.SLOTS, "ws_2d/yz", "bf16", "bfloat16", {"adapters": 2}),
   (
     V5E,
@@ -63,14 +61,23 @@ CASES = [
     "bfloat16",
     {"speculation": Speculation(drafter="ngram", k=2)},
   ),
-  (V4, Phase.GENERATE, "ws_2d/yzx", "bf16", "bfloat16", {}),
-  (V4, Phase.GENERATE, "ws_2d/yz/latency", "bf16", "bfloat16", {}),
-  (V4, Phase.PREFILL, "ws_2d/yz/throughput", "int8", "bfloat16", {}),
-  (V4, Phase.PREFILL, "wg", "bf16", "bfloat16", {}),
-  (V4, Phase.GENERATE, "ws_1d/z/one_way", "f32", "float32", {}),
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
-  (V4, Phase.PREFILL, "ws_2d/yz/throughput", "Q8_0", "bfloat16", {}),
+  # With --long (CI's time is bounded): weight-gathered, int8 K/V, v4's
+  # 3D torus and its collectives, int8 and Q8_0 prefill.
+  *(
+    pytest.param(case, marks=pytest.mark.long)
+    for case in [
+      (V5E, Phase.GENERATE, "wg", "bf16", "bfloat16", {}),
+      (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "int8", {}),
+      (V4, Phase.GENERATE, "ws_2d/yzx", "bf16", "bfloat16", {}),
+      (V4, Phase.GENERATE, "ws_2d/yz/latency", "bf16", "bfloat16", {}),
+      (V4, Phase.PREFILL, "ws_2d/yz/throughput", "int8", "bfloat16", {}),
+      (V4, Phase.PREFILL, "wg", "bf16", "bfloat16", {}),
+      (V4, Phase.GENERATE, "ws_1d/z/one_way", "f32", "float32", {}),
+      (V4, Phase.PREFILL, "ws_2d/yz/throughput", "Q8_0", "bfloat16", {}),
+    ]
+  ),
 ]
 
 
