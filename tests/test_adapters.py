@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
+from chunkwise.inference.engines.engine import compiled_programs
 from chunkwise.models import lora
 from chunkwise.partitioning import make_mesh
 
@@ -219,12 +220,12 @@ def test_one_more_adapter_in_the_bucket_does_not_recompile():
   first = base.with_adapters(three)
   first.prefill(chunk, adapters=["c", None, "a", "b"])
   engine = first.engines[0]
-  before = cw.inference.engine.compiled_programs(engine)
+  before = compiled_programs(engine)
   second = base.with_adapters(four)
   assert lora.bucket(3) == lora.bucket(4) == 4
   # The same targets (q..down) and rank stacks: the program is reused.
   second.prefill(chunk, adapters=["d", "c", None, "a"])
-  assert cw.inference.engine.compiled_programs(engine) == before
+  assert compiled_programs(engine) == before
 
 
 def test_continuous_batching_runs_each_requests_adapter():

@@ -102,6 +102,7 @@ def test_a_named_choice_is_exactly_that_call(client):
   assert c.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.long  # its language: test_tools.py
 def test_parallel_false_makes_one_call(client):
   for seed in (1, 2):
     c = _create(
@@ -115,6 +116,7 @@ def test_parallel_false_makes_one_call(client):
     assert len(c.choices[0].message.tool_calls) == 1
 
 
+@pytest.mark.long  # its language: test_tools.py
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_auto_is_text_or_valid_calls(client, seed):
   c = _create(client, max_tokens=80, temperature=1, seed=seed)
@@ -131,6 +133,7 @@ def test_none_is_text(client):
   assert message.tool_calls is None and "<tool_call>" not in message.content
 
 
+@pytest.mark.long  # deltas: test_tools.py
 @pytest.mark.parametrize(
   "choice, sampling",
   [("required", dict(temperature=1, seed=7)), ("auto", dict(temperature=0))],
