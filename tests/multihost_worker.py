@@ -46,7 +46,9 @@ def scenario(model):
   }
 
 
-def main(argv: list[str]) -> None:
+def start(argv: list[str]):
+  """Joins the two-process runtime from `PORT PROCESS_ID OUT_JSON`;
+  returns (process id, output path, the tiny model on the 2x2x2 mesh)."""
   port, process_id, out = int(argv[1]), int(argv[2]), argv[3]
 
   from chunkwise import partitioning
@@ -71,6 +73,13 @@ def main(argv: list[str]) -> None:
   model = cw.InferenceModel.random(
     cw.configs.get("tiny"), seed=0, mesh=mesh, layout="ws_2d"
   )
+  return process_id, out, model
+
+
+def main(argv: list[str]) -> None:
+  import jax
+
+  process_id, out, model = start(argv)
   result = scenario(model)
   result["process_id"] = process_id
   with open(out, "w") as f:

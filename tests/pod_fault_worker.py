@@ -18,28 +18,14 @@ FAULT = [1, 66, 66, 66]  # the prompt process 1 cannot admit
 
 
 def main(argv: list[str]) -> None:
-  port, process_id, out = int(argv[1]), int(argv[2]), argv[3]
+  from tests.multihost_worker import start
 
-  from chunkwise import partitioning
-
-  partitioning.initialize_multihost(
-    f"127.0.0.1:{port}",
-    num_processes=2,
-    process_id=process_id,
-    cpu_collectives="gloo",
-    local_device_count=4,
-  )
+  process_id, out, model = start(argv)  # the runtime first, then the rest
 
   import jax
 
-  import chunkwise as cw
   from chunkwise.serving.engine import Engine
   from chunkwise.serving.stream import Generation
-
-  mesh = partitioning.make_mesh((2, 2, 2))
-  model = cw.InferenceModel.random(
-    cw.configs.get("tiny"), seed=0, mesh=mesh, layout="ws_2d"
-  )
   engine = Engine(model, slots=4, capacity=128, top_n=0, every=1)
   result = {"process_id": process_id}
   if process_id == 1:
