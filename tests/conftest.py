@@ -119,12 +119,10 @@ MATRICES = {
     "test_semantics",
     "test_rng_contract_independent_of_splitting_generation",
   ): 1,
-  ("test_serving_tools", "test_auto_is_text_or_valid_calls"): "cover",
   (
     "test_serving_tools",
     "test_required_calls_are_valid_greedy_and_sampled",
   ): "cover",
-  ("test_serving_tools", "test_the_stream_helper_adds_up_to_the_whole"): 1,
   ("test_sharded_layers", "test_layer_matches_dense"): "cover",
   ("test_weight_reads", "test_no_weight_is_copied"): "cover",
 }
