@@ -26,6 +26,7 @@ def main(argv: list[str]) -> None:
 
   from chunkwise.serving.engine import Engine
   from chunkwise.serving.stream import Generation
+
   engine = Engine(model, slots=4, capacity=128, top_n=0, every=1)
   result = {"process_id": process_id}
   if process_id == 1:
