@@ -50,7 +50,8 @@ KINDS = {V5E: "TPU v5 lite", V4: "TPU v4", ONE: "TPU v5 lite"}
 # (target, phase, layout, weights, K/V dtype, extras)
 CASES = [
   (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "bfloat16", {}),
-  (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
+  (V5E, Phase.PREFILL, "ws_2d/none", "bf16", "bfloat16", {}),
+  (V5E, Phase.GENERATE, "ws_2d/none", "f32", "float32", {}),
   (V5E, Phase.GENERATE, "ws_1d/none/latency", "int8", "bfloat16", {}),
   (V5E, Phase.SLOTS, "ws_2d/yz", "bf16", "bfloat16", {"adapters": 2}),
   (
@@ -64,10 +65,12 @@ CASES = [
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
   # With --long (CI's time is bounded): weight-gathered, int8 K/V, v4's
-  # 3D torus and its collectives, int8 and Q8_0 prefill.
+  # 3D torus and its collectives, f32 (XLA:TPU takes 30 s over it on 2
+  # cores), int8 and Q8_0 prefill.
   *(
     pytest.param(case, marks=pytest.mark.long)
     for case in [
+      (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
       (V5E, Phase.GENERATE, "wg", "bf16", "bfloat16", {}),
       (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "int8", {}),
       (V4, Phase.GENERATE, "ws_2d/yzx", "bf16", "bfloat16", {}),
