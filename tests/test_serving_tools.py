@@ -335,9 +335,8 @@ def qwen_style():
 
 
 def test_a_native_template_calls_in_its_format(qwen_style):
-  for kw in (dict(temperature=0), dict(temperature=1, seed=3)):
-    c = _create(qwen_style, tool_choice="required", max_tokens=120, **kw)
-    _valid_calls(c.choices[0].message)
+  c = _create(qwen_style, tool_choice="required", max_tokens=120, temperature=0)
+  _valid_calls(c.choices[0].message)
   kw = dict(
     model=MODEL,
     messages=ASK,
@@ -348,6 +347,7 @@ def test_a_native_template_calls_in_its_format(qwen_style):
     seed=5,
   )
   whole = qwen_style.chat.completions.create(**kw).choices[0].message
+  _valid_calls(whole)  # sampled
   with qwen_style.chat.completions.stream(**kw) as stream:
     for _ in stream:
       pass
@@ -374,7 +374,7 @@ def test_a_native_template_calls_in_its_format(qwen_style):
   # arguments as an object) and the result, token for token.
   import chunkwise as cw
 
-  vocab = cw.load(MODEL).vocab
+  vocab = cw.checkpoints.describe(MODEL).vocab
   with open(QWEN_TEMPLATE, encoding="utf-8") as f:
     vocab = vocab.with_chat_template(f.read())
   text = vocab.apply_chat_template(
