@@ -175,14 +175,13 @@ _INT_LISTS = (
 _COLUMN_LISTS = ("paged_attention_contexts", "kv_dtype_contexts")
 
 
-def _choices() -> dict[str, tuple[str, ...]]:
-  """Lists of names; empty (but for --weights) means "not run"."""
-  return {
-    "weights": WEIGHTS,
-    "hf_dtypes": reference.TORCH_DTYPES,
-    "constraints": tuple(CONSTRAINTS),
-    "numerics": NUMERICS,
-  }
+# Lists of names; empty (but for --weights) means "not run".
+_CHOICES = {
+  "weights": WEIGHTS,
+  "hf_dtypes": reference.TORCH_DTYPES,
+  "constraints": tuple(CONSTRAINTS),
+  "numerics": NUMERICS,
+}
 
 
 def positive_ints(name: str, values) -> list[int]:
@@ -221,7 +220,7 @@ def _columns(name: str, values) -> tuple[int, ...]:
 def from_flags(flags: Mapping[str, Any]) -> Settings:
   """Settings from the flags' values (absl's: lists of strings for lists),
   each checked; `compare_hf` and `speculate_k` shape two fields."""
-  choices = _choices()
+  choices = _CHOICES
   values = {}
   for field in dataclasses.fields(Settings):
     name = field.name
