@@ -65,8 +65,8 @@ CASES = [
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
   # With --long (CI's time is bounded): weight-gathered, int8 K/V, v4's
-  # 3D torus and its collectives, f32 (XLA:TPU takes 30 s over it on 2
-  # cores), int8 and Q8_0 prefill.
+  # 3D torus and its collectives, f32 prefill (XLA:TPU takes 30 s over
+  # it on 2 cores), int8 and Q8_0 prefill.
   *(
     pytest.param(case, marks=pytest.mark.long)
     for case in [

@@ -220,7 +220,6 @@ def _columns(name: str, values) -> tuple[int, ...]:
 def from_flags(flags: Mapping[str, Any]) -> Settings:
   """Settings from the flags' values (absl's: lists of strings for lists),
   each checked; `compare_hf` and `speculate_k` shape two fields."""
-  choices = _CHOICES
   values = {}
   for field in dataclasses.fields(Settings):
     name = field.name
@@ -229,8 +228,8 @@ def from_flags(flags: Mapping[str, Any]) -> Settings:
       v = tuple(positive_ints(name, v))
     elif name in _COLUMN_LISTS:
       v = _columns(name, v)
-    elif name in choices and (v or name == "weights"):
-      v = tuple(one_of(name, v, choices[name]))
+    elif name in _CHOICES and (v or name == "weights"):
+      v = tuple(one_of(name, v, _CHOICES[name]))
     elif name == "speculate" and v:
       drafters = one_of(name, v, Speculation.DRAFTERS)
       try:
