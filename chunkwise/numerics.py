@@ -284,6 +284,8 @@ def batched(
   ones: bool = False,
   heads: tuple | None = None,
   shift: jax.Array | None = None,
+  rows: jax.Array | None = None,
+  valid: jax.Array | None = None,
 ) -> jax.Array:
   """`cpu_kernels.invariant_matmul` of per-group operands (attention):
   x f32[G, M, K], w [..., K, N] (k-major) or [..., N, K] (n-major) whose
@@ -291,7 +293,10 @@ def batched(
   sums by XLA (not invariant). heads: (first, count) reads heads [first,
   first + count) of w [b, kv, ..] (G = b * count) in place. shift
   f32[G, M]: x enters as `exp(x - shift[..., None])` (computed in the
-  kernel, bit for bit that of `exp`)."""
+  kernel, bit for bit that of `exp`). rows int32[n]: w [b', kv, S, D] is
+  read at those rows (G = n * (count or kv)); valid int32[n or b]: a
+  row's keys past valid[r] are masked by the caller and not read (the
+  kernel's chains stop there; XLA's twin reads them all)."""
   if heads is not None:
     first = jnp.asarray(heads[0], jnp.int32).reshape(1)
     count = heads[1]
@@ -316,12 +321,16 @@ def batched(
       ones=ones,
       shift=sh,
       heads=None if heads is None else (first, count),
+      rows=rows,
+      valid=valid,
     )
 
   def twin(x, w, *rest):
     acc, sh = split(rest)
     if sh is not None:
       x = exp(x - sh[..., None])
+    if rows is not None:
+      w = jnp.take(w, rows, axis=0, mode="clip")
     if heads is not None:
       w = lax.dynamic_slice_in_dim(w, first[0], count, axis=1)
     w = w.astype(jnp.float32).reshape(x.shape[0], *w.shape[-2:])

@@ -111,13 +111,16 @@ def test_every_path_is_the_definition(case):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_fused_is_its_plain_twin_bit_for_bit(case):
   q, specs = _case(case, seed=1)
-  pieces = [((k, v, first), mask) for k, v, first, mask in specs]
+  pieces = [((k, v, first, None, None), mask) for k, v, first, mask in specs]
   time = q.shape[1]
   # The twin reads a head window of a [b, heads, S, D] piece in place
   # only as a traced first head, as the model hands it over.
   twin_pieces = [
-    ((k, v, None if k.shape[1] == q.shape[2] else jnp.int32(first)), mask)
-    for (k, v, first), mask in pieces
+    (
+      (k, v, None if k.shape[1] == q.shape[2] else jnp.int32(first), None, None),
+      mask,
+    )
+    for (k, v, first, _, _), mask in pieces
   ]
   masks = [m.reshape((*m.shape[:3], 1, 1, *m.shape[3:])) for _, m in pieces]
   fused_pieces = [(p, m) for (p, _), m in zip(pieces, masks, strict=True)]

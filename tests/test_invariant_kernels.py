@@ -286,6 +286,69 @@ def test_a_window_of_heads_is_read_in_place():
     )
 
 
+@paths
+@pytest.mark.parametrize("m", [3, 40])  # decode rows (streams), packed tiles
+def test_a_cache_is_read_by_row_up_to_its_valid_keys(m, isa):
+  """rows= reads a [b, kv, S, D] cache's rows where they are, valid= stops
+  each row's chains at its valid keys: the logits, then the values pass
+  (shifted, with the ones column) of the rows gathered and cut to their
+  keys, bit for bit, whatever the keys past them hold; a row of 0 keys
+  gives its starts, and the portable loops define the same."""
+  rng = np.random.default_rng(m)
+  b, kv, s, d, count = 5, 3, 70, 16, 2
+  cache = jnp.asarray(rng.standard_normal((b, kv, s, d)), jnp.float32)
+  rows = jnp.array([3, 0, 4, 9], jnp.int32)  # 9: past the cache (clamped)
+  valid = jnp.array([70, 1, 33, 0], jnp.int32)
+  q = jnp.asarray(rng.standard_normal((4 * count, m, d)), jnp.float32)
+  first = jnp.array([1], jnp.int32)
+  kw = dict(heads=(first, count), rows=rows, valid=valid, isa=isa)
+  logits = cpu_kernels.invariant_matmul(q, cache, nmajor=True, **kw)
+  start = jnp.asarray(rng.standard_normal((4 * count, m, d + 1)), jnp.float32)
+  top = jnp.max(logits, -1)
+  out = cpu_kernels.invariant_matmul(
+    logits, cache, None, start, nmajor=False, ones=True, shift=top, **kw
+  )
+  for name, isa_ in (("portable", "portable"), (isa, isa)):
+    again = cpu_kernels.invariant_matmul(
+      logits, cache, None, start, nmajor=False, ones=True, shift=top,
+      heads=(first, count), rows=rows, valid=valid, isa=isa_,
+    )
+    assert np.array_equal(again, out), name
+    assert np.array_equal(
+      cpu_kernels.invariant_matmul(
+        q, cache, nmajor=True, heads=(first, count), rows=rows, valid=valid,
+        isa=isa_,
+      ),
+      logits,
+    ), name
+  gathered = cache[np.clip(np.asarray(rows), 0, b - 1)]
+  for r in range(4):
+    n = int(valid[r])
+    g = slice(r * count, (r + 1) * count)
+    one = gathered[r : r + 1, 1 : 1 + count, :n]
+    want = cpu_kernels.invariant_matmul(q[g], one, nmajor=True, isa=isa)
+    assert np.array_equal(logits[g, :, :n], want), r
+    assert not np.any(logits[g, :, n:]), r  # past the keys: +0
+    want = cpu_kernels.invariant_matmul(
+      logits[g, :, :n], one, None, start[g], nmajor=False, ones=True,
+      shift=top[g], isa=isa,
+    )
+    assert np.array_equal(out[g], want), r
+  # The values pass over every key, those past a row's valid ones masked
+  # (exp(-1e30 - top) = 0): what attention computed before, the same bits.
+  masked = jnp.where(jnp.arange(s) < jnp.repeat(valid, count)[:, None, None],
+                     logits, -1e30)
+  whole = cpu_kernels.invariant_matmul(
+    masked, gathered, None, start, nmajor=False, ones=True, shift=top,
+    heads=(first, count), isa=isa,
+  )
+  assert np.array_equal(whole, out)
+  with pytest.raises(Exception, match="one entry per row"):
+    cpu_kernels.invariant_matmul(
+      q, cache, nmajor=True, heads=(first, count), rows=rows[:3]
+    )
+
+
 def _cpu_flags() -> set[str]:
   try:
     with open("/proc/cpuinfo") as f:

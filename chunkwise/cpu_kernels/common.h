@@ -77,12 +77,41 @@ struct Problem {
   // A window of `count` of w's `heads` (its second dim) from `first`:
   // batch g reads w's [g / count, first + g % count]; count 0: none.
   i64 heads = 0, count = 0, first = 0;
+  // An attention cache [lead, heads, S, D] read in place (nullptr: none).
+  // Batch g belongs to the cache's logical row r = g / per (per: the
+  // window's count, else the cache's heads). `rows`: row r reads the
+  // cache's row rows[r] (clamped into [0, lead)) instead of row r.
+  // `valid`: only the first valid[r] keys of row r enter (clamped into
+  // [0, S]): a k-major product's chains stop after input valid[r] - 1, an
+  // n-major product's outputs from column valid[r] on are their starts
+  // (acc or +0). Past a row's length every key is masked, and a masked
+  // key's weight exp(-1e30 - top) is exactly 0, so the chains that stop
+  // early hold what the longer ones would (invariant_attention.py).
+  const int32_t* rows = nullptr;
+  const int32_t* valid = nullptr;
+  i64 per = 1, lead = 0;
 
   CW_INLINE i64 cols() const { return N + (ones ? 1 : 0); }
+  CW_INLINE i64 lead_row(i64 r) const {
+    if (rows == nullptr) return r;
+    const i64 x = rows[r];
+    return x < 0 ? 0 : x >= lead ? lead - 1 : x;
+  }
   CW_INLINE i64 w_index(i64 g) const {
     if (w_shared) return 0;
-    return count ? (g / count) * heads + first + g % count : g;
+    if (count) return lead_row(g / count) * heads + first + g % count;
+    if (rows) return lead_row(g / per) * per + g % per;
+    return g;
   }
+  CW_INLINE i64 limit(i64 g, i64 n) const {
+    if (valid == nullptr) return n;
+    const i64 v = valid[g / per];
+    return v < 0 ? 0 : v > n ? n : v;
+  }
+  // Inputs that enter batch g's chains (k-major: up to its valid keys).
+  CW_INLINE i64 k_end(i64 g) const { return nmajor ? K : limit(g, K); }
+  // Columns of batch g that are computed (n-major: its valid keys).
+  CW_INLINE i64 n_end(i64 g) const { return nmajor ? limit(g, N) : cols(); }
   template <class W>
   CW_INLINE const W* weight(i64 g) const {
     return static_cast<const W*>(w) + w_index(g) * K * N;

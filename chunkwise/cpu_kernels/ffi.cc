@@ -125,9 +125,11 @@ ffi::Error table_of(int64_t isa, const Table** table) {
 ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::AnyBuffer scale, ffi::Buffer<ffi::F32> acc,
                      ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::S32> first,
-                     ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::AnyBuffer offset, ffi::Buffer<ffi::S32> rows,
+                     ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out,
                      int64_t count, int64_t nmajor, int64_t scaled, int64_t has_acc,
-                     int64_t has_shift, int64_t ones, int64_t has_offset, int64_t isa) {
+                     int64_t has_shift, int64_t ones, int64_t has_offset, int64_t has_rows,
+                     int64_t has_valid, int64_t isa) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scale.dimensions();
@@ -157,8 +159,26 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   const bool int8 = p.type == chunkwise::Weight::kI8 || u4;
   if ((scaled != 0) != int8)
     return ffi::Error::InvalidArgument("scale is given for int8 weights, and only for them");
+  // An attention cache read by row (`rows`: each of n rows names the
+  // cache's row it reads) or up to each row's valid keys: w [b, heads, S,
+  // D], a float, G = n * (count or heads).
+  const i64 n_rows = has_rows ? static_cast<i64>(rows.element_count())
+                     : has_valid ? static_cast<i64>(valid.element_count())
+                                 : (r == 4 ? wd[0] : 0);
+  if (has_rows || has_valid) {
+    const i64 per = count > 0 ? count : (r == 4 ? wd[1] : 0);
+    if (r != 4 || int8 || n_rows <= 0 || p.G != n_rows * per ||
+        (has_rows && has_valid && static_cast<i64>(valid.element_count()) != n_rows) ||
+        (!has_rows && wd[0] != n_rows))
+      return ffi::Error::InvalidArgument(
+          "rows and valid need a float w [b, heads, S, D] and one entry per row of G");
+    p.per = per;
+    p.lead = wd[0];
+    if (has_rows) p.rows = rows.typed_data();
+    if (has_valid) p.valid = valid.typed_data();
+  }
   if (count > 0) {  // a window of heads: w [b, heads, ...]
-    if (r != 4 || p.G != wd[0] * count || count > wd[1] || int8)
+    if (r != 4 || p.G != n_rows * count || count > wd[1] || int8)
       return ffi::Error::InvalidArgument("a heads window needs w [b, kv, ., .], G = b * count");
     p.heads = wd[1];
     p.count = count;
@@ -170,6 +190,7 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   p.w_shared = gw == 1 && count == 0;
   if (u4 && (!p.w_shared || p.K % 2))
     return ffi::Error::InvalidArgument("a u4 weight is one [K / 2, N] or [N, K / 2], K even");
+  if (has_rows && count == 0) gw = p.G;  // each row's heads, read by rows
   if ((p.nmajor ? wd[r - 1] : wd[r - 2]) * (u4 ? 2 : 1) != p.K || (gw != 1 && gw != p.G))
     return ffi::Error::InvalidArgument("x and w shapes disagree");
   if (od[0] != p.G || od[1] != p.M || od[2] != p.cols())
@@ -368,6 +389,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("count")
                                   .Attr<int64_t>("nmajor")
@@ -376,6 +399,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Attr<int64_t>("has_shift")
                                   .Attr<int64_t>("ones")
                                   .Attr<int64_t>("has_offset")
+                                  .Attr<int64_t>("has_rows")
+                                  .Attr<int64_t>("has_valid")
                                   .Attr<int64_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantUnary, Unary,

@@ -27,6 +27,14 @@ fixed tree.
   every code chunk: `common.h`);
   heads: (first int32[1], count) reads the heads [first, first + count)
   of a w [b, kv, ...] in place, for G = b * count.
+  rows: int32[n], an attention cache w [b, kv, S, D] (f32 or bf16) read
+  by row: batch g of row r = g // (count or kv) reads w's row rows[r]
+  (clamped into [0, b)), for G = n * (count or kv) (a slot loop's
+  running rows, read where they are among all its slots).
+  valid: int32[n] (n: rows', else w's b): only the first valid[r] keys of
+  row r enter, the rest being masked (attention over a cache's filled
+  columns): a k-major product's chains stop after input valid[r] - 1, an
+  n-major one's outputs from column valid[r] on are their starts.
   Returns f32 [G, M, N'] with N' = N + ones.
 
 Registered for the CPU platform only: call it under
@@ -60,11 +68,14 @@ def invariant_matmul(
   isa: str | None = None,
   heads: tuple | None = None,
   offset=None,
+  rows=None,
+  valid=None,
 ) -> jax.Array:
   g, m, _ = x.shape
   n = (w.shape[-2] if nmajor else w.shape[-1]) + int(ones)
   dummy = jnp.zeros((1, 1, 1), jnp.float32)
-  first, count = (jnp.zeros((1,), jnp.int32), 0) if heads is None else heads
+  none = jnp.zeros((1,), jnp.int32)
+  first, count = (none, 0) if heads is None else heads
   return jax.ffi.ffi_call(
     build.INVARIANT_TARGET, jax.ShapeDtypeStruct((g, m, n), jnp.float32)
   )(
@@ -75,6 +86,8 @@ def invariant_matmul(
     dummy if shift is None else jnp.asarray(shift, jnp.float32),
     jnp.asarray(first, jnp.int32).reshape(1),
     dummy if offset is None else _f32_or_f16(offset),
+    none if rows is None else jnp.asarray(rows, jnp.int32).reshape(-1),
+    none if valid is None else jnp.asarray(valid, jnp.int32).reshape(-1),
     count=int(count),
     nmajor=int(nmajor),
     scaled=int(scale is not None),
@@ -82,6 +95,8 @@ def invariant_matmul(
     has_shift=int(shift is not None),
     ones=int(ones),
     has_offset=int(offset is not None),
+    has_rows=int(rows is not None),
+    has_valid=int(valid is not None),
     isa=isa_lib.number(isa),
   )
 

@@ -68,17 +68,18 @@ constexpr i64 kAhead = 8;
 // ---- float: packing --------------------------------------------------------
 
 // Rows [m0, m1) of batch g's x as they enter the product: x itself, or
-// with a shift exp(x - shift) (as `unary` computes it) into `buf`; row m
-// at the result + (m - m0) * K.
-inline const float* x_rows(const Problem& p, i64 g, i64 m0, i64 m1, std::vector<float>& buf) {
+// with a shift exp(x - shift) (as `unary` computes it) into `buf` (its
+// first `K` inputs, those that enter); row m at the result + (m - m0) * K.
+inline const float* x_rows(const Problem& p, i64 g, i64 m0, i64 m1, std::vector<float>& buf,
+                           i64 K) {
   if (!p.shift) return p.xrow(g, m0);
   if (buf.size() < static_cast<size_t>((m1 - m0) * p.K)) buf.resize((m1 - m0) * p.K);
   for (i64 m = m0; m < m1; ++m) {
     const float* x = p.xrow(g, m);
     float* e = buf.data() + (m - m0) * p.K;
     const V sh = Vec::set1(p.shift[g * p.M + m]);
-    for (i64 k = 0; k < p.K; k += W) {
-      const i64 left = p.K - k;
+    for (i64 k = 0; k < K; k += W) {
+      const i64 left = K - k;
       const V v = exp_lanes<Vec::L>(Vec::L::sub(left >= W ? Vec::load(x + k) : Vec::loadn(x + k, left), sh));
       if (left >= W) Vec::store(e + k, v);
       else Vec::storen(e + k, v, left);
@@ -207,9 +208,10 @@ void packed_block(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   thread_local LineBuffer<float> panels;
   thread_local std::vector<float> ebuf;
   float* panel = panels.get(tiles * kKC * kNR);
-  const float* xs = x_rows(p, g, m0, m1, ebuf);
-  for (i64 k0 = 0; k0 < p.K; k0 += kKC) {
-    const i64 kc = std::min(kKC, p.K - k0);
+  const i64 K = p.k_end(g);
+  const float* xs = x_rows(p, g, m0, m1, ebuf, K);
+  for (i64 k0 = 0; k0 < K; k0 += kKC) {
+    const i64 kc = std::min(kKC, K - k0);
     for (i64 t = 0; t < tiles; ++t)
       pack_panel<T>(p, w, k0, kc, n0 + t * kNR, panel + t * kKC * kNR);
     for (i64 t = 0; t < tiles; ++t) {
@@ -269,15 +271,16 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const i64 rows = m1 - m0;
   const i64 subs = (n1 - n0 + kSub - 1) / kSub;
   thread_local std::vector<float> ebuf;
-  const float* xs = x_rows(p, g, m0, m1, ebuf);
+  const i64 K = p.k_end(g);
+  const float* xs = x_rows(p, g, m0, m1, ebuf, K);
   const Rows acc = rows_begin(p, g, m0, m1, n0, n1, kSub);
   float* A = acc.A;
   const i64 stride = acc.stride;
   i64 k = 0;
-  for (; k + 4 <= p.K; k += 4)
+  for (; k + 4 <= K; k += 4)
     for (i64 sb = 0; sb < subs; ++sb) {
       const i64 c0 = n0 + sb * kSub;
-      if (k + kAhead + 4 <= p.K)  // every line of the sub-block's rows
+      if (k + kAhead + 4 <= K)  // every line of the sub-block's rows
         for (int i = 0; i < 4; ++i)
           for (i64 c = c0; c < std::min(c0 + kSub, n1); c += 64 / static_cast<i64>(sizeof(T)))
             prefetch(w + (k + kAhead + i) * p.N + c);
@@ -297,7 +300,7 @@ void kmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
         }
       }
     }
-  for (; k < p.K; ++k)
+  for (; k < K; ++k)
     for (i64 c = 0; c < stride; c += W) {
       const V wv = kmajor_weights(p, w, k, n0 + c);
       for (i64 m = 0; m < rows; ++m) {
@@ -320,7 +323,7 @@ void nmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   const T* w = p.weight<T>(g);
   const i64 rows = m1 - m0, K = p.K;
   thread_local std::vector<float> ebuf;
-  const float* xs = x_rows(p, g, m0, m1, ebuf);
+  const float* xs = x_rows(p, g, m0, m1, ebuf, K);
   const Rows acc = rows_begin(p, g, m0, m1, n0, n1, W);
   for (i64 c0 = 0; c0 < n1 - n0; c0 += kGroups * W) {
     const i64 groups = std::min<i64>(kGroups, (n1 - n0 - c0 + W - 1) / W);
@@ -357,6 +360,16 @@ void nmajor_stream(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
   rows_end(p, g, m0, m1, n0, n1, acc);
 }
 
+// Outputs [m0, m1) x [n0, n1) of batch g that no input enters: their
+// chains' starts (acc, or +0).
+inline void starts(const Problem& p, i64 g, i64 m0, i64 m1, i64 n0, i64 n1) {
+  for (i64 m = m0; m < m1; ++m) {
+    const float* acc = p.arow(g, m);
+    float* out = p.orow(g, m);
+    for (i64 n = n0; n < n1; ++n) out[n] = acc ? acc[n] : 0.f;
+  }
+}
+
 template <class T>
 void run_float(const Problem& p, Parallel& par) {
   const i64 width = p.cols();
@@ -383,9 +396,17 @@ void run_float(const Problem& p, Parallel& par) {
     const i64 g = b / (bands * nblocks);
     const i64 m0 = b / nblocks % bands * band, m1 = std::min(p.M, m0 + band);
     const i64 n0 = b % nblocks * nblock, n1 = std::min(width, n0 + nblock);
-    if (!stream) packed_block<T>(p, g, m0, m1, n0, n1);
-    else if (p.nmajor) nmajor_stream<T>(p, g, m0, m1, n0, n1);
-    else kmajor_stream<T>(p, g, m0, m1, n0, n1);
+    // A cache's row past its valid keys (common.h): n-major columns there
+    // are their starts; a k-major block with no input is its starts.
+    const i64 n_end = std::min(n1, p.n_end(g));
+    if (n_end < n1) starts(p, g, m0, m1, std::max(n0, n_end), n1);
+    if (n_end <= n0 || p.k_end(g) == 0) {
+      if (n0 < n_end) starts(p, g, m0, m1, n0, n_end);
+      return;
+    }
+    if (!stream) packed_block<T>(p, g, m0, m1, n0, n_end);
+    else if (p.nmajor) nmajor_stream<T>(p, g, m0, m1, n0, n_end);
+    else kmajor_stream<T>(p, g, m0, m1, n0, n_end);
   };
   // Small products (a decode step's attention: a few rows against a short
   // cache) run on the calling thread: waking a pool thread cost more.

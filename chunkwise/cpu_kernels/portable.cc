@@ -16,7 +16,9 @@
 // 16 lanes: lane l chains v = x[k] (or exp(x[k] - shift)) for k = 16 j + l
 // as a <- fma(v, 1, a) from +0 (past K, a lane takes fma(0, 0, a)), then
 // the lanes are added as the fixed tree of common.h's tree16. exp and log
-// are common.h's exp_lanes / log_lanes of `Scalar`.
+// are common.h's exp_lanes / log_lanes of `Scalar`. An attention cache
+// read with `valid` (common.h's Problem) has shorter chains: over its
+// row's valid keys only.
 
 #include "common.h"
 
@@ -38,9 +40,11 @@ void float_row(const Problem& p, i64 g, i64 m) {
     for (float& v : x) v = exp_lanes<Scalar>(v - p.shift[g * p.M + m]);
   const float* acc = p.arow(g, m);
   float* out = p.orow(g, m);
+  const i64 K = p.k_end(g), N = p.n_end(g);
   for (i64 n = 0; n < p.cols(); ++n) {
     float a = acc ? acc[n] : 0.f;
-    for (i64 k = 0; k < p.K; ++k) a = std::fma(x[k], weight(p, w, k, n), a);
+    if (n < N)
+      for (i64 k = 0; k < K; ++k) a = std::fma(x[k], weight(p, w, k, n), a);
     out[n] = a;
   }
 }

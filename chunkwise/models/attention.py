@@ -261,7 +261,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     and not fused
     and blocked_attention.wanted(time, time + sum(p.width for p in prefix))
   ):
-    live = [(p.sliced(), i) for i, p in enumerate(prefix) if p.width]
+    live = [(p.sliced().gathered(), i) for i, p in enumerate(prefix) if p.width]
     return blocked_attention.attend(
       q,
       k,
@@ -277,7 +277,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     lengths, width = piece.lengths, piece.width
     if width == 0:  # a zero-width prefix holds nothing to attend to
       continue
-    b = piece.k.shape[0]
+    b = piece.batch
     # [b, S] -> [b, 1, 1, 1, 1, S]
     mask = jnp.arange(width)[None, :] < lengths[:, None]
     mask = mask[:, None, None, None, None, :]
@@ -288,7 +288,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     if numerics.invariant():
       pieces.append((piece, mask))
       continue
-    piece = piece.sliced()
+    piece = piece.sliced().gathered()
     m, s, o = _attend_piece(
       q.reshape(b, batch // b, *q.shape[1:]),
       piece.k,

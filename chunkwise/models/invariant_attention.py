@@ -64,21 +64,23 @@ def attend(
   def heads_major(p: PrefixLayer) -> PrefixLayer:
     if p.heads_major:
       return p
-    p = p.sliced()
+    p = p.sliced().gathered()
     return p._replace(k=jnp.swapaxes(p.k, 1, 2), v=jnp.swapaxes(p.v, 1, 2))
 
   major = [heads_major(p) for p, _ in prefix]
   kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   parts = []
   for start, end, first, seen in blocks:
+    # A prefix piece's keys past its lengths are masked: the kernels stop
+    # each row's chains at its length (`valid`), the same bits.
     pieces = [
       (
-        (p.k, p.v, p.first),
+        (p.k, p.v, p.first, p.rows, p.lengths),
         mask if mask.shape[2] == 1 else mask[:, :, start:end],
       )
       for p, (_, mask) in zip(major, prefix, strict=True)
     ]
-    chunk = (kh[:, :, first:end], vh[:, :, first:end], None)
+    chunk = (kh[:, :, first:end], vh[:, :, first:end], None, None, None)
     pieces.append((chunk, seen[None, None, :, None, None, :]))
     dtypes = [a.dtype for piece, _ in pieces for a in piece[:2]]
     if fuses(dtypes, (end - start) * group, softcap):
@@ -116,7 +118,9 @@ def _fused(q: jax.Array, pieces: list) -> jax.Array:
   batch, time, kv_heads, group, dim = q.shape
   queries = jnp.swapaxes(q, 1, 2).reshape(batch, kv_heads, time * group, dim)
   args = []
-  for (k, v, first), mask in pieces:
+  for (k, v, first, rows, _), mask in pieces:
+    if rows is not None:  # the fused kernel reads rows in order: gathered
+      k, v = (jnp.take(a, rows, axis=0, mode="clip") for a in (k, v))
     mask = jnp.asarray(mask, jnp.bool_)
     mask = mask.reshape((1,) * (6 - mask.ndim) + mask.shape)
     args.append((k, v, 0 if first is None else first, mask[:, :, :, 0, 0]))
@@ -139,8 +143,9 @@ def _finish(acc: jax.Array) -> jax.Array:
 
 def _chain(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
   """`attend` of queries q [B, T, kv, group, D] to `pieces`
-  ((k, v [b, kv', S, D], head window (first, count) or None), mask), in
-  order. Returns f32[B, T, kv, group, D]."""
+  ((k, v [b', kv', S, D], first head or None, rows int32[b] of k and v or
+  None, lengths int32[b] or None), mask), in order. Returns f32[B, T, kv,
+  group, D]."""
   return _finish(_chain_sums(q, pieces, softcap))
 
 
@@ -160,26 +165,28 @@ def _chain_sums(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
   queries = jnp.swapaxes(q, 1, 2)  # [B, kv, T, group, D]
   scored = []
   for piece, mask in pieces:
-    k, v = piece[0], piece[1]
-    window = None if piece[2] is None else (piece[2], kv_heads)
-    b, width = k.shape[0], k.shape[2]
+    k, v, first, at, valid = piece
+    window = None if first is None else (first, kv_heads)
+    b = k.shape[0] if at is None else at.shape[0]
+    width = k.shape[2]
     rows = batch // b * time * group
+    read = dict(heads=window, rows=at, valid=valid)
     logits = numerics.batched(
       view(queries, b).reshape(b * kv_heads, rows, dim),
-      k,  # [b, kv', S, D], read as it is
+      k,  # [b', kv', S, D], read as it is
       nmajor=True,
-      heads=window,
+      **read,
     ).reshape(b, kv_heads, batch // b, time, group, width)
     if softcap is not None:
       logits = softcap * numerics.tanh(logits / softcap)
     mask = jnp.moveaxis(mask, 3, 1)  # [b, 1, r, T, 1, S]
-    scored.append((jnp.where(mask, logits, _MASKED), v, b, window))
+    scored.append((jnp.where(mask, logits, _MASKED), v, b, read))
   top = None
   for logits, _, b, _ in scored:
     m = common(jnp.max(logits, axis=-1), b)
     top = m if top is None else jnp.maximum(top, m)
   acc = None
-  for logits, v, b, window in scored:
+  for logits, v, b, read in scored:
     # A masked logit is _MASKED: exp(_MASKED - top) is exactly 0 (every
     # query sees itself, so top is a real logit). The kernel takes the
     # exp of logits - top itself (`shift`).
@@ -193,8 +200,8 @@ def _chain_sums(q: jax.Array, pieces: list, softcap: float | None) -> jax.Array:
       start,
       nmajor=False,
       ones=True,
-      heads=window,
       shift=view(top, b).reshape(b * kv_heads, rows),
+      **read,
     )
     acc = common(out.reshape(b, kv_heads, batch // b, time, group, -1), b)
   return acc

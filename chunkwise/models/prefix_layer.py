@@ -4,7 +4,9 @@ them, with the heads still to cut and int8 K/V still to decode.
 
   p = PrefixLayer(k, v, lengths)              # [b, S, kv_heads, head_dim]
   p = PrefixLayer(k, v, lengths, heads_major=True)   # [b, kv_heads, S, D]
+  p = PrefixLayer(k, v, lengths, heads_major=True, rows=rows)  # rows of k
   p.heads(first, count).sliced().decoded(rotated)
+  p.gathered()                                # rows taken out of k and v
 
 Its own module so that `attention` and the paths it chooses between
 (`invariant_attention`, `paged_attention`, `blocked_attention`) all
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from chunkwise import numerics
@@ -28,7 +31,11 @@ class PrefixLayer(NamedTuple):
   (the generate loop's buffer, laid out for attention: read in place,
   where a cache in its own order is transposed every time it is read);
   lengths int32[b]. `first`, `count`: a window of K/V heads still to be
-  cut (`heads`), or None."""
+  cut (`heads`), or None. `rows` (heads-major only): int32[b], the rows
+  of k and v (of any count) this piece's b rows are, or None (all of
+  them, in order): a slot loop's running rows among all its slots, which
+  the invariant kernels read where they are and other paths gather
+  (`gathered`); lengths are then the b rows' own."""
 
   k: jax.Array
   v: jax.Array
@@ -36,6 +43,12 @@ class PrefixLayer(NamedTuple):
   heads_major: bool = False
   first: jax.Array | int | None = None
   count: int | None = None
+  rows: jax.Array | None = None
+
+  @property
+  def batch(self) -> int:
+    """Rows of the piece (b)."""
+    return self.k.shape[0] if self.rows is None else self.rows.shape[0]
 
   @property
   def width(self) -> int:
@@ -56,11 +69,21 @@ class PrefixLayer(NamedTuple):
 
   def decoded(self, rotated: bool) -> PrefixLayer:
     """Keys and values in attention's space (`kv_int8.as_read`): int8 K/V
-    decoded, rotated where attention is (`rotated`), else as stored."""
+    decoded, rotated where attention is (`rotated`), else as stored (the
+    piece's own rows only)."""
     if self.k.dtype != kv_int8.INT8 and not rotated:
       return self
-    k, v = kv_int8.as_read(self.k, self.v, rotated)
-    return self._replace(k=k, v=v)
+    p = self.gathered()
+    k, v = kv_int8.as_read(p.k, p.v, rotated)
+    return p._replace(k=k, v=v)
+
+  def gathered(self) -> PrefixLayer:
+    """The piece's rows taken out of k and v (a copy; self without
+    `rows`): what every path but the invariant kernels reads."""
+    if self.rows is None:
+      return self
+    k, v = (jnp.take(a, self.rows, axis=0, mode="clip") for a in (self.k, self.v))
+    return self._replace(k=k, v=v, rows=None)
 
   def sliced(self) -> PrefixLayer:
     """The window of heads cut out (self when there is none)."""
