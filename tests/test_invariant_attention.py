@@ -117,7 +117,13 @@ def test_fused_is_its_plain_twin_bit_for_bit(case):
   # only as a traced first head, as the model hands it over.
   twin_pieces = [
     (
-      (k, v, None if k.shape[1] == q.shape[2] else jnp.int32(first), None, None),
+      (
+        k,
+        v,
+        None if k.shape[1] == q.shape[2] else jnp.int32(first),
+        None,
+        None,
+      ),
       mask,
     )
     for (k, v, first, _, _), mask in pieces

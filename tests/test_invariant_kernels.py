@@ -301,47 +301,40 @@ def test_a_cache_is_read_by_row_up_to_its_valid_keys(m, isa):
   valid = jnp.array([70, 1, 33, 0], jnp.int32)
   q = jnp.asarray(rng.standard_normal((4 * count, m, d)), jnp.float32)
   first = jnp.array([1], jnp.int32)
-  kw = dict(heads=(first, count), rows=rows, valid=valid, isa=isa)
-  logits = cpu_kernels.invariant_matmul(q, cache, nmajor=True, **kw)
   start = jnp.asarray(rng.standard_normal((4 * count, m, d + 1)), jnp.float32)
-  top = jnp.max(logits, -1)
-  out = cpu_kernels.invariant_matmul(
-    logits, cache, None, start, nmajor=False, ones=True, shift=top, **kw
-  )
-  for name, isa_ in (("portable", "portable"), (isa, isa)):
-    again = cpu_kernels.invariant_matmul(
-      logits, cache, None, start, nmajor=False, ones=True, shift=top,
-      heads=(first, count), rows=rows, valid=valid, isa=isa_,
+  window = (first, count)
+
+  def logits_of(q, w, **kw):
+    return cpu_kernels.invariant_matmul(q, w, nmajor=True, **kw)
+
+  def values_of(x, w, start, top, **kw):  # attention's values pass
+    return cpu_kernels.invariant_matmul(
+      x, w, None, start, nmajor=False, ones=True, shift=top, **kw
     )
-    assert np.array_equal(again, out), name
-    assert np.array_equal(
-      cpu_kernels.invariant_matmul(
-        q, cache, nmajor=True, heads=(first, count), rows=rows, valid=valid,
-        isa=isa_,
-      ),
-      logits,
-    ), name
+
+  read = dict(heads=window, rows=rows, valid=valid)
+  logits = logits_of(q, cache, isa=isa, **read)
+  top = jnp.max(logits, -1)
+  out = values_of(logits, cache, start, top, isa=isa, **read)
+  for path in ("portable", isa):
+    assert np.array_equal(logits_of(q, cache, isa=path, **read), logits), path
+    again = values_of(logits, cache, start, top, isa=path, **read)
+    assert np.array_equal(again, out), path
   gathered = cache[np.clip(np.asarray(rows), 0, b - 1)]
   for r in range(4):
     n = int(valid[r])
     g = slice(r * count, (r + 1) * count)
     one = gathered[r : r + 1, 1 : 1 + count, :n]
-    want = cpu_kernels.invariant_matmul(q[g], one, nmajor=True, isa=isa)
-    assert np.array_equal(logits[g, :, :n], want), r
+    assert np.array_equal(logits[g, :, :n], logits_of(q[g], one, isa=isa)), r
     assert not np.any(logits[g, :, n:]), r  # past the keys: +0
-    want = cpu_kernels.invariant_matmul(
-      logits[g, :, :n], one, None, start[g], nmajor=False, ones=True,
-      shift=top[g], isa=isa,
-    )
+    want = values_of(logits[g, :, :n], one, start[g], top[g], isa=isa)
     assert np.array_equal(out[g], want), r
   # The values pass over every key, those past a row's valid ones masked
   # (exp(-1e30 - top) = 0): what attention computed before, the same bits.
-  masked = jnp.where(jnp.arange(s) < jnp.repeat(valid, count)[:, None, None],
-                     logits, -1e30)
-  whole = cpu_kernels.invariant_matmul(
-    masked, gathered, None, start, nmajor=False, ones=True, shift=top,
-    heads=(first, count), isa=isa,
+  masked = jnp.where(
+    jnp.arange(s) < jnp.repeat(valid, count)[:, None, None], logits, -1e30
   )
+  whole = values_of(masked, gathered, start, top, heads=window, isa=isa)
   assert np.array_equal(whole, out)
   with pytest.raises(Exception, match="one entry per row"):
     cpu_kernels.invariant_matmul(

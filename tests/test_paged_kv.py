@@ -274,9 +274,7 @@ def test_fast_numerics_read_the_pool_in_place(tiny, kv_dtype):
   layer = pa.PagedLayer(k, v, table, jnp.array([5, 0, 64], jnp.int32))
   q = jnp.asarray(rng.normal(size=(3, 1, 2, 3, 64)), jnp.float32)
   m, s, o = pa.pool_piece(q, layer)
-  decoded = layer._replace(
-    k_pages=kv_int8.decode(k), v_pages=kv_int8.decode(v)
-  )
+  decoded = layer._replace(k_pages=kv_int8.decode(k), v_pages=kv_int8.decode(v))
   m2, s2, o2 = _plain_piece(q, decoded, None)
   for row in (0, 2):
     np.testing.assert_allclose(m[row], m2[row], rtol=1e-5, atol=1e-5)

@@ -83,7 +83,12 @@ class LayerKV:
 
   k: tuple[jax.Array, ...]  # per layer [batch, kv_heads, time, head_dim]
   v: tuple[jax.Array, ...]
-  lengths: jax.Array  # int32[batch]
+  lengths: jax.Array  # int32[batch], or the rows' (`rows`)
+  # Some rows of the buffer, read and written where they are (a slot
+  # loop's running requests among all its slots: `slots.take`): int32[n],
+  # each row's index in k and v (past them: a padding row, never written);
+  # None: every row, in order.
+  rows: jax.Array | None = None
 
   @classmethod
   def axes(cls, layers: int) -> LayerKV:
@@ -107,7 +112,9 @@ class LayerKV:
 
   def layer(self, i: int) -> PrefixLayer:
     """Layer i, as attention reads it (in place)."""
-    return PrefixLayer(self.k[i], self.v[i], self.lengths, heads_major=True)
+    return PrefixLayer(
+      self.k[i], self.v[i], self.lengths, heads_major=True, rows=self.rows
+    )
 
   def write(self, k: jax.Array, v: jax.Array, at: jax.Array) -> LayerKV:
     """Slots [at, at + time) of every row set to `k`, `v` (a `KVCache`'s
@@ -127,8 +134,9 @@ class LayerKV:
     """Column cols[b, j] of row b set to k, v [layers, rows, W, kv_heads,
     head_dim] (this device's rows; rows write at their own columns, as
     the slots and speculative loops do); columns past the buffer are
-    dropped."""
-    rows = jnp.arange(cols.shape[0])[:, None]
+    dropped, and so are a padding row's (`rows`)."""
+    rows = jnp.arange(cols.shape[0]) if self.rows is None else self.rows
+    rows = rows[:, None]
 
     def put(buffers, new):
       return tuple(
@@ -167,6 +175,8 @@ class LayerKV:
     """(k, v, cols) of a `write_columns` of `width` columns that writes
     nothing (every column past the buffer): a loop's first pending write."""
     rows, heads, time, dim = self.k[0].shape
+    if self.rows is not None:
+      rows = self.rows.shape[0]
     zeros = jnp.zeros((len(self.k), rows, width, heads, dim), self.k[0].dtype)
     return zeros, zeros, jnp.full((rows, width), time, jnp.int32)
 

@@ -26,6 +26,7 @@ from chunkwise.inference import checks, long_prefill
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import tagged
 from chunkwise.inference.batching import continuous, live
+from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engines.engine import (
   compiled_programs,
@@ -225,6 +226,7 @@ class InferenceModel(ModelSetup):
     prefix_cache_bytes: int = 0,
     kv_pages: int = 0,
     budget_forcing: bool = False,
+    slot_buckets: Sequence[int] | None = None,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/batching/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -263,6 +265,10 @@ class InferenceModel(ModelSetup):
         its own steps (as `generate_many`'s; a request whose steps cannot
         hold its constraint's shortest match and a stop is refused by
         `prepare`).
+      slot_buckets: the row counts a segment may run (`batching/
+        buckets.py`): each runs the smallest that holds the running
+        requests, so a step costs them, not `slots`. None: powers of two
+        up to `slots` (one device; a sharded loop runs every slot).
     """
     cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
@@ -303,6 +309,7 @@ class InferenceModel(ModelSetup):
       # A preempted request reruns to the same tokens only where every sum
       # is fixed whatever the batch and pages: invariant numerics (CPU).
       preempt=numerics_lib.rows_invariant(self._numerics),
+      slot_buckets=slot_buckets,
     )
 
   def generate_many(
@@ -321,6 +328,7 @@ class InferenceModel(ModelSetup):
     speculation: Speculation | None = None,
     prefix_cache_bytes: int = 0,
     kv_pages: int = 0,
+    slot_buckets: Sequence[int] | None = None,
   ) -> Iterator[continuous.RequestResult]:
     """Generates every request through `slots` rows (continuous batching):
     a finished row's slot takes the next waiting request.
@@ -358,6 +366,10 @@ class InferenceModel(ModelSetup):
         fit, so more slots share the same memory; a request that runs out
         is preempted and run again later (the same result under
         invariant numerics). 0: fixed slots.
+      slot_buckets: the row counts a segment may run, the smallest that
+        holds the running requests (`batching/buckets.py`; None: powers
+        of two up to `slots`): as the last requests finish, a step costs
+        the rows still running.
     Yields:
       `cw.RequestResult`s as requests finish. Each equals what `generate`
       gives for that request alone (DESIGN.md §4): same tokens, same
@@ -381,6 +393,7 @@ class InferenceModel(ModelSetup):
     )
     every = checks.check_count("every", every, minimum=1)
     kv_pages = self._check_pages(kv_pages, call.capacity, speculation)
+    buckets = Buckets(slots, slot_buckets, self._generate_engine)
     cache = prefix_cache.make(prefix_cache_bytes)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
     return continuous.run_many(
@@ -400,6 +413,7 @@ class InferenceModel(ModelSetup):
       piece=self._prefill_chunk,
       cache=cache,
       pages=kv_pages,
+      buckets=buckets,
     )
 
   def generate_stream(

@@ -82,7 +82,9 @@ class PrefixLayer(NamedTuple):
     `rows`): what every path but the invariant kernels reads."""
     if self.rows is None:
       return self
-    k, v = (jnp.take(a, self.rows, axis=0, mode="clip") for a in (self.k, self.v))
+    k, v = (
+      jnp.take(a, self.rows, axis=0, mode="clip") for a in (self.k, self.v)
+    )
     return self._replace(k=k, v=v, rows=None)
 
   def sliced(self) -> PrefixLayer:

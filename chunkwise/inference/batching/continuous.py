@@ -46,6 +46,7 @@ from chunkwise.inference.batching.admission import (
   with_speculation,
   with_table,
 )
+from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.batching.slot_requests import (  # noqa: F401 (re-exported)
   CAPACITY_STEP,
   FINISH_LENGTH,
@@ -88,6 +89,7 @@ def run_many(
   piece: int | None = None,
   cache: prefix_cache.PrefixCache | None = None,
   pages: int = 0,
+  buckets: Buckets | None = None,
 ) -> Iterator[RequestResult]:
   """The scheduler (module docstring) over a validated call; `trace` (for
   benchmarks) is told ("first_token", requests) at the host sync after the
@@ -106,7 +108,10 @@ def run_many(
   requests admitted last are preempted, to be run again from their
   prompts when pages free up (the same tokens under invariant numerics,
   where a request's result never depends on its neighbours or when it
-  ran; under fast numerics, a rerun's, which may differ at a near tie)."""
+  ran; under fast numerics, a rerun's, which may differ at a near tie).
+
+  Each segment runs the smallest of `buckets` (default: every slot) that
+  holds the running requests (`buckets.py`)."""
 
   def adapters_of(engine, ids):
     return None if served is None else served.call(engine, ids)
@@ -137,9 +142,8 @@ def run_many(
     )
   )
   state = with_speculation(state, speculation, call.capacity)
-  calibration = (
-    None if speculation is None else Calibration(speculation, state.slots)
-  )
+  buckets = buckets or Buckets(slots_n, (slots_n,))
+  calibrations: dict[int, Calibration] = {}  # per bucket size
   occupant = np.full(slots_n, -1)
   before = np.zeros(slots_n, np.int64)  # tokens per slot at the last look
   waiting = collections.deque(range(n))
@@ -217,17 +221,23 @@ def run_many(
       for i, slot in take:
         occupant[slot], before[slot] = i, 0
       take = [i for i, _ in take]
-      inputs = _inputs(call, occupant)
+      rows = buckets.rows(occupant >= 0)
+      inputs = buckets.inputs(_inputs(call, occupant), rows)
       ids = np.where(occupant >= 0, call.adapter_ids[occupant], -1)
+      ids = buckets.adapter_ids(ids.astype(np.int32), rows)
+      size = slots_n if rows is None else len(rows)
+      if speculation is not None and size not in calibrations:
+        calibrations[size] = Calibration(speculation, size)
       state = segment(
         generate_engine,
-        calibration,
+        calibrations.get(size),
         caches,
         state,
         inputs,
         jnp.int32(every),
-        adapters=adapters_of(generate_engine, ids.astype(np.int32)),
+        adapters=adapters_of(generate_engine, ids),
         speculation=speculation,
+        rows=rows,
       )
       done, stopped, generated = jax.device_get(
         (state.done, state.stopped, state.generated)
@@ -288,9 +298,12 @@ def _progress_bar(total: int, show: bool):
   )
 
 
-def segment(engine, calibration, caches, state, inputs, every, **kw):
-  """One segment of a slot loop (`slot_run`), its speculative passes costed by
-  `calibration` (None without speculation)."""
+def segment(engine, calibration, caches, state, inputs, every, rows=None, **kw):
+  """One segment of a slot loop (`slot_run`) over the slots `rows` (None:
+  all), its speculative passes costed by `calibration` (None without
+  speculation)."""
+  if rows is not None:
+    kw["rows"] = replicated_like(state, rows)
 
   def run(state):
     return engine.slot_run(caches, state, inputs, every, jnp.bool_(True), **kw)

@@ -46,6 +46,7 @@ from chunkwise.configs import HParams
 from chunkwise.inference import long_prefill
 from chunkwise.inference.batching import admission, slots
 from chunkwise.inference.batching.admission import Admission
+from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.batching.continuous import segment
 from chunkwise.inference.batching.live_requests import (
   Intake,
@@ -98,8 +99,12 @@ class LiveSlots:
     kv_pages: int = 0,
     preempt: bool = True,
     budget_forcing: bool = False,
+    slot_buckets=None,
   ):
     h = hparams
+    # Each segment runs the smallest bucket of slots that holds the running
+    # requests (`buckets`): a lone request decodes one row.
+    self.buckets = Buckets(slots_n, slot_buckets, generate_engine)
     # Full pages of prompts' K/V, shared by the requests that start alike
     # (`prefix_cache`; its `stats` are the server's /metrics counters).
     self.prefix_cache = prefix_cache
@@ -178,9 +183,8 @@ class LiveSlots:
       capacity,
     )
     self.speculation = speculation
-    self._calibration = (
-      None if speculation is None else Calibration(speculation, slots_n)
-    )
+    # Pass costs per bucket size (speculation's calibration).
+    self._calibrations: dict[int, Calibration] = {}
     # Counts of every finished request (`SpeculationStats`).
     self.speculation_totals = SpeculationStats()
     # A step's iterations emit up to k + 1 tokens each.
@@ -269,22 +273,32 @@ class LiveSlots:
     if not live.any():
       return []
     engine = self._generate_engine
+    rows = self.buckets.rows(live)
     inputs = self._settings.inputs(
       self._start, live, (*self._loop_forms, self._grammars.processor())
     )
+    ids = np.where(live, self._settings.adapter, -1).astype(np.int32)
     self._state = segment(
       engine,
-      self._calibration,
+      self._calibration(rows),
       self._caches,
       self._state,
-      inputs,
+      self.buckets.inputs(inputs, rows),
       jnp.int32(steps),
-      adapters=self._adapters(
-        engine, np.where(live, self._settings.adapter, -1)
-      ),
+      adapters=self._adapters(engine, self.buckets.adapter_ids(ids, rows)),
       speculation=self.speculation,
+      rows=rows,
     )
     return self._collect(live)
+
+  def _calibration(self, rows) -> Calibration | None:
+    """Speculation's pass costs for a segment of `rows` (None: plain)."""
+    if self.speculation is None:
+      return None
+    size = self.slots if rows is None else len(rows)
+    if size not in self._calibrations:
+      self._calibrations[size] = Calibration(self.speculation, size)
+    return self._calibrations[size]
 
   def _drop_cancelled(self) -> None:
     if not self._cancelled:

@@ -3,6 +3,8 @@
   state = init(infer, weights, caches, slots=8, capacity=96, steps=64, ...)
   state = admit(state, prompts, at, prompt_lengths, processor_rows)
   state = run(infer, weights, caches, state, inputs, max_steps, until_free)
+  view = take(state, rows)          # some slots (a bucket), where they are
+  state = put(state, run(..., view, ...), rows)
 
 A fixed number of slots decode side by side. Each slot holds one request:
 its prompt's K/V and the tokens it generated so far in its own rows of one
@@ -24,6 +26,12 @@ padding until the host frees their slot and `admit` puts the next prompts'
 prefill results (`ChunkResult`s of `InferenceModel.prefill`'s engine) into
 it. `run` returns to the host after `max_steps`, or, with `until_free`, as
 soon as a row finishes: never once per token.
+
+A segment may run some of the slots only (`take`, `put`: the running
+requests, a bucket of `rows`): their small per-row arrays are gathered,
+their K/V buffer rows read and written where they are (`LayerKV.rows`, or
+the pool through their page tables), so a step costs the rows it runs,
+not the slots; the slots left out are untouched.
 """
 
 from __future__ import annotations
@@ -234,6 +242,109 @@ def admit(
       set_rows, state.processor_states, processor_rows
     ),
   )
+
+
+def _take_rows(a: jax.Array, rows: jax.Array, fill=0) -> jax.Array:
+  return jnp.take(a, rows, axis=0, mode="fill", fill_value=fill)
+
+
+def _put_rows(a: jax.Array, new: jax.Array, rows: jax.Array) -> jax.Array:
+  return a.at[rows].set(new, mode="drop")
+
+
+def take(state: SlotState, rows: jax.Array) -> SlotState:
+  """Slots `rows` (int32[n]; `state.slots` for a padding row: free, done,
+  holding nothing) as a state of n rows for `run`: its per-row arrays
+  gathered, its K/V read and written in place (`LayerKV.rows`; a pool's
+  pages through the rows' tables). `put` writes it back."""
+  cache = state.cache
+  if isinstance(cache, PagedKV):
+    pages = cache.k[0].shape[1]
+    cache = cache.replace(
+      table=_take_rows(cache.table, rows, pages),
+      lengths=_take_rows(cache.lengths, rows),
+    )
+  else:
+    cache = cache.replace(lengths=_take_rows(cache.lengths, rows), rows=rows)
+  spec = state.spec
+  if spec is not None:
+    spec = spec.replace(
+      **{f: _take_rows(getattr(spec, f), rows) for f in SpecRows.PER_ROW}
+    )
+  return state.replace(
+    cache=cache,
+    generated=_take_rows(state.generated, rows),
+    tokens=_take_rows(state.tokens, rows),
+    scores=_take_rows(state.scores, rows),
+    top_ids=_take_rows(state.top_ids, rows),
+    top_logprobs=_take_rows(state.top_logprobs, rows),
+    next_logits=_take_rows(state.next_logits, rows),
+    done=_take_rows(state.done, rows, True),
+    stopped=_take_rows(state.stopped, rows),
+    processor_states=jax.tree.map(
+      lambda a: _take_rows(a, rows), state.processor_states
+    ),
+    spec=spec,
+  )
+
+
+def put(state: SlotState, view: SlotState, rows: jax.Array) -> SlotState:
+  """`state` with `view` (what `run` made of `take(state, rows)`) in its
+  slots `rows` (padding rows dropped)."""
+  cache = view.cache.replace(
+    lengths=_put_rows(state.cache.lengths, view.cache.lengths, rows)
+  )
+  if isinstance(cache, PagedKV):
+    cache = cache.replace(table=state.cache.table)  # the host's
+  else:
+    cache = cache.replace(rows=None)
+  spec = state.spec
+  if spec is not None:
+    spec = view.spec.replace(
+      **{
+        f: _put_rows(getattr(spec, f), getattr(view.spec, f), rows)
+        for f in SpecRows.PER_ROW
+      }
+    )
+
+  def back(name):
+    return _put_rows(getattr(state, name), getattr(view, name), rows)
+
+  return state.replace(
+    cache=cache,
+    **{
+      name: back(name)
+      for name in (
+        "generated",
+        "tokens",
+        "scores",
+        "top_ids",
+        "top_logprobs",
+        "next_logits",
+        "done",
+        "stopped",
+      )
+    },
+    processor_states=jax.tree.map(
+      lambda a, b: _put_rows(a, b, rows),
+      state.processor_states,
+      view.processor_states,
+    ),
+    spec=spec,
+  )
+
+
+def on_rows(run_fn: Callable) -> Callable:
+  """`run_fn` (`run`, or its speculative twin) over the slots `rows` only
+  (a keyword argument, int32[n]): `take`, run, `put`."""
+
+  def run_rows(infer, weights, caches, state, inputs, *args, rows, **kwargs):
+    view = run_fn(
+      infer, weights, caches, take(state, rows), inputs, *args, **kwargs
+    )
+    return put(state, view, rows)
+
+  return run_rows
 
 
 def vacate(state: SlotState, at: jax.Array) -> SlotState:

@@ -120,9 +120,13 @@ class Engine(Protocol):
     until_free: jax.Array,
     adapters=None,
     speculation=None,
+    rows=None,
   ) -> slots_lib.SlotState:
     """`slots.run` (the state is donated); with a checked `Speculation`,
-    `speculative.slot_run`."""
+    `speculative.slot_run`. With `rows` (int32[n], the slots to run;
+    `inputs` and `adapters` then have n rows), the other slots are left
+    as they are (`slots.on_rows`); engines without `slot_rows` take None
+    only."""
     ...
 
 
@@ -174,6 +178,18 @@ class ReferenceEngine:
       jax.jit(traced(fn), static_argnames=("spec",), donate_argnames=("state",))
       for fn in (speculative.run, speculative.slot_run)
     )
+    # Some slots only (a bucket of the running requests: `slots.on_rows`).
+    self._rows_run = jax.jit(
+      traced(slots_lib.on_rows(slots_lib.run)), donate_argnames=("state",)
+    )
+    self._spec_rows_run = jax.jit(
+      traced(slots_lib.on_rows(speculative.slot_run)),
+      static_argnames=("spec",),
+      donate_argnames=("state",),
+    )
+
+  # A slot loop may run a bucket of its slots (`slot_run(rows=)`).
+  slot_rows = True
 
   def plain_weights(self):
     return self.weights
@@ -252,11 +268,18 @@ class ReferenceEngine:
     until_free,
     adapters=None,
     speculation=None,
+    rows=None,
   ):
     args = (self._weights(adapters), caches, state, inputs, max_steps)
     if speculation is not None:
       draft = self._draft_for(speculation)
+      if rows is not None:
+        return self._spec_rows_run(
+          *args, until_free, draft, spec=speculation, rows=rows
+        )
       return self._spec_slot_run(*args, until_free, draft, spec=speculation)
+    if rows is not None:
+      return self._rows_run(*args, until_free, rows=rows)
     return self._slot_run(*args, until_free)
 
 

@@ -356,6 +356,10 @@ class ShardedEngine(MeshPrograms):
     )
     return self._call(program, (weights, caches), out_specs)
 
+  # Every slot of a loop runs each segment: a slot loop's rows are sharded
+  # over the attention batch, so buckets of them are not offered here.
+  slot_rows = False
+
   def slot_run(
     self,
     caches,
@@ -365,7 +369,12 @@ class ShardedEngine(MeshPrograms):
     until_free,
     adapters=None,
     speculation=None,
+    rows=None,
   ):
+    if rows is not None:
+      raise ValueError(
+        "a sharded engine runs every slot of a loop (slot_rows is False)"
+      )
     plan = self.plan(state.slots, [c.batch for c in caches])
     if speculation is None:
       name, fn = "slot_run", slots_lib.run

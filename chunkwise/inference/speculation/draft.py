@@ -47,7 +47,9 @@ def propose(
   each row's y0 (module docstring); later columns are zeros. Rows that
   do not keep y0 (`keep0` false) compute nothing that is used."""
   here = buffer.k[0]  # [rows here, kv_heads, time, head_dim]
-  shape = (here.shape[0], here.shape[1], width, here.shape[3])
+  # (the loop's rows: some of the buffer's, `LayerKV.rows`)
+  n = here.shape[0] if buffer.rows is None else buffer.rows.shape[0]
+  shape = (n, here.shape[1], width, here.shape[3])
   blank = tuple(jnp.zeros(shape, here.dtype) for _ in buffer.k)
   lengths = keep0.astype(jnp.int32)
 

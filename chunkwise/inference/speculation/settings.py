@@ -226,6 +226,18 @@ class SpecRows:
   cost: jax.Array  # f32[widths]: each pass's cost (`choose_width`)
   force: jax.Array  # int32[]: the pass every iteration takes; -1: chosen
 
+  # The fields with a leading row axis (a slot loop's `take` and `put`).
+  PER_ROW = (
+    "history",
+    "filled",
+    "rate",
+    "drafts",
+    "draft_tokens",
+    "accepted_tokens",
+    "passes",
+    "steps",
+  )
+
   @classmethod
   def axes(cls) -> SpecRows:
     """Small per-row arrays: replicated, like the loop's tokens."""
