@@ -50,6 +50,11 @@ from chunkwise.contract import contract_dims
 NUMERICS = ("invariant", "fast")
 
 _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
+# The platform a program being traced runs on, where its engine knows it:
+# a kernel call then traces only that platform's branch (None: both, under
+# `lax.platform_dependent`, as a program lowered for another platform
+# needs; tracing both cost half of a SmolLM2 program's tracing).
+_PLATFORM = contextvars.ContextVar("chunkwise_platform", default=None)
 
 
 def resolve(numerics: str | None, quantized: bool = False) -> str:
@@ -86,14 +91,20 @@ def scope(numerics: str):
     _CURRENT.reset(token)
 
 
-def traced(fn, numerics: str):
+def traced(fn, numerics: str, platform: str | None = None):
   """`fn` traced under `scope(numerics)` (the engines wrap their programs'
-  functions, beside `precision.with_precision`)."""
+  functions, beside `precision.with_precision`); with `platform` (the
+  devices' platform, where the program runs on no other), kernel calls
+  trace that platform's branch only."""
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    with scope(numerics):
-      return fn(*args, **kwargs)
+    token = _PLATFORM.set(platform)
+    try:
+      with scope(numerics):
+        return fn(*args, **kwargs)
+    finally:
+      _PLATFORM.reset(token)
 
   return wrapped
 
@@ -114,7 +125,11 @@ def _kernels() -> bool:
 
 
 def _on_cpu(args, cpu, default):
-  """`cpu(*args)` on the CPU backend, `default(*args)` elsewhere."""
+  """`cpu(*args)` on the CPU backend, `default(*args)` elsewhere (only
+  the one of the platform `traced` names, if it names one)."""
+  platform = _PLATFORM.get()
+  if platform is not None:
+    return cpu(*args) if platform == "cpu" else default(*args)
   return lax.platform_dependent(*args, cpu=cpu, default=default)
 
 

@@ -20,9 +20,14 @@ On a pod (--coordinator_address, --num_processes, --process_id, or
 lockstep. Requests run with continuous batching (--slots rows side by
 side), each token streamed as it is produced; a response's tokens are those of
 `model.generate` run alone on the same request, whatever else is
-running. Binds 127.0.0.1 unless --host says otherwise. SIGTERM (or
-Ctrl-C) stops admitting, lets running requests finish within --grace
-seconds, and exits 0.
+running; each step runs only the slots in use (--slot_buckets). Before it
+says it serves, the server compiles every program a request can need
+(/health answers 503 "starting" meanwhile; the log says what it compiled
+and how long it took), kept in JAX's persistent compilation cache
+(--compilation_cache, by default ~/.cache/chunkwise/jax) so that a
+restart loads them instead. Binds 127.0.0.1 unless --host says otherwise.
+SIGTERM (or Ctrl-C) stops admitting, lets running requests finish within
+--grace seconds, and exits 0.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import sys
 
 from absl import app, flags
 
-from chunkwise import jobs, serving
+from chunkwise import compile_cache, jobs, serving
 from chunkwise.checkpoints.chat_template import ChatTemplate
 from chunkwise.jobs import cli, model_flags, sampling_flags
 
@@ -48,6 +53,27 @@ _PORT = flags.DEFINE_integer(
 )
 _SLOTS = flags.DEFINE_integer(
   "slots", 16, "Requests decoded side by side.", lower_bound=1
+)
+_SLOT_BUCKETS = flags.DEFINE_list(
+  "slot_buckets",
+  [],
+  "The row counts a decode step may run, e.g. 1,4,16: each step runs the "
+  "smallest that holds the requests in slots (default: powers of two up "
+  "to --slots). Each is one program to compile at start-up.",
+)
+_WARM_UP = flags.DEFINE_bool(
+  "warm_up",
+  True,
+  "Compile every program a request can need before serving (/health "
+  "answers 503 'starting' until then); false: each compiles when a "
+  "request first needs it.",
+)
+_COMPILATION_CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  None,
+  "Directory of JAX's persistent compilation cache (default: "
+  "$CHUNKWISE_COMPILATION_CACHE, else ~/.cache/chunkwise/jax); '' turns "
+  "it off.",
 )
 _EVERY = flags.DEFINE_integer(
   "every",
@@ -128,6 +154,12 @@ _MODEL_ID = flags.DEFINE_string(
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  try:
+    buckets = [int(b) for b in _SLOT_BUCKETS.value] or None
+  except ValueError:
+    cli.fail(f"--slot_buckets={','.join(_SLOT_BUCKETS.value)}: not integers")
+  cache = compile_cache.enable(_COMPILATION_CACHE.value)
+  logging.info("compilation cache: %s", cache or "off")
   chat_template = None
   if _CHAT_TEMPLATE.value:  # checked before any model is loaded
     try:
@@ -160,6 +192,8 @@ def main(argv):
       speculation=SPECULATE.speculation(),
       prefix_cache_bytes=_PREFIX_CACHE_MB.value << 20,
       kv_pages=_KV_PAGES.value,
+      slot_buckets=buckets,
+      warm_up=_WARM_UP.value,
     )
   except ValueError as e:
     cli.fail(str(e))

@@ -42,6 +42,14 @@ def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+# A long-running loop's tables are at least this large (`GrammarSet`): the
+# same shapes, so the same compiled loop, serve unconstrained rows and any
+# few small constraints (a JSON object of a few fields: ~60 states and
+# ~7k transitions on SmolLM2's vocabulary), compiled once at warm-up. At
+# SmolLM2's vocabulary the floor holds ~2 MB of mask bits.
+LOOP_FLOOR = {"grammars": 4, "states": 256, "transitions": 1 << 15}
+
+
 class ConstraintProcessor(LogitsProcessor):
   """The device side of one batch's constraints (module docstring)."""
 
@@ -161,12 +169,15 @@ def processor(
   *,
   width: int,
   force: bool = False,
+  floor: dict | None = None,
 ) -> ConstraintProcessor:
   """Concatenates `tables` (grammar i + 1) behind the unconstrained grammar
-  0, padded to power-of-two buckets; a None entry leaves its grammar id
-  unused (no row may be in it)."""
+  0, padded to power-of-two buckets (at least `floor`'s grammars, states
+  and transitions); a None entry leaves its grammar id unused (no row may
+  be in it)."""
+  floor = floor or {}
   words = -(-width // 32)
-  n_grammars = _bucket(len(tables) + 1, 2)
+  n_grammars = _bucket(len(tables) + 1, floor.get("grammars", 2))
   state_offset = np.zeros(n_grammars, np.int32)
   class_offset = np.zeros(n_grammars, np.int32)
   classes = np.ones(n_grammars, np.int32)
@@ -180,9 +191,11 @@ def processor(
     token_class[i] = t.token_class
     s_total += t.states
     n_total += t.next_state.size
-  bits = np.zeros((_bucket(s_total, 16), words), np.uint32)
+  bits = np.zeros((_bucket(s_total, floor.get("states", 16)), words), np.uint32)
   distance = np.zeros(bits.shape[0], np.int32)
-  next_state = np.zeros(_bucket(n_total, 64), np.int32)
+  next_state = np.zeros(
+    _bucket(n_total, floor.get("transitions", 64)), np.int32
+  )
   for i, t in enumerate(tables, start=1):
     if t is None:
       continue
@@ -342,9 +355,17 @@ class GrammarSet:
       self._dirty = True
 
   def processor(self):
+    """The concatenated tables (`LOOP_FLOOR` at least), on the device:
+    placed once per change, not with every segment."""
     if self._dirty:
-      self._processor = processor(
-        (), self._tables, width=self._width, force=self._force
-      ).for_loop()
+      self._processor = jax.device_put(
+        processor(
+          (),
+          self._tables,
+          width=self._width,
+          force=self._force,
+          floor=LOOP_FLOOR,
+        ).for_loop()
+      )
       self._dirty = False
     return self._processor

@@ -136,13 +136,34 @@ class LayerKV:
     the slots and speculative loops do); columns past the buffer are
     dropped, and so are a padding row's (`rows`)."""
     rows = jnp.arange(cols.shape[0]) if self.rows is None else self.rows
-    rows = rows[:, None]
+    n, width = cols.shape
+    # (row, column) of every value: one lax.scatter per layer, its indices
+    # built once (`b.at[rows, :, cols]` took 4 ms of tracing per layer).
+    at = jnp.stack(
+      [jnp.broadcast_to(rows[:, None], (n, width)), cols], axis=-1
+    ).reshape(n * width, 2)
+    numbers = lax.ScatterDimensionNumbers(
+      update_window_dims=(1, 2),
+      inserted_window_dims=(0, 2),
+      scatter_dims_to_operand_dims=(0, 2),
+    )
 
-    def put(buffers, new):
-      return tuple(
-        b.at[rows, :, cols].set(kv_int8.encode(n, b.dtype), mode="drop")
-        for b, n in zip(buffers, new, strict=True)
-      )
+    def put(buffers, new):  # new [layers, n, W, kv_heads, head_dim]
+      out = []
+      for b, x in zip(buffers, new, strict=True):
+        x = kv_int8.encode(x, b.dtype).reshape(n * width, *x.shape[2:])
+        out.append(
+          lax.scatter(
+            b,
+            at,
+            x,
+            numbers,
+            indices_are_sorted=False,
+            unique_indices=False,
+            mode=lax.GatherScatterMode.FILL_OR_DROP,
+          )
+        )
+      return tuple(out)
 
     return self.replace(k=put(self.k, k), v=put(self.v, v))
 

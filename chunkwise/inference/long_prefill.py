@@ -90,13 +90,34 @@ class Staged:
       ...  # other work between pieces
   """
 
-  def __init__(self, run, caches, prev, chunk: Chunk, *, width: int):
+  def __init__(
+    self,
+    run,
+    caches,
+    prev,
+    chunk: Chunk,
+    *,
+    width: int,
+    columns: int | None = None,
+    scores: bool = True,
+  ):
+    """`columns`: the buffer's width (at least the chunk's; default the
+    chunk's): a loop's pieces then compile once for every chunk length.
+    Without `scores` the result holds none (nothing is joined: a slot
+    loop reads its K/V and next-token logits only)."""
+    if columns is not None and columns < chunk.time:
+      raise ValueError(
+        f"a staged chunk of {chunk.time} columns needs a buffer of at least "
+        f"as many, got columns={columns}"
+      )
     self._run = run
     self._caches = tuple(caches)
     self._prev = prev
     self._chunk = chunk
     self._rest = chunk
     self._width = width
+    self._columns = chunk.time if columns is None else columns
+    self._scores = scores
     self._at = 0
     self._buffer = None
     self._parts = []
@@ -120,15 +141,18 @@ class Staged:
     if self._buffer is None:
       # As wide as the chunk, placed like the first piece's K/V (so every
       # later piece reads it, and `_write` writes it, where it is).
-      self._buffer = _zeros_like(result.kv_cache, chunk.time)
+      self._buffer = _zeros_like(result.kv_cache, self._columns)
     self._buffer = _write(self._buffer, result.kv_cache, at)
     self._prev = result.next_token_logits
     # The piece's K/V are in the buffer now: keep only its scores.
-    self._parts.append(result.replace(kv_cache=None))
+    if self._scores or not self._parts:
+      self._parts.append(result.replace(kv_cache=None))
     self._at = at + piece.time
     if not self.done:
       return None
     parts, self._parts = self._parts, []
+    if not self._scores:  # none: the first piece's, cut to zero columns
+      parts = [jax.tree.map(lambda a: a[:, :0], parts[0])]
     return ChunkResult(
       per_token_scores=_joined(parts, "per_token_scores"),
       top_ids=_joined(parts, "top_ids"),

@@ -123,6 +123,9 @@ class ModelSetup:
       compute_dtype=compute_dtype,
       precision=self._precision,
       numerics=self._numerics,
+      # The reference engine runs on JAX's default device, and on nothing
+      # else: its programs trace that platform's kernels only.
+      platform=jax.devices()[0].platform,
     )
 
   @classmethod

@@ -23,6 +23,12 @@ adapter, constraint, stop ids and penalties, whatever else is running
 sampled request without a seed gets a random one, reported in
 `stream.seed` so that it can be replayed.
 
+Before it admits anything the engine warms up (`LiveSlots.warm_up`, in
+its thread): every program a request can take is compiled, or loaded
+from JAX's persistent compilation cache, so no request waits for a
+compile. Until then `ready` is False, and `submit` and `score` wait for
+it (the HTTP server answers 503 "starting" instead).
+
 Failures stay with their request: an exception while handling one
 request's tokens ends that stream with an error and frees its slot; one
 in the device step ends the streams it was running and starts a fresh
@@ -107,6 +113,11 @@ class Engine:
       one device; at least `capacity` / 32): `slots` may then exceed what
       fixed rows of `capacity` columns fit; 0: fixed slots. Its use and
       preemptions are in `kv_pages_stats` (/metrics).
+    slot_buckets: the row counts a segment may run (`model.live_slots`;
+      None: powers of two up to `slots`): a step costs the requests
+      running, not `slots`.
+    warm_up: compile every program before admitting requests (`ready`);
+      False: each compiles when a request first needs it.
   """
 
   def __init__(
@@ -123,6 +134,8 @@ class Engine:
     speculation=None,
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     kv_pages: int = 0,
+    slot_buckets=None,
+    warm_up: bool = True,
   ):
     if model.vocab is None:
       raise ValueError("serving needs a model with a vocabulary")
@@ -144,8 +157,13 @@ class Engine:
       # A constrained answer (JSON schema, regex, choice, tool call) is
       # closed within max_tokens: never a cut-off value.
       budget_forcing=True,
+      slot_buckets=slot_buckets,
     )
     self._loop = self._make()
+    # Set once every program is compiled (or at once without warm-up).
+    self._ready = threading.Event()
+    self._warm = warm_up
+    self.warmup = None  # what the warm-up ran (`warmup.Report`)
     self.speculation = self._loop.speculation  # checked, or None
     # Counts of every request that finished (`SpeculationStats`), for
     # /metrics; replaced whole, so a reader in another thread sees a sum.
@@ -168,6 +186,15 @@ class Engine:
       self._thread.start()
 
   # -- any thread -----------------------------------------------------------
+
+  @property
+  def ready(self) -> bool:
+    """Whether the engine admits requests (warm-up done)."""
+    return self._ready.is_set()
+
+  def wait_ready(self, timeout: float | None = None) -> bool:
+    """Waits for `ready` (up to `timeout` seconds); returns it."""
+    return self._ready.wait(timeout)
 
   @property
   def prefix_cache_stats(self):
@@ -216,6 +243,7 @@ class Engine:
     `Overloaded` (queue full) or `Closed` (shutting down)."""
     if not self.leader:
       raise Closed("requests go to process 0")
+    self._check_ready()
     prepared, seed = prepared or self.prepare(g)
     with self._cv:
       if self._closing:
@@ -226,6 +254,12 @@ class Engine:
       self._inbox.append((stream, prepared))
       self._cv.notify_all()
     return stream
+
+  def _check_ready(self) -> None:
+    """Waits for the warm-up (a closed engine: at once)."""
+    while not self._ready.wait(0.1):
+      if self._closing:
+        raise Closed("the server is shutting down")
 
   def listen(self, on_finish: Callable[[TokenStream], None]) -> None:
     """Calls `on_finish` (in the engine's thread) with each stream that
@@ -245,6 +279,7 @@ class Engine:
         f"top_n={top_n}: this server returns at most {self.top_n} "
         "alternatives per token"
       )
+    self._check_ready()
     if not _pod():
       return self._score_now(prompt, top_n, adapter)
     done = concurrent.futures.Future()  # a pod: every process runs it
@@ -299,9 +334,24 @@ class Engine:
   _stop = False
   _failed: str | None = None  # this process's last step failed: the error
 
+  def _warm_up(self) -> None:
+    """Compiles every program a request can take (each process of a pod
+    its own), then admits requests."""
+    try:
+      if self._warm:
+        log.info("warming up: compiling every program a request can need")
+        self.warmup = self._loop.warm_up()
+        log.info("warm-up done: %s", self.warmup)
+    except Exception:
+      log.exception("warm-up failed; programs compile as requests need them")
+      self._loop = self._make()
+    finally:
+      self._ready.set()
+
   def _run(self) -> None:
     """Process 0: decides each segment, shares the decision, applies it,
     hands the tokens to their streams."""
+    self._warm_up()
     while True:
       with self._cv:
         while not (
@@ -434,6 +484,7 @@ class Engine:
     lockstep until it stops."""
     if self.leader:
       raise ValueError("follow() is for processes other than 0")
+    self._warm_up()
     while True:
       d = decisions.share(None)
       self._apply(d, {})

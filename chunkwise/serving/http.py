@@ -56,6 +56,10 @@ from chunkwise.serving.stream import (
 log = logging.getLogger("chunkwise.serving")
 
 MAX_BODY_BYTES = 4 << 20
+_STARTING = (
+  "the server is starting: it compiles its programs before it takes "
+  "requests (GET /health answers 200 once it is ready)"
+)
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uXXXX escape of one
 _SSE_HEADERS = {
@@ -247,6 +251,8 @@ class Server:
       if request.method == "POST":
         if self.draining:
           raise ApiError(503, "the server is shutting down", api.UNAVAILABLE)
+        if not self.ctx.engine.ready:
+          raise ApiError(503, _STARTING, api.UNAVAILABLE)
         self.metrics.received()
       response = await handler(request)
       if not response.prepared:  # a stream's headers are already sent
@@ -270,6 +276,10 @@ class Server:
     if self.draining or self.ctx.engine.closing:
       return _json_response(
         {"error": "unhealthy", "error_type": "healthcheck"}, 503
+      )
+    if not self.ctx.engine.ready:  # warming up: compiling its programs
+      return _json_response(
+        {"error": "starting", "error_type": "healthcheck"}, 503
       )
     return web.Response(status=200)
 

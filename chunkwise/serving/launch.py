@@ -6,8 +6,11 @@ notebooks and tests).
   running = Background(ctx)                  # a free loopback port
   running.url; running.stop()
 
-Either way a stop drains: new requests get 503, running ones get the
-grace period to finish, then the engine closes and the port with it.
+Either way the port listens at once and the server is ready once its
+engine has warmed up (`Engine.ready`; /health answers 503 "starting"
+until then, 200 after), and a stop drains: new requests get 503, running
+ones get the grace period to finish, then the engine closes and the port
+with it.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ def serve(
   ready: Callable[[int], None] | None = None,
 ) -> None:
   """Serves until SIGTERM or SIGINT: then stops admitting (503), waits up
-  to `grace` seconds for running requests, and returns. `ready(port)` is
-  called once the socket listens (port 0 picks a free one)."""
+  to `grace` seconds for running requests, and returns. The socket listens
+  at once (/health answers 503 "starting" while the engine warms up);
+  `ready(port)` is called once the engine is ready (port 0 picks a free
+  one)."""
   server = Server(ctx, api_key=api_key)
   asyncio.run(
     _main(server, host, port, grace, max_body_bytes, ready, signals=True)
@@ -83,8 +88,8 @@ class Background:
       target=lambda: asyncio.run(main()), name="chunkwise-http", daemon=True
     )
     self._thread.start()
-    if not started.wait(60):
-      raise RuntimeError("the server did not start within 60 s")
+    if not started.wait(600):
+      raise RuntimeError("the server did not start (warm up) within 600 s")
 
   def stop(self) -> None:
     """Stops admitting, lets running requests finish (the grace period),
@@ -104,15 +109,27 @@ async def _main(
   site = web.TCPSite(runner, host, port)
   await site.start()
   bound = site._server.sockets[0].getsockname()[1]
-  log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
-  if ready is not None:
-    ready(bound)
   stop = stop or asyncio.Event()
   loop = asyncio.get_running_loop()
   if signals:
     for sig in (signal.SIGTERM, signal.SIGINT):
       loop.add_signal_handler(sig, stop.set)
+  engine = server.ctx.engine
+  if not engine.ready:
+    log.info(
+      "listening on http://%s:%d, warming up (/health: 503)", host, bound
+    )
+
+  async def announce():  # once the engine has warmed up
+    while not engine.ready:
+      await asyncio.sleep(0.05)
+    log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
+    if ready is not None:
+      ready(bound)
+
+  announcing = asyncio.create_task(announce())
   await stop.wait()
+  announcing.cancel()
   log.info("shutting down: finishing running requests (%.0f s grace)", grace)
   server.draining = True
   clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)

@@ -204,11 +204,21 @@ def _head_key(a: Admission) -> int:
 
 
 def stage(
-  a: Admission, caches, prev, engine: Engine, bos_id: int, adapters_of, width
+  a: Admission,
+  caches,
+  prev,
+  engine: Engine,
+  bos_id: int,
+  adapters_of,
+  width: int,
+  columns: int,
 ) -> long_prefill.Staged:
   """`a`'s prompt (after its cached start, if any), to be prefilled after
   the shared prefix one piece of `width` columns at a time (chunked
-  prefill)."""
+  prefill), padded to a whole number of pieces, into a buffer of the
+  slots' `columns`: its programs are the same whatever its length (a loop
+  compiles them once, at warm-up), and the pieces' attention skips the
+  buffer's unfilled columns."""
   run = functools.partial(
     engine.prefill,
     top_n=0,
@@ -218,10 +228,18 @@ def stage(
   rest = a.prompt[a.cached :]
   chunk = Chunk(
     tokens=rest[None].astype(np.int32), lengths=np.int32([rest.size])
-  )
+  ).pad_to_length(-(-rest.size // width) * width)
   if a.head is not None:
     caches, prev = (*caches, a.head), None
-  return long_prefill.Staged(run, caches, prev, chunk, width=width)
+  return long_prefill.Staged(
+    run,
+    caches,
+    prev,
+    chunk,
+    width=width,
+    columns=max(columns, chunk.time),
+    scores=False,
+  )
 
 
 def advance_staged(

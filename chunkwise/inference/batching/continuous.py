@@ -197,7 +197,16 @@ def run_many(
         if a.prompt.size - a.cached > piece:
           staged[slot] = (
             a,
-            stage(a, caches, prev, prefill_engine, bos_id, adapters_of, piece),
+            stage(
+              a,
+              caches,
+              prev,
+              prefill_engine,
+              bos_id,
+              adapters_of,
+              piece,
+              call.capacity,
+            ),
           )
           held[slot] = i
         else:

@@ -34,6 +34,7 @@ the same calls stay in lockstep.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -44,7 +45,7 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import long_prefill
-from chunkwise.inference.batching import admission, slots
+from chunkwise.inference.batching import admission, slots, warmup
 from chunkwise.inference.batching.admission import Admission
 from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.batching.continuous import segment
@@ -68,7 +69,36 @@ STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
 _RELEASE = jax.jit(
   lambda state, free: state.replace(done=state.done | free), donate_argnums=0
 )
-_WINDOW = jax.jit(slots.window, static_argnums=2)
+# What a segment reports, in one program and one transfer: every slot's
+# done, stopped and generated count, and the window of its results from
+# its first unreported token (dispatched right behind the segment). Copies,
+# not the state's own arrays: the next segment takes those (donated).
+_REPORT = jax.jit(
+  lambda state, start, width: (
+    jnp.copy(state.done),
+    jnp.copy(state.stopped),
+    jnp.copy(state.generated),
+    slots.window(state, start, width),
+  ),
+  static_argnums=2,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+  """A segment queued on the device: the slots it runs (bool[slots]), how
+  (`run`, reused by the segment queued behind it) and its report
+  (`_REPORT`'s device arrays)."""
+
+  live: np.ndarray
+  run: dict
+  report: tuple
+
+  @property
+  def generated(self) -> jax.Array:
+    """Each slot's tokens after this segment (on device): where the next
+    segment's report starts."""
+    return self.report[2]
 
 
 class LiveSlots:
@@ -203,9 +233,58 @@ class LiveSlots:
     self._waiting: list[tuple[Hashable, Prepared]] = []
     self._cancelled: set[Hashable] = set()
     self.admitted: list[Hashable] = []  # keys the last step put in slots
+    self._ahead: _Segment | None = None  # queued behind the last step's
 
   def _adapters(self, engine, ids):
     return None if self._served is None else self._served.call(engine, ids)
+
+  # -- what the loop is (warm-up reads it) ---------------------------------
+
+  @property
+  def prefill_engine(self) -> Engine:
+    return self._prefill_engine
+
+  @property
+  def generate_engine(self) -> Engine:
+    return self._generate_engine
+
+  @property
+  def piece(self) -> int:
+    """Prompts longer than this are prefilled in pieces this wide."""
+    return self._piece
+
+  @property
+  def start(self) -> int:
+    """Tokens of the shared prefix."""
+    return self._start
+
+  @property
+  def max_len(self) -> int:
+    return self._intake.hparams.max_len
+
+  @property
+  def bos_id(self) -> int:
+    return self._bos_id
+
+  @property
+  def vocabulary(self):
+    return self._intake.vocabulary
+
+  @property
+  def prefix_inputs(self) -> tuple:
+    """(caches, last logits) of the shared prefix, as the engines read it."""
+    return self._caches, self._prev
+
+  @property
+  def adapter_names(self) -> tuple[str, ...]:
+    return () if self._served is None else tuple(self._served.names)
+
+  def warm_up(self) -> warmup.Report:
+    """Compiles (or loads from JAX's persistent cache) every program a
+    request can take through this loop, by running placeholder requests
+    through it before any real one (`batching/warmup.py`); the loop is
+    empty again afterwards. Returns what ran."""
+    return warmup.warm_up(self)
 
   # -- host side, any thread ------------------------------------------------
 
@@ -233,7 +312,7 @@ class LiveSlots:
   @property
   def busy(self) -> bool:
     """Whether a `step` has anything to do."""
-    return bool(self._waiting or self.running or self._cancelled)
+    return bool(self._waiting or self.running or self._cancelled or self._ahead)
 
   def add(self, key: Hashable, prepared: Prepared) -> None:
     """Queues a prepared request under `key` (unique among those added and
@@ -256,8 +335,46 @@ class LiveSlots:
     free slots, decodes until `steps` (default `every`, at most `every`)
     steps ran or a request finished, and returns what every running
     request produced (finished ones last once, with their finish reason;
-    their slots are free again)."""
+    their slots are free again).
+
+    While nothing waits to change (no request waiting or cancelled, no
+    prompt in pieces, fixed slots, no speculation), the next segment is
+    queued on the device behind this one before this one's tokens are
+    read (`_Segment`): the device never waits for the host between two
+    segments. Requests added meanwhile take their slots one segment
+    later; a cancelled request's slot is free at once, its tokens not
+    reported."""
     steps = self.every if steps is None else max(1, min(steps, self.every))
+    if self._ahead is not None:  # queued by the last step
+      seg, self._ahead = self._ahead, None
+      self.admitted = []
+      self._drop_cancelled()  # their slots free now, their tokens unread
+    else:
+      seg = self._begin(steps)
+      if seg is None:
+        return []
+    if self._chains(seg):
+      self._ahead = self._dispatch(seg.live, seg.run, steps, seg.generated)
+    return self._collect(seg)
+
+  def _chains(self, seg: _Segment) -> bool:
+    """Whether the segment after `seg` may be queued before `seg` is read,
+    as `seg` ran (its rows, inputs): every request it runs still runs (as
+    far as the host knows: one that finished makes the next segment choose
+    its rows again), and the host has nothing to change at its start."""
+    running = all(self._key[s] is not None for s in np.flatnonzero(seg.live))
+    return running and not (
+      self._waiting
+      or self._cancelled
+      or self._staged
+      or self.pages is not None
+      or self.speculation is not None
+    )
+
+  def _begin(self, steps: int) -> _Segment | None:
+    """The host's changes (cancellations, preemptions, admissions, a piece
+    of a long prompt), then a segment of the running requests (None when
+    none runs)."""
     self._drop_cancelled()
     if self._make_room():  # a preempted request waits a segment
       self.admitted = []
@@ -271,25 +388,41 @@ class LiveSlots:
       [k is not None and s not in self._staged for s, k in enumerate(self._key)]
     )
     if not live.any():
-      return []
+      return None
     engine = self._generate_engine
     rows = self.buckets.rows(live)
     inputs = self._settings.inputs(
       self._start, live, (*self._loop_forms, self._grammars.processor())
     )
     ids = np.where(live, self._settings.adapter, -1).astype(np.int32)
-    self._state = segment(
-      engine,
-      self._calibration(rows),
-      self._caches,
-      self._state,
-      self.buckets.inputs(inputs, rows),
-      jnp.int32(steps),
+    run = dict(
+      calibration=self._calibration(rows),
+      inputs=admission.replicated_like(
+        self._state, self.buckets.inputs(inputs, rows)
+      ),
       adapters=self._adapters(engine, self.buckets.adapter_ids(ids, rows)),
-      speculation=self.speculation,
       rows=rows,
     )
-    return self._collect(live)
+    start = admission.replicated_like(self._state, self._read.copy())
+    return self._dispatch(live, run, steps, start)
+
+  def _dispatch(self, live, run: dict, steps: int, start) -> _Segment:
+    """Queues a segment (`run`: its rows, inputs, adapters, calibration)
+    and its report (the slots' windows from `start`: int32[slots] on
+    device), without waiting for either."""
+    self._state = segment(
+      self._generate_engine,
+      run["calibration"],
+      self._caches,
+      self._state,
+      run["inputs"],
+      jnp.int32(steps),
+      adapters=run["adapters"],
+      speculation=self.speculation,
+      rows=run["rows"],
+    )
+    report = _REPORT(self._state, start, self._window)
+    return _Segment(live=live, run=run, report=report)
 
   def _calibration(self, rows) -> Calibration | None:
     """Speculation's pass costs for a segment of `rows` (None: plain)."""
@@ -408,6 +541,7 @@ class LiveSlots:
             self._bos_id,
             self._adapters,
             self._piece,
+            self.capacity,
           ),
         )
       else:
@@ -427,16 +561,16 @@ class LiveSlots:
       cache=self.prefix_cache,
     )
 
-  def _collect(self, live: np.ndarray) -> list[SlotUpdate]:
+  def _collect(self, seg: _Segment) -> list[SlotUpdate]:
+    """What `seg` produced for each request still running (waits for
+    it); frees the slots of those that finished."""
     state = self._state
-    done, stopped, generated = jax.device_get(
-      (state.done, state.stopped, state.generated)
-    )
-    start = admission.replicated_like(state, self._read.copy())
-    window = jax.device_get(_WINDOW(state, start, self._window))
+    done, stopped, generated, window = jax.device_get(seg.report)
     updates = []
     self._generated = np.asarray(generated, np.int32).copy()
-    for s in np.flatnonzero(live):
+    for s in np.flatnonzero(seg.live):
+      if self._key[s] is None or self._key[s] in self._cancelled:
+        continue  # finished in the segment before, or cancelled since
       k = max(int(generated[s] - self._read[s]), 0)
       finished = bool(done[s])
       if not k and not finished:

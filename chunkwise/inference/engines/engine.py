@@ -141,6 +141,7 @@ class ReferenceEngine:
     precision: str,
     numerics: str,
     hparams: HParams | None = None,
+    platform: str | None = None,
   ):
     self.weights = weights
     self._hparams = hparams  # None: a custom infer_fn (no draft weights)
@@ -148,7 +149,9 @@ class ReferenceEngine:
 
     def traced(fn):
       return with_precision(
-        numerics_lib.traced(functools.partial(fn, infer_fn), numerics),
+        numerics_lib.traced(
+          functools.partial(fn, infer_fn), numerics, platform
+        ),
         precision,
       )
 
@@ -257,7 +260,11 @@ class ReferenceEngine:
     return self._run(weights, caches, state, inputs, stop_at)
 
   def slot_init(self, caches, adapters=None, **static):
-    return self._slot_init(self._weights(adapters), caches, **static)
+    # Committed to the device, as every later program's output is: an
+    # uncommitted state would compile the admission program a second time
+    # once the loop's first segment has committed it.
+    state = self._slot_init(self._weights(adapters), caches, **static)
+    return jax.device_put(state, self.result_shardings(0))
 
   def slot_run(
     self,
@@ -294,12 +301,16 @@ def make_engines(
   compute_dtype,
   precision: str,
   numerics: str = "fast",
+  platform: str | None = None,
 ) -> tuple[Engine, Engine]:
   """The (prefill, generate) engines of validated `phases` on `mesh`; one
   engine when both phases share a layout. Weights placed for one layout
   are reused by the other where the placement allows it. The reference
   layout reads `weights` as given, with `infer_fn` (None: the
-  Transformer's `transformer_infer`).
+  Transformer's `transformer_infer`). `platform`: the one platform the
+  reference engine's programs run on, where the caller knows it (their
+  kernel calls then trace its branch only; None: every platform's). A
+  sharded engine's programs run on its mesh's platform.
 
   Raises ValueError, before placing anything, for weights that do not fit
   `hparams`, an `infer_fn` with a sharded layout, or shuffled weights with
@@ -340,6 +351,7 @@ def make_engines(
         precision=precision,
         numerics=numerics,
         hparams=None if custom else hparams,
+        platform=platform,
       )
       continue
     # Weights already placed by another layout are reused, unless shuffled

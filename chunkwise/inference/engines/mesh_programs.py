@@ -47,6 +47,8 @@ class MeshPrograms:
     self.mesh = mesh
     self._precision = precision
     self._numerics = numerics
+    # The mesh's devices' platform: what its programs are lowered for.
+    self._platform = mesh.devices.flat[0].platform
     self._abstract = abstract
     self._programs: dict = {}
 
@@ -77,7 +79,8 @@ class MeshPrograms:
       self._programs[key] = jax.jit(
         jax.shard_map(
           with_precision(
-            numerics_lib.traced(per_device, self._numerics), self._precision
+            numerics_lib.traced(per_device, self._numerics, self._platform),
+            self._precision,
           ),
           mesh=self.mesh,
           in_specs=in_specs,

@@ -1,0 +1,214 @@
+"""Warm-up: every program a live loop's requests can need, compiled before
+the first one arrives.
+
+  report = loop.warm_up()            # LiveSlots.warm_up
+  print(report)                      # "31 requests, 27 programs, 41.2 s ..."
+
+A live loop's programs are fixed by its shapes (`live.py`): one segment
+program per slot bucket (`buckets.py`), one admission prefill and one
+admission write per prompt length bucket (`slot_requests.prompt_bucket`,
+8 to the loop's piece width), the pieces of long prompts per whole number
+of pieces (`admission.stage`: one buffer as wide as a slot, whatever
+the prompt's length), the report of each segment, and the
+constrained variant of each (the loop's grammar tables have one shape for
+any few small constraints: `constraints.LOOP_FLOOR`). Warm-up runs
+placeholder requests through the loop itself, so the very programs a
+request takes (jitted functions, their placements and committed inputs
+included) are compiled and run once: a round per bucket size (that many
+requests at once, the shortest prompts, one
+constrained, one on an adapter where the loop serves some), meanwhile a
+second thread compiles and runs the prefill of every other length (a
+program's compile overlaps another's tracing), then a request of each
+length (its admission), then one long
+prompt in two pieces. The prefix cache is set aside meanwhile: no
+placeholder is stored or found. Programs compiled before (JAX's persistent
+compilation cache) are loaded instead of compiled.
+
+What is not warmed: a prefix-cache hit whose cached start and rest are a
+pair of widths not seen yet, a constraint whose tables outgrow the floor,
+and prompt scoring (`InferenceModel.prefill`): each compiles its program
+the first time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from chunkwise import compile_cache
+from chunkwise import constraints as constraints_lib
+from chunkwise.inference.batching import admission
+from chunkwise.inference.batching.slot_requests import (
+  Request,
+  columns_needed,
+  prompt_bucket,
+)
+from chunkwise.inference.chunk import Chunk
+from chunkwise.inference.engines.engine import compiled_programs
+from chunkwise.inference.sampling import Sampling
+
+# A constraint every vocabulary spells (one byte): the constrained variant.
+_CONSTRAINT = constraints_lib.Regex("[0-9]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What a warm-up ran: its placeholder requests, the programs the
+  engines compiled or loaded for it, the bucket sizes and prompt lengths
+  it covered, and its seconds."""
+
+  requests: int
+  programs: int
+  loaded: int  # of them, from JAX's persistent compilation cache
+  slot_buckets: tuple[int, ...]
+  prompt_buckets: tuple[int, ...]
+  pieces: tuple[int, ...]  # long prompts' lengths
+  constrained: bool
+  adapters: bool
+  seconds: float
+
+  def __str__(self) -> str:
+    parts = [
+      f"{self.requests} requests, {self.programs} programs "
+      f"({self.loaded} from the compilation cache) in {self.seconds:.1f} s",
+      "slot buckets " + ",".join(map(str, self.slot_buckets)),
+      "prompt buckets " + ",".join(map(str, self.prompt_buckets)),
+    ]
+    if self.pieces:
+      parts.append("a long prompt in pieces")
+    if self.constrained:
+      parts.append("constrained")
+    if self.adapters:
+      parts.append("adapters")
+    return "; ".join(parts)
+
+
+def plan(loop) -> tuple[list[int], list[int]]:
+  """(prompt lengths of one admission prefill each, long prompt lengths
+  (one of two pieces: every long prompt takes the same programs)) that
+  fit `loop` with one step to generate."""
+  room = min(loop.capacity, loop.max_len - loop.start)
+  short, width = [], 8
+  while width <= min(loop.piece, room - 1):
+    short.append(width)
+    width *= 2
+  long_ = [loop.piece + 1] if loop.piece + 2 <= room else []
+  return short, long_
+
+
+def warm_up(loop) -> Report:
+  """Runs `loop` (a `LiveSlots` with nothing in it) through every program
+  its requests can take (module docstring); returns what it ran."""
+  if loop.busy:
+    raise ValueError("warm_up needs a loop with no request in it")
+  start = time.perf_counter()
+  before = _programs(loop)
+  short, long_ = plan(loop)
+  adapters = loop.adapter_names[:1]
+  constrained = _constraint(loop)
+  cache, loop.prefix_cache = loop.prefix_cache, None
+  count = 0
+  with contextlib.ExitStack() as stack:
+    counts = stack.enter_context(compile_cache.counting())
+    stack.callback(setattr, loop, "prefix_cache", cache)
+    # The other lengths' prefills in a second thread (they read only the
+    # weights and the shared prefix), while the rounds run the segment
+    # programs with the shortest prompts.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      prefills = pool.submit(_prefills, loop, short[1:])
+      for variant in [None, *adapters]:
+        for size in loop.buckets.sizes:
+          batch = [
+            _request(
+              loop,
+              short[0],
+              constraint=constrained if j == size - 1 else None,
+              adapter=variant if j == 0 else None,
+            )
+            for j in range(size)
+          ]
+          count += _run(loop, batch)
+      prefills.result()
+    for variant in [None, *adapters]:  # each length's admission
+      count += _run(loop, [_request(loop, n, adapter=variant) for n in short])
+    for length in long_:
+      count += _run(loop, [_request(loop, length)])
+  return Report(
+    requests=count,
+    programs=_programs(loop) - before,
+    loaded=counts.hits,
+    slot_buckets=loop.buckets.sizes,
+    prompt_buckets=tuple(prompt_bucket(n) for n in short),
+    pieces=tuple(long_),
+    constrained=constrained is not None,
+    adapters=bool(adapters),
+    seconds=time.perf_counter() - start,
+  )
+
+
+def _programs(loop) -> int:
+  engines = {id(e): e for e in (loop.prefill_engine, loop.generate_engine)}
+  return sum(map(compiled_programs, engines.values())) + (
+    admission.admit_programs()
+  )
+
+
+def _prefills(loop, lengths) -> None:
+  """The admission prefill of a prompt of each of `lengths` (bucket
+  widths), as `admission.prefill_into` calls it, its result dropped."""
+  rows = loop.admit_rows
+  for n in lengths:
+    tokens = np.full((rows, n), loop.bos_id, np.int32)
+    result = loop.prefill_engine.prefill(
+      *loop.prefix_inputs,
+      Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
+      top_n=0,
+      bos_id=loop.bos_id,
+      adapters=None,
+    )
+    jax.block_until_ready(result)
+
+
+def _constraint(loop):
+  """The placeholder constraint, if this loop's vocabulary spells it."""
+  if loop.vocabulary is None:
+    return None
+  try:
+    loop.prepare(
+      Request(
+        tokens=[loop.bos_id], sample_id=0, steps=4, constraint=_CONSTRAINT
+      )
+    )
+  except ValueError:
+    return None
+  return _CONSTRAINT
+
+
+def _request(loop, length: int, constraint=None, adapter=None) -> Request:
+  steps = 2 if constraint is None else 4
+  room = min(loop.capacity, loop.max_len - loop.start)
+  while steps > 1 and columns_needed(length, steps) > room:
+    steps -= 1
+  return Request(
+    tokens=[loop.bos_id] * length,
+    sample_id=length,
+    steps=steps,
+    sampling=Sampling(temperature=1.0, seed=0),
+    constraint=constraint,
+    adapter=adapter,
+  )
+
+
+def _run(loop, requests) -> int:
+  """Runs `requests` at once to the end; how many ran."""
+  keys = [("warm-up", k) for k in range(len(requests))]
+  for key, r in zip(keys, requests, strict=True):
+    loop.add(key, loop.prepare(r))
+  while loop.busy:
+    loop.step()
+  return len(requests)
