@@ -9,6 +9,7 @@ from chunkwise.inference.batching.continuous import (
 )
 from chunkwise.inference.batching.live import LiveSlots
 from chunkwise.inference.batching.live_requests import Prepared, SlotUpdate
+from chunkwise.inference.batching.slot_requests import prompt_bucket
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn, transformer_infer
 from chunkwise.inference.kv_cache import KVCache
@@ -51,6 +52,7 @@ __all__ = [
   "concat_results",
   "eos_id_of",
   "eos_ids_of",
+  "prompt_bucket",
   "random_model_vocab",
   "slot_capacity",
   "transformer_infer",

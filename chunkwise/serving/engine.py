@@ -55,6 +55,7 @@ from chunkwise.inference import (
   Chunk,
   InferenceModel,
   SpeculationStats,
+  prompt_bucket,
 )
 from chunkwise.partitioning import multihost
 from chunkwise.serving import decisions
@@ -291,16 +292,33 @@ class Engine:
     return done.result()
 
   def _score_now(self, prompt, top_n: int, adapter):
+    """Scores `prompt` as wide as its length bucket, with the engine's
+    `top_n` (then cut to `top_n`): one program per bucket and adapter use,
+    compiled at warm-up."""
     ids = np.asarray([prompt], np.int32)
-    chunk = Chunk(tokens=ids, lengths=np.asarray([ids.shape[1]], np.int32))
-    r = self.model.prefill(chunk, top_n=top_n, adapters=adapter)
+    n = ids.shape[1]
+    chunk = Chunk(tokens=ids, lengths=np.asarray([n], np.int32))
+    chunk = chunk.pad_to_length(
+      max(n, min(prompt_bucket(n), self.model.hparams.max_len))
+    )
+    r = self.model.prefill(chunk, top_n=self.top_n, adapters=adapter)
     arrays = (r.per_token_scores, r.top_ids, r.top_logprobs)
     if _pod():
       from jax.experimental import multihost_utils
 
       arrays = multihost_utils.process_allgather(arrays, tiled=True)
-    n = ids.shape[1]
-    return tuple(np.asarray(a)[0, :n] for a in arrays)
+    scores, top_ids, top_lp = (np.asarray(a)[0, :n] for a in arrays)
+    return scores, top_ids[:, :top_n], top_lp[:, :top_n]
+
+  def _warm_scoring(self) -> int:
+    """Scores a placeholder prompt of each length bucket a request may
+    send (`score`'s programs); returns how many."""
+    n, count = 1, 0
+    while n <= self.capacity:
+      self._score_now([self.model.bos_id] * n, self.top_n, None)
+      count += 1
+      n = prompt_bucket(n) + 1 if n > 1 else 9
+    return count
 
   def close(self, grace: float | None = 0.0) -> bool:
     """Stops admitting; waits up to `grace` seconds (None: for ever) for
@@ -340,8 +358,15 @@ class Engine:
     try:
       if self._warm:
         log.info("warming up: compiling every program a request can need")
-        self.warmup = self._loop.warm_up()
-        log.info("warm-up done: %s", self.warmup)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+          scoring = pool.submit(self._warm_scoring)  # beside the loop's
+          self.warmup = self._loop.warm_up()
+          scored = scoring.result()
+        log.info(
+          "warm-up done: %s; prompt scoring at %d lengths",
+          self.warmup,
+          scored,
+        )
     except Exception:
       log.exception("warm-up failed; programs compile as requests need them")
       self._loop = self._make()

@@ -23,6 +23,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from chunkwise.inference import long_prefill
@@ -55,18 +56,47 @@ def admit_programs() -> int:
   return sum(p._cache_size() for p in _ADMIT.values())
 
 
-def _admit(state, prompts, at, lengths, rows, tokens, head=None):
-  at, lengths, rows, tokens = replicated_like(
-    state, (at, lengths, rows, tokens)
-  )
+def _program(fn, state):
+  """`fn` (a program over the slots' state, donated) jitted once per
+  placement of the state."""
   shardings = jax.tree.map(lambda x: x.sharding, state)
   key = jax.tree.flatten(shardings)
-  key = (tuple(key[0]), key[1])
+  key = (fn.__name__, tuple(key[0]), key[1])
   if key not in _ADMIT:
-    _ADMIT[key] = jax.jit(
-      slots.admit, donate_argnums=0, out_shardings=shardings
-    )
-  return _ADMIT[key](state, prompts, at, lengths, rows, tokens, head)
+    _ADMIT[key] = jax.jit(fn, donate_argnums=0, out_shardings=shardings)
+  return _ADMIT[key]
+
+
+def _admit(state, prompts, at, lengths, rows, tokens, head=None):
+  """`slots.admit` of prompts after a cached start (`head`, written first
+  by `slots.put_head`: one program per width of it) or none. The prompts'
+  tokens go as wide as a slot: one admission program per prompt width,
+  whatever the cached start and the whole prompt's length."""
+  wide = np.zeros((tokens.shape[0], state.tokens.shape[1]), np.int32)
+  n = min(tokens.shape[1], wide.shape[1])
+  wide[:, :n] = tokens[:, :n]
+  offset = np.int32(0)
+  if head is not None:
+    at_head = replicated_like(state, at)
+    state = _program(slots.put_head, state)(state, head, at_head)
+    offset = head.lengths[0]
+  at, lengths, rows, wide = replicated_like(state, (at, lengths, rows, wide))
+  return _program(slots.admit, state)(
+    state, prompts, at, lengths, rows, wide, offset
+  )
+
+
+def warm_heads(state, template, widths):
+  """`slots.put_head` of a cached start of each of `widths` (zeros like
+  the prefix cache's page `template`: a [layers, 1, page, ...] array),
+  its writes dropped: the program of each width compiled (warm-up)."""
+  for width in widths:
+    blank = jnp.zeros_like(template)
+    pages = (blank,) * (width // template.shape[2])
+    head = prefix_cache.join(pages, pages, 0)
+    at = replicated_like(state, np.int32([state.slots]))  # dropped
+    state = _program(slots.put_head, state)(state, head, at)
+  return state
 
 
 vacate = jax.jit(slots.vacate, donate_argnums=0)

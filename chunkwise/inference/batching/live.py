@@ -46,6 +46,7 @@ from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import long_prefill
 from chunkwise.inference.batching import admission, slots, warmup
+from chunkwise.inference.batching import heads as heads_lib
 from chunkwise.inference.batching.admission import Admission
 from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.batching.continuous import segment
@@ -186,6 +187,22 @@ class LiveSlots:
       loop_forms=self._loop_forms,
     )
     self._caches, self._prev = prefix_inputs(prefix)
+    # Hits of the prefix cache whose programs have not run are admitted
+    # as misses while a background thread compiles them (`heads.py`).
+    self._heads = None
+    if prefix_cache is not None:
+      self._heads = heads_lib.Heads(
+        heads_lib.Shapes(
+          engine=prefill_engine,
+          caches=self._caches,
+          prev=self._prev,
+          bos_id=bos_id,
+          rows=admit_rows,
+          piece=self._piece,
+          columns=capacity,
+          adapters_of=self._adapters,
+        )
+      )
     # With `kv_pages`, the slots' K/V are one pool of pages (`paged_kv`):
     # a request takes a slot once its pages fit, and running requests that
     # outgrow the pool preempt the latest admitted (`page_table`), which
@@ -274,6 +291,22 @@ class LiveSlots:
   def prefix_inputs(self) -> tuple:
     """(caches, last logits) of the shared prefix, as the engines read it."""
     return self._caches, self._prev
+
+  @property
+  def vocab_size(self) -> int:
+    return self._intake.hparams.vocab
+
+  @property
+  def heads(self) -> heads_lib.Heads | None:
+    """Which prefix-cache hits have their programs (None: no cache)."""
+    return self._heads
+
+  def warm_heads(self, widths) -> None:
+    """Compiles the write of a cached start of each of `widths` into a
+    slot (warm-up; the cache must hold a page, the shape of all)."""
+    pages = self.prefix_cache.pages() if self.prefix_cache else ()
+    if pages:
+      self._state = admission.warm_heads(self._state, pages[0].k, widths)
 
   @property
   def adapter_names(self) -> tuple[str, ...]:
@@ -530,6 +563,8 @@ class LiveSlots:
         slot=s,
         processor_state=states,
       ).looked_up(self.prefix_cache)
+      if self._heads is not None:
+        a = self._heads.admissible(a, self.prefix_cache)
       if a.prompt.size - a.cached > self._piece:
         self._staged[s] = (
           a,

@@ -183,28 +183,27 @@ def admit(
   prompt_lengths: jax.Array,
   processor_rows: tuple,
   prompt_tokens: jax.Array | None = None,
-  head: KVCache | None = None,
+  offset: jax.Array | None = None,
 ) -> SlotState:
   """Puts prefilled prompts into slots (a global program, any placement).
 
   Args:
     state: the slots; those at `at` are free.
     prompts: the prefill result of a [rows, T] chunk of prompts (after the
-      shared prefix and `head`): its K/V fill columns [h, h + T) of the
-      slots' buffers, h = head's length (0 without one).
+      shared prefix and a cached start of `offset` tokens): its K/V fill
+      columns [h, h + T) of the slots' buffers, h = `offset` (traced;
+      None: 0).
     at: int32[rows]: each prompt's slot; `state.slots` for padding rows,
       whose writes are dropped.
-    prompt_lengths: int32[rows]: each prompt's tokens (`head`'s included).
+    prompt_lengths: int32[rows]: each prompt's tokens (the cached start's
+      included).
     processor_rows: each processor's initial state for these rows.
     prompt_tokens: int32[rows, n], the whole prompts (with speculation:
       the history its drafter searches).
-    head: the cached start of every row's prompt (`prefix_cache`, batch
-      1): its K/V fill columns [0, h).
+    offset: where the prompts' K/V start (`put_head` wrote the cached
+      start before them).
   """
   cache = state.cache
-  offset = None
-  if head is not None:
-    cache, offset = cache.put_rows(head.k, head.v, at), head.lengths[0]
   cache = cache.put_rows(
     prompts.kv_cache.k, prompts.kv_cache.v, at, offset
   ).replace(
@@ -372,6 +371,14 @@ def on_rows(run_fn: Callable) -> Callable:
     return put(state, view, rows)
 
   return run_rows
+
+
+def put_head(state: SlotState, head: KVCache, at: jax.Array) -> SlotState:
+  """The cached start of prompts going into slots `at` (`prefix_cache`,
+  batch 1): its K/V fill their columns [0, h) (`admit` then writes the
+  rest at offset h; padding rows `state.slots` dropped). One program per
+  width of `head`, whatever the rest."""
+  return state.replace(cache=state.cache.put_rows(head.k, head.v, at))
 
 
 def vacate(state: SlotState, at: jax.Array) -> SlotState:

@@ -20,14 +20,16 @@ constrained, one on an adapter where the loop serves some), meanwhile a
 second thread compiles and runs the prefill of every other length (a
 program's compile overlaps another's tracing), then a request of each
 length (its admission), then one long
-prompt in two pieces. The prefix cache is set aside meanwhile: no
-placeholder is stored or found. Programs compiled before (JAX's persistent
-compilation cache) are loaded instead of compiled.
+prompt in two pieces. With a prefix cache, the placeholders' pages are
+stored (no two start alike, so none is found), and a cached start of each
+width is written into a slot (its write programs), then the cache is
+emptied. Programs compiled before (JAX's persistent compilation cache)
+are loaded instead of compiled.
 
-What is not warmed: a prefix-cache hit whose cached start and rest are a
-pair of widths not seen yet, a constraint whose tables outgrow the floor,
-and prompt scoring (`InferenceModel.prefill`): each compiles its program
-the first time.
+What is not warmed: the prefill after a prefix-cache hit, one program per
+pair of widths (a hit of a pair not compiled yet is admitted as a miss
+while a background thread compiles it: `heads.py`), and a constraint whose
+tables outgrow the floor, which compiles its programs the first time.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -94,8 +97,8 @@ def plan(loop) -> tuple[list[int], list[int]]:
   fit `loop` with one step to generate."""
   room = min(loop.capacity, loop.max_len - loop.start)
   short, width = [], 8
-  while width <= min(loop.piece, room - 1):
-    short.append(width)
+  while width <= min(loop.piece, room):
+    short.append(width // 2 + 1)  # prefilled `width` wide, room to generate
     width *= 2
   long_ = [loop.piece + 1] if loop.piece + 2 <= room else []
   return short, long_
@@ -111,11 +114,12 @@ def warm_up(loop) -> Report:
   short, long_ = plan(loop)
   adapters = loop.adapter_names[:1]
   constrained = _constraint(loop)
-  cache, loop.prefix_cache = loop.prefix_cache, None
   count = 0
+  cache = loop.prefix_cache
   with contextlib.ExitStack() as stack:
     counts = stack.enter_context(compile_cache.counting())
-    stack.callback(setattr, loop, "prefix_cache", cache)
+    if cache is not None:
+      stack.callback(cache.clear)
     # The other lengths' prefills in a second thread (they read only the
     # weights and the shared prefix), while the rounds run the segment
     # programs with the shortest prompts.
@@ -138,6 +142,12 @@ def warm_up(loop) -> Report:
       count += _run(loop, [_request(loop, n, adapter=variant) for n in short])
     for length in long_:
       count += _run(loop, [_request(loop, length)])
+    if cache is not None:
+      widths, width = [], cache.page
+      while width <= loop.capacity:
+        widths.append(width)
+        width *= 2
+      loop.warm_heads(widths)
   return Report(
     requests=count,
     programs=_programs(loop) - before,
@@ -159,11 +169,12 @@ def _programs(loop) -> int:
 
 
 def _prefills(loop, lengths) -> None:
-  """The admission prefill of a prompt of each of `lengths` (bucket
-  widths), as `admission.prefill_into` calls it, its result dropped."""
+  """The admission prefill of a prompt of each of `lengths`, as
+  `admission.prefill_into` calls it (its length bucket wide), its result
+  dropped."""
   rows = loop.admit_rows
   for n in lengths:
-    tokens = np.full((rows, n), loop.bos_id, np.int32)
+    tokens = np.full((rows, prompt_bucket(n)), loop.bos_id, np.int32)
     result = loop.prefill_engine.prefill(
       *loop.prefix_inputs,
       Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
@@ -189,13 +200,17 @@ def _constraint(loop):
   return _CONSTRAINT
 
 
+_TOKENS = itertools.count()  # placeholders differ: none finds another's pages
+
+
 def _request(loop, length: int, constraint=None, adapter=None) -> Request:
   steps = 2 if constraint is None else 4
   room = min(loop.capacity, loop.max_len - loop.start)
   while steps > 1 and columns_needed(length, steps) > room:
     steps -= 1
+  token = 3 + next(_TOKENS) % max(loop.vocab_size - 3, 1)
   return Request(
-    tokens=[loop.bos_id] * length,
+    tokens=[loop.bos_id] + [token] * (length - 1),
     sample_id=length,
     steps=steps,
     sampling=Sampling(temperature=1.0, seed=0),

@@ -35,6 +35,7 @@ under fast numerics they are within a chunk split's rounding.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -83,14 +84,22 @@ class Hit:
   def head(self) -> KVCache:
     """The pages' K/V as one batch-1 `KVCache`, padded to a power of two
     of pages (masked: its lengths are `tokens`), so few prefill programs
-    compile."""
-    n = len(self.pages)
-    return _join(
-      tuple(p.k for p in self.pages),
-      tuple(p.v for p in self.pages),
-      jnp.int32(self.tokens),
-      width=_bucket(n) * self.pages[0].k.shape[2],
+    compile: zero pages fill the rest, so the join is one program per
+    width too."""
+    blank = jnp.zeros_like(self.pages[0].k)
+    pad = (blank,) * (_bucket(len(self.pages)) - len(self.pages))
+    return join(
+      tuple(p.k for p in self.pages) + pad,
+      tuple(p.v for p in self.pages) + pad,
+      self.tokens,
     )
+
+  @property
+  def width(self) -> int:
+    """Columns of `head` (0 for a miss)."""
+    if not self.pages:
+      return 0
+    return _bucket(len(self.pages)) * self.pages[0].k.shape[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +170,22 @@ class PrefixCache:
     self._counts["hit_requests" if pages else "miss_requests"] += 1
     return Hit(pages=tuple(pages), tokens=tokens)
 
+  def pages(self) -> tuple:
+    """The pages held (each with its k and v)."""
+    return tuple(self._pages.values())
+
+  def clear(self) -> None:
+    """Forgets every page and count (what a warm-up stored and looked
+    up); no page may be pinned."""
+    children = collections.Counter(
+      p.parent.id for p in self._pages.values() if p.parent is not None
+    )
+    if any(p.refs > children[p.id] for p in self._pages.values()):
+      raise ValueError("clear() with pages pinned by a lookup")
+    self._pages.clear()
+    self._bytes = 0
+    self._counts = dict.fromkeys(self._counts, 0)
+
   def release(self, hit: Hit) -> None:
     """Unpins what `lookup` pinned."""
     for p in hit.pages:
@@ -194,14 +219,13 @@ class PrefixCache:
     if not todo:
       return
     start = todo[0] * self.page - offset
-    cut = _cut(
-      kv.k,
-      kv.v,
-      jnp.int32(row),
-      jnp.int32(start),
-      page=self.page,
-      count=len(todo),
-    )
+    # One program per width of `kv`, a call per page.
+    cut = [
+      _cut(
+        kv.k, kv.v, jnp.int32(row), jnp.int32(start + j * self.page), self.page
+      )
+      for j in range(len(todo))
+    ]
     now = next(self._clock)
     for i, (k, v) in zip(todo, cut, strict=True):
       chunk = prompt[i * self.page : (i + 1) * self.page]
@@ -278,24 +302,28 @@ def _bucket(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("page", "count"))
-def _cut(k, v, row, start, *, page: int, count: int):
-  """((k, v) of columns [start + i * page, + page) of row `row`, for i <
-  count), each [layers, 1, page, kv_heads, head_dim]."""
+@functools.partial(jax.jit, static_argnums=4)
+def _cut(k, v, row, start, page: int):
+  """(k, v) of columns [start, start + page) of row `row`, each [layers, 1,
+  page, kv_heads, head_dim]."""
 
-  def one(x, i):
+  def one(x):
     x = lax.dynamic_slice_in_dim(x, row, 1, axis=1)
-    return lax.dynamic_slice_in_dim(x, start + i * page, page, axis=2)
+    return lax.dynamic_slice_in_dim(x, start, page, axis=2)
 
-  return tuple((one(k, i), one(v, i)) for i in range(count))
+  return one(k), one(v)
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def _join(ks, vs, tokens, *, width: int) -> KVCache:
-  def joined(parts):
-    x = jnp.concatenate(parts, axis=2)
-    pad = [(0, 0)] * x.ndim
-    pad[2] = (0, width - x.shape[2])
-    return jnp.pad(x, pad)
+def join(ks, vs, tokens: int) -> KVCache:
+  """Pages (k, v each [layers, 1, page, ...]) as one batch-1 `KVCache`
+  of `tokens` tokens: a `Hit.head` (one program per number of pages)."""
+  return _join(tuple(ks), tuple(vs), jnp.int32(tokens))
 
-  return KVCache(k=joined(ks), v=joined(vs), lengths=tokens[None])
+
+@jax.jit
+def _join(ks, vs, tokens) -> KVCache:
+  return KVCache(
+    k=jnp.concatenate(ks, axis=2),
+    v=jnp.concatenate(vs, axis=2),
+    lengths=tokens[None],
+  )
