@@ -122,7 +122,9 @@ def test_live_slots_grow_and_shrink(tiny, sizes, variant):
       got[u.key][1].extend(u.per_token_scores.tolist())
     step += 1
   assert {1, 2, 4} <= set(sizes), sizes
-  assert sizes[-1] == 1 and sizes.index(4) < len(sizes) - 1, str(sizes)  # shrank
+  assert sizes[-1] == 1 and sizes.index(4) < len(sizes) - 1, str(
+    sizes
+  )  # shrank
   for i, (tokens, scores) in enumerate(want):
     np.testing.assert_array_equal(got[i][0], tokens, err_msg=str(i))
     np.testing.assert_array_equal(np.float32(got[i][1]), scores, err_msg=str(i))

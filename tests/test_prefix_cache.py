@@ -5,6 +5,8 @@ cap) is tested on small arrays; the slot loops with a cache are held to
 the continuous-batching contract: every request equals `generate` run
 alone on it, bit for bit (invariant numerics), hits or not."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -287,6 +289,49 @@ def test_live_slots_with_a_prefix_cache(monkeypatch, tiny, shared):
     tokens += [t for u in loop.step() for t in u.tokens.tolist()]
   assert loop.prefix_cache.stats.hits - hits == 64
   np.testing.assert_array_equal(tokens, _alone(model, again)[0])
+
+
+def test_a_hit_before_its_program_is_a_miss_meanwhile(
+  monkeypatch, tiny, shared
+):
+  """`background_hits` (the server's loop): a hit whose prefill after a
+  cached start of its width has not run is admitted as a miss (counted as
+  one), the same tokens, while a background thread compiles that program;
+  then hits of that pair use the cache. Warm-up empties the cache it
+  filled and leaves the loop as it was."""
+  monkeypatch.setattr(pc, "PAGE", PAGE)
+  requests, want = shared
+  loop = tiny.live_slots(
+    slots=2,
+    capacity=160,
+    every=2,
+    prefix_cache_bytes=1 << 20,
+    background_hits=True,
+  )
+  report = loop.warm_up()
+  assert report.requests and loop.prefix_cache.stats == pc.Stats()
+
+  def run(i):
+    loop.add(object(), loop.prepare(requests[i]))
+    tokens, scores = [], []
+    while loop.busy:
+      for u in loop.step():
+        tokens += u.tokens.tolist()
+        scores += u.per_token_scores.tolist()
+    np.testing.assert_array_equal(tokens, want[i][0], err_msg=str(i))
+    np.testing.assert_array_equal(scores, want[i][1], err_msg=str(i))
+
+  run(0)  # stores its start
+  run(2)  # the same start: a hit, but its program is not compiled: a miss
+  s = loop.prefix_cache.stats
+  assert (s.hit_requests, s.miss_requests, s.hits) == (0, 2, 0)
+  deadline = time.monotonic() + 120
+  while not loop.heads.compiled:
+    assert time.monotonic() < deadline, "not compiled within 120 s"
+    time.sleep(0.05)
+  run(2)  # the same pair: a hit now
+  s = loop.prefix_cache.stats
+  assert (s.hit_requests, s.miss_requests) == (1, 2) and s.hits > 0
 
 
 def test_prefix_cache_on_a_mesh_and_after_a_shared_prefix(tiny, seen):

@@ -143,7 +143,11 @@ class Staged:
       # later piece reads it, and `_write` writes it, where it is).
       self._buffer = _zeros_like(result.kv_cache, self._columns)
     self._buffer = _write(self._buffer, result.kv_cache, at)
-    self._prev = result.next_token_logits
+    # Committed where it is, as every later piece's is (the second piece's
+    # would not be, and would compile the pieces' program a second time).
+    self._prev = jax.device_put(
+      result.next_token_logits, result.next_token_logits.sharding
+    )
     # The piece's K/V are in the buffer now: keep only its scores.
     if self._scores or not self._parts:
       self._parts.append(result.replace(kv_cache=None))

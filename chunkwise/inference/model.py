@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from chunkwise import numerics as numerics_lib
@@ -227,6 +228,7 @@ class InferenceModel(ModelSetup):
     kv_pages: int = 0,
     budget_forcing: bool = False,
     slot_buckets: Sequence[int] | None = None,
+    background_hits: bool = False,
   ) -> live.LiveSlots:
     """An always-on continuous-batching loop (`inference/batching/live.py`): add
     requests at any time, `step` it, get each request's tokens as they are
@@ -269,7 +271,18 @@ class InferenceModel(ModelSetup):
         buckets.py`): each runs the smallest that holds the running
         requests, so a step costs them, not `slots`. None: powers of two
         up to `slots` (one device; a sharded loop runs every slot).
+      background_hits: a prefix-cache hit whose prefill program (one per
+        pair of widths: the cached start's, the rest's) has not run yet is
+        admitted as a miss, the same tokens, while a background thread
+        compiles it (`batching/heads.py`); False: it compiles when the hit
+        comes. The schedule then depends on timing, so one process only.
     """
+    if background_hits and jax.process_count() > 1:
+      raise ValueError(
+        "background_hits=True makes the schedule depend on timing: it "
+        "needs one process, not "
+        f"{jax.process_count()}"
+      )
     cache = prefix_cache.make(prefix_cache_bytes)
     n, capacity, top_n, every, stop_width, processors, prefix = (
       checks.check_live(
@@ -310,6 +323,7 @@ class InferenceModel(ModelSetup):
       # is fixed whatever the batch and pages: invariant numerics (CPU).
       preempt=numerics_lib.rows_invariant(self._numerics),
       slot_buckets=slot_buckets,
+      background_hits=bool(background_hits),
     )
 
   def generate_many(

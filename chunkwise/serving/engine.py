@@ -159,6 +159,9 @@ class Engine:
       # closed within max_tokens: never a cut-off value.
       budget_forcing=True,
       slot_buckets=slot_buckets,
+      # No request waits for a hit's compile (one process: on a pod every
+      # process must make the same schedule).
+      background_hits=not _pod(),
     )
     self._loop = self._make()
     # Set once every program is compiled (or at once without warm-up).

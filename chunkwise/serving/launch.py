@@ -56,6 +56,10 @@ class Background:
   running = Background(ctx)          # listens on a free loopback port
   OpenAI(base_url=running.url + "/v1", api_key="-")...
   running.stop()                     # drains, closes the engine
+
+  It returns once the engine is ready (warmed up), or with
+  `wait_ready=False` as soon as it listens (/health says when it is
+  ready).
   """
 
   def __init__(
@@ -66,6 +70,7 @@ class Background:
     port: int = 0,
     api_key: str | None = None,
     grace: float = 30.0,
+    wait_ready: bool = True,
   ):
     self.server = Server(ctx, api_key=api_key)
     self._stop: asyncio.Event | None = None
@@ -73,15 +78,23 @@ class Background:
     started = threading.Event()
     self.url = None
 
-    def ready(bound):
+    def listening(bound):
       self.url = f"http://{host}:{bound}"
-      started.set()
+      if not wait_ready:
+        started.set()
 
     async def main():
       self._loop = asyncio.get_running_loop()
       self._stop = asyncio.Event()
       await _main(
-        self.server, host, port, grace, MAX_BODY_BYTES, ready, stop=self._stop
+        self.server,
+        host,
+        port,
+        grace,
+        MAX_BODY_BYTES,
+        lambda _: started.set(),
+        stop=self._stop,
+        listening=listening,
       )
 
     self._thread = threading.Thread(
@@ -100,7 +113,16 @@ class Background:
 
 
 async def _main(
-  server, host, port, grace, max_body_bytes, ready, *, signals=False, stop=None
+  server,
+  host,
+  port,
+  grace,
+  max_body_bytes,
+  ready,
+  *,
+  signals=False,
+  stop=None,
+  listening=None,
 ):
   runner = web.AppRunner(
     server.app(max_body_bytes), handler_cancellation=True, access_log=None
@@ -115,6 +137,8 @@ async def _main(
     for sig in (signal.SIGTERM, signal.SIGINT):
       loop.add_signal_handler(sig, stop.set)
   engine = server.ctx.engine
+  if listening is not None:
+    listening(bound)
   if not engine.ready:
     log.info(
       "listening on http://%s:%d, warming up (/health: 503)", host, bound

@@ -163,7 +163,8 @@ class Admission:
     if cache is None:
       return
     cache.insert(self.adapter_id, self.prompt, kv, row=row, offset=self.cached)
-    cache.release(self.hit)
+    if self.hit is not None:  # (a hit admitted as a miss has none)
+      cache.release(self.hit)
 
 
 def prefill_into(

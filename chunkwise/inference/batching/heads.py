@@ -81,7 +81,7 @@ class Heads:
     if self.ready(key):
       return a
     template = a.hit.pages[0].k
-    cache.release(a.hit)
+    cache.forgo(a.hit)
     with self._lock:
       if key not in self._queued:
         self._queued.add(key)

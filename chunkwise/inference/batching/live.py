@@ -131,6 +131,7 @@ class LiveSlots:
     preempt: bool = True,
     budget_forcing: bool = False,
     slot_buckets=None,
+    background_hits: bool = False,
   ):
     h = hparams
     # Each segment runs the smallest bucket of slots that holds the running
@@ -190,7 +191,7 @@ class LiveSlots:
     # Hits of the prefix cache whose programs have not run are admitted
     # as misses while a background thread compiles them (`heads.py`).
     self._heads = None
-    if prefix_cache is not None:
+    if background_hits and prefix_cache is not None:
       self._heads = heads_lib.Heads(
         heads_lib.Shapes(
           engine=prefill_engine,

@@ -66,8 +66,9 @@ class Report:
   it covered, and its seconds."""
 
   requests: int
-  programs: int
-  loaded: int  # of them, from JAX's persistent compilation cache
+  programs: int  # the engines' (and the admissions')
+  loaded: int  # XLA programs loaded from JAX's persistent compilation cache
+  compiled: int  # XLA programs compiled (cache misses; 0 without a cache)
   slot_buckets: tuple[int, ...]
   prompt_buckets: tuple[int, ...]
   pieces: tuple[int, ...]  # long prompts' lengths
@@ -77,8 +78,9 @@ class Report:
 
   def __str__(self) -> str:
     parts = [
-      f"{self.requests} requests, {self.programs} programs "
-      f"({self.loaded} from the compilation cache) in {self.seconds:.1f} s",
+      f"{self.requests} requests, {self.programs} programs in "
+      f"{self.seconds:.1f} s (XLA: {self.loaded} loaded from the "
+      f"compilation cache, {self.compiled} compiled into it)",
       "slot buckets " + ",".join(map(str, self.slot_buckets)),
       "prompt buckets " + ",".join(map(str, self.prompt_buckets)),
     ]
@@ -152,6 +154,7 @@ def warm_up(loop) -> Report:
     requests=count,
     programs=_programs(loop) - before,
     loaded=counts.hits,
+    compiled=counts.misses,
     slot_buckets=loop.buckets.sizes,
     prompt_buckets=tuple(prompt_bucket(n) for n in short),
     pieces=tuple(long_),

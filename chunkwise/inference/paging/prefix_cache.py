@@ -186,6 +186,15 @@ class PrefixCache:
     self._bytes = 0
     self._counts = dict.fromkeys(self._counts, 0)
 
+  def forgo(self, hit: Hit) -> None:
+    """Unpins a hit that is not used (its prompt prefilled whole): it
+    counts as a miss."""
+    self.release(hit)
+    if hit.pages:
+      self._counts["hits"] -= hit.tokens
+      self._counts["hit_requests"] -= 1
+      self._counts["miss_requests"] += 1
+
   def release(self, hit: Hit) -> None:
     """Unpins what `lookup` pinned."""
     for p in hit.pages:
