@@ -3,6 +3,16 @@
   python scripts/load_test.py                      # SmolLM2, 16 slots
   python scripts/load_test.py --requests=64 --rates=1,0.5,0.25 --runs=2
   python scripts/load_test.py --soak_seconds=600 --disconnect_share=0.3
+  python scripts/load_test.py --suite=speed        # the server's defaults
+
+`--suite=speed` (chunkwise/bench/serving_speed.py) measures what a new
+user of `scripts/serve.py` sees, with its defaults, each figure beside
+the library doing the same work: start-up on a cold and on a filled
+compilation cache, the first request's time to first token against the
+tenth's, a lone request against `model.generate`, and --concurrency
+requests at once against `generate_many`.
+
+The default suite (`rates`):
 
 Starts `scripts/serve.py` on a free loopback port and replays the
 long-tailed workload of `benchmark.py --continuous` (80% of budgets 8-32
@@ -41,7 +51,8 @@ from absl import app, flags
 import chunkwise as cw
 from chunkwise import jobs, serving
 from chunkwise.bench import continuous as bench_continuous
-from chunkwise.bench import load
+from chunkwise.bench import load, serving_speed
+from chunkwise.cpu_kernels.isa import cpu_name
 from chunkwise.inference import slot_capacity
 from chunkwise.models.kv_int8 import DTYPES as KV_DTYPES
 
@@ -99,6 +110,29 @@ _KV_DTYPE = flags.DEFINE_enum(
   "runs with the same).",
 )
 _OUTPUT = flags.DEFINE_string("output", "load_test.json", "JSON results.")
+_SUITE = flags.DEFINE_enum(
+  "suite",
+  "rates",
+  ["rates", "speed"],
+  "rates: Poisson arrival rates against generate_many (the module "
+  "docstring); speed: the server's defaults against the library "
+  "(start-up, first tokens, a lone request, --concurrency at once).",
+)
+_CONCURRENCY = flags.DEFINE_list(
+  "concurrency", ["1", "4", "16"], "--suite=speed: requests at once."
+)
+_SPEED_TOKENS = flags.DEFINE_integer(
+  "speed_tokens",
+  64,
+  "--suite=speed: tokens each request generates.",
+  lower_bound=1,
+)
+_STARTUP = flags.DEFINE_bool(
+  "startup",
+  True,
+  "--suite=speed: time a cold start-up (an empty compilation cache) "
+  "before the cached one.",
+)
 
 
 def _system_prompt(model, tokens: int) -> str:
@@ -276,8 +310,55 @@ def _cache_counts(server) -> dict | None:
   return out or None
 
 
+def _speed() -> None:
+  """`--suite=speed` (chunkwise/bench/serving_speed.py)."""
+  try:
+    concurrency = [int(c) for c in _CONCURRENCY.value]
+  except ValueError:
+    raise app.UsageError(
+      f"--concurrency={','.join(_CONCURRENCY.value)}: not integers"
+    ) from None
+  if _RUNS.value < 1 or min(concurrency) < 1:
+    raise app.UsageError("--runs and --concurrency must be >= 1")
+  model = jobs.load_served(
+    jobs.ModelConfig(name=_MODEL.value, kv_dtype=_KV_DTYPE.value)
+  )
+  flags_ = [
+    f"--model={_MODEL.value}",
+    f"--slots={_SLOTS.value}",
+    f"--kv_dtype={_KV_DTYPE.value}",
+  ]
+
+  def start(cache):
+    return Server(*flags_, f"--compilation_cache={cache}", timeout=900)
+
+  async def stream(server, text, budget, sample_id):
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=_TIMEOUT.value)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+      return await _one(s, server.url, text, budget, sample_id)
+
+  report = serving_speed.measure(
+    model,
+    start=start,
+    stream=stream,
+    slots=_SLOTS.value,
+    budget=_SPEED_TOKENS.value,
+    concurrency=concurrency,
+    runs=_RUNS.value,
+    startup=_STARTUP.value,
+  )
+  report.update(model=_MODEL.value, server_flags=flags_, machine=cpu_name())
+  with open(_OUTPUT.value, "w") as f:
+    json.dump(report, f, indent=1)
+  print(serving_speed.table(report))
+
+
 def main(argv):
   del argv
+  if _SUITE.value == "speed":
+    return _speed()
   rates = []
   for r in _RATES.value:
     try:

@@ -104,6 +104,7 @@ def server(model, tmp_path_factory):
     f"--adapters=tuned={adapter}",
     "--slots=2",
     "--max_total_tokens=512",
+    "--warm_up=false",
     "--max_top_n=5",
     f"--api_key={KEY}",
   ) as s:

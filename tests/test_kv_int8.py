@@ -224,7 +224,7 @@ def test_generation_job_and_server_with_int8_kv(tmp_path, int8, alone8):
   assert "kv_dtype" in model_flags.ModelFlags.__doc__
 
   requests, _ = alone8
-  engine = serving.Engine(int8, slots=4, capacity=128, every=4)
+  engine = serving.Engine(int8, slots=4, capacity=128, every=4, warm_up=False)
   try:
     greedy = [r for r in requests if r.sampling.temperature == 0.0]
     streams = [

@@ -467,7 +467,9 @@ def test_server_engine_with_paged_kv_shows_its_pool_in_metrics(tiny):
   from chunkwise import serving
   from chunkwise.serving.metrics import Metrics
 
-  engine = serving.Engine(tiny, slots=4, capacity=128, every=4, kv_pages=5)
+  engine = serving.Engine(
+    tiny, slots=4, capacity=128, every=4, kv_pages=5, warm_up=False
+  )
   try:
     requests = [
       cw.Request(
@@ -501,4 +503,4 @@ def test_server_engine_with_paged_kv_shows_its_pool_in_metrics(tiny):
   finally:
     engine.close()
   with pytest.raises(ValueError, match="kv_pages=2 cannot hold"):
-    serving.Engine(tiny, slots=4, capacity=128, kv_pages=2)
+    serving.Engine(tiny, slots=4, capacity=128, kv_pages=2, warm_up=False)

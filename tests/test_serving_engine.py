@@ -145,7 +145,9 @@ def test_live_slots_refuse_bad_requests_before_device_work(tiny):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-  e = serving.Engine(tiny, slots=3, capacity=96, top_n=3, every=4)
+  e = serving.Engine(
+    tiny, slots=3, capacity=96, top_n=3, every=4, warm_up=False
+  )
   yield e
   assert e.close(grace=5.0)
 
@@ -343,7 +345,9 @@ def test_engine_refuses_bad_requests(tiny, engine):
 
 
 def test_overloaded_and_closed(tiny):
-  e = serving.Engine(tiny, slots=1, capacity=64, max_queue=1, every=2)
+  e = serving.Engine(
+    tiny, slots=1, capacity=64, max_queue=1, every=2, warm_up=False
+  )
   g = serving.Generation(prompt=[1, 3], max_new_tokens=40)
   first = e.submit(g)
   first_tokens = iter(first)
@@ -387,7 +391,7 @@ def test_a_fault_fails_one_http_request_and_the_server_goes_on(
   in-stream error when it streams; the next requests are served."""
   import lorax
 
-  e = serving.Engine(tiny, slots=2, capacity=64, top_n=2)
+  e = serving.Engine(tiny, slots=2, capacity=64, top_n=2, warm_up=False)
   running = serving.Background(
     serving.Context(
       engine=e, model_id="tiny", max_input_tokens=32, max_total_tokens=64

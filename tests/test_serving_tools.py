@@ -52,7 +52,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def client():
-  with running(f"--model={MODEL}", "--slots=4", "--max_total_tokens=1024") as s:
+  with running(
+    f"--model={MODEL}",
+    "--slots=4",
+    "--max_total_tokens=1024",
+    "--warm_up=false",
+  ) as s:
     yield openai.OpenAI(
       base_url=s.url + "/v1",
       api_key="-",
@@ -324,6 +329,7 @@ def qwen_style():
     f"--model={MODEL}",
     "--slots=2",
     "--max_total_tokens=1024",
+    "--warm_up=false",
     f"--chat_template={QWEN_TEMPLATE}",
   ) as s:
     yield openai.OpenAI(

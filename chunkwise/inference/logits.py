@@ -27,7 +27,7 @@ from jax import lax
 
 from chunkwise import numerics
 from chunkwise.inference.kv_cache import repeat_each
-from chunkwise.inference.results import exp_sum, score_tokens
+from chunkwise.inference.results import exp_sum, score_tokens, top_k
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 from chunkwise.models import shard_ops as ops
 from chunkwise.processors import StepInfo
@@ -111,10 +111,10 @@ class LogitsShards:
         jnp.zeros(empty, jnp.float32),
       )
     # Each shard's best min(n, width); their union holds the global top n.
-    values, idx = lax.top_k(logits, min(top_n, width))
+    values, idx = top_k(logits, min(top_n, width))
     values = ops.all_gather(values, axes, axis=-1)
     idx = ops.all_gather(idx + self._offset(), axes, axis=-1)
-    best, pick = lax.top_k(values, top_n)
+    best, pick = top_k(values, top_n)
     best = (best - top) - log_total
     return scores, jnp.take_along_axis(idx, pick, axis=-1), best
 

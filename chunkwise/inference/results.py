@@ -259,12 +259,21 @@ def score_tokens(
   picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)
   scores = ((picked - top) - log_total)[..., 0]
   if top_n:
-    best, top_ids = lax.top_k(logits, top_n)
+    best, top_ids = top_k(logits, top_n)
     top_logprobs = (best - top) - log_total
   else:
     top_logprobs = jnp.zeros((*tokens.shape, 0), jnp.float32)
     top_ids = jnp.zeros((*tokens.shape, 0), jnp.int32)
   return scores, top_ids.astype(jnp.int32), top_logprobs
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k` over x's last axis, as rows of a 2-D array: of a [1, T,
+  vocab] prefill's logits XLA:CPU sorted every row whole (2.2 s for 256
+  SmolLM2 positions), of [T, vocab] it keeps the k best (14 ms)."""
+  values, ids = lax.top_k(x.reshape(-1, x.shape[-1]), k)
+  shape = (*x.shape[:-1], k)
+  return values.reshape(shape), ids.reshape(shape)
 
 
 def _check_concat(results: Sequence[ChunkResult]) -> None:
