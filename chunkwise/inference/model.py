@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from chunkwise import numerics as numerics_lib
 from chunkwise import processors as processors_lib
@@ -145,6 +146,23 @@ class InferenceModel(ModelSetup):
     else:
       result = run(caches, prev, chunk)
     return tagged(result, names)
+
+  def compile_prefill(self, time: int, *, top_n: int = 0) -> None:
+    """Compiles (or loads from JAX's persistent cache) what `prefill` of
+    one row of `time` columns with `top_n` and no prefix runs, without
+    running it; a chunk longer than the prefill's pieces is prefilled once
+    on zeros instead (its pieces are several programs). A server's
+    warm-up."""
+    h = self._hparams
+    chunk = Chunk(
+      tokens=np.zeros((1, time), np.int32), lengths=np.int32([time])
+    )
+    if time > (self._prefill_chunk or long_prefill.columns(h, 1)):
+      self.prefill(chunk, top_n=top_n)
+      return
+    self._prefill_engine.prefill(
+      (), None, chunk, top_n=top_n, bos_id=self._bos_id, compile_only=True
+    )
 
   def generate(
     self,

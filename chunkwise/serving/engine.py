@@ -318,7 +318,11 @@ class Engine:
     send (`score`'s programs); returns how many."""
     n, count = 1, 0
     while n <= self.capacity:
-      self._score_now([self.model.bos_id] * n, self.top_n, None)
+      width = max(n, min(prompt_bucket(n), self.model.hparams.max_len))
+      if _pod():  # every process runs the same programs
+        self._score_now([self.model.bos_id] * n, self.top_n, None)
+      else:
+        self.model.compile_prefill(width, top_n=self.top_n)
       count += 1
       n = prompt_bucket(n) + 1 if n > 1 else 9
     return count

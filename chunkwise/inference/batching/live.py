@@ -35,6 +35,7 @@ the same calls stay in lockstep.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -423,13 +424,19 @@ class LiveSlots:
     )
     if not live.any():
       return None
+    start = admission.replicated_like(self._state, self._read.copy())
+    return self._dispatch(live, self._run_args(live), steps, start)
+
+  def _run_args(self, live: np.ndarray) -> dict:
+    """How a segment of the `live` slots runs: its rows (a bucket), their
+    inputs and adapters on device, speculation's calibration."""
     engine = self._generate_engine
     rows = self.buckets.rows(live)
     inputs = self._settings.inputs(
       self._start, live, (*self._loop_forms, self._grammars.processor())
     )
     ids = np.where(live, self._settings.adapter, -1).astype(np.int32)
-    run = dict(
+    return dict(
       calibration=self._calibration(rows),
       inputs=admission.replicated_like(
         self._state, self.buckets.inputs(inputs, rows)
@@ -437,8 +444,40 @@ class LiveSlots:
       adapters=self._adapters(engine, self.buckets.adapter_ids(ids, rows)),
       rows=rows,
     )
-    start = admission.replicated_like(self._state, self._read.copy())
-    return self._dispatch(live, run, steps, start)
+
+  def segment_compilers(self) -> list:
+    """One callable per bucket size that compiles that size's segment
+    program (or loads it from the persistent cache) without running it,
+    safe to call from another thread (it reads this loop's state as it is
+    now, abstractly): warm-up loads them while its placeholders run."""
+    if not getattr(self._generate_engine, "slot_rows", False):
+      return []
+    state = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+      self._state,
+    )
+    out = []
+    for size in self.buckets.sizes:
+      live = np.arange(self.slots) < size
+      run = self._run_args(live)
+      rows = run["rows"]
+      out.append(
+        functools.partial(
+          self._generate_engine.slot_run,
+          self._caches,
+          state,
+          run["inputs"],
+          jnp.int32(self.every),
+          jnp.bool_(True),
+          adapters=run["adapters"],
+          speculation=self.speculation,
+          rows=None
+          if rows is None
+          else admission.replicated_like(self._state, rows),
+          compile_only=True,
+        )
+      )
+    return out
 
   def _dispatch(self, live, run: dict, steps: int, start) -> _Segment:
     """Queues a segment (`run`: its rows, inputs, adapters, calibration)

@@ -125,7 +125,11 @@ def warm_up(loop) -> Report:
     # The other lengths' prefills in a second thread (they read only the
     # weights and the shared prefix), while the rounds run the segment
     # programs with the shortest prompts.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      # The segment programs of the larger buckets load (or compile) in
+      # their own thread while the smaller ones' rounds run.
+      for compile_segment in reversed(loop.segment_compilers()[1:]):
+        pool.submit(compile_segment)
       prefills = pool.submit(_prefills, loop, short[1:])
       for variant in [None, *adapters]:
         for size in loop.buckets.sizes:

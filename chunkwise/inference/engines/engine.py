@@ -235,10 +235,23 @@ class ReferenceEngine:
     batch = lora.AdapterBatch(stacks, jnp.asarray(ids, jnp.int32))
     return lora.Adapted(self.weights, batch)
 
-  def prefill(self, caches, prev, chunk, *, top_n, bos_id, adapters=None):
-    return self._prefill(
-      self._weights(adapters), caches, prev, chunk, top_n=top_n, bos_id=bos_id
-    )
+  def prefill(
+    self,
+    caches,
+    prev,
+    chunk,
+    *,
+    top_n,
+    bos_id,
+    adapters=None,
+    compile_only: bool = False,
+  ):
+    """With `compile_only`, compiles the program and returns None."""
+    args = (self._weights(adapters), caches, prev, chunk)
+    if compile_only:
+      self._prefill.lower(*args, top_n=top_n, bos_id=bos_id).compile()
+      return None
+    return self._prefill(*args, top_n=top_n, bos_id=bos_id)
 
   def init(self, caches, prev, adapters=None, **static):
     return self._init(self._weights(adapters), caches, prev, **static)
@@ -276,18 +289,26 @@ class ReferenceEngine:
     adapters=None,
     speculation=None,
     rows=None,
+    compile_only: bool = False,
   ):
+    """With `compile_only`, compiles the program (or loads it from the
+    persistent cache) and returns None: `state` may then be abstract
+    (`jax.ShapeDtypeStruct`s with their shardings), nothing runs."""
     args = (self._weights(adapters), caches, state, inputs, max_steps)
     if speculation is not None:
       draft = self._draft_for(speculation)
+      fn, args = self._spec_slot_run, (*args, until_free, draft)
+      kwargs = dict(spec=speculation)
       if rows is not None:
-        return self._spec_rows_run(
-          *args, until_free, draft, spec=speculation, rows=rows
-        )
-      return self._spec_slot_run(*args, until_free, draft, spec=speculation)
-    if rows is not None:
-      return self._rows_run(*args, until_free, rows=rows)
-    return self._slot_run(*args, until_free)
+        fn, kwargs = self._spec_rows_run, dict(kwargs, rows=rows)
+    else:
+      fn, args, kwargs = self._slot_run, (*args, until_free), {}
+      if rows is not None:
+        fn, kwargs = self._rows_run, dict(rows=rows)
+    if compile_only:
+      fn.lower(*args, **kwargs).compile()
+      return None
+    return fn(*args, **kwargs)
 
 
 def make_engines(

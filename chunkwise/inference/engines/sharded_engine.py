@@ -230,7 +230,15 @@ class ShardedEngine(MeshPrograms):
     return (caches, prev), (cache_specs, prev_spec), prev_split
 
   def prefill(
-    self, caches, prev, chunk: Chunk, *, top_n: int, bos_id: int, adapters=None
+    self,
+    caches,
+    prev,
+    chunk: Chunk,
+    *,
+    top_n: int,
+    bos_id: int,
+    adapters=None,
+    compile_only: bool = False,
   ):
     plan = self.plan(chunk.batch, [c.batch for c in caches])
     weights, weight_specs, adapter_key = self._weights(adapters)
@@ -255,6 +263,9 @@ class ShardedEngine(MeshPrograms):
       (weight_specs, cache_specs, prev_spec, chunk_spec),
       out_specs,
     )
+    if compile_only:
+      program.lower(weights, caches, prev, chunk).compile()
+      return None
     return self._call(program, (weights, caches, prev, chunk), out_specs)
 
   def init(
