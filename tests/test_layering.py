@@ -5,8 +5,8 @@ configs -> collectives, processors -> partitioning, constraints -> models
 -> inference -> checkpoints -> jobs, serving -> bench (which measures
 all of them: the scoring job's batches among them); checkpoints, jobs and
 serving use only the names `chunkwise.inference` exports. The
-single-module helpers (contract, untrusted, precision, numerics, memory,
-cpu_kernels) import nothing
+single-module helpers (contract, untrusted, precision, compile_cache,
+numerics, memory, cpu_kernels) import nothing
 above the floor they serve; `contract` (activation times weight in the
 weight's own order) imports nothing at all, like `configs`.
 """
@@ -28,6 +28,7 @@ FLOORS = {
   "cpu_kernels": 1,
   "untrusted": 1,
   "precision": 1,
+  "compile_cache": 1,  # JAX's persistent cache; imports nothing of ours
   "numerics": 2,  # contract's invariant override, over cpu_kernels
   "partitioning": 2,
   "constraints": 2,
@@ -164,6 +165,9 @@ INFERENCE_FLOORS = {
   "batching.slots": 1,  # the device loop and the requests' checks
   "batching.slot_requests": 1,
   "batching.live_requests": 1,
+  "batching.rows": 1,  # a segment over some slots (device side)
+  "batching.buckets": 1,  # which slots a segment runs (host side)
+  "batching.segments": 1,  # a live segment's report, read after the next
   "speculation.draft": 1,
   "speculation.verify": 1,
   "speculation.speculative": 1,
@@ -171,6 +175,8 @@ INFERENCE_FLOORS = {
   "batching.admission": 3,  # the slot loops' host side, over engines
   "batching.continuous": 3,
   "batching.live": 3,
+  "batching.heads": 3,  # prefix-cache hits compiled in the background
+  "batching.warmup": 3,
   "batching": 1,  # its __init__ (a docstring) is below all its modules
   "model_setup": 4,
   "model": 4,

@@ -74,7 +74,7 @@ def test_after_warm_up_the_live_loop_compiles_nothing(tiny):
   report = loop.warm_up()
   assert report.slot_buckets == (1, 2, 4)
   assert report.prompt_buckets == (8, 16, 32, 64) and report.pieces
-  before = compiled_programs(loop.generate_engine)
+  before = compiled_programs(loop.shape.generate_engine)
   rng = np.random.default_rng(0)
   vocab = model.hparams.vocab
   lengths = [3, 9, 20, 40, 64, 150, 5, 30]
@@ -93,7 +93,7 @@ def test_after_warm_up_the_live_loop_compiles_nothing(tiny):
       )
     while loop.busy:
       loop.step()
-  assert compiled_programs(loop.generate_engine) == before
+  assert compiled_programs(loop.shape.generate_engine) == before
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ class LayerKV:
   v: tuple[jax.Array, ...]
   lengths: jax.Array  # int32[batch], or the rows' (`rows`)
   # Some rows of the buffer, read and written where they are (a slot
-  # loop's running requests among all its slots: `slots.take`): int32[n],
+  # loop's running requests among all its slots: `rows.take`): int32[n],
   # each row's index in k and v (past them: a padding row, never written);
   # None: every row, in order.
   rows: jax.Array | None = None

@@ -9,7 +9,7 @@ A slot loop keeps `slots` rows of state (each slot's K/V buffer or page
 table, its tokens so far), but a segment need not run them all: it runs
 the smallest of a few compiled row counts (the bucket sizes: powers of
 two up to `slots`, and `slots`) that holds the slots whose requests are
-running, as rows of their own (`slots.take`, `slots.put`: their small
+running, as rows of their own (`rows.take`, `rows.put`: their small
 per-row arrays gathered and put back, their K/V read and written where
 they are). So a lone request decodes one row, not sixteen, and no row
 moves when the set changes: only the list of rows does. With every slot's

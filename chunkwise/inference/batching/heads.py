@@ -1,6 +1,6 @@
 """Prefix-cache hits without a wait for a compile (`LiveSlots`).
 
-  heads = Heads(loop_settings...)
+  heads = Heads(loop.shape)
   a = heads.admissible(a, cache)   # a hit of a pair not compiled: a miss
 
 A request whose prompt starts with cached pages (`paging/prefix_cache.py`)
@@ -28,33 +28,18 @@ import numpy as np
 
 from chunkwise.inference import long_prefill
 from chunkwise.inference.batching.admission import Admission
+from chunkwise.inference.batching.live_requests import LoopShape
 from chunkwise.inference.batching.slot_requests import prompt_bucket
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.paging import prefix_cache
-
-
-@dataclasses.dataclass(frozen=True)
-class Shapes:
-  """What a hit's prefill is called with (`admission.prefill_into`,
-  `admission.stage`): the prefill engine, the shared prefix, the rows of
-  an admission prefill, the piece width and the slots' columns."""
-
-  engine: object
-  caches: tuple
-  prev: object
-  bos_id: int
-  rows: int
-  piece: int
-  columns: int
-  adapters_of: object  # (engine, ids) -> the engines' adapters argument
 
 
 class Heads:
   """The (head width, rest) pairs whose programs have run (module
   docstring); `compiled` counts those compiled in the background."""
 
-  def __init__(self, shapes: Shapes):
-    self._shapes = shapes
+  def __init__(self, shape: LoopShape):
+    self._shape = shape
     self._ready: set = set()
     self._queued: set = set()
     self._lock = threading.Lock()
@@ -65,7 +50,7 @@ class Heads:
   def key(self, a: Admission):
     """(head width, rest bucket or "pieces", adapter or not) of a hit."""
     rest = a.prompt.size - a.cached
-    bucket = "pieces" if rest > self._shapes.piece else prompt_bucket(rest)
+    bucket = "pieces" if rest > self._shape.piece else prompt_bucket(rest)
     return a.hit.width, bucket, a.adapter_id >= 0
 
   def ready(self, key) -> bool:
@@ -108,7 +93,7 @@ class Heads:
     """Runs the prefill of pair `key` on zeros (a head like `template`'s
     pages, `key`'s width; a prompt of `key`'s rest), as a hit's admission
     calls it: its programs compiled."""
-    s = self._shapes
+    s = self._shape
     width, rest, adapter = key
     blank = jnp.zeros_like(template)
     pages = (blank,) * (width // template.shape[2])
@@ -121,34 +106,34 @@ class Heads:
         lengths=np.int32([s.piece + 1]),
       )
       staged = long_prefill.Staged(
-        lambda caches, prev, piece: s.engine.prefill(
+        lambda caches, prev, piece: s.prefill_engine.prefill(
           caches,
           prev,
           piece,
           top_n=0,
           bos_id=s.bos_id,
-          adapters=s.adapters_of(s.engine, ids),
+          adapters=s.adapters_of(s.prefill_engine, ids),
         ),
         caches,
         None,
         chunk,
         width=s.piece,
-        columns=max(s.columns, chunk.time),
+        columns=max(s.capacity, chunk.time),
         scores=False,
       )
       while (result := staged.advance()) is None:
         pass
     else:
-      ids = np.full(s.rows, 0 if adapter else -1, np.int32)
-      result = s.engine.prefill(
+      ids = np.full(s.admit_rows, 0 if adapter else -1, np.int32)
+      result = s.prefill_engine.prefill(
         caches,
         None,
         Chunk(
-          tokens=np.zeros((s.rows, rest), np.int32),
-          lengths=np.full(s.rows, rest, np.int32),
+          tokens=np.zeros((s.admit_rows, rest), np.int32),
+          lengths=np.full(s.admit_rows, rest, np.int32),
         ),
         top_n=0,
         bos_id=s.bos_id,
-        adapters=s.adapters_of(s.engine, ids),
+        adapters=s.adapters_of(s.prefill_engine, ids),
       )
     jax.block_until_ready(result)

@@ -34,8 +34,6 @@ the same calls stay in lockstep.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -46,13 +44,14 @@ from chunkwise import constraints as constraints_lib
 from chunkwise import processors as processors_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import long_prefill
-from chunkwise.inference.batching import admission, slots, warmup
+from chunkwise.inference.batching import admission, segments, warmup
 from chunkwise.inference.batching import heads as heads_lib
 from chunkwise.inference.batching.admission import Admission
 from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.batching.continuous import segment
 from chunkwise.inference.batching.live_requests import (
   Intake,
+  LoopShape,
   Prepared,
   SlotSettings,
   SlotUpdate,
@@ -71,36 +70,6 @@ STOP_WIDTH = 8  # stop ids a request may have (EOS included), by default
 _RELEASE = jax.jit(
   lambda state, free: state.replace(done=state.done | free), donate_argnums=0
 )
-# What a segment reports, in one program and one transfer: every slot's
-# done, stopped and generated count, and the window of its results from
-# its first unreported token (dispatched right behind the segment). Copies,
-# not the state's own arrays: the next segment takes those (donated).
-_REPORT = jax.jit(
-  lambda state, start, width: (
-    jnp.copy(state.done),
-    jnp.copy(state.stopped),
-    jnp.copy(state.generated),
-    slots.window(state, start, width),
-  ),
-  static_argnums=2,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Segment:
-  """A segment queued on the device: the slots it runs (bool[slots]), how
-  (`run`, reused by the segment queued behind it) and its report
-  (`_REPORT`'s device arrays)."""
-
-  live: np.ndarray
-  run: dict
-  report: tuple
-
-  @property
-  def generated(self) -> jax.Array:
-    """Each slot's tokens after this segment (on device): where the next
-    segment's report starts."""
-    return self.report[2]
 
 
 class LiveSlots:
@@ -191,20 +160,25 @@ class LiveSlots:
     self._caches, self._prev = prefix_inputs(prefix)
     # Hits of the prefix cache whose programs have not run are admitted
     # as misses while a background thread compiles them (`heads.py`).
+    self.shape = LoopShape(
+      prefill_engine=prefill_engine,
+      generate_engine=generate_engine,
+      caches=self._caches,
+      prev=self._prev,
+      start=self._start,
+      bos_id=bos_id,
+      admit_rows=admit_rows,
+      piece=self._piece,
+      capacity=capacity,
+      max_len=h.max_len,
+      vocab_size=h.vocab,
+      vocabulary=vocabulary,
+      adapter_names=() if served is None else tuple(served.names),
+      adapters_of=self._adapters,
+    )
     self._heads = None
     if background_hits and prefix_cache is not None:
-      self._heads = heads_lib.Heads(
-        heads_lib.Shapes(
-          engine=prefill_engine,
-          caches=self._caches,
-          prev=self._prev,
-          bos_id=bos_id,
-          rows=admit_rows,
-          piece=self._piece,
-          columns=capacity,
-          adapters_of=self._adapters,
-        )
-      )
+      self._heads = heads_lib.Heads(self.shape)
     # With `kv_pages`, the slots' K/V are one pool of pages (`paged_kv`):
     # a request takes a slot once its pages fit, and running requests that
     # outgrow the pool preempt the latest admitted (`page_table`), which
@@ -252,67 +226,16 @@ class LiveSlots:
     self._waiting: list[tuple[Hashable, Prepared]] = []
     self._cancelled: set[Hashable] = set()
     self.admitted: list[Hashable] = []  # keys the last step put in slots
-    self._ahead: _Segment | None = None  # queued behind the last step's
+    self._ahead: segments.Segment | None = None  # queued behind the last
 
   def _adapters(self, engine, ids):
     return None if self._served is None else self._served.call(engine, ids)
 
-  # -- what the loop is (warm-up reads it) ---------------------------------
-
-  @property
-  def prefill_engine(self) -> Engine:
-    return self._prefill_engine
-
-  @property
-  def generate_engine(self) -> Engine:
-    return self._generate_engine
-
-  @property
-  def piece(self) -> int:
-    """Prompts longer than this are prefilled in pieces this wide."""
-    return self._piece
-
-  @property
-  def start(self) -> int:
-    """Tokens of the shared prefix."""
-    return self._start
-
-  @property
-  def max_len(self) -> int:
-    return self._intake.hparams.max_len
-
-  @property
-  def bos_id(self) -> int:
-    return self._bos_id
-
-  @property
-  def vocabulary(self):
-    return self._intake.vocabulary
-
-  @property
-  def prefix_inputs(self) -> tuple:
-    """(caches, last logits) of the shared prefix, as the engines read it."""
-    return self._caches, self._prev
-
-  @property
-  def vocab_size(self) -> int:
-    return self._intake.hparams.vocab
-
   @property
   def heads(self) -> heads_lib.Heads | None:
-    """Which prefix-cache hits have their programs (None: no cache)."""
+    """Which prefix-cache hits have their programs (None: without
+    `background_hits`)."""
     return self._heads
-
-  def warm_heads(self, widths) -> None:
-    """Compiles the write of a cached start of each of `widths` into a
-    slot (warm-up; the cache must hold a page, the shape of all)."""
-    pages = self.prefix_cache.pages() if self.prefix_cache else ()
-    if pages:
-      self._state = admission.warm_heads(self._state, pages[0].k, widths)
-
-  @property
-  def adapter_names(self) -> tuple[str, ...]:
-    return () if self._served is None else tuple(self._served.names)
 
   def warm_up(self) -> warmup.Report:
     """Compiles (or loads from JAX's persistent cache) every program a
@@ -375,8 +298,8 @@ class LiveSlots:
     While nothing waits to change (no request waiting or cancelled, no
     prompt in pieces, fixed slots, no speculation), the next segment is
     queued on the device behind this one before this one's tokens are
-    read (`_Segment`): the device never waits for the host between two
-    segments. Requests added meanwhile take their slots one segment
+    read (`segments.py`): the device never waits for the host between
+    two segments. Requests added meanwhile take their slots one segment
     later; a cancelled request's slot is free at once, its tokens not
     reported."""
     steps = self.every if steps is None else max(1, min(steps, self.every))
@@ -392,7 +315,7 @@ class LiveSlots:
       self._ahead = self._dispatch(seg.live, seg.run, steps, seg.generated)
     return self._collect(seg)
 
-  def _chains(self, seg: _Segment) -> bool:
+  def _chains(self, seg: segments.Segment) -> bool:
     """Whether the segment after `seg` may be queued before `seg` is read,
     as `seg` ran (its rows, inputs): every request it runs still runs (as
     far as the host knows: one that finished makes the next segment choose
@@ -406,7 +329,7 @@ class LiveSlots:
       or self.speculation is not None
     )
 
-  def _begin(self, steps: int) -> _Segment | None:
+  def _begin(self, steps: int) -> segments.Segment | None:
     """The host's changes (cancellations, preemptions, admissions, a piece
     of a long prompt), then a segment of the running requests (None when
     none runs)."""
@@ -445,41 +368,7 @@ class LiveSlots:
       rows=rows,
     )
 
-  def segment_compilers(self) -> list:
-    """One callable per bucket size that compiles that size's segment
-    program (or loads it from the persistent cache) without running it,
-    safe to call from another thread (it reads this loop's state as it is
-    now, abstractly): warm-up loads them while its placeholders run."""
-    if not getattr(self._generate_engine, "slot_rows", False):
-      return []
-    state = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-      self._state,
-    )
-    out = []
-    for size in self.buckets.sizes:
-      live = np.arange(self.slots) < size
-      run = self._run_args(live)
-      rows = run["rows"]
-      out.append(
-        functools.partial(
-          self._generate_engine.slot_run,
-          self._caches,
-          state,
-          run["inputs"],
-          jnp.int32(self.every),
-          jnp.bool_(True),
-          adapters=run["adapters"],
-          speculation=self.speculation,
-          rows=None
-          if rows is None
-          else admission.replicated_like(self._state, rows),
-          compile_only=True,
-        )
-      )
-    return out
-
-  def _dispatch(self, live, run: dict, steps: int, start) -> _Segment:
+  def _dispatch(self, live, run: dict, steps: int, start) -> segments.Segment:
     """Queues a segment (`run`: its rows, inputs, adapters, calibration)
     and its report (the slots' windows from `start`: int32[slots] on
     device), without waiting for either."""
@@ -494,8 +383,8 @@ class LiveSlots:
       speculation=self.speculation,
       rows=run["rows"],
     )
-    report = _REPORT(self._state, start, self._window)
-    return _Segment(live=live, run=run, report=report)
+    report = segments.report(self._state, start, self._window)
+    return segments.Segment(live=live, run=run, report=report)
 
   def _calibration(self, rows) -> Calibration | None:
     """Speculation's pass costs for a segment of `rows` (None: plain)."""
@@ -636,7 +525,7 @@ class LiveSlots:
       cache=self.prefix_cache,
     )
 
-  def _collect(self, seg: _Segment) -> list[SlotUpdate]:
+  def _collect(self, seg: segments.Segment) -> list[SlotUpdate]:
     """What `seg` produced for each request still running (waits for
     it); frees the slots of those that finished."""
     state = self._state

@@ -112,6 +112,29 @@ class SlotUpdate:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopShape:
+  """What a live loop is made of, for those that compile its programs
+  ahead of its requests (`warmup.py`, `heads.py`): its engines, the shared
+  prefix as they read it, how prompts are prefilled (rows per admission,
+  piece width), its slots' columns and the model's limits."""
+
+  prefill_engine: Any
+  generate_engine: Any
+  caches: tuple  # the shared prefix's K/V caches
+  prev: Any  # its last next-token logits, or None
+  start: int  # its tokens
+  bos_id: int
+  admit_rows: int
+  piece: int  # longer prompts are prefilled in pieces this wide
+  capacity: int  # columns per slot
+  max_len: int
+  vocab_size: int
+  vocabulary: Any
+  adapter_names: tuple[str, ...]
+  adapters_of: Any  # (engine, ids) -> the engines' `adapters` argument
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Intake:
   """A loop's fixed settings that each of its requests is checked against
   (`LiveSlots.prepare`)."""

@@ -3,8 +3,6 @@
   state = init(infer, weights, caches, slots=8, capacity=96, steps=64, ...)
   state = admit(state, prompts, at, prompt_lengths, processor_rows)
   state = run(infer, weights, caches, state, inputs, max_steps, until_free)
-  view = take(state, rows)          # some slots (a bucket), where they are
-  state = put(state, run(..., view, ...), rows)
 
 A fixed number of slots decode side by side. Each slot holds one request:
 its prompt's K/V and the tokens it generated so far in its own rows of one
@@ -27,11 +25,8 @@ prefill results (`ChunkResult`s of `InferenceModel.prefill`'s engine) into
 it. `run` returns to the host after `max_steps`, or, with `until_free`, as
 soon as a row finishes: never once per token.
 
-A segment may run some of the slots only (`take`, `put`: the running
-requests, a bucket of `rows`): their small per-row arrays are gathered,
-their K/V buffer rows read and written where they are (`LayerKV.rows`, or
-the pool through their page tables), so a step costs the rows it runs,
-not the slots; the slots left out are untouched.
+A segment may run some of the slots only (`rows.py`: a bucket of the
+running requests), the rest untouched.
 """
 
 from __future__ import annotations
@@ -241,136 +236,6 @@ def admit(
       set_rows, state.processor_states, processor_rows
     ),
   )
-
-
-def _take_rows(a: jax.Array, rows: jax.Array, fill=0) -> jax.Array:
-  """a[rows] (rows past a: `fill`), by one lax.gather (jnp's indexing
-  took milliseconds of tracing per array)."""
-  numbers = lax.GatherDimensionNumbers(
-    offset_dims=tuple(range(1, a.ndim)),
-    collapsed_slice_dims=(0,),
-    start_index_map=(0,),
-  )
-  got = lax.gather(
-    a,
-    jnp.minimum(rows, a.shape[0] - 1)[:, None],
-    numbers,
-    (1, *a.shape[1:]),
-    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
-  )
-  inside = (rows < a.shape[0]).reshape((-1,) + (1,) * (a.ndim - 1))
-  return jnp.where(inside, got, jnp.asarray(fill, a.dtype))
-
-
-def _put_rows(a: jax.Array, new: jax.Array, rows: jax.Array) -> jax.Array:
-  """a with a[rows] = new (rows past a dropped), by one lax.scatter."""
-  numbers = lax.ScatterDimensionNumbers(
-    update_window_dims=tuple(range(1, a.ndim)),
-    inserted_window_dims=(0,),
-    scatter_dims_to_operand_dims=(0,),
-  )
-  return lax.scatter(
-    a,
-    rows[:, None],
-    new.astype(a.dtype),
-    numbers,
-    mode=lax.GatherScatterMode.FILL_OR_DROP,
-  )
-
-
-def take(state: SlotState, rows: jax.Array) -> SlotState:
-  """Slots `rows` (int32[n]; `state.slots` for a padding row: free, done,
-  holding nothing) as a state of n rows for `run`: its per-row arrays
-  gathered, its K/V read and written in place (`LayerKV.rows`; a pool's
-  pages through the rows' tables). `put` writes it back."""
-  cache = state.cache
-  if isinstance(cache, PagedKV):
-    pages = cache.k[0].shape[1]
-    cache = cache.replace(
-      table=_take_rows(cache.table, rows, pages),
-      lengths=_take_rows(cache.lengths, rows),
-    )
-  else:
-    cache = cache.replace(lengths=_take_rows(cache.lengths, rows), rows=rows)
-  spec = state.spec
-  if spec is not None:
-    spec = spec.replace(
-      **{f: _take_rows(getattr(spec, f), rows) for f in SpecRows.PER_ROW}
-    )
-  return state.replace(
-    cache=cache,
-    generated=_take_rows(state.generated, rows),
-    tokens=_take_rows(state.tokens, rows),
-    scores=_take_rows(state.scores, rows),
-    top_ids=_take_rows(state.top_ids, rows),
-    top_logprobs=_take_rows(state.top_logprobs, rows),
-    next_logits=_take_rows(state.next_logits, rows),
-    done=_take_rows(state.done, rows, True),
-    stopped=_take_rows(state.stopped, rows),
-    processor_states=jax.tree.map(
-      lambda a: _take_rows(a, rows), state.processor_states
-    ),
-    spec=spec,
-  )
-
-
-def put(state: SlotState, view: SlotState, rows: jax.Array) -> SlotState:
-  """`state` with `view` (what `run` made of `take(state, rows)`) in its
-  slots `rows` (padding rows dropped)."""
-  cache = view.cache.replace(
-    lengths=_put_rows(state.cache.lengths, view.cache.lengths, rows)
-  )
-  if isinstance(cache, PagedKV):
-    cache = cache.replace(table=state.cache.table)  # the host's
-  else:
-    cache = cache.replace(rows=None)
-  spec = state.spec
-  if spec is not None:
-    spec = view.spec.replace(
-      **{
-        f: _put_rows(getattr(spec, f), getattr(view.spec, f), rows)
-        for f in SpecRows.PER_ROW
-      }
-    )
-
-  def back(name):
-    return _put_rows(getattr(state, name), getattr(view, name), rows)
-
-  return state.replace(
-    cache=cache,
-    **{
-      name: back(name)
-      for name in (
-        "generated",
-        "tokens",
-        "scores",
-        "top_ids",
-        "top_logprobs",
-        "next_logits",
-        "done",
-        "stopped",
-      )
-    },
-    processor_states=jax.tree.map(
-      lambda a, b: _put_rows(a, b, rows),
-      state.processor_states,
-      view.processor_states,
-    ),
-    spec=spec,
-  )
-
-
-def on_rows(run_fn: Callable) -> Callable:
-  """`run_fn` (`run`, or its speculative twin) over the slots `rows` only
-  (a keyword argument, int32[n]): `take`, run, `put`."""
-
-  def run_rows(infer, weights, caches, state, inputs, *args, rows, **kwargs):
-    view = run_fn(
-      infer, weights, caches, take(state, rows), inputs, *args, **kwargs
-    )
-    return put(state, view, rows)
-
-  return run_rows
 
 
 def put_head(state: SlotState, head: KVCache, at: jax.Array) -> SlotState:

@@ -37,10 +37,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from chunkwise import compile_cache
@@ -97,12 +99,12 @@ def plan(loop) -> tuple[list[int], list[int]]:
   """(prompt lengths of one admission prefill each, long prompt lengths
   (one of two pieces: every long prompt takes the same programs)) that
   fit `loop` with one step to generate."""
-  room = min(loop.capacity, loop.max_len - loop.start)
+  room = min(loop.capacity, loop.shape.max_len - loop.shape.start)
   short, width = [], 8
-  while width <= min(loop.piece, room):
+  while width <= min(loop.shape.piece, room):
     short.append(width // 2 + 1)  # prefilled `width` wide, room to generate
     width *= 2
-  long_ = [loop.piece + 1] if loop.piece + 2 <= room else []
+  long_ = [loop.shape.piece + 1] if loop.shape.piece + 2 <= room else []
   return short, long_
 
 
@@ -114,7 +116,7 @@ def warm_up(loop) -> Report:
   start = time.perf_counter()
   before = _programs(loop)
   short, long_ = plan(loop)
-  adapters = loop.adapter_names[:1]
+  adapters = loop.shape.adapter_names[:1]
   constrained = _constraint(loop)
   count = 0
   cache = loop.prefix_cache
@@ -128,7 +130,7 @@ def warm_up(loop) -> Report:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       # The segment programs of the larger buckets load (or compile) in
       # their own thread while the smaller ones' rounds run.
-      for compile_segment in reversed(loop.segment_compilers()[1:]):
+      for compile_segment in reversed(_segment_compilers(loop)[1:]):
         pool.submit(compile_segment)
       prefills = pool.submit(_prefills, loop, short[1:])
       for variant in [None, *adapters]:
@@ -153,7 +155,7 @@ def warm_up(loop) -> Report:
       while width <= loop.capacity:
         widths.append(width)
         width *= 2
-      loop.warm_heads(widths)
+      _warm_heads(loop, widths)
   return Report(
     requests=count,
     programs=_programs(loop) - before,
@@ -168,8 +170,54 @@ def warm_up(loop) -> Report:
   )
 
 
+def _segment_compilers(loop) -> list:
+  """One callable per bucket size that compiles that size's segment
+  program (or loads it from the persistent cache) without running it,
+  safe to call from another thread: it reads the loop's state as it is
+  now, abstractly (the loop's own `_run_args` make its other inputs)."""
+  engine = loop.shape.generate_engine
+  if not getattr(engine, "slot_rows", False):
+    return []
+  state = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+    loop._state,
+  )
+  out = []
+  for size in loop.buckets.sizes:
+    run = loop._run_args(np.arange(loop.slots) < size)
+    rows = run["rows"]
+    if rows is not None:
+      rows = admission.replicated_like(loop._state, rows)
+    out.append(
+      functools.partial(
+        engine.slot_run,
+        loop.shape.caches,
+        state,
+        run["inputs"],
+        jnp.int32(loop.every),
+        jnp.bool_(True),
+        adapters=run["adapters"],
+        speculation=loop.speculation,
+        rows=rows,
+        compile_only=True,
+      )
+    )
+  return out
+
+
+def _warm_heads(loop, widths) -> None:
+  """The write of a cached start of each of `widths` into a slot (its
+  program; the prefix cache holds a page of the placeholders, the shape of
+  every page), its writes dropped."""
+  pages = loop.prefix_cache.pages()
+  if pages:
+    loop._state = admission.warm_heads(loop._state, pages[0].k, widths)
+
+
 def _programs(loop) -> int:
-  engines = {id(e): e for e in (loop.prefill_engine, loop.generate_engine)}
+  engines = {
+    id(e): e for e in (loop.shape.prefill_engine, loop.shape.generate_engine)
+  }
   return sum(map(compiled_programs, engines.values())) + (
     admission.admit_programs()
   )
@@ -179,14 +227,15 @@ def _prefills(loop, lengths) -> None:
   """The admission prefill of a prompt of each of `lengths`, as
   `admission.prefill_into` calls it (its length bucket wide), its result
   dropped."""
-  rows = loop.admit_rows
+  rows = loop.shape.admit_rows
   for n in lengths:
-    tokens = np.full((rows, prompt_bucket(n)), loop.bos_id, np.int32)
-    result = loop.prefill_engine.prefill(
-      *loop.prefix_inputs,
+    tokens = np.full((rows, prompt_bucket(n)), loop.shape.bos_id, np.int32)
+    result = loop.shape.prefill_engine.prefill(
+      loop.shape.caches,
+      loop.shape.prev,
       Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
       top_n=0,
-      bos_id=loop.bos_id,
+      bos_id=loop.shape.bos_id,
       adapters=None,
     )
     jax.block_until_ready(result)
@@ -194,12 +243,12 @@ def _prefills(loop, lengths) -> None:
 
 def _constraint(loop):
   """The placeholder constraint, if this loop's vocabulary spells it."""
-  if loop.vocabulary is None:
+  if loop.shape.vocabulary is None:
     return None
   try:
     loop.prepare(
       Request(
-        tokens=[loop.bos_id], sample_id=0, steps=4, constraint=_CONSTRAINT
+        tokens=[loop.shape.bos_id], sample_id=0, steps=4, constraint=_CONSTRAINT
       )
     )
   except ValueError:
@@ -212,12 +261,12 @@ _TOKENS = itertools.count()  # placeholders differ: none finds another's pages
 
 def _request(loop, length: int, constraint=None, adapter=None) -> Request:
   steps = 2 if constraint is None else 4
-  room = min(loop.capacity, loop.max_len - loop.start)
+  room = min(loop.capacity, loop.shape.max_len - loop.shape.start)
   while steps > 1 and columns_needed(length, steps) > room:
     steps -= 1
-  token = 3 + next(_TOKENS) % max(loop.vocab_size - 3, 1)
+  token = 3 + next(_TOKENS) % max(loop.shape.vocab_size - 3, 1)
   return Request(
-    tokens=[loop.bos_id] + [token] * (length - 1),
+    tokens=[loop.shape.bos_id] + [token] * (length - 1),
     sample_id=length,
     steps=steps,
     sampling=Sampling(temperature=1.0, seed=0),

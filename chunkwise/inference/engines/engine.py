@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from chunkwise import numerics as numerics_lib
 from chunkwise.configs import HParams
 from chunkwise.inference import checks, generate, prefill
+from chunkwise.inference.batching import rows as rows_lib
 from chunkwise.inference.batching import slots as slots_lib
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engines.sharded_engine import ShardedEngine
@@ -125,7 +126,7 @@ class Engine(Protocol):
     """`slots.run` (the state is donated); with a checked `Speculation`,
     `speculative.slot_run`. With `rows` (int32[n], the slots to run;
     `inputs` and `adapters` then have n rows), the other slots are left
-    as they are (`slots.on_rows`); engines without `slot_rows` take None
+    as they are (`rows.on_rows`); engines without `slot_rows` take None
     only."""
     ...
 
@@ -181,12 +182,12 @@ class ReferenceEngine:
       jax.jit(traced(fn), static_argnames=("spec",), donate_argnames=("state",))
       for fn in (speculative.run, speculative.slot_run)
     )
-    # Some slots only (a bucket of the running requests: `slots.on_rows`).
+    # Some slots only (a bucket of the running requests: `rows.on_rows`).
     self._rows_run = jax.jit(
-      traced(slots_lib.on_rows(slots_lib.run)), donate_argnames=("state",)
+      traced(rows_lib.on_rows(slots_lib.run)), donate_argnames=("state",)
     )
     self._spec_rows_run = jax.jit(
-      traced(slots_lib.on_rows(speculative.slot_run)),
+      traced(rows_lib.on_rows(speculative.slot_run)),
       static_argnames=("spec",),
       donate_argnames=("state",),
     )
