@@ -137,8 +137,10 @@ def test_a_served_request_compiles_nothing_and_a_restart_loads_it_all(
       )
 
     ask("a")
+    # (no two start alike: a prefix-cache hit's prefill compiles in the
+    # background, logged too; tests/test_prefix_cache.py checks it)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-      list(pool.map(lambda n: ask("word " * n), (3, 30, 90)))
+      list(pool.map(lambda n: ask(f"{n} " * n), (3, 30, 90)))
     ask("x" * 400, max_tokens=2)
     ask("abc", max_tokens=0, echo=True, logprobs=2)
     status, _ = s.post(

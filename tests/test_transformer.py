@@ -86,3 +86,35 @@ def test_bf16_weights_cache_and_activations_stay_close_to_f32():
   assert result.kv_cache.k.dtype == jnp.bfloat16
   assert np.isfinite(np.asarray(result.per_token_scores)).all()
   assert tokens.lengths.shape == (2,)
+
+
+def test_layers_traced_once_are_the_layers_traced_apart(monkeypatch, tiny):
+  """`traced_once` (one trace of a layer, inlined by XLA at each of its
+  calls) computes what tracing every layer apart does, bit for bit: a
+  prefill's scores, top-n and K/V, and a decode step's tokens."""
+  from chunkwise.models import transformer
+
+  chunk = cw.Chunk.from_lists([[1, 5, 9, 30, 2], [1, 7, 7]])
+
+  def run():
+    model = cw.InferenceModel.random(tiny.hparams, seed=3)  # fresh programs
+    r = model.prefill(chunk, top_n=3)
+    tokens, _ = model.generate(
+      [r], sample_ids=[0, 1], steps=4, sampling=cw.Sampling(temperature=0.8)
+    )
+    return [
+      np.asarray(a)
+      for a in (
+        r.per_token_scores,
+        r.top_ids,
+        r.top_logprobs,
+        r.kv_cache.k,
+        tokens.tokens,
+      )
+    ]
+
+  once = run()
+  monkeypatch.setattr(transformer, "TRACE_ONCE", False)
+  apart = run()
+  for a, b in zip(once, apart, strict=True):
+    np.testing.assert_array_equal(a, b)

@@ -297,7 +297,8 @@ class Engine:
   def _score_now(self, prompt, top_n: int, adapter):
     """Scores `prompt` as wide as its length bucket, with the engine's
     `top_n` (then cut to `top_n`): one program per bucket and adapter use,
-    compiled at warm-up."""
+    the loop's admission prefill's up to its piece width, compiled at
+    warm-up."""
     ids = np.asarray([prompt], np.int32)
     n = ids.shape[1]
     chunk = Chunk(tokens=ids, lengths=np.asarray([n], np.int32))
@@ -314,9 +315,11 @@ class Engine:
     return scores, top_ids[:, :top_n], top_lp[:, :top_n]
 
   def _warm_scoring(self) -> int:
-    """Scores a placeholder prompt of each length bucket a request may
-    send (`score`'s programs); returns how many."""
-    n, count = 1, 0
+    """Compiles the scoring of a prompt of each length bucket a request
+    may send (`score`'s programs) that the loop's warm-up does not: up to
+    the loop's piece width, scoring runs the loop's admission prefills.
+    Returns how many."""
+    n, count = self._loop.shape.piece + 1, 0
     while n <= self.capacity:
       width = max(n, min(prompt_bucket(n), self.model.hparams.max_len))
       if _pod():  # every process runs the same programs
@@ -324,7 +327,7 @@ class Engine:
       else:
         self.model.compile_prefill(width, top_n=self.top_n)
       count += 1
-      n = prompt_bucket(n) + 1 if n > 1 else 9
+      n = prompt_bucket(n) + 1
     return count
 
   def close(self, grace: float | None = 0.0) -> bool:
@@ -370,7 +373,7 @@ class Engine:
           self.warmup = self._loop.warm_up()
           scored = scoring.result()
         log.info(
-          "warm-up done: %s; prompt scoring at %d lengths",
+          "warm-up done: %s; prompt scoring at %d more lengths",
           self.warmup,
           scored,
         )

@@ -177,12 +177,15 @@ def prefill_into(
   adapters_of,
   rows: int | None = None,
   cache: prefix_cache.PrefixCache | None = None,
+  top_n: int = 0,
 ) -> slots.SlotState:
   """Prefills `admissions` after the shared prefix and puts them into
   their slots: one prefill of `rows` rows (default `admit_rows`) per
   group of prompts of the same length bucket and cached start (only what
   follows `Admission.looked_up`'s start is prefilled; the full pages of
-  what was go into the prefix `cache`)."""
+  what was go into the prefix `cache`). `top_n`: the alternatives the
+  prefill computes (unused here; a live loop asks for its own top-n, so
+  that its admission prefills are the programs that score a prompt)."""
   rows = rows or admit_rows(state.slots)
   groups: dict[tuple[int, int], list[Admission]] = {}
   for a in admissions:
@@ -208,7 +211,7 @@ def prefill_into(
         caches if head is None else (*caches, head),
         prev if head is None else None,
         Chunk(tokens=tokens, lengths=lengths),
-        top_n=0,
+        top_n=top_n,
         bos_id=bos_id,
         adapters=adapters_of(engine, ids),
       )
@@ -243,6 +246,7 @@ def stage(
   adapters_of,
   width: int,
   columns: int,
+  top_n: int = 0,
 ) -> long_prefill.Staged:
   """`a`'s prompt (after its cached start, if any), to be prefilled after
   the shared prefix one piece of `width` columns at a time (chunked
@@ -252,7 +256,7 @@ def stage(
   buffer's unfilled columns."""
   run = functools.partial(
     engine.prefill,
-    top_n=0,
+    top_n=top_n,
     bos_id=bos_id,
     adapters=adapters_of(engine, np.int32([a.adapter_id])),
   )

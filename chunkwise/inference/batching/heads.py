@@ -110,7 +110,7 @@ class Heads:
           caches,
           prev,
           piece,
-          top_n=0,
+          top_n=s.admit_top_n,
           bos_id=s.bos_id,
           adapters=s.adapters_of(s.prefill_engine, ids),
         ),
@@ -132,7 +132,7 @@ class Heads:
           tokens=np.zeros((s.admit_rows, rest), np.int32),
           lengths=np.full(s.admit_rows, rest, np.int32),
         ),
-        top_n=0,
+        top_n=s.admit_top_n,
         bos_id=s.bos_id,
         adapters=s.adapters_of(s.prefill_engine, ids),
       )

@@ -168,6 +168,10 @@ class LiveSlots:
       start=self._start,
       bos_id=bos_id,
       admit_rows=admit_rows,
+      # The loop's top-n: its admission prefills are then the programs
+      # that score a prompt (`InferenceModel.prefill(top_n=)`, a server's
+      # echo), compiled once for both.
+      admit_top_n=top_n,
       piece=self._piece,
       capacity=capacity,
       max_len=h.max_len,
@@ -506,6 +510,7 @@ class LiveSlots:
             self._adapters,
             self._piece,
             self.capacity,
+            top_n=self.top_n,
           ),
         )
       else:
@@ -523,6 +528,7 @@ class LiveSlots:
       self._adapters,
       rows=self.admit_rows,
       cache=self.prefix_cache,
+      top_n=self.top_n,
     )
 
   def _collect(self, seg: segments.Segment) -> list[SlotUpdate]:

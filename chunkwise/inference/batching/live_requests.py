@@ -125,6 +125,7 @@ class LoopShape:
   start: int  # its tokens
   bos_id: int
   admit_rows: int
+  admit_top_n: int  # alternatives an admission prefill computes
   piece: int  # longer prompts are prefilled in pieces this wide
   capacity: int  # columns per slot
   max_len: int

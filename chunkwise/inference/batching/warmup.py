@@ -234,7 +234,7 @@ def _prefills(loop, lengths) -> None:
       loop.shape.caches,
       loop.shape.prev,
       Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
-      top_n=0,
+      top_n=loop.shape.admit_top_n,
       bos_id=loop.shape.bos_id,
       adapters=None,
     )
