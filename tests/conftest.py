@@ -81,6 +81,7 @@ def pytest_addoption(parser):
 QUICK = frozenset(
   {
     "test_chat_template",
+    "test_buckets",
     "test_chunk",
     "test_collectives",
     "test_configs",

@@ -1,6 +1,7 @@
 """Live slots: continuous batching for requests that arrive at any time.
 
   loop = model.live_slots(slots=16, capacity=1024, top_n=5)
+  loop.warm_up()                    # every program compiled (`warmup.py`)
   ready = loop.prepare(cw.Request(tokens=ids, sample_id=0, steps=64))
   loop.add("a", ready)              # takes a free slot at the next step
   while loop.busy:
@@ -16,20 +17,27 @@ compiles its constraint, `live_requests.py`; `add` queues it), and each
 segment, not only finished requests. A request's tokens and scores are
 those of `generate` run alone on it (DESIGN.md §4.11), whatever runs
 beside it: every step is `generate`'s step row by row, and the programs'
-shapes never change with the traffic (fixed slots, capacity, top-n,
-stop-id width, processors).
+shapes depend on the traffic only through the slot bucket a segment runs
+(`buckets.py`: the smallest compiled row count holding the running
+requests; no row moves) and never on what a row holds (fixed capacity,
+top-n, stop-id width, processors). While nothing on the host would
+change it, the next segment is queued on the device before the last
+one's tokens are read (`segments.py`).
 
 Processors are fixed per loop (`processors=`, e.g. `penalties()`): each
 request may bring its own instances of the same processors in the same
 order whose loop form (`for_loop()`) is the loop's, so only their state
 differs (a request's repetition penalty and prompt, say). Constraints are
 the loop's own processor: the distinct tables of the running requests
-keep stable grammar ids and are concatenated again when the set changes
-(a new table bucket size compiles a new program, once).
+keep stable grammar ids and are concatenated again when the set changes,
+into tables of one shape for any few small constraints
+(`constraints.LOOP_FLOOR`; larger ones compile a new program, once).
 
 `add`, `cancel` and `step` are for one thread; the schedule depends only
 on the order of those calls, so processes of a multi-host run that make
-the same calls stay in lockstep.
+the same calls stay in lockstep (`background_hits`, where prefix-cache
+hits wait for a background compile, makes it depend on timing: one
+process only).
 """
 
 from __future__ import annotations
