@@ -368,10 +368,14 @@ class Engine:
     try:
       if self._warm:
         log.info("warming up: compiling every program a request can need")
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-          scoring = pool.submit(self._warm_scoring)  # beside the loop's
+        if _pod():  # every process runs the same programs, in one order
           self.warmup = self._loop.warm_up()
-          scored = scoring.result()
+          scored = self._warm_scoring()
+        else:
+          with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            scoring = pool.submit(self._warm_scoring)  # beside the loop's
+            self.warmup = self._loop.warm_up()
+            scored = scoring.result()
         log.info(
           "warm-up done: %s; prompt scoring at %d more lengths",
           self.warmup,

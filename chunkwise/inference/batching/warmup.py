@@ -127,12 +127,19 @@ def warm_up(loop) -> Report:
     # The other lengths' prefills in a second thread (they read only the
     # weights and the shared prefix), while the rounds run the segment
     # programs with the shortest prompts.
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    # On a pod every process must run the same programs in the same order
+    # (they hold collectives): one thread there.
+    threads = 2 if jax.process_count() == 1 else 0
+    with concurrent.futures.ThreadPoolExecutor(max(threads, 1)) as pool:
       # The segment programs of the larger buckets load (or compile) in
       # their own thread while the smaller ones' rounds run.
-      for compile_segment in reversed(_segment_compilers(loop)[1:]):
-        pool.submit(compile_segment)
-      prefills = pool.submit(_prefills, loop, short[1:])
+      if threads:
+        for compile_segment in reversed(_segment_compilers(loop)[1:]):
+          pool.submit(compile_segment)
+        prefills = pool.submit(_prefills, loop, short[1:])
+      else:
+        _prefills(loop, short[1:])
+        prefills = None
       for variant in [None, *adapters]:
         for size in loop.buckets.sizes:
           batch = [
@@ -145,7 +152,8 @@ def warm_up(loop) -> Report:
             for j in range(size)
           ]
           count += _run(loop, batch)
-      prefills.result()
+      if prefills is not None:
+        prefills.result()
     for variant in [None, *adapters]:  # each length's admission
       count += _run(loop, [_request(loop, n, adapter=variant) for n in short])
     for length in long_:
