@@ -431,8 +431,13 @@ def main(argv):
 
 def _serve(server, report, work, want, rates, mb, soak):
   """The rate runs (and, with `soak`, the soak) against one server."""
-  # Warm-up: compiles the server's programs (not timed).
-  asyncio.run(_rate_run(server.url, work[: _SLOTS.value], None, 0))
+  # Warm-up (not timed): stores the prompts' pages; a hit of a new pair of
+  # widths is served as a miss until its prefill compiles in the
+  # background, so run it until none compiles any more.
+  for _ in range(2):
+    asyncio.run(_rate_run(server.url, work[: _SLOTS.value], None, 0))
+    if _cache_counts(server) is not None:
+      server.wait_for("chunkwise_prefix_cache_compiling", 0.0, timeout=300)
   saturation = None
   for fraction in sorted(rates, reverse=True):
     runs = []

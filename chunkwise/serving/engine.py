@@ -208,6 +208,13 @@ class Engine:
     return None if cache is None else cache.stats
 
   @property
+  def prefix_cache_compiling(self) -> int:
+    """Prefills after a cached start compiling in the background (hits
+    of their widths are served as misses meanwhile)."""
+    heads = self._loop.heads
+    return 0 if heads is None else heads.pending
+
+  @property
   def kv_pages_stats(self) -> tuple[int, int, int] | None:
     """(pages held, pages in the pool, requests preempted so far) of a
     paged pool, None with fixed slots."""

@@ -199,7 +199,7 @@ class _Collector:
       yield from _speculation(m.model_id, engine.speculation_totals)
     stats = engine.prefix_cache_stats
     if stats is not None:
-      yield from _prefix_cache(m.model_id, stats)
+      yield from _prefix_cache(m.model_id, stats, engine.prefix_cache_compiling)
     pages = engine.kv_pages_stats
     if pages is not None:
       yield from _kv_pages(m.model_id, *pages)
@@ -252,9 +252,10 @@ def _speculation(model_id: str, totals):
     yield c
 
 
-def _prefix_cache(model_id: str, stats):
+def _prefix_cache(model_id: str, stats, compiling: int = 0):
   """vLLM's prefix cache counters (prompt tokens looked up and found), the
-  requests that found some or none, and what the cache holds."""
+  requests that found some or none, what the cache holds, and the prefills
+  after a cached start compiling in the background."""
   label = ["model_name"]
   for name, doc, value in (
     ("vllm:prefix_cache_queries", "Prompt tokens looked up.", stats.queries),
@@ -279,6 +280,12 @@ def _prefix_cache(model_id: str, stats):
   for name, doc, value in (
     ("chunkwise_prefix_cache_pages", "Pages cached.", stats.pages),
     ("chunkwise_prefix_cache_bytes", "K/V bytes cached.", stats.bytes),
+    (
+      "chunkwise_prefix_cache_compiling",
+      "Prefill programs after a cached start of a new width compiling in "
+      "the background; hits of those widths are served as misses meanwhile.",
+      compiling,
+    ),
   ):
     g = GaugeMetricFamily(name, doc, labels=label)
     g.add_metric([model_id], float(value))

@@ -53,6 +53,12 @@ class Heads:
     bucket = "pieces" if rest > self._shape.piece else prompt_bucket(rest)
     return a.hit.width, bucket, a.adapter_id >= 0
 
+  @property
+  def pending(self) -> int:
+    """Pairs queued whose programs have not compiled yet."""
+    with self._lock:
+      return len(self._queued - self._ready)
+
   def ready(self, key) -> bool:
     with self._lock:
       return key in self._ready
