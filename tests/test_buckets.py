@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
+from chunkwise.inference.batching import admission
 from chunkwise.inference.batching import buckets as buckets_lib
 
 
@@ -142,3 +143,47 @@ def test_a_mesh_runs_every_slot(tiny):
   )
   loop = model.live_slots(slots=4, capacity=32, slot_buckets=[1, 2])
   assert loop.buckets.sizes == (4,)
+
+
+def test_prompts_arriving_together_share_an_admission(tiny, monkeypatch):
+  """Six short prompts added at once to an 8-slot live loop: under
+  invariant numerics they are prefilled four to a call (rows 1 or 4, the
+  last call padded), and each request's tokens and scores are still
+  `generate`'s alone; a lone arrival takes one row. Under fast numerics,
+  where a row's sums may depend on its neighbours, every admission takes
+  one row."""
+  vocab = tiny.hparams.vocab
+  requests = [_request(i, 6, vocab) for i in range(7)]
+  want = [_alone(tiny, r) for r in requests]
+  rows = []
+  engine = tiny._prefill_engine
+  prefill = engine.prefill
+
+  def counted(caches, prev, chunk, **kwargs):
+    rows.append(int(chunk.tokens.shape[0]))
+    return prefill(caches, prev, chunk, **kwargs)
+
+  monkeypatch.setattr(engine, "prefill", counted)
+  loop = tiny.live_slots(slots=8, capacity=32, every=2)
+  assert loop.admit_rows == (1, 4)
+  got = {i: ([], []) for i in range(len(requests))}
+  for i, r in enumerate(requests[:6]):
+    loop.add(i, loop.prepare(r))
+  step = 0
+  while loop.busy or step < 2:
+    if step == 1:  # alone, while the six decode
+      loop.add(6, loop.prepare(requests[6]))
+    for u in loop.step():
+      got[u.key][0].extend(u.tokens.tolist())
+      got[u.key][1].extend(u.per_token_scores.tolist())
+    step += 1
+  assert rows == [4, 4, 1], rows
+  for i, (tokens, scores) in enumerate(want):
+    np.testing.assert_array_equal(got[i][0], tokens, err_msg=str(i))
+    np.testing.assert_array_equal(np.float32(got[i][1]), scores, err_msg=str(i))
+  fast = cw.InferenceModel.random(tiny.hparams, seed=0, numerics="fast")
+  assert fast.live_slots(slots=8, capacity=32).admit_rows == (1,)
+  assert admission.rows_for(3, 16, (1, 4)) == 4
+  assert admission.rows_for(9, 16, (1, 4)) == 4
+  assert admission.rows_for(1, 16, (1, 4)) == 1
+  assert admission.rows_for(3, 2 * admission.GROUP_WIDTH, (1, 4)) == 1

@@ -16,6 +16,7 @@ import pytest
 
 import chunkwise as cw
 from chunkwise import serving
+from chunkwise.inference.batching import admission
 from chunkwise.inference.engines.engine import compiled_programs
 from tests.serving_helpers import Server, request
 
@@ -74,11 +75,21 @@ def test_after_warm_up_the_live_loop_compiles_nothing(tiny):
   report = loop.warm_up()
   assert report.slot_buckets == (1, 2, 4)
   assert report.prompt_buckets == (8, 16, 32, 64) and report.pieces
-  before = compiled_programs(loop.shape.generate_engine)
+  engines = (loop.shape.prefill_engine, loop.shape.generate_engine)
+  before = [compiled_programs(e) for e in engines]
+  admits = admission.admit_programs()
   rng = np.random.default_rng(0)
   vocab = model.hparams.vocab
-  lengths = [3, 9, 20, 40, 64, 150, 5, 30]
-  for n in (lengths[:1], lengths[1:4], lengths[4:]):
+  lengths = [3, 9, 20, 40, 64, 150, 5, 30, 10, 12, 33, 50, 6, 7, 8]
+  # alone; three buckets at once; mixed; two pairs (a call each); three
+  # of one bucket (one call)
+  for n in (
+    lengths[:1],
+    lengths[1:4],
+    lengths[4:8],
+    lengths[8:12],
+    lengths[12:],
+  ):
     for j, length in enumerate(n):
       loop.add(
         (length, j),
@@ -93,7 +104,8 @@ def test_after_warm_up_the_live_loop_compiles_nothing(tiny):
       )
     while loop.busy:
       loop.step()
-  assert compiled_programs(loop.shape.generate_engine) == before
+  assert [compiled_programs(e) for e in engines] == before
+  assert admission.admit_programs() == admits
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from chunkwise import processors as processors_lib
 from chunkwise.inference import checks, long_prefill
 from chunkwise.inference import speculation as speculation_lib
 from chunkwise.inference.adapters import tagged
-from chunkwise.inference.batching import continuous, live
+from chunkwise.inference.batching import admission, continuous, live
 from chunkwise.inference.batching.buckets import Buckets
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.engines.engine import (
@@ -317,6 +317,7 @@ class InferenceModel(ModelSetup):
     )
     kv_pages = self._check_pages(kv_pages, capacity, speculation)
     speculation = self._drafting(speculation_lib.for_requests(speculation))
+    invariant = numerics_lib.rows_invariant(self._numerics)
     return live.LiveSlots(
       speculation=speculation,
       hparams=self._hparams,
@@ -339,7 +340,10 @@ class InferenceModel(ModelSetup):
       budget_forcing=bool(budget_forcing),
       # A preempted request reruns to the same tokens only where every sum
       # is fixed whatever the batch and pages: invariant numerics (CPU).
-      preempt=numerics_lib.rows_invariant(self._numerics),
+      preempt=invariant,
+      # Short prompts arriving together share an admission prefill only
+      # there too: elsewhere a prompt's K/V could depend on its neighbours.
+      admit_rows=(1, admission.admit_rows(n)) if invariant else (1,),
       slot_buckets=slot_buckets,
       background_hits=bool(background_hits),
     )

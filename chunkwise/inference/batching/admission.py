@@ -4,9 +4,10 @@
 A request taking a slot becomes an `Admission` (its prompt, adapter, slot
 and its processors' initial states), looked up in the prefix cache for
 its longest cached start. Prompts are prefilled after the shared prefix
-in groups (`prefill_into`: always `admit_rows` rows, columns padded to a
-power of two of at least 8, so few programs compile and no prompt's K/V
-depend on its neighbours') and written into their slots (`slots.admit`);
+in groups (`prefill_into`: `admit_rows` rows, or a live loop's few row
+counts where rows are invariant, columns padded to a power of two of at
+least 8, so few programs compile and no prompt's K/V depend on its
+neighbours') and written into their slots (`slots.admit`);
 a long one is staged instead, prefilled one piece per segment (`stage`,
 `advance_staged`) while the other slots decode.
 
@@ -36,6 +37,9 @@ from chunkwise.inference.speculation import SpecRows
 from chunkwise.partitioning.placement import put
 
 ADMIT_ROWS = 4  # prompts prefilled per call (see `admit_rows`)
+# A live loop under row-invariant numerics prefills prompts this short
+# (their length bucket) that arrive together several to a call (`rows_for`).
+GROUP_WIDTH = 64
 
 
 _ADMIT: dict = {}  # one admission program per placement of the slots
@@ -127,6 +131,17 @@ def admit_rows(slots_n: int) -> int:
   return min(ADMIT_ROWS, slots_n)
 
 
+def rows_for(waiting: int, width: int, sizes: Sequence[int]) -> int:
+  """Rows of the next admission prefill of `waiting` prompts of one group
+  (their length bucket `width`), given the loop's row counts `sizes`
+  (ascending): the smallest that holds them all (the largest if none
+  does), where the prompts are at most `GROUP_WIDTH` wide; the first
+  otherwise (a long prompt's prefill costs its rows whatever they hold)."""
+  if width > GROUP_WIDTH:
+    return sizes[0]
+  return next((r for r in sizes if r >= waiting), sizes[-1])
+
+
 @dataclasses.dataclass(frozen=True)
 class Admission:
   """One prompt going into a free slot: its ids (after the shared prefix),
@@ -175,25 +190,33 @@ def prefill_into(
   engine: Engine,
   bos_id: int,
   adapters_of,
-  rows: int | None = None,
+  rows: int | Sequence[int] | None = None,
   cache: prefix_cache.PrefixCache | None = None,
   top_n: int = 0,
 ) -> slots.SlotState:
   """Prefills `admissions` after the shared prefix and puts them into
-  their slots: one prefill of `rows` rows (default `admit_rows`) per
-  group of prompts of the same length bucket and cached start (only what
-  follows `Admission.looked_up`'s start is prefilled; the full pages of
-  what was go into the prefix `cache`). `top_n`: the alternatives the
-  prefill computes (unused here; a live loop asks for its own top-n, so
-  that its admission prefills are the programs that score a prompt)."""
-  rows = rows or admit_rows(state.slots)
+  their slots: prefills of `rows` rows (default `admit_rows`; several
+  counts: each call's `rows_for` its group, only where every row's sums
+  are the same whatever the rows) per group of prompts of the same length
+  bucket and cached start (only what follows `Admission.looked_up`'s start
+  is prefilled; the full pages of what was go into the prefix `cache`).
+  `top_n`: the alternatives the prefill computes (unused here; a live loop
+  asks for its own top-n, so that its admission prefills are the programs
+  that score a prompt)."""
+  sizes = (rows or admit_rows(state.slots),) if not _many(rows) else rows
   groups: dict[tuple[int, int], list[Admission]] = {}
   for a in admissions:
     key = (prompt_bucket(a.prompt.size - a.cached), _head_key(a))
     groups.setdefault(key, []).append(a)
-  for (time, _), group in sorted(groups.items()):
-    for lo in range(0, len(group), rows):
+  for (time, key), group in sorted(groups.items()):
+    # A cached start's prefills take the first count (`heads.py` compiles
+    # those in the background).
+    own = sizes if key == -1 else sizes[:1]
+    lo = 0
+    while lo < len(group):
+      rows = rows_for(len(group) - lo, time, own)
       part = group[lo : lo + rows]
+      lo += len(part)
       head, skip = part[0].head, part[0].cached
       lengths = np.zeros(rows, np.int32)
       tokens = np.zeros((rows, time), np.int32)
@@ -230,6 +253,10 @@ def prefill_into(
       for j, a in enumerate(part):
         a.store(cache, result.kv_cache, j)
   return state
+
+
+def _many(rows) -> bool:
+  return rows is not None and not isinstance(rows, int)
 
 
 def _head_key(a: Admission) -> int:

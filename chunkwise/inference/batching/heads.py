@@ -130,13 +130,14 @@ class Heads:
       while (result := staged.advance()) is None:
         pass
     else:
-      ids = np.full(s.admit_rows, 0 if adapter else -1, np.int32)
+      rows = s.admit_rows[0]  # a hit's (`admission.prefill_into`)
+      ids = np.full(rows, 0 if adapter else -1, np.int32)
       result = s.prefill_engine.prefill(
         caches,
         None,
         Chunk(
-          tokens=np.zeros((s.admit_rows, rest), np.int32),
-          lengths=np.full(s.admit_rows, rest, np.int32),
+          tokens=np.zeros((rows, rest), np.int32),
+          lengths=np.full(rows, rest, np.int32),
         ),
         top_n=s.admit_top_n,
         bos_id=s.bos_id,

@@ -101,7 +101,7 @@ class LiveSlots:
     processors: tuple,
     prefix: tuple[ChunkResult, ...],
     stop_width: int,
-    admit_rows: int = 1,
+    admit_rows: Sequence[int] = (1,),
     speculation: Speculation | None = None,
     piece: int | None = None,
     prefix_cache: prefix_cache_lib.PrefixCache | None = None,
@@ -131,11 +131,16 @@ class LiveSlots:
     self.top_n = top_n
     self.every = every
     self.stop_width = stop_width
-    # Prompts prefilled per admission call. One: an arrival alone costs
-    # its own prefill, not three padding rows' (the other slots wait for
-    # it); many arriving at once take one call each (docs/performance.md,
-    # "Serving").
-    self.admit_rows = admit_rows
+    # Prompts prefilled per admission call (ascending counts). One: an
+    # arrival alone costs its own prefill, not three padding rows' (the
+    # other slots wait for it). With more (only where a row's sums do not
+    # depend on the rows beside it), short prompts that arrive together
+    # share calls (`admission.rows_for`; docs/performance.md, "Serving").
+    self.admit_rows = tuple(sorted(set(admit_rows)))
+    if not self.admit_rows or self.admit_rows[0] < 1:
+      raise ValueError(
+        f"admit_rows must be positive row counts, got {admit_rows!r}"
+      )
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
     self._grammars = constraints_lib.GrammarSet(h.vocab, force=budget_forcing)
@@ -175,7 +180,7 @@ class LiveSlots:
       prev=self._prev,
       start=self._start,
       bos_id=bos_id,
-      admit_rows=admit_rows,
+      admit_rows=self.admit_rows,
       # The loop's top-n: its admission prefills are then the programs
       # that score a prompt (`InferenceModel.prefill(top_n=)`, a server's
       # echo), compiled once for both.

@@ -124,7 +124,7 @@ class LoopShape:
   prev: Any  # its last next-token logits, or None
   start: int  # its tokens
   bos_id: int
-  admit_rows: int
+  admit_rows: tuple[int, ...]  # ascending (`admission.rows_for`)
   admit_top_n: int  # alternatives an admission prefill computes
   piece: int  # longer prompts are prefilled in pieces this wide
   capacity: int  # columns per slot

@@ -7,24 +7,25 @@ the first one arrives.
 A live loop's programs are fixed by its shapes (`live.py`): one segment
 program per slot bucket (`buckets.py`), one admission prefill and one
 admission write per prompt length bucket (`slot_requests.prompt_bucket`,
-8 to the loop's piece width), the pieces of long prompts per whole number
-of pieces (`admission.stage`: one buffer as wide as a slot, whatever
-the prompt's length), the report of each segment, and the
-constrained variant of each (the loop's grammar tables have one shape for
-any few small constraints: `constraints.LOOP_FLOOR`). Warm-up runs
-placeholder requests through the loop itself, so the very programs a
-request takes (jitted functions, their placements and committed inputs
-included) are compiled and run once: a round per bucket size (that many
-requests at once, the shortest prompts, one
-constrained, one on an adapter where the loop serves some), meanwhile a
-second thread compiles and runs the prefill of every other length (a
-program's compile overlaps another's tracing), then a request of each
-length (its admission), then one long
-prompt in two pieces. With a prefix cache, the placeholders' pages are
-stored (no two start alike, so none is found), and a cached start of each
-width is written into a slot (its write programs), then the cache is
-emptied. Programs compiled before (JAX's persistent compilation cache)
-are loaded instead of compiled.
+8 to the loop's piece width) and row count (short prompts that arrive
+together share a call: `admission.rows_for`), the pieces of long
+prompts per whole number of pieces (`admission.stage`: one buffer as
+wide as a slot, whatever the prompt's length), the report of each
+segment, and the constrained variant of each (the loop's grammar tables
+have one shape for any few small constraints: `constraints.LOOP_FLOOR`).
+Warm-up runs placeholder requests through the loop itself, so the very
+programs a request takes (jitted functions, their placements and
+committed inputs included) are compiled and run once: a round per bucket
+size (that many requests at once, the shortest prompts, one constrained,
+one on an adapter where the loop serves some), meanwhile a second thread
+compiles and runs the prefill of every other length (a program's compile
+overlaps another's tracing), then a request of each length (its
+admission; two of each short one at once), then one long prompt in two
+pieces. With a prefix cache, the placeholders' pages are stored (no two
+start alike, so none is found), and a cached start of each width is
+written into a slot (its write programs), then the cache is emptied.
+Programs compiled before (JAX's persistent compilation cache) are loaded
+instead of compiled.
 
 What is not warmed: the prefill after a prefix-cache hit, one program per
 pair of widths (a hit of a pair not compiled yet is admitted as a miss
@@ -154,8 +155,15 @@ def warm_up(loop) -> Report:
           count += _run(loop, batch)
       if prefills is not None:
         prefills.result()
-    for variant in [None, *adapters]:  # each length's admission
+    # Each length's admission, alone, then two at once where prompts that
+    # arrive together share a call (its row count's programs).
+    paired = [
+      n for n in short[1:] if len(_row_counts(loop, prompt_bucket(n))) > 1
+    ]
+    for variant in [None, *adapters]:
       count += _run(loop, [_request(loop, n, adapter=variant) for n in short])
+      for n in paired:
+        count += _run(loop, [_request(loop, n, adapter=variant) for _ in "ab"])
     for length in long_:
       count += _run(loop, [_request(loop, length)])
     if cache is not None:
@@ -232,21 +240,28 @@ def _programs(loop) -> int:
 
 
 def _prefills(loop, lengths) -> None:
-  """The admission prefill of a prompt of each of `lengths`, as
-  `admission.prefill_into` calls it (its length bucket wide), its result
-  dropped."""
-  rows = loop.shape.admit_rows
+  """The admission prefills of a prompt of each of `lengths`, as
+  `admission.prefill_into` calls them (its length bucket wide, each row
+  count it may take), their results dropped."""
   for n in lengths:
-    tokens = np.full((rows, prompt_bucket(n)), loop.shape.bos_id, np.int32)
-    result = loop.shape.prefill_engine.prefill(
-      loop.shape.caches,
-      loop.shape.prev,
-      Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
-      top_n=loop.shape.admit_top_n,
-      bos_id=loop.shape.bos_id,
-      adapters=None,
-    )
-    jax.block_until_ready(result)
+    width = prompt_bucket(n)
+    for rows in _row_counts(loop, width):
+      tokens = np.full((rows, width), loop.shape.bos_id, np.int32)
+      result = loop.shape.prefill_engine.prefill(
+        loop.shape.caches,
+        loop.shape.prev,
+        Chunk(tokens=tokens, lengths=np.full(rows, n, np.int32)),
+        top_n=loop.shape.admit_top_n,
+        bos_id=loop.shape.bos_id,
+        adapters=None,
+      )
+      jax.block_until_ready(result)
+
+
+def _row_counts(loop, width: int) -> tuple[int, ...]:
+  """The rows an admission prefill of prompts `width` wide may take."""
+  sizes = loop.shape.admit_rows
+  return sizes if width <= admission.GROUP_WIDTH else sizes[:1]
 
 
 def _constraint(loop):
