@@ -35,6 +35,7 @@ from chunkwise.bench import (
   settings,
   suite,
 )
+from chunkwise.constraints.constraint import tables_kind
 from chunkwise.inference import Chunk
 from chunkwise.precision import PRECISIONS
 
@@ -114,6 +115,14 @@ flags.DEFINE_list(
   "Also time greedy decode under these constraints (any of "
   f"{tuple(settings.CONSTRAINTS)}) at every decode batch, and report each "
   "one's table build time and size.",
+)
+flags.DEFINE_enum(
+  "constraint_tables",
+  "lazy",
+  ["lazy", "eager"],
+  "How --constraints compile: lazy (a DFA over bytes, masks walked per "
+  "step: the default) or eager (the old states x vocabulary tables, "
+  "their plain twin), to compare the two.",
 )
 
 flags.DEFINE_bool(
@@ -384,13 +393,17 @@ def run(argv: Sequence[str]) -> None:
       reference.threads()
       hf_device = reference.device()
     # The named constraints compile before anything is timed.
-    rows = [suite.constraint_row(name, described) for name in s.constraints]
+    with tables_kind(flags.FLAGS.constraint_tables):
+      rows = [suite.constraint_row(name, described) for name in s.constraints]
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if shape is None and layout.kind.value != "reference":
     shape = (1, 1, jax.device_count())
   mesh = None if shape is None else partitioning.make_mesh(shape)
-  result = suite.measure(s, described, prompt, mesh, layout, hf_device, rows)
+  for row in rows:
+    row["tables"] = flags.FLAGS.constraint_tables
+  with tables_kind(flags.FLAGS.constraint_tables):
+    result = suite.measure(s, described, prompt, mesh, layout, hf_device, rows)
   report.write_json(_OUTPUT.value, result)
   if _PLOT.value:
     report.plot(_PLOT.value, result)

@@ -226,7 +226,13 @@ def run_category(engine, model, files: Sequence[str]) -> dict:
       compiled = engine.compile(path, text)
     except ValueError as e:
       refusals[cause(str(e).removeprefix(f"{path}: "))] += 1
-      outcomes.append({"file": path, "refused": str(e)[:300]})
+      outcomes.append(
+        {
+          "file": path,
+          "refused": str(e)[:300],
+          "refuse_s": time.perf_counter() - start,
+        }
+      )
       continue
     compile_s.append(time.perf_counter() - start)
     accepted.append((path, text, compiled))
@@ -255,6 +261,7 @@ def run_category(engine, model, files: Sequence[str]) -> dict:
     "accepted": len(accepted),
     "valid": valid,
     "median_compile_s": statistics.median(compile_s) if compile_s else None,
+    "compile_s": compile_s,
     "tokens_per_s": tokens / decode_s if decode_s else None,
     "refusals": refusals.most_common(5),
     "invalid": invalid.most_common(5),
@@ -322,6 +329,31 @@ def main(argv: Sequence[str]) -> None:
       if _OUTPUT.value:  # after each category: a long run keeps its part
         with open(_OUTPUT.value, "w") as f:
           json.dump(report, f, indent=1)
+  print(compile_table(report, runners))
+
+
+def compile_table(report: dict, runners) -> str:
+  """Compile seconds over every accepted schema of the run, per engine
+  (p50 / p90 / p99 / max), and the seconds to each refusal."""
+  lines = [
+    f"{'engine':<11} {'compiled':>8} {'p50 ms':>8} {'p90 ms':>8} "
+    f"{'p99 ms':>8} {'max ms':>8} {'refused':>7} {'max refusal ms':>14}"
+  ]
+  for engine in runners:
+    rows = [c[engine.name] for c in report["categories"].values()]
+    times = sorted(t for r in rows for t in r["compile_s"])
+    refusals = [
+      o["refuse_s"] for r in rows for o in r["outcomes"] if "refuse_s" in o
+    ]
+    if not times:
+      continue
+    q = np.quantile(np.asarray(times) * 1e3, [0.5, 0.9, 0.99, 1.0])
+    worst = f"{max(refusals) * 1e3:.0f}" if refusals else "-"
+    lines.append(
+      f"{engine.name:<11} {len(times):>8} {q[0]:>8.1f} {q[1]:>8.1f} "
+      f"{q[2]:>8.1f} {q[3]:>8.1f} {len(refusals):>7} {worst:>14}"
+    )
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

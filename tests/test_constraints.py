@@ -49,17 +49,21 @@ def _valid(name, text):
 
 
 @functools.cache
-def _byte_tables(name):
+def _byte_tables(name, kind="eager"):
   # ByteVocabulary ids: 0 pad, 1 BOS, 2 EOS, byte b = b + 3; width 320
   # emulates a model whose logits are padded past the tokenizer (259).
-  return CONSTRAINTS[name].compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+  with C.constraint.tables_kind(kind):
+    return CONSTRAINTS[name].compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )
 
 
+@pytest.mark.parametrize("kind", ["lazy", "eager"])
 @pytest.mark.parametrize("name", sorted(CONSTRAINTS))
-def test_tables_walks_match(name):
+def test_tables_walks_match(name, kind):
   """Random walks through the tables only ever spell matches, stop ids are
   allowed exactly in final states, padding and specials never."""
-  t = _byte_tables(name)
+  t = _byte_tables(name, kind)
   rng = np.random.default_rng(0)
   for s in range(t.states):
     allowed = t.allowed(s)
@@ -78,9 +82,10 @@ def test_tables_walks_match(name):
       assert s >= 0
     assert _valid(name, text.decode())
   # The mask bits equal their plain twin's, read from the dense tables.
-  assert np.array_equal(
-    t.bits, automaton.mask_bits_dense(t.next_state, t.token_class, 320)
-  )
+  if kind == "eager":
+    assert np.array_equal(
+      t.bits, automaton.mask_bits_dense(t.next_state, t.token_class, 320)
+    )
   # distance: the fewest tokens to a final state (a date takes 10 bytes).
   assert t.distance[0] == {"choice": 2, "integer": 1, "date": 10}.get(
     name, t.distance[0]
@@ -128,12 +133,18 @@ def test_mask_bits_match_the_dense_twin_at_any_width():
 
 def test_tables_are_small_and_cached():
   t = _byte_tables("json")
-  again = C.JsonSchema(SMALL_SCHEMA).compile(
-    cw.ByteVocabulary(), stop_ids=[2], width=320
-  )
+  with C.constraint.tables_kind("eager"):
+    again = C.JsonSchema(SMALL_SCHEMA).compile(
+      cw.ByteVocabulary(), stop_ids=[2], width=320
+    )
   assert again is t
   assert t.bits.shape == (t.states, 10)  # ceil(320 / 32) words
   assert t.classes < 40 and t.nbytes < 100_000
+  lazy = _byte_tables("json", "lazy")
+  again = C.JsonSchema(SMALL_SCHEMA).compile(
+    cw.ByteVocabulary(), stop_ids=[2], width=320
+  )
+  assert again is lazy and lazy.nbytes < 300_000  # its DFA: 1 KB a state
 
 
 def _run(model, prefix, rows, constraint, steps, seed=0, **kwargs):

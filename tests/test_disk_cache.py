@@ -1,5 +1,7 @@
 """Compiled constraint tables on disk: reused across processes, never read
-when damaged or built by other code."""
+when damaged or built by other code. The eager tables (the plain twin)
+here; a lazy constraint's byte DFA is stored the same way (its last
+test)."""
 
 import os
 import subprocess
@@ -14,6 +16,11 @@ from chunkwise import constraints as C
 from chunkwise.constraints import disk_cache, tables, worker
 
 REGEX = r"(cat|dog)s? [0-9]{1,3}"
+
+
+@pytest.fixture(autouse=True)
+def eager(monkeypatch):
+  monkeypatch.setattr(C.constraint, "TABLES", "eager")
 
 
 @pytest.fixture
@@ -48,8 +55,9 @@ def test_a_second_process_reads_what_the_first_built(cache_dir):
     import chunkwise as cw
     from chunkwise import constraints as C
     from chunkwise.constraints import worker
+    C.constraint.TABLES = {C.constraint.TABLES!r}
     t = C.Regex({REGEX!r}).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
-    print(worker.pid(), t.states, t.classes)
+    print(worker.pid(), t.states, getattr(t, "classes", None))
   """)
   env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
   out = subprocess.run(
@@ -60,8 +68,43 @@ def test_a_second_process_reads_what_the_first_built(cache_dir):
     check=True,
   ).stdout.split()
   # No compile worker was started: the tables came from the file.
-  assert out == ["None", str(built.states), str(built.classes)]
+  classes = getattr(built, "classes", None)
+  assert out == ["None", str(built.states), str(classes)]
   assert list(cache_dir.glob("*.npz")) == [entry]
+
+
+def test_a_lazy_constraint_reads_its_dfa_and_trie_back(cache_dir, monkeypatch):
+  """A lazy constraint keeps two entries: its byte DFA and the
+  vocabulary's trie; another process builds neither."""
+  monkeypatch.setattr(C.constraint, "TABLES", "lazy")
+  built = _compile()
+  entries = sorted(p.name for p in cache_dir.glob("*.npz"))
+  assert len(entries) == 2 and sum(e.startswith("trie-") for e in entries) == 1
+  script = textwrap.dedent(f"""
+    import chunkwise as cw
+    from chunkwise import constraints as C
+    from chunkwise.constraints import token_trie, worker
+    built = []
+    token_trie.build = lambda *a: built.append(a)
+    t = C.Regex({REGEX!r}).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+    print(worker.pid(), t.states, len(built), t.trie.nodes)
+  """)
+  env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  assert out == ["None", str(built.states), "0", str(built.trie.nodes)]
+  assert sorted(p.name for p in cache_dir.glob("*.npz")) == entries
+  # a damaged trie entry is built again
+  (trie,) = cache_dir.glob("trie-*.npz")
+  trie.write_bytes(trie.read_bytes()[:200])
+  C.lazy.clear_cache()
+  monkeypatch.setattr(C.token_trie, "_CACHE", {})
+  assert _compile().trie.nodes == built.trie.nodes
 
 
 def test_entries_are_read_back_exactly(cache_dir, monkeypatch):

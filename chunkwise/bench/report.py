@@ -175,9 +175,10 @@ def constraint_table(result: dict) -> str:
   against free decode of the same configuration and batch."""
   lines = ["constraint tables:"]
   for t in result["constraint_tables"]:
+    classes = "" if t["classes"] is None else f"{t['classes']:5d} classes "
     lines.append(
-      f"  {t['constraint']:8} {t['states']:6d} states {t['classes']:5d} "
-      f"classes {t['table_bytes'] / 2**20:8.2f} MiB  built in "
+      f"  {t['constraint']:8} {t['states']:6d} states {classes}"
+      f"{t['table_bytes'] / 2**20:8.2f} MiB  built in "
       f"{t['build_s'] * 1e3:8.1f} ms"
     )
   lines.append("constrained decode (ms/step, against free decode):")

@@ -8,9 +8,12 @@
                           "age": {"type": "integer"}},
            "required": ["name", "age"]}))
 
-Each constraint is compiled once (per vocabulary, stop ids and logits
-width; cached) into token-automaton tables (`tables`), and masks the logits
-inside the device loop (`processor`), with no host round trip per token.
+Each constraint is compiled once (cached) into a DFA over bytes
+(`byte_dfa`: no vocabulary in it, milliseconds), and masks the logits
+inside the device loop by walking the vocabulary's byte trie from each
+row's state (`token_trie`, `lazy`, `walk`), with no host round trip per
+token; `constraint.tables_kind("eager")` compiles the old (states x
+vocabulary) tables instead (`tables`, `processor`), the plain twin.
 JSON schemas are rewritten into what the automaton enforces exactly
 (`schema_rewrite`); `JsonSchema.validate` checks each output against the
 original schema, so what the automaton cannot enforce is flagged.
@@ -31,6 +34,7 @@ from chunkwise.constraints.processor import (
   compile_rows,
   for_call,
   for_rows,
+  loop_trie,
   processor,
 )
 from chunkwise.constraints.schema import Validation
@@ -52,6 +56,7 @@ __all__ = [
   "for_call",
   "for_rows",
   "json_regex",
+  "loop_trie",
   "processor",
   "schema",
   "schema_rewrite",

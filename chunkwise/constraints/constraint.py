@@ -10,24 +10,47 @@ much larger automaton than `[0-9]`), and look-around and `\\b` are
 unsupported. A constraint matches the *whole* generated text, up to the
 stop token that ends the row.
 
-Each carries its compile limits: `max_table_mb` (mask bits of one
-constraint at the model's vocabulary width), `time_limit_s` and
-`max_compile_mb` (wall time and memory of the compiling process, which is
-stopped when it runs past either: see `worker.py`), and optionally
-`source`, where it came from (e.g. the schema's file), for messages.
+Each carries its compile limits: `max_table_mb` (its DFA's table, 1 KB a
+state; the eager tables': mask bits at the model's vocabulary width),
+`time_limit_s` and `max_compile_mb` (wall time and memory of the
+compiling process, which is stopped when it runs past either: see
+`worker.py`), and optionally `source`, where it came from (e.g. the
+schema's file), for messages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
 from chunkwise import untrusted
+from chunkwise.constraints import lazy as lazy_lib
 from chunkwise.constraints import schema as schema_lib
 from chunkwise.constraints import schema_rewrite, worker
 from chunkwise.constraints import tables as tables_lib
+
+# How `Constraint.compile` builds a constraint: "lazy" (a DFA over bytes,
+# masks walked per state: `lazy.py`, `walk.py`) or "eager" (a table over
+# states x vocabulary: `tables.py`, the plain twin tests compare it with).
+TABLES = "lazy"
+
+
+@contextlib.contextmanager
+def tables_kind(kind: str):
+  """Constraints compile to `kind` ("lazy" or "eager") inside (tests and
+  benchmarks compare the two)."""
+  global TABLES
+  if kind not in ("lazy", "eager"):
+    raise ValueError(f"tables_kind takes 'lazy' or 'eager', got {kind!r}")
+  old, TABLES = TABLES, kind
+  try:
+    yield
+  finally:
+    TABLES = old
+
 
 # Characters Rust's regex syntax treats as meta (escaping them is allowed).
 _META = frozenset("\\.+*?()|[]{}^$#&-~")
@@ -73,25 +96,31 @@ class Constraint:
 
   def compile(
     self, vocabulary, *, stop_ids: Sequence[int], width: int
-  ) -> tables_lib.Tables:
-    """Tables for `vocabulary` (with `token_bytes()`) and a model whose
-    logits have `width` columns; cached. Raises ValueError (see
-    `tables.compile_regex`)."""
+  ) -> lazy_lib.Lazy | tables_lib.Tables:
+    """This constraint for `vocabulary` (with `token_bytes()`) and a model
+    whose logits have `width` columns: a `lazy.Lazy` (its DFA over bytes;
+    masks walked as states are reached), or with `TABLES = "eager"` its
+    eager `tables.Tables` (the plain twin); cached. Raises ValueError (see
+    `lazy.compile`, `tables.compile_regex`)."""
     self._check_limits()
-    vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
     kind, text = self._text()
     with self._named():
-      return tables_lib.compile_regex(
-        text,
-        vocab,
-        stop_ids=stop_ids,
-        width=width,
-        max_table_mb=self.max_table_mb,
-        time_limit_s=self.time_limit_s,
-        max_compile_mb=self.max_compile_mb,
-        kind=kind,
-        what=self.describe(),
-      )
+      return self._build(kind, text, vocabulary, stop_ids, width)
+
+  def _build(self, kind, text, vocabulary, stop_ids, width, time_limit_s=None):
+    limits = dict(
+      stop_ids=stop_ids,
+      width=width,
+      max_table_mb=self.max_table_mb,
+      time_limit_s=time_limit_s or self.time_limit_s,
+      max_compile_mb=self.max_compile_mb,
+      kind=kind,
+      what=self.describe(),
+    )
+    if TABLES == "lazy":
+      return lazy_lib.compile(text, vocabulary, **limits)
+    vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
+    return tables_lib.compile_regex(text, vocab, **limits)
 
   def _named(self):
     """ValueErrors raised inside name `source` (when set)."""
@@ -210,12 +239,12 @@ class JsonSchema(Constraint):
     Every output is still valid: fewer are possible. Not with
     `strict=True`."""
     self._check_limits()
-    vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
     memo = (
       self.schema,
       self.strict,
       self.max_recursion_depth,
-      vocab.key,
+      TABLES,
+      lazy_lib.vocabulary_key(vocabulary, width),
       tuple(stop_ids),
       width,
       self.max_table_mb,
@@ -236,16 +265,13 @@ class JsonSchema(Constraint):
       kind, text = self._text_of(rewritten)
       try:
         with self._named():
-          tables = tables_lib.compile_regex(
+          tables = self._build(
+            kind,
             text,
-            vocab,
-            stop_ids=stop_ids,
-            width=width,
-            max_table_mb=self.max_table_mb,
+            vocabulary,
+            stop_ids,
+            width,
             time_limit_s=self.time_limit_s / (2 if level else 1),
-            max_compile_mb=self.max_compile_mb,
-            kind=kind,
-            what=self.describe(),
           )
       except worker.LimitError as e:
         first_error = first_error or e

@@ -113,17 +113,24 @@ def _consistent(a: dict) -> bool:
 def load(key: str) -> dict | None:
   """The entry's `automaton.build` result, or None (a miss, or an entry
   that cannot be read or does not fit together)."""
+  out = load_arrays(key, (*FIELDS, "regex", "build_s"))
+  if out is None:
+    return None
+  out["regex"] = str(out["regex"])
+  out["build_s"] = float(out["build_s"])
+  return out if _consistent(out) else None
+
+
+def load_arrays(key: str, names) -> dict | None:
+  """The entry's arrays `names`, or None (a miss, or an entry that cannot
+  be read); the caller checks that they fit together."""
   path = _path(key)
   if path is None or not os.path.exists(path):
     return None
   try:
     with np.load(path, allow_pickle=False) as f:
-      out = {name: f[name] for name in FIELDS}
-      out["regex"] = str(f["regex"])
-      out["build_s"] = float(f["build_s"])
+      out = {name: f[name] for name in names}
   except Exception:  # any unreadable entry is a miss
-    return None
-  if not _consistent(out):
     return None
   with contextlib.suppress(OSError):
     os.utime(path)  # recently used: pruned last
@@ -133,6 +140,18 @@ def load(key: str) -> dict | None:
 def store(key: str, built: dict) -> None:
   """Writes the entry (atomically) and prunes the oldest past MAX_BYTES;
   a directory that cannot be written only means no disk cache."""
+  store_arrays(
+    key,
+    {
+      "regex": np.array(built["regex"]),
+      "build_s": np.array(built["build_s"]),
+      **{name: built[name] for name in FIELDS},
+    },
+  )
+
+
+def store_arrays(key: str, arrays: dict) -> None:
+  """`store` of any named arrays."""
   path = _path(key)
   if path is None:
     return
@@ -142,12 +161,7 @@ def store(key: str, built: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=root, suffix=".partial")
     try:
       with os.fdopen(fd, "wb") as f:
-        np.savez(
-          f,
-          regex=np.array(built["regex"]),
-          build_s=np.array(built["build_s"]),
-          **{name: built[name] for name in FIELDS},
-        )
+        np.savez(f, **arrays)
       os.replace(tmp, path)
     except BaseException:
       with contextlib.suppress(OSError):

@@ -17,10 +17,10 @@ All tables are traced arguments, padded to power-of-two buckets, so a new
 constraint of the same bucket sizes reuses the compiled loop. They are
 replicated on a mesh: masking happens where the sampler holds whole rows.
 
-Budget forcing (`force=True`): once few columns remain, a token is allowed
-only if the automaton can still reach a final state and emit a stop id in
-the columns left (`distance[next] + 2 <= remaining`), so every constrained
-row ends with a stop (finish_reason "stop") within `steps`.
+Budget forcing (`force=True`, `forcing.py`): once few columns remain, a
+token is allowed only if the automaton can still reach a final state and
+emit a stop id in the columns left, so every constrained row ends with a
+stop (finish_reason "stop") within `steps`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax import lax
 
+from chunkwise.constraints import constraint as constraint_lib
+from chunkwise.constraints import forcing, token_trie, walk
 from chunkwise.constraints.constraint import Constraint
+from chunkwise.constraints.lazy import DEAD, Lazy
 from chunkwise.constraints.tables import Tables
+from chunkwise.constraints.token_trie import Trie
 from chunkwise.processors import LogitsProcessor
 
 
@@ -48,9 +51,12 @@ def _bucket(n: int, minimum: int) -> int:
 # ~7k transitions on SmolLM2's vocabulary), compiled once at warm-up. At
 # SmolLM2's vocabulary the floor holds ~2 MB of mask bits.
 LOOP_FLOOR = {"grammars": 4, "states": 256, "transitions": 1 << 15}
+# Lazy constraints (`walk.py`): rows of byte DFAs (a JSON object of a few
+# fields: ~100-200; a string's maxLength of 100: ~1,000), 1 KB each.
+LOOP_FLOOR_ROWS = 4096
 
 
-class ConstraintProcessor(LogitsProcessor):
+class ConstraintProcessor(forcing.RowGrammars, LogitsProcessor):
   """The device side of one batch's constraints (module docstring)."""
 
   bits: jax.Array  # uint32[S_total, W]
@@ -63,13 +69,6 @@ class ConstraintProcessor(LogitsProcessor):
   max_distance: jax.Array  # int32[]
   force: bool = struct.field(pytree_node=False, default=False)
   row_grammar: tuple = struct.field(pytree_node=False, default=())
-
-  def init(self, batch, vocab):
-    g = np.asarray(self.row_grammar, np.int32)
-    return (g, np.zeros(batch, np.int32))
-
-  def for_loop(self):
-    return self.replace(row_grammar=())
 
   def allowed(self, g: jax.Array, s: jax.Array, vocab: int) -> jax.Array:
     """bool[rows, vocab]: the tokens rows in states (g, s) may draw."""
@@ -91,23 +90,14 @@ class ConstraintProcessor(LogitsProcessor):
     g, s = state
     allowed = self.allowed(g, s, logits.shape[-1])
     if self.force:
-      is_stop = info.stop_rows(logits.shape[-1])
 
-      def closing(allowed):
+      def far():
         nxt = self.next_states(g, s)
-        far = self.distance[self.state_offset[g][:, None] + jnp.maximum(nxt, 0)]
-        fits = (far + 2 <= info.remaining_rows()) | is_stop
-        return allowed & (fits | (g == 0)[:, None])
+        return self.distance[
+          self.state_offset[g][:, None] + jnp.maximum(nxt, 0)
+        ]
 
-      # Only a shortcut: with more columns left on every constrained row,
-      # every token fits (free rows, and a loop's empty slots, ignored).
-      left = jnp.where(g > 0, info.remaining, jnp.iinfo(jnp.int32).max)
-      allowed = lax.cond(
-        jnp.min(left) <= self.max_distance + 2,
-        closing,
-        lambda a: a,
-        allowed,
-      )
+      allowed = forcing.close_within(allowed, far, g, info, self.max_distance)
     return jnp.where(allowed, logits, -jnp.inf)
 
   def update(self, state, tokens, info):
@@ -165,16 +155,32 @@ def compile_rows(
 
 def processor(
   row_grammar: Sequence[int],
-  tables: Sequence[Tables],
+  tables: Sequence[Tables | Lazy | None],
   *,
   width: int,
   force: bool = False,
   floor: dict | None = None,
-) -> ConstraintProcessor:
+  trie: Trie | None = None,
+):
   """Concatenates `tables` (grammar i + 1) behind the unconstrained grammar
   0, padded to power-of-two buckets (at least `floor`'s grammars, states
   and transitions); a None entry leaves its grammar id unused (no row may
-  be in it)."""
+  be in it). Lazy constraints (`lazy.Lazy`), or none with a vocabulary's
+  `trie`, give the walking processor (`walk.py`); eager `Tables` this
+  module's."""
+  lazy_ones = [t for t in tables if isinstance(t, Lazy)]
+  if lazy_ones or trie is not None:
+    if floor is LOOP_FLOOR:
+      floor = {**floor, "states": LOOP_FLOOR_ROWS}
+    if len(lazy_ones) != sum(t is not None for t in tables):
+      raise ValueError("eager and lazy constraint tables in one batch")
+    return walk.processor(
+      row_grammar,
+      tables,
+      trie=trie if trie is not None else lazy_ones[0].trie,
+      force=force,
+      floor=floor,
+    )
   floor = floor or {}
   words = -(-width // 32)
   n_grammars = _bucket(len(tables) + 1, floor.get("grammars", 2))
@@ -222,6 +228,17 @@ def processor(
   )
 
 
+def loop_trie(vocabulary, width: int) -> Trie | None:
+  """The trie a long-running loop's constraint processor holds (its
+  shapes fixed before any constraint arrives): None where constraints are
+  eager (`constraint.TABLES`) or the vocabulary spells no bytes."""
+  if constraint_lib.TABLES != "lazy" or vocabulary is None:
+    return None
+  if getattr(vocabulary, "token_bytes", None) is None:
+    return None
+  return token_trie.of(vocabulary, width)
+
+
 def for_call(
   constraint,
   *,
@@ -262,6 +279,12 @@ def check_room(tables: Tables, room: int, what: str) -> None:
   """ValueError (`what` first) unless `room` columns hold the shortest
   match of `tables` and a stop: what budget forcing needs to close it."""
   need = int(tables.distance[0])
+  if need >= DEAD:
+    raise ValueError(
+      f"{what}: budget forcing cannot close the constraint "
+      f"{tables.regex[:60]!r}: its matches need bytes this vocabulary "
+      "spells only inside longer tokens"
+    )
   if need + 1 > room:
     raise ValueError(
       f"{what} is too few for its constraint {tables.regex[:60]!r}, whose "
@@ -323,9 +346,10 @@ class GrammarSet:
   so running rows keep theirs). With `force`, every constrained row is
   budget-forced (module docstring) within its own steps."""
 
-  def __init__(self, width: int, *, force: bool = False):
+  def __init__(self, width: int, *, force: bool = False, trie=None):
     self._width = width
     self._force = force
+    self._trie = trie  # lazy constraints' vocabulary (None: eager)
     self._tables: list = []  # id i + 1; None: free
     self._users: list[int] = []
     self._processor = None
@@ -365,6 +389,7 @@ class GrammarSet:
           width=self._width,
           force=self._force,
           floor=LOOP_FLOOR,
+          trie=self._trie,
         ).for_loop()
       )
       self._dirty = False

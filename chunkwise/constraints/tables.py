@@ -245,7 +245,8 @@ _regex_cache: dict[tuple[str, str], str] = {}
 
 
 def clear_cache() -> None:
-  """Forgets every compiled table (benchmarks time builds from scratch)."""
+  """Forgets every compiled table (benchmarks time builds from scratch;
+  `lazy.clear_cache` forgets lazy constraints too)."""
   _table_cache.clear()
   _regex_cache.clear()
   _vocab_cache.clear()

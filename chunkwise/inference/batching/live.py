@@ -143,12 +143,15 @@ class LiveSlots:
       )
     self._prefix = prefix
     self._start = sum(int(np.asarray(p.lengths)[0]) for p in prefix)
-    self._grammars = constraints_lib.GrammarSet(h.vocab, force=budget_forcing)
+    trie = constraints_lib.loop_trie(vocabulary, h.vocab)
+    self._grammars = constraints_lib.GrammarSet(
+      h.vocab, force=budget_forcing, trie=trie
+    )
     procs, states = processors_lib.check(
       (
         *processors,
         constraints_lib.processor(
-          (0,) * slots_n, [], width=h.vocab, force=budget_forcing
+          (0,) * slots_n, [], width=h.vocab, force=budget_forcing, trie=trie
         ),
       ),
       batch=slots_n,

@@ -1,0 +1,139 @@
+"""A constraint as a DFA over bytes: compiled with no vocabulary in it.
+
+  dfa = byte_dfa.compile(r'"[a-z]{1,8}"')
+  dfa.table      # int32[S, 256]: the state after a byte (-1: rejected)
+  dfa.final      # bool[S]: the bytes so far spell a match
+  dfa.run(b'"ab')  # -> a state (0 is the start; -1: no match can follow)
+
+The regex (or a JSON schema's, `kind="schema"`) is compiled by the same
+engine as the token tables (`tables.compile_regex`: outlines-core, in the
+worker process under the same time and memory limits, cached in memory
+and on disk), over a vocabulary of the 256 single bytes: its states are
+then the DFA's over bytes, trimmed to those from which a match can still
+be finished, so a text is a live prefix exactly when its state is not
+-1. The work grows with the regex and 256, never with a model's
+vocabulary (a real-world schema: a few ms, where the tables over
+SmolLM2's 49,152 tokens took seconds); masks over tokens are read from
+it per state, when a state is reached (`token_trie`, `lazy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from chunkwise.constraints import tables as tables_lib
+
+STOP = 256  # the byte vocabulary's stop id (ids 0-255 are the bytes)
+BYTES = tables_lib.vocab_of(
+  [bytes([b]) for b in range(256)] + [None], [STOP], 257
+)
+UNREACHABLE = np.iinfo(np.int32).max // 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ByteDfa:
+  """A trimmed DFA over bytes (module docstring)."""
+
+  regex: str
+  table: np.ndarray  # int32[S, 256]; -1: rejected
+  final: np.ndarray  # bool[S]
+  build_s: float
+
+  @property
+  def states(self) -> int:
+    return self.table.shape[0]
+
+  @functools.cached_property
+  def shifted(self) -> np.ndarray:
+    """int32[S + 1, 256]: the table with a dead row first (state s is
+    row s + 1, rejection row 0): what walks gather from."""
+    out = np.zeros((self.states + 1, 256), np.int32)
+    out[1:] = self.table + 1
+    return out
+
+  def run(self, data: bytes, state: int = 0) -> int:
+    """The state after `data` from `state` (-1: rejected)."""
+    for b in data:
+      if state < 0:
+        break
+      state = int(self.table[state, b])
+    return state
+
+  def matches(self, data: bytes) -> bool:
+    state = self.run(data)
+    return state >= 0 and bool(self.final[state])
+
+  def distance(self, usable: np.ndarray | None = None) -> np.ndarray:
+    """int32[S]: fewest bytes from each state to a final one using only
+    the `usable` bytes (bool[256]; default all), `UNREACHABLE` where none
+    does."""
+    usable = np.ones(256, bool) if usable is None else np.asarray(usable, bool)
+    # The edges backwards, grouped by target (each pair once).
+    src = np.repeat(np.arange(self.states), int(usable.sum()))
+    dst = self.table[:, usable].reshape(-1)
+    keep = dst >= 0
+    pairs = np.unique(np.stack([dst[keep], src[keep]], axis=1), axis=0)
+    start = np.searchsorted(pairs[:, 0], np.arange(self.states + 1))
+    out = np.where(self.final, 0, UNREACHABLE).astype(np.int32)
+    frontier = np.flatnonzero(self.final)
+    d = 0
+    while frontier.size:
+      d += 1
+      lo, hi = start[frontier], start[frontier + 1]
+      # Every predecessor of the frontier (CSR slices, concatenated).
+      at = np.repeat(lo - np.cumsum(np.r_[0, (hi - lo)[:-1]]), hi - lo)
+      before = pairs[at + np.arange(at.size), 1]
+      before = np.unique(before[out[before] == UNREACHABLE])
+      out[before] = d
+      frontier = before
+    return out
+
+
+def of_tables(t: tables_lib.Tables) -> ByteDfa:
+  """The DFA of tables compiled over `BYTES`."""
+  table = t.next_state[:, t.token_class[:256]]
+  return ByteDfa(
+    regex=t.regex,
+    table=np.ascontiguousarray(table, np.int32),
+    final=np.asarray(t.final, bool),
+    build_s=t.build_s,
+  )
+
+
+def compile(
+  text: str,
+  *,
+  kind: str = "regex",
+  max_table_mb: float = 256.0,
+  time_limit_s: float = 30.0,
+  max_compile_mb: float = 4096.0,
+  what: str | None = None,
+) -> ByteDfa:
+  """The `ByteDfa` of a regex (Rust syntax) or, with `kind="schema"`, a
+  JSON schema's text; cached. ValueError as `tables.compile_regex`."""
+  t = tables_lib.compile_regex(
+    text,
+    BYTES,
+    stop_ids=(STOP,),
+    width=257,
+    max_table_mb=max_table_mb,
+    time_limit_s=time_limit_s,
+    max_compile_mb=max_compile_mb,
+    kind=kind,
+    what=what,
+  )
+  return _of(t)
+
+
+@functools.lru_cache(maxsize=64)
+def _of(t: tables_lib.Tables) -> ByteDfa:
+  return of_tables(t)
+
+
+def clear_cache() -> None:
+  """Forgets every compiled DFA and table (`tables.clear_cache`)."""
+  _of.cache_clear()
+  tables_lib.clear_cache()

@@ -1,0 +1,268 @@
+"""A constraint's token masks read lazily: a byte DFA and a vocabulary's
+trie in place of (states x vocabulary) tables.
+
+  lazy = constraint.compile(vocabulary, stop_ids=[2], width=V)   # Lazy
+  lazy.allowed(0)          # the ids allowed at the start (walked once)
+  lazy.step(0, token)      # the next state (-1: rejected)
+
+`Lazy` answers what `tables.Tables` answers (the host side of a compiled
+constraint: allowed ids, the next state, final states, forced tokens,
+budget forcing's distances) from `byte_dfa.ByteDfa` (compiled over
+bytes: milliseconds, no vocabulary) and `token_trie.Trie` (built once per
+vocabulary): a state's mask is one walk of the trie, computed when the
+state is first asked about and kept (a few hundred states at most).
+Its states are the byte DFA's (0 is the start), and a token's mask is
+exactly the eager tables' (`tests/test_lazy_masks.py` walks both).
+
+Budget forcing's distance (`token_distance`) is the fewest tokens that
+spell one shortest byte path from each state to a final one (paths that
+share their ends: the path from a state on another's path is that
+path's rest). It is never below the fewest tokens of any path (the eager
+tables' distance), and from every state the first token of its best
+spelling leads to a state one token nearer, so a forced row still closes
+within its steps; it may close a little sooner than the eager tables
+would have let it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from chunkwise.constraints import byte_dfa, token_trie, worker
+from chunkwise.constraints.byte_dfa import UNREACHABLE, ByteDfa
+from chunkwise.constraints.token_trie import Trie
+
+DEAD = UNREACHABLE  # `distance` of a state that cannot finish
+_WALKS = 256  # states whose walks a `Lazy` keeps
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lazy:
+  """A constraint compiled for one vocabulary (module docstring)."""
+
+  dfa: ByteDfa
+  trie: Trie
+  stops: tuple[int, ...]
+  _walks: dict = dataclasses.field(
+    default_factory=collections.OrderedDict, repr=False
+  )
+
+  @property
+  def regex(self) -> str:
+    return self.dfa.regex
+
+  @property
+  def build_s(self) -> float:
+    return self.dfa.build_s
+
+  @property
+  def states(self) -> int:
+    return self.dfa.states
+
+  @property
+  def final(self) -> np.ndarray:
+    return self.dfa.final
+
+  @property
+  def width(self) -> int:
+    return self.trie.width
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of this constraint's own tables (the trie is shared)."""
+    return self.dfa.table.nbytes + self.dfa.final.nbytes
+
+  @functools.cached_property
+  def _stops(self) -> np.ndarray:
+    return np.array(sorted(s for s in set(self.stops) if 0 <= s < self.width))
+
+  def next_states(self, state: int) -> np.ndarray:
+    """int32[V]: each id's next state from `state` (-1: rejected; a stop
+    id: -1 here, see `step`)."""
+    hit = self._walks.get(state)
+    if hit is None:
+      hit = self.trie.walk(self.dfa.shifted, state + 1) - 1
+      hit[self._stops] = -1  # only ever a stop
+      hit.setflags(write=False)
+      self._walks[state] = hit
+      if len(self._walks) > _WALKS:
+        self._walks.popitem(last=False)
+    return hit
+
+  def allowed(self, state: int) -> np.ndarray:
+    """The ids allowed in `state`, ascending (stop ids where final)."""
+    ids = np.flatnonzero(self.next_states(state) >= 0)
+    if self.final[state]:
+      ids = np.union1d(ids, self._stops).astype(np.int64)
+    return ids
+
+  def step(self, state: int, token: int) -> int:
+    """The next state after `token` (-1: rejected); a stop id in a final
+    state keeps it."""
+    if token in self.stops:
+      return state if self.final[state] else -1
+    if not 0 <= token < self.width:
+      return -1
+    return int(self.next_states(state)[token])
+
+  def forced(self, state: int) -> bool:
+    """Whether `state` allows exactly one token (stop ids included)."""
+    return self.allowed(state).size == 1
+
+  @functools.cached_property
+  def distance(self) -> np.ndarray:
+    """int32[S]: tokens to a final state along one fixed shortest path of
+    bytes from each state (`DEAD`: none); see the module docstring."""
+    return token_distance(self.dfa, self.trie, self._stops)
+
+  @property
+  def longest(self) -> int:
+    """The most tokens from a state that can still finish (budget forcing
+    acts within this many columns of the end, plus 2)."""
+    live = self.distance[self.distance < DEAD]
+    return int(live.max()) if live.size else 0
+
+  def budget_narrows(
+    self, state: int, remaining: int, stop_ids: Iterable[int]
+  ) -> bool:
+    """Whether budget forcing with `remaining` columns left removes a
+    token `state` allows (the host twin of the device's rule,
+    `distance[next] + 2 <= remaining`)."""
+    stops = np.asarray(list(stop_ids))
+    allowed = self.allowed(state)
+    allowed = allowed[~np.isin(allowed, stops)]
+    far = self.distance[self.next_states(state)[allowed]]
+    far = far[far < DEAD]
+    return bool(np.any(far + 2 > remaining))
+
+
+def compile(
+  text: str,
+  vocabulary,
+  *,
+  stop_ids: Sequence[int],
+  width: int,
+  kind: str = "regex",
+  max_table_mb: float = 256.0,
+  time_limit_s: float = 30.0,
+  max_compile_mb: float = 4096.0,
+  what: str | None = None,
+) -> Lazy:
+  """A regex (or, with `kind="schema"`, a JSON schema's text) compiled for
+  `vocabulary` (with `token_bytes()`) and logits `width`: its byte DFA
+  (`byte_dfa.compile`, cached) and the vocabulary's trie (cached).
+
+  Raises ValueError when the regex is invalid, its DFA's table (1 KB a
+  state) needs more than `max_table_mb` (a `worker.LimitError`, as past
+  the other limits), compiling runs past `time_limit_s` or
+  `max_compile_mb`, or no text this vocabulary can spell matches it.
+  """
+  stops = tuple(sorted(set(int(s) for s in stop_ids)))
+  if not stops:
+    raise ValueError(
+      "a constraint needs a stop id to end on (the model has no EOS): pass "
+      "stop_ids"
+    )
+  _check_vocabulary(vocabulary)
+  trie = token_trie.of(vocabulary, width)
+  key = (kind, text, trie.key, stops, float(max_table_mb))
+  hit = _CACHE.get(key)
+  if hit is not None:
+    _CACHE.move_to_end(key)
+    return hit
+  what = what or f"the constraint {_short(text)}"
+  dfa = byte_dfa.compile(
+    text,
+    kind=kind,
+    max_table_mb=max_table_mb,
+    time_limit_s=time_limit_s,
+    max_compile_mb=max_compile_mb,
+    what=what,
+  )
+  mb = dfa.table.nbytes / 2**20
+  if mb > max_table_mb:
+    raise worker.LimitError(
+      f"{what} needs {dfa.states} automaton states, {mb:.0f} MB of "
+      f"transitions, over the limit of max_table_mb={max_table_mb:g}; "
+      "simplify it (e.g. a smaller maxLength) or raise the limit"
+    )
+  out = Lazy(dfa=dfa, trie=trie, stops=stops)
+  if not out.allowed(0).size:
+    raise ValueError(f"{what} matches no text this vocabulary can spell")
+  _CACHE[key] = out
+  if len(_CACHE) > _CACHE_SIZE:
+    _CACHE.popitem(last=False)
+  return out
+
+
+# Compiled constraints by (kind, text, vocabulary, stops, limit): the same
+# object again, so a loop's rows share its grammar id and its walks.
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 64
+
+
+def clear_cache() -> None:
+  """Forgets every compiled constraint, lazy and eager (benchmarks time
+  builds from scratch)."""
+  _CACHE.clear()
+  byte_dfa.clear_cache()
+
+
+def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
+  """int32[S]: for each state, the fewest tokens (not `stops`) that spell
+  its path of bytes to a final state, where each state's path is one
+  shortest path that continues the path of the state after its first
+  byte (`DEAD`: no such path the tokens spell)."""
+  bytes_to = dfa.distance()
+  order = np.argsort(bytes_to, kind="stable")
+  # Each state's next byte along its path, and the state after it.
+  live = bytes_to < UNREACHABLE
+  succ = dfa.table  # [S, 256]
+  ok = (succ >= 0) & (bytes_to[np.maximum(succ, 0)] == bytes_to[:, None] - 1)
+  first = np.argmax(ok, axis=1)
+  nxt = succ[np.arange(dfa.states), first]
+  out = np.full(dfa.states, DEAD, np.int32)
+  out[dfa.final] = 0
+  stop = set(stops.tolist())
+  spelled = trie.spelled
+  for q in order.tolist():
+    if not live[q] or dfa.final[q]:
+      continue
+    best, text, at = DEAD, b"", q
+    while True:  # along q's path: each prefix some token starts with
+      text += bytes([int(first[at])])
+      at = int(nxt[at])
+      ids = spelled.get(text)
+      if ids is None:  # no token starts with these bytes
+        break
+      if any(i not in stop for i in ids) and out[at] < DEAD:
+        best = min(best, 1 + int(out[at]))
+      if dfa.final[at]:
+        break
+    out[q] = best
+  return out
+
+
+def vocabulary_key(vocabulary, width: int) -> str:
+  """A digest of `vocabulary`'s token bytes below `width` (ValueError
+  without `token_bytes()`)."""
+  _check_vocabulary(vocabulary)
+  return token_trie.of(vocabulary, width).key
+
+
+def _check_vocabulary(vocabulary) -> None:
+  if getattr(vocabulary, "token_bytes", None) is None:
+    raise ValueError(
+      f"constraints need the vocabulary's token bytes, but {vocabulary!r} "
+      "has no token_bytes() method (chunkwise's TokenizerVocabulary and "
+      "ByteVocabulary have one)"
+    )
+
+
+def _short(text: str) -> str:
+  return repr(text if len(text) <= 80 else text[:77] + "...")
