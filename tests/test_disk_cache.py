@@ -48,6 +48,18 @@ def _same(a, b):
     np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
+def _another_process(script: str, cache_dir) -> list[str]:
+  """What `script` prints, run by another Python on `cache_dir`."""
+  env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
+  return subprocess.run(
+    [sys.executable, "-c", script],
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+
+
 def test_a_second_process_reads_what_the_first_built(cache_dir):
   built = _compile()
   (entry,) = cache_dir.glob("*.npz")
@@ -59,14 +71,7 @@ def test_a_second_process_reads_what_the_first_built(cache_dir):
     t = C.Regex({REGEX!r}).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
     print(worker.pid(), t.states, getattr(t, "classes", None))
   """)
-  env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
-  out = subprocess.run(
-    [sys.executable, "-c", script],
-    env=env,
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout.split()
+  out = _another_process(script, cache_dir)
   # No compile worker was started: the tables came from the file.
   classes = getattr(built, "classes", None)
   assert out == ["None", str(built.states), str(classes)]
@@ -89,14 +94,7 @@ def test_a_lazy_constraint_reads_its_dfa_and_trie_back(cache_dir, monkeypatch):
     t = C.Regex({REGEX!r}).compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
     print(worker.pid(), t.states, len(built), t.trie.nodes)
   """)
-  env = {**os.environ, "CHUNKWISE_CONSTRAINT_CACHE": str(cache_dir)}
-  out = subprocess.run(
-    [sys.executable, "-c", script],
-    env=env,
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout.split()
+  out = _another_process(script, cache_dir)
   assert out == ["None", str(built.states), "0", str(built.trie.nodes)]
   assert sorted(p.name for p in cache_dir.glob("*.npz")) == entries
   # a damaged trie entry is built again
