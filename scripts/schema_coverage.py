@@ -45,6 +45,7 @@ from absl import app, flags
 import chunkwise as cw
 from chunkwise import checkpoints
 from chunkwise.bench import schema_coverage
+from chunkwise.constraints import constraint as constraint_lib
 from chunkwise.constraints import disk_cache
 from chunkwise.constraints import schema as schema_lib
 
@@ -83,6 +84,18 @@ _PROMPT_CHARS = flags.DEFINE_integer(
 )
 _STRICT = flags.DEFINE_bool("strict", False, "JsonSchema(strict=True).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON report (optional).")
+_COMPILE_ONLY = flags.DEFINE_bool(
+  "compile_only",
+  False,
+  "Compile every schema and report compile times only (no generation).",
+)
+_TABLES = flags.DEFINE_enum(
+  "constraint_tables",
+  "lazy",
+  ["lazy", "eager"],
+  "How chunkwise compiles: lazy (a DFA over bytes, the default) or eager "
+  "(the old states x vocabulary tables), to compare the two.",
+)
 _DISK_CACHE = flags.DEFINE_bool(
   "disk_cache",
   False,
@@ -239,6 +252,9 @@ def run_category(engine, model, files: Sequence[str]) -> dict:
   valid = 0
   tokens = 0
   decode_s = 0.0
+  if _COMPILE_ONLY.value:
+    accepted_only = len(accepted)
+    accepted = []
   for i in range(0, len(accepted), _BATCH.value):
     group = accepted[i : i + _BATCH.value]
     start = time.perf_counter()
@@ -256,6 +272,8 @@ def run_category(engine, model, files: Sequence[str]) -> dict:
         valid += 1
       else:
         invalid[cause(check.error)] += 1
+  if _COMPILE_ONLY.value:
+    accepted = [None] * accepted_only
   return {
     "schemas": len(files),
     "accepted": len(accepted),
@@ -296,6 +314,12 @@ def main(argv: Sequence[str]) -> None:
   else:
     model = cw.load(name)
   runners = engines(model, _ENGINES.value)
+  with constraint_lib.tables_kind(_TABLES.value):
+    run(runners, model, found, chosen)
+
+
+def run(runners, model, found: dict, chosen: Sequence[str]) -> None:
+  """Every engine on each chosen category's sample; prints the tables."""
   print(f"seed={_SEED.value}, {_LIMIT.value} schemas per category")
   print(
     f"{'category':<16} {'engine':<11} {'schemas':>7} {'accepted':>9} "

@@ -253,16 +253,35 @@ def tables(transitions, initial, finals, stops, width) -> dict:
 def _closure(frm, to, seed) -> np.ndarray:
   """`seed` and every state a transition `frm` -> `to` leads to from it,
   repeatedly (swap `frm` and `to` for the states that lead to `seed`)."""
+  return hops(frm, to, seed) < UNREACHED
+
+
+UNREACHED = np.iinfo(np.int32).max // 2  # tables.DEAD
+
+
+def hops(frm, to, seed) -> np.ndarray:
+  """int32[n]: fewest transitions `frm` -> `to` from a `seed` state (bool
+  [n]) to each state (`UNREACHED`: none): a breadth-first search, each
+  edge looked at once."""
   n = seed.size
-  pairs = np.unique(frm * n + to)
-  pf, pt = np.divmod(pairs, n)
-  reached = seed.copy()
-  while True:
-    more = reached.copy()
-    more[pt[reached[pf]]] = True
-    if np.array_equal(more, reached):
-      return reached
-    reached = more
+  edges = np.unique(np.asarray(frm, np.int64) * n + np.asarray(to, np.int64))
+  out_of, into = np.divmod(edges, n)  # sorted by the state left
+  starts = np.searchsorted(out_of, np.arange(n + 1))
+  dist = np.full(n, UNREACHED, np.int64)
+  frontier = np.flatnonzero(seed)
+  dist[frontier] = 0
+  level = 0
+  while frontier.size:
+    level += 1
+    lo, hi = starts[frontier], starts[frontier + 1]
+    # every state an edge out of the frontier enters
+    counts = hi - lo
+    offsets = np.repeat(lo - np.cumsum(counts) + counts, counts)
+    reached = into[np.arange(counts.sum()) + offsets]
+    reached = np.unique(reached[dist[reached] == UNREACHED])
+    dist[reached] = level
+    frontier = reached
+  return dist.astype(np.int32)
 
 
 def mask_bits(src, tok, n_states: int, width: int) -> np.ndarray:
@@ -314,29 +333,9 @@ def _classes(src, tok, dst, n_states, width):
 
 def _distance(next_state, final) -> np.ndarray:
   """Fewest tokens from each state to a final state: a breadth-first
-  search backwards from the final states over the class table's edges,
-  each visited once."""
-  n = final.shape[0]
-  big = np.iinfo(np.int32).max // 2  # tables.DEAD: no final state reachable
-  dist = np.full(n, big, np.int64)
+  search backwards from the final states over the class table's edges."""
   src, cls = np.nonzero(next_state >= 0)
-  edges = np.unique(next_state[src, cls].astype(np.int64) * n + src)
-  into, out_of = np.divmod(edges, n)  # sorted by the state entered
-  starts = np.searchsorted(into, np.arange(n + 1))
-  frontier = np.flatnonzero(final)
-  dist[frontier] = 0
-  level = 0
-  while frontier.size:
-    level += 1
-    lo, hi = starts[frontier], starts[frontier + 1]
-    # every state with an edge into the frontier
-    counts = hi - lo
-    offsets = np.repeat(lo - np.cumsum(counts) + counts, counts)
-    reached = out_of[np.arange(counts.sum()) + offsets]
-    reached = np.unique(reached[dist[reached] == big])
-    dist[reached] = level
-    frontier = reached
-  return dist.astype(np.int32)
+  return hops(next_state[src, cls], src, final)
 
 
 # -- the worker process ---------------------------------------------------

@@ -24,13 +24,14 @@ import functools
 
 import numpy as np
 
+from chunkwise.constraints import automaton
 from chunkwise.constraints import tables as tables_lib
 
 STOP = 256  # the byte vocabulary's stop id (ids 0-255 are the bytes)
 BYTES = tables_lib.vocab_of(
   [bytes([b]) for b in range(256)] + [None], [STOP], 257
 )
-UNREACHABLE = np.iinfo(np.int32).max // 2
+UNREACHABLE = automaton.UNREACHED
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,25 +72,9 @@ class ByteDfa:
     the `usable` bytes (bool[256]; default all), `UNREACHABLE` where none
     does."""
     usable = np.ones(256, bool) if usable is None else np.asarray(usable, bool)
-    # The edges backwards, grouped by target (each pair once).
-    src = np.repeat(np.arange(self.states), int(usable.sum()))
-    dst = self.table[:, usable].reshape(-1)
-    keep = dst >= 0
-    pairs = np.unique(np.stack([dst[keep], src[keep]], axis=1), axis=0)
-    start = np.searchsorted(pairs[:, 0], np.arange(self.states + 1))
-    out = np.where(self.final, 0, UNREACHABLE).astype(np.int32)
-    frontier = np.flatnonzero(self.final)
-    d = 0
-    while frontier.size:
-      d += 1
-      lo, hi = start[frontier], start[frontier + 1]
-      # Every predecessor of the frontier (CSR slices, concatenated).
-      at = np.repeat(lo - np.cumsum(np.r_[0, (hi - lo)[:-1]]), hi - lo)
-      before = pairs[at + np.arange(at.size), 1]
-      before = np.unique(before[out[before] == UNREACHABLE])
-      out[before] = d
-      frontier = before
-    return out
+    src, b = np.nonzero(self.table[:, usable] >= 0)
+    # backwards from the final states
+    return automaton.hops(self.table[:, usable][src, b], src, self.final)
 
 
 def of_tables(t: tables_lib.Tables) -> ByteDfa:

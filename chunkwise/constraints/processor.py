@@ -52,8 +52,9 @@ def _bucket(n: int, minimum: int) -> int:
 # SmolLM2's vocabulary the floor holds ~2 MB of mask bits.
 LOOP_FLOOR = {"grammars": 4, "states": 256, "transitions": 1 << 15}
 # Lazy constraints (`walk.py`): rows of byte DFAs (a JSON object of a few
-# fields: ~100-200; a string's maxLength of 100: ~1,000), 1 KB each.
-LOOP_FLOOR_ROWS = 4096
+# fields: ~100-200; a string's maxLength of 100: ~1,000), 1 KB each; a
+# grammar id per slot (16 slots, each its own tool list: no recompile).
+LOOP_FLOOR_LAZY = {"grammars": 64, "states": 16384}
 
 
 class ConstraintProcessor(forcing.RowGrammars, LogitsProcessor):
@@ -171,7 +172,7 @@ def processor(
   lazy_ones = [t for t in tables if isinstance(t, Lazy)]
   if lazy_ones or trie is not None:
     if floor is LOOP_FLOOR:
-      floor = {**floor, "states": LOOP_FLOOR_ROWS}
+      floor = LOOP_FLOOR_LAZY
     if len(lazy_ones) != sum(t is not None for t in tables):
       raise ValueError("eager and lazy constraint tables in one batch")
     return walk.processor(

@@ -30,8 +30,8 @@ order whose loop form (`for_loop()`) is the loop's, so only their state
 differs (a request's repetition penalty and prompt, say). Constraints are
 the loop's own processor: the distinct tables of the running requests
 keep stable grammar ids and are concatenated again when the set changes,
-into tables of one shape for any few small constraints
-(`constraints.LOOP_FLOOR`; larger ones compile a new program, once).
+into tables of one shape for up to 64 constraints of 16,384 DFA states
+in all (`constraints.LOOP_FLOOR_LAZY`; more compile a new program, once).
 
 `add`, `cancel` and `step` are for one thread; the schedule depends only
 on the order of those calls, so processes of a multi-host run that make

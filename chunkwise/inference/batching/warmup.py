@@ -12,7 +12,8 @@ together share a call: `admission.rows_for`), the pieces of long
 prompts per whole number of pieces (`admission.stage`: one buffer as
 wide as a slot, whatever the prompt's length), the report of each
 segment, and the constrained variant of each (the loop's grammar tables
-have one shape for any few small constraints: `constraints.LOOP_FLOOR`).
+have one shape for up to 64 constraints of 16,384 DFA states in all:
+`constraints.LOOP_FLOOR_LAZY`).
 Warm-up runs placeholder requests through the loop itself, so the very
 programs a request takes (jitted functions, their placements and
 committed inputs included) are compiled and run once: a round per bucket
