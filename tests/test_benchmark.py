@@ -399,7 +399,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "ratio (tokens/s, ours / reference)" in result.stdout
   # --constraints: the table's size and build time, and constrained decode
-  # at every decode batch.
+  # at every decode batch (every row, then one row of a larger batch).
   (table,) = data["constraint_tables"]
   assert table["constraint"] == "choice" and table["states"] > 1
   assert table["table_bytes"] > 0 and table["build_s"] > 0
@@ -407,6 +407,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert [(r["constraint"], r["batch"]) for r in rows] == [
     ("choice", 1),
     ("choice", 3),
+    ("choice, 1 row", 3),
   ]
   assert all(1 <= r["steps"] <= 5 and r["seconds"] > 0 for r in rows)
   assert "constrained decode (ms/step, against free decode):" in result.stdout

@@ -162,8 +162,10 @@ def measure(
       )
       for b in s.decode_batches
     ]
+    # Every row constrained, then (batches past one) one row of the batch:
+    # a server's tool call among free requests.
     config["constrained_decode"] = [
-      {"constraint": name}
+      {"constraint": name if rows == b else f"{name}, 1 row"}
       | roofline.decode_row(
         timing.decode(
           model,
@@ -171,7 +173,7 @@ def measure(
           batch=b,
           steps=s.steps,
           runs=s.runs,
-          constraint=settings.CONSTRAINTS[name],
+          constraint=[settings.CONSTRAINTS[name]] * rows + [None] * (b - rows),
         ),
         h,
         size,
@@ -180,6 +182,7 @@ def measure(
       )
       for name in s.constraints
       for b in s.decode_batches
+      for rows in sorted({b, 1})[::-1]
     ]
     config["prefill"] = [
       roofline.prefill_row(

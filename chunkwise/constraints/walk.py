@@ -28,6 +28,7 @@ loop. Budget forcing (`force=True`) is `forcing.py`'s rule, with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -96,16 +97,22 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
     parts.append(jnp.zeros((row.shape[0], 1), jnp.int32))  # no node
     return jnp.concatenate(parts, axis=1)[:, self.token_node]
 
+  def _few(self, g: jax.Array, row: jax.Array) -> jax.Array:
+    """`ends` when at most `FEW` rows are constrained: only those walk
+    (the others' rows stay 0, never read: grammar 0 allows every id)."""
+    pick = jnp.argsort(g <= 0, stable=True)[:FEW]  # constrained first
+    out = jnp.zeros((row.shape[0], self.token_node.shape[0]), jnp.int32)
+    return out.at[pick].set(self.ends(row[pick]))
+
   def allowed(self, g, s, info, vocab: int) -> tuple[jax.Array, jax.Array]:
     """(bool[rows, vocab] the ids rows in states (g, s) may draw,
     int32[rows, vocab] the rows they lead to)."""
     row = self.rows(g, s)
-    ends = lax.cond(
-      jnp.any(g > 0),
-      self.ends,
-      lambda r: jnp.zeros((r.shape[0], self.token_node.shape[0]), jnp.int32),
-      row,
-    )
+    if row.shape[0] > FEW:
+      few = jnp.sum(g > 0) <= FEW
+      ends = lax.cond(few, functools.partial(self._few, g), self.ends, row)
+    else:
+      ends = self.ends(row)
     ends = _width(ends, vocab)
     is_stop = info.stop_rows(vocab)
     ok = jnp.where(is_stop, self.final[row][:, None], ends > 0)
@@ -113,6 +120,15 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
 
   def apply(self, state, logits, info):
     g, s = state
+    # Nothing to do (and nothing walked) while no row is constrained.
+    return lax.cond(
+      jnp.any(g > 0),
+      functools.partial(self._masked, g, s, info),
+      lambda logits: logits,
+      logits,
+    )
+
+  def _masked(self, g, s, info, logits):
     allowed, ends = self.allowed(g, s, info, logits.shape[-1])
     if self.force:
       allowed = forcing.close_within(
@@ -144,6 +160,10 @@ def _width(ends: jax.Array, vocab: int) -> jax.Array:
     return ends[:, :vocab]
   return jnp.pad(ends, ((0, 0), (0, vocab - ends.shape[1])))
 
+
+# With at most this many constrained rows in a larger batch, only they
+# walk the trie (a batch of 16 with one tool call pays for one row).
+FEW = 4
 
 # The trie's levels from the first no wider than this on are walked in a
 # loop (`WalkProcessor.ends`); the wider ones before it, one op each.
