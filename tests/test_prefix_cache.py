@@ -5,6 +5,7 @@ cap) is tested on small arrays; the slot loops with a cache are held to
 the continuous-batching contract: every request equals `generate` run
 alone on it, bit for bit (invariant numerics), hits or not."""
 
+import threading
 import time
 
 import jax
@@ -332,6 +333,11 @@ def test_a_hit_before_its_program_is_a_miss_meanwhile(
   run(2)  # the same pair: a hit now
   s = loop.prefix_cache.stats
   assert (s.hit_requests, s.miss_requests) == (1, 2) and s.hits > 0
+  # close ends the background thread (a process exiting while it is inside
+  # XLA aborts); a later hit of a new pair is then a miss, queued nowhere
+  loop.close()
+  assert not any(t.name == "chunkwise-heads" for t in threading.enumerate())
+  assert loop.heads._thread is None
 
 
 def test_prefix_cache_on_a_mesh_and_after_a_shared_prefix(tiny, seen):

@@ -358,6 +358,7 @@ class Engine:
       self._cv.notify_all()
     if self._thread is not None:
       self._thread.join(timeout=60)
+    self._loop.close()  # its background compiles, before the process exits
     return clean
 
   @property
@@ -390,6 +391,7 @@ class Engine:
         )
     except Exception:
       log.exception("warm-up failed; programs compile as requests need them")
+      self._loop.close()
       self._loop = self._make()
     finally:
       self._ready.set()
@@ -523,6 +525,7 @@ class Engine:
     for stream in list(self._active.values()):
       self._finished(stream, ERROR, error)
     self._active.clear()
+    self._loop.close()
     self._loop = self._make()
 
   def follow(self) -> None:

@@ -45,6 +45,7 @@ class Heads:
     self._lock = threading.Lock()
     self._todo: queue.Queue = queue.Queue()
     self._thread: threading.Thread | None = None
+    self._closed = False
     self.compiled = 0
 
   def key(self, a: Admission):
@@ -74,7 +75,7 @@ class Heads:
     template = a.hit.pages[0].k
     cache.forgo(a.hit)
     with self._lock:
-      if key not in self._queued:
+      if key not in self._queued and not self._closed:
         self._queued.add(key)
         self._todo.put((key, template))
         if self._thread is None:
@@ -84,9 +85,25 @@ class Heads:
           self._thread.start()
     return dataclasses.replace(a, hit=None)
 
+  def close(self, timeout: float | None = 60.0) -> None:
+    """Ends the background thread once its compile in progress is done
+    (pairs still queued are dropped): a process must not exit while the
+    thread is inside XLA (its interpreter would abort at exit)."""
+    with self._lock:
+      self._closed = True
+      thread, self._thread = self._thread, None
+      while not self._todo.empty():
+        self._todo.get_nowait()
+    if thread is not None:
+      self._todo.put(None)
+      thread.join(timeout)
+
   def _work(self) -> None:
     while True:
-      key, template = self._todo.get()
+      item = self._todo.get()
+      if item is None:
+        return
+      key, template = item
       try:
         self.compile(key, template)
       except Exception:  # a pair that cannot compile stays a miss

@@ -251,6 +251,12 @@ class LiveSlots:
   def _adapters(self, engine, ids):
     return None if self._served is None else self._served.call(engine, ids)
 
+  def close(self) -> None:
+    """Ends this loop's background thread (`background_hits`), waiting for
+    its compile in progress; call before the process exits."""
+    if self._heads is not None:
+      self._heads.close()
+
   @property
   def heads(self) -> heads_lib.Heads | None:
     """Which prefix-cache hits have their programs (None: without
