@@ -256,7 +256,7 @@ def _closure(frm, to, seed) -> np.ndarray:
   return hops(frm, to, seed) < UNREACHED
 
 
-UNREACHED = np.iinfo(np.int32).max // 2  # tables.DEAD
+UNREACHED = np.iinfo(np.int32).max // 2  # tables.DEAD: no final reachable
 
 
 def hops(frm, to, seed) -> np.ndarray:

@@ -31,7 +31,6 @@ STOP = 256  # the byte vocabulary's stop id (ids 0-255 are the bytes)
 BYTES = tables_lib.vocab_of(
   [bytes([b]) for b in range(256)] + [None], [STOP], 257
 )
-UNREACHABLE = automaton.UNREACHED
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,7 +68,7 @@ class ByteDfa:
 
   def distance(self, usable: np.ndarray | None = None) -> np.ndarray:
     """int32[S]: fewest bytes from each state to a final one using only
-    the `usable` bytes (bool[256]; default all), `UNREACHABLE` where none
+    the `usable` bytes (bool[256]; default all), `tables.DEAD` where none
     does."""
     usable = np.ones(256, bool) if usable is None else np.asarray(usable, bool)
     src, b = np.nonzero(self.table[:, usable] >= 0)

@@ -1,5 +1,6 @@
 """What both constraint processors (`processor.py`'s eager tables,
-`walk.py`'s lazy DFAs) share: each row's (grammar, state), and budget
+`walk.py`'s lazy DFAs) share: each row's (grammar, state), the
+power-of-two buckets their tables are padded to, and budget
 forcing on the device: once few columns remain, a token is allowed only
 if the automaton can still reach a final state and emit a stop id in
 the columns left (`distance[next] + 2 <= remaining`), so every
@@ -12,6 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+def bucket(n: int, minimum: int) -> int:
+  """The power of two at least `n` (and `minimum`) a table is padded to."""
+  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 class RowGrammars:

@@ -34,10 +34,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from chunkwise.constraints import byte_dfa, token_trie, worker
-from chunkwise.constraints.byte_dfa import UNREACHABLE, ByteDfa
+from chunkwise.constraints import tables as tables_lib
+from chunkwise.constraints.byte_dfa import ByteDfa
+from chunkwise.constraints.tables import DEAD  # a state that cannot finish
 from chunkwise.constraints.token_trie import Trie
 
-DEAD = UNREACHABLE  # `distance` of a state that cannot finish
 _WALKS = 256  # states whose walks a `Lazy` keeps
 
 
@@ -162,20 +163,15 @@ def compile(
   the other limits), compiling runs past `time_limit_s` or
   `max_compile_mb`, or no text this vocabulary can spell matches it.
   """
-  stops = tuple(sorted(set(int(s) for s in stop_ids)))
-  if not stops:
-    raise ValueError(
-      "a constraint needs a stop id to end on (the model has no EOS): pass "
-      "stop_ids"
-    )
-  _check_vocabulary(vocabulary)
+  stops = tables_lib.check_stops(stop_ids)
+  tables_lib.check_vocabulary(vocabulary)
   trie = token_trie.of(vocabulary, width)
   key = (kind, text, trie.key, stops, float(max_table_mb))
   hit = _CACHE.get(key)
   if hit is not None:
     _CACHE.move_to_end(key)
     return hit
-  what = what or f"the constraint {_short(text)}"
+  what = what or f"the constraint {tables_lib._short(text)}"
   dfa = byte_dfa.compile(
     text,
     kind=kind,
@@ -221,7 +217,7 @@ def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
   bytes_to = dfa.distance()
   order = np.argsort(bytes_to, kind="stable")
   # Each state's next byte along its path, and the state after it.
-  live = bytes_to < UNREACHABLE
+  live = bytes_to < DEAD
   succ = dfa.table  # [S, 256]
   ok = (succ >= 0) & (bytes_to[np.maximum(succ, 0)] == bytes_to[:, None] - 1)
   first = np.argmax(ok, axis=1)
@@ -251,18 +247,5 @@ def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
 def vocabulary_key(vocabulary, width: int) -> str:
   """A digest of `vocabulary`'s token bytes below `width` (ValueError
   without `token_bytes()`)."""
-  _check_vocabulary(vocabulary)
+  tables_lib.check_vocabulary(vocabulary)
   return token_trie.of(vocabulary, width).key
-
-
-def _check_vocabulary(vocabulary) -> None:
-  if getattr(vocabulary, "token_bytes", None) is None:
-    raise ValueError(
-      f"constraints need the vocabulary's token bytes, but {vocabulary!r} "
-      "has no token_bytes() method (chunkwise's TokenizerVocabulary and "
-      "ByteVocabulary have one)"
-    )
-
-
-def _short(text: str) -> str:
-  return repr(text if len(text) <= 80 else text[:77] + "...")

@@ -35,15 +35,10 @@ from flax import struct
 from chunkwise.constraints import constraint as constraint_lib
 from chunkwise.constraints import forcing, token_trie, walk
 from chunkwise.constraints.constraint import Constraint
-from chunkwise.constraints.lazy import DEAD, Lazy
-from chunkwise.constraints.tables import Tables
+from chunkwise.constraints.lazy import Lazy
+from chunkwise.constraints.tables import DEAD, Tables
 from chunkwise.constraints.token_trie import Trie
 from chunkwise.processors import LogitsProcessor
-
-
-def _bucket(n: int, minimum: int) -> int:
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
 
 # A long-running loop's tables are at least this large (`GrammarSet`): the
 # same shapes, so the same compiled loop, serve unconstrained rows and any
@@ -171,8 +166,6 @@ def processor(
   module's."""
   lazy_ones = [t for t in tables if isinstance(t, Lazy)]
   if lazy_ones or trie is not None:
-    if floor is LOOP_FLOOR:
-      floor = LOOP_FLOOR_LAZY
     if len(lazy_ones) != sum(t is not None for t in tables):
       raise ValueError("eager and lazy constraint tables in one batch")
     return walk.processor(
@@ -184,7 +177,7 @@ def processor(
     )
   floor = floor or {}
   words = -(-width // 32)
-  n_grammars = _bucket(len(tables) + 1, floor.get("grammars", 2))
+  n_grammars = forcing.bucket(len(tables) + 1, floor.get("grammars", 2))
   state_offset = np.zeros(n_grammars, np.int32)
   class_offset = np.zeros(n_grammars, np.int32)
   classes = np.ones(n_grammars, np.int32)
@@ -198,10 +191,12 @@ def processor(
     token_class[i] = t.token_class
     s_total += t.states
     n_total += t.next_state.size
-  bits = np.zeros((_bucket(s_total, floor.get("states", 16)), words), np.uint32)
+  bits = np.zeros(
+    (forcing.bucket(s_total, floor.get("states", 16)), words), np.uint32
+  )
   distance = np.zeros(bits.shape[0], np.int32)
   next_state = np.zeros(
-    _bucket(n_total, floor.get("transitions", 64)), np.int32
+    forcing.bucket(n_total, floor.get("transitions", 64)), np.int32
   )
   for i, t in enumerate(tables, start=1):
     if t is None:
@@ -380,7 +375,8 @@ class GrammarSet:
       self._dirty = True
 
   def processor(self):
-    """The concatenated tables (`LOOP_FLOOR` at least), on the device:
+    """The concatenated tables (`LOOP_FLOOR`, or `LOOP_FLOOR_LAZY`, at
+    least), on the device:
     placed once per change, not with every segment."""
     if self._dirty:
       self._processor = jax.device_put(
@@ -389,7 +385,7 @@ class GrammarSet:
           self._tables,
           width=self._width,
           force=self._force,
-          floor=LOOP_FLOOR,
+          floor=LOOP_FLOOR if self._trie is None else LOOP_FLOOR_LAZY,
           trie=self._trie,
         ).for_loop()
       )

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from chunkwise.constraints import disk_cache, worker
+from chunkwise.constraints import automaton, disk_cache, worker
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -95,7 +95,7 @@ class Tables:
 
 
 # `distance` of a state from which no final state can be reached.
-DEAD = np.iinfo(np.int32).max // 2
+DEAD = automaton.UNREACHED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,20 +132,35 @@ _vocab_cache: dict[
 ] = {}  # key -> (vocabulary, Vocab)
 
 
+def check_vocabulary(vocabulary) -> None:
+  """ValueError unless `vocabulary` spells its tokens (`token_bytes()`)."""
+  if getattr(vocabulary, "token_bytes", None) is None:
+    raise ValueError(
+      f"constraints need the vocabulary's token bytes, but {vocabulary!r} "
+      f"has no token_bytes() method (chunkwise's TokenizerVocabulary and "
+      f"ByteVocabulary have one)"
+    )
+
+
+def check_stops(stop_ids: Sequence[int]) -> tuple[int, ...]:
+  """The stop ids, sorted and distinct; ValueError when there are none."""
+  stops = tuple(sorted(set(int(s) for s in stop_ids)))
+  if not stops:
+    raise ValueError(
+      "a constraint needs a stop id to end on (the model has no EOS): pass "
+      "stop_ids"
+    )
+  return stops
+
+
 def cached_vocab(vocabulary, stop_ids: Sequence[int], width: int) -> Vocab:
   """`vocab_of` the vocabulary's `token_bytes()`, cached per vocabulary."""
   key = (id(vocabulary), tuple(sorted(stop_ids)), width)
   hit = _vocab_cache.get(key)
   if hit is not None and hit[0] is vocabulary:
     return hit[1]
-  token_bytes = getattr(vocabulary, "token_bytes", None)
-  if token_bytes is None:
-    raise ValueError(
-      f"constraints need the vocabulary's token bytes, but {vocabulary!r} "
-      f"has no token_bytes() method (chunkwise's TokenizerVocabulary and "
-      f"ByteVocabulary have one)"
-    )
-  vocab = vocab_of(token_bytes(), stop_ids, width)
+  check_vocabulary(vocabulary)
+  vocab = vocab_of(vocabulary.token_bytes(), stop_ids, width)
   if len(_vocab_cache) > 8:
     _vocab_cache.clear()
   _vocab_cache[key] = (vocabulary, vocab)
@@ -172,12 +187,7 @@ def compile_regex(
   `time_limit_s` or more than `max_compile_mb` of memory to compile (the
   work is stopped; `what` names the constraint in the message).
   """
-  stops = tuple(sorted(set(int(s) for s in stop_ids)))
-  if not stops:
-    raise ValueError(
-      "a constraint needs a stop id to end on (the model has no EOS): pass "
-      "stop_ids"
-    )
+  stops = check_stops(stop_ids)
   key = (kind, regex, vocab.key, stops, int(width), float(max_table_mb))
   hit = _table_cache.get(key)
   if hit is not None:

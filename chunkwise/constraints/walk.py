@@ -38,13 +38,10 @@ from flax import struct
 from jax import lax
 
 from chunkwise.constraints import forcing
-from chunkwise.constraints.lazy import DEAD, Lazy
+from chunkwise.constraints.lazy import Lazy
+from chunkwise.constraints.tables import DEAD
 from chunkwise.constraints.token_trie import Trie
 from chunkwise.processors import LogitsProcessor
-
-
-def _bucket(n: int, minimum: int) -> int:
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
@@ -225,7 +222,7 @@ def processor(
   and grammars (at least `floor["grammars"]`); a None entry leaves its
   grammar id unused."""
   floor = floor or {}
-  n_grammars = _bucket(len(tables) + 1, floor.get("grammars", 2))
+  n_grammars = forcing.bucket(len(tables) + 1, floor.get("grammars", 2))
   offset = np.zeros(n_grammars, np.int32)
   rows = 1
   for i, t in enumerate(tables, start=1):
@@ -235,7 +232,7 @@ def processor(
       raise ValueError("a constraint compiled for another vocabulary")
     offset[i] = rows
     rows += t.states
-  n_rows = _bucket(rows, floor.get("states", 16))
+  n_rows = forcing.bucket(rows, floor.get("states", 16))
   table = np.zeros((n_rows, 256), np.int32)
   final = np.zeros(n_rows, bool)
   distance = np.full(n_rows, DEAD, np.int32)

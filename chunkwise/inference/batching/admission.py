@@ -131,15 +131,20 @@ def admit_rows(slots_n: int) -> int:
   return min(ADMIT_ROWS, slots_n)
 
 
+def row_counts(width: int, sizes: Sequence[int]) -> Sequence[int]:
+  """The loop's row counts `sizes` (ascending) that an admission prefill
+  of prompts `width` wide (their length bucket) may take: all of them up
+  to `GROUP_WIDTH`, the first past it (a long prompt's prefill costs its
+  rows whatever they hold)."""
+  return sizes if width <= GROUP_WIDTH else sizes[:1]
+
+
 def rows_for(waiting: int, width: int, sizes: Sequence[int]) -> int:
   """Rows of the next admission prefill of `waiting` prompts of one group
-  (their length bucket `width`), given the loop's row counts `sizes`
-  (ascending): the smallest that holds them all (the largest if none
-  does), where the prompts are at most `GROUP_WIDTH` wide; the first
-  otherwise (a long prompt's prefill costs its rows whatever they hold)."""
-  if width > GROUP_WIDTH:
-    return sizes[0]
-  return next((r for r in sizes if r >= waiting), sizes[-1])
+  (their length bucket `width`): the smallest of its `row_counts` that
+  holds them all (the largest if none does)."""
+  counts = row_counts(width, sizes)
+  return next((r for r in counts if r >= waiting), counts[-1])
 
 
 @dataclasses.dataclass(frozen=True)

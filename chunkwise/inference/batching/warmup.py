@@ -159,7 +159,9 @@ def warm_up(loop) -> Report:
     # Each length's admission, alone, then two at once where prompts that
     # arrive together share a call (its row count's programs).
     paired = [
-      n for n in short[1:] if len(_row_counts(loop, prompt_bucket(n))) > 1
+      n
+      for n in short[1:]
+      if len(admission.row_counts(prompt_bucket(n), loop.shape.admit_rows)) > 1
     ]
     for variant in [None, *adapters]:
       count += _run(loop, [_request(loop, n, adapter=variant) for n in short])
@@ -246,7 +248,7 @@ def _prefills(loop, lengths) -> None:
   count it may take), their results dropped."""
   for n in lengths:
     width = prompt_bucket(n)
-    for rows in _row_counts(loop, width):
+    for rows in admission.row_counts(width, loop.shape.admit_rows):
       tokens = np.full((rows, width), loop.shape.bos_id, np.int32)
       result = loop.shape.prefill_engine.prefill(
         loop.shape.caches,
@@ -257,12 +259,6 @@ def _prefills(loop, lengths) -> None:
         adapters=None,
       )
       jax.block_until_ready(result)
-
-
-def _row_counts(loop, width: int) -> tuple[int, ...]:
-  """The rows an admission prefill of prompts `width` wide may take."""
-  sizes = loop.shape.admit_rows
-  return sizes if width <= admission.GROUP_WIDTH else sizes[:1]
 
 
 def _constraint(loop):
