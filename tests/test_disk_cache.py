@@ -105,6 +105,27 @@ def test_a_lazy_constraint_reads_its_dfa_and_trie_back(cache_dir, monkeypatch):
   assert _compile().trie.nodes == built.trie.nodes
 
 
+def test_a_damaged_dfa_entry_is_rebuilt(cache_dir, monkeypatch):
+  """A byte DFA entry whose next states point past its states is not
+  read: the DFA is built again, and written whole."""
+  monkeypatch.setattr(C.constraint, "TABLES", "lazy")
+  C.lazy.clear_cache()
+  built = _compile()
+  (entry,) = (
+    p for p in cache_dir.glob("*.npz") if not p.name.startswith("trie-")
+  )
+  with np.load(entry) as f:
+    arrays = dict(f)
+  arrays["table"] = arrays["table"] + 1000
+  with open(entry, "wb") as f:
+    np.savez(f, **arrays)
+  C.lazy.clear_cache()
+  again = _compile()
+  np.testing.assert_array_equal(again.dfa.table, built.dfa.table)
+  with np.load(entry) as f:
+    np.testing.assert_array_equal(f["table"], built.dfa.table)
+
+
 def test_entries_are_read_back_exactly(cache_dir, monkeypatch):
   built = _compile()
   tables.clear_cache()  # memory only

@@ -6,6 +6,7 @@ reach: random walks through each constraint of a corpus (regexes, JSON
 schemas, a choice, a tool call's frame), on SmolLM2's vocabulary and on
 bytes."""
 
+import collections
 import json
 import time
 
@@ -16,7 +17,7 @@ import pytest
 
 import chunkwise as cw
 from chunkwise.checkpoints.load import embedded_path
-from chunkwise.constraints import byte_dfa, lazy, token_trie
+from chunkwise.constraints import automaton, byte_dfa, lazy, tables, token_trie
 from chunkwise.processors.base import StepInfo
 
 C = cw.constraints
@@ -138,6 +139,61 @@ def test_the_byte_dfa_is_the_regex():
   assert schema.distance()[0] == len('{"name":"","age":0}')
   for k in range(len(text)):
     assert schema.run(text[:k].encode()) >= 0
+
+
+@pytest.mark.parametrize("name", ["integer", "string", "nested", "schema"])
+def test_the_dfa_output_is_the_token_tables_over_bytes(name):
+  """The worker's DFA-only output (`automaton.dfa_table`) is the token
+  tables' transitions over the byte vocabulary, state for state."""
+  kind, text = "regex", REGEXES.get(name)
+  if name == "schema":
+    kind, text = "schema", json.dumps(SCHEMAS["object"])
+  eager = tables.compile_regex(
+    text, byte_dfa.BYTES, stop_ids=(byte_dfa.STOP,), width=257, kind=kind
+  )
+  want = byte_dfa.of_tables(eager)
+  got = byte_dfa.compile(text, kind=kind)
+  np.testing.assert_array_equal(got.table, want.table)
+  np.testing.assert_array_equal(got.final, want.final)
+  assert got.regex == want.regex
+
+
+def _bfs(frm, to, seed):
+  """The plain twin of `automaton.hops`: a breadth-first search in
+  Python."""
+  out = [automaton.UNREACHED] * seed.size
+  edges = collections.defaultdict(list)
+  for a, b in zip(frm.tolist(), to.tolist(), strict=True):
+    edges[a].append(b)
+  frontier = collections.deque(np.flatnonzero(seed).tolist())
+  for s in frontier:
+    out[s] = 0
+  while frontier:
+    s = frontier.popleft()
+    for t in edges[s]:
+      if out[t] == automaton.UNREACHED:
+        out[t] = out[s] + 1
+        frontier.append(t)
+  return np.array(out, np.int32)
+
+
+@pytest.mark.parametrize("shape", ["random", "chain", "no seed"])
+def test_hops_is_a_breadth_first_search(shape):
+  rng = np.random.default_rng(len(shape))
+  n = 400
+  if shape == "chain":  # a key's bytes: one long path, a few shortcuts
+    frm = np.concatenate([np.arange(n - 1), rng.integers(0, n, 20)])
+    to = np.concatenate([np.arange(1, n), rng.integers(0, n, 20)])
+  else:
+    frm, to = rng.integers(0, n, 3 * n), rng.integers(0, n, 3 * n)
+  seed = np.zeros(n, bool)
+  if shape != "no seed":
+    seed[rng.integers(0, n, 3)] = True
+  got = automaton.hops(frm, to, seed)
+  np.testing.assert_array_equal(got, _bfs(frm, to, seed))
+  assert got.dtype == np.int32
+  if shape == "chain":
+    assert got.max() > 20  # deep: many levels
 
 
 def test_a_new_schema_compiles_without_the_vocabulary(smol_vocab):

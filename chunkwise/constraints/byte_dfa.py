@@ -77,7 +77,8 @@ class ByteDfa:
 
 
 def of_tables(t: tables_lib.Tables) -> ByteDfa:
-  """The DFA of tables compiled over `BYTES`."""
+  """The DFA of token tables compiled over `BYTES` (tests compare it with
+  `compile`'s)."""
   table = t.next_state[:, t.token_class[:256]]
   return ByteDfa(
     regex=t.regex,
@@ -98,7 +99,7 @@ def compile(
 ) -> ByteDfa:
   """The `ByteDfa` of a regex (Rust syntax) or, with `kind="schema"`, a
   JSON schema's text; cached. ValueError as `tables.compile_regex`."""
-  t = tables_lib.compile_regex(
+  out = tables_lib.compile_dfa(
     text,
     BYTES,
     stop_ids=(STOP,),
@@ -109,15 +110,14 @@ def compile(
     kind=kind,
     what=what,
   )
-  return _of(t)
-
-
-@functools.lru_cache(maxsize=64)
-def _of(t: tables_lib.Tables) -> ByteDfa:
-  return of_tables(t)
+  return ByteDfa(
+    regex=out["regex"],
+    table=out["table"],
+    final=out["final"],
+    build_s=out["build_s"],
+  )
 
 
 def clear_cache() -> None:
   """Forgets every compiled DFA and table (`tables.clear_cache`)."""
-  _of.cache_clear()
   tables_lib.clear_cache()

@@ -144,24 +144,34 @@ def check_meta(schema: Mapping[str, Any]) -> None:
   first = jsonschema.validators.validator_for(
     schema, default=jsonschema.Draft202012Validator
   )
+  # Valid under any one of them will do, so draft 7's is tried first: it
+  # has no dynamic references, 1.9 ms a schema against 11 ms for 2020-12's
+  # (the 210 JSONSchemaBench schemas of docs/structured-generation.md).
+  # The error reported is the schema's own draft's.
   classes = dict.fromkeys(
-    [first, jsonschema.Draft7Validator, jsonschema.Draft4Validator]
+    [jsonschema.Draft7Validator, first, jsonschema.Draft4Validator]
   )
-  errors = []
+  errors = {}
   for cls in classes:
     # No format checker: `pattern`s are ECMA-262, not Python, regexes.
     error = jsonschema.exceptions.best_match(
-      cls(cls.META_SCHEMA).iter_errors(schema)
+      _meta_validator(cls).iter_errors(schema)
     )
     if error is None:
       return
-    errors.append(error)
-  error = errors[0]
+    errors[cls] = error
+  error = errors[first]
   path = "".join(f"/{p}" for p in error.absolute_path)
   raise ValueError(
     f"#{path}: {error.message} (the schema is not valid JSON Schema: "
     f"checked against the metaschema of {first.META_SCHEMA['$schema']})"
   )
+
+
+@functools.cache
+def _meta_validator(cls):
+  """A validator of `cls`'s metaschema (made once)."""
+  return cls(cls.META_SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,34 +187,131 @@ def compile_regex(
   `time_limit_s` or more than `max_compile_mb` of memory to compile (the
   work is stopped; `what` names the constraint in the message).
   """
-  stops = check_stops(stop_ids)
-  key = (kind, regex, vocab.key, stops, int(width), float(max_table_mb))
+  out = _compiled(
+    "tables",
+    regex,
+    vocab,
+    stops=check_stops(stop_ids),
+    width=int(width),
+    max_table_mb=float(max_table_mb),
+    time_limit_s=float(time_limit_s),
+    max_compile_mb=float(max_compile_mb),
+    kind=kind,
+    what=what,
+  )
+  return out
+
+
+def compile_dfa(
+  regex: str,
+  vocab: Vocab,
+  *,
+  stop_ids: Sequence[int],
+  width: int,
+  max_table_mb: float = 256.0,
+  time_limit_s: float = 30.0,
+  max_compile_mb: float = 4096.0,
+  kind: str = "regex",
+  what: str | None = None,
+) -> dict:
+  """`compile_regex` over a vocabulary of the single bytes (`byte_dfa.
+  BYTES`), returning the DFA's arrays only (`automaton.dfa_table`:
+  `table`, `final`, with `regex` and `build_s`); cached the same way."""
+  return _compiled(
+    "dfa",
+    regex,
+    vocab,
+    stops=check_stops(stop_ids),
+    width=int(width),
+    max_table_mb=float(max_table_mb),
+    time_limit_s=float(time_limit_s),
+    max_compile_mb=float(max_compile_mb),
+    kind=kind,
+    what=what,
+  )
+
+
+_DFA_ARRAYS = ("table", "final", "regex", "build_s")
+
+
+def _compiled(output, regex, vocab, *, stops, width, max_table_mb, kind, **run):
+  """`automaton.build`'s result for `output` ("tables": as `Tables`;
+  "dfa": its dict), from the memory cache, the disk cache, or the
+  worker."""
+  key = (output, kind, regex, vocab.key, stops, width, max_table_mb)
   hit = _table_cache.get(key)
   if hit is not None:
     return hit
-  on_disk = disk_cache.key(*key)
-  out = disk_cache.load(on_disk)
+  # (the token tables' disk keys are those from before "dfa" existed)
+  on_disk = disk_cache.key(
+    kind if output == "tables" else f"{output}:{kind}",
+    regex,
+    vocab.key,
+    stops,
+    width,
+    max_table_mb,
+  )
+  if output == "tables":
+    out = disk_cache.load(on_disk)
+  else:
+    out = disk_cache.load_arrays(on_disk, _DFA_ARRAYS)
+    if out is not None and _dfa_fits(out):
+      out = {
+        **out,
+        "regex": str(out["regex"]),
+        "build_s": float(out["build_s"]),
+      }
+    else:
+      out = None
   if out is None:
     out = worker.run(
       {
         "kind": kind,
         "text": regex,
         "stops": stops,
-        "width": int(width),
-        "max_table_mb": float(max_table_mb),
+        "width": width,
+        "max_table_mb": max_table_mb,
+        "output": output,
       },
       vocab_key=vocab.key,
       vocab=vocab.entries,
-      time_limit_s=float(time_limit_s),
-      max_compile_mb=float(max_compile_mb),
-      what=what or f"the constraint {_short(regex)}",
+      what=run.pop("what") or f"the constraint {_short(regex)}",
+      **run,
     )
-    disk_cache.store(on_disk, out)
-  tables = Tables(**out)
+    if output == "tables":
+      disk_cache.store(on_disk, out)
+    else:
+      disk_cache.store_arrays(
+        on_disk,
+        {
+          **out,
+          "regex": np.array(out["regex"]),
+          "build_s": np.array(out["build_s"]),
+        },
+      )
+  return _keep(key, Tables(**out) if output == "tables" else out)
+
+
+def _dfa_fits(a: dict) -> bool:
+  """Whether a disk entry's arrays are shaped like one DFA's."""
+  table, final = a["table"], a["final"]
+  return (
+    table.dtype == np.int32
+    and final.dtype == np.bool_
+    and table.ndim == 2
+    and table.shape[1] == 256
+    and table.shape[0] == final.shape[0] > 0
+    and -1 <= int(table.min()) <= int(table.max()) < table.shape[0]
+  )
+
+
+def _keep(key, value):
+  """`value`, remembered under `key` (the oldest forgotten past
+  `_CACHE_SIZE`)."""
   while len(_table_cache) >= _CACHE_SIZE:
     _table_cache.pop(next(iter(_table_cache)))
-  _table_cache[key] = tables
-  return tables
+  _table_cache[key] = value
+  return value
 
 
 def regex_of_schema(
