@@ -502,6 +502,10 @@ def test_sixteen_concurrent_streams_equal_generate_alone(saved, server):
     )
     assert got == (ids if c["native"] else _text(model, ids)), c
   server.wait_for("vllm:num_requests_running", 0.0, AUTH)
+  # each constrained request's compile was timed (before it was queued)
+  compiled = server.metric("chunkwise:constraint_compile_seconds_count", AUTH)
+  assert compiled >= sum(bool(c["regex"]) for c in cases)
+  assert server.metric("chunkwise:constraint_compile_seconds_sum", AUTH) > 0
 
 
 def test_a_client_that_goes_away_frees_its_slot(saved, server):

@@ -8,8 +8,9 @@ own address space at its size when the request arrives plus
 `max_compile_mb` (RLIMIT_AS, where the OS enforces it: Linux), so an
 explosion ends in a failed allocation (a MemoryError, or Rust's abort)
 instead of eating the machine. This file imports only the standard
-library, NumPy and outlines-core, so the worker starts in a fraction of a
-second; it never imports chunkwise.
+library, NumPy, SciPy, outlines-core and `dfa_splice.py` (by its path),
+so the worker starts in a fraction of a second; it never imports
+chunkwise.
 
 What it computes (see `tables.py` for the layout): outlines-core's `Index`
 walks every vocabulary token through the regex's DFA from every state and
@@ -78,6 +79,67 @@ def regex_of(kind: str, text: str) -> str:
   return regex
 
 
+def _parts(kind: str, text: str):
+  """(schema, its regex of a schema) of a "schema" or "spliced_schema"
+  request (`regex_of`): what `dfa_splice` composes from."""
+  if kind == "schema":
+    return json.loads(text), lambda s: regex_of("schema", json.dumps(s))
+  payload = json.loads(text)
+
+  def of(schema):
+    return regex_of("spliced_schema", json.dumps({**payload, "schema": schema}))
+
+  return payload["schema"], of
+
+
+# A schema whose regex is longer than this (characters) has its DFA put
+# together from its parts' (`dfa_splice`), where they join cleanly.
+COMPOSE_ABOVE = 20_000
+
+
+def _splicer():
+  """`dfa_splice`: chunkwise's, or in the worker (which never imports
+  chunkwise) the file beside this one."""
+  if __package__:
+    from chunkwise.constraints import dfa_splice
+
+    return dfa_splice
+  import importlib.util
+
+  name = "chunkwise_dfa_splice"
+  if name not in sys.modules:
+    path = os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "dfa_splice.py"
+    )
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+  return sys.modules[name]
+
+
+def _composed(kind, text, vocab, stops, width) -> dict | None:
+  """`dfa_table`'s result for a schema, its DFA put together from its
+  parts' (`dfa_splice`); None where they do not join cleanly (or a part
+  does not compile alone): then the whole regex is compiled."""
+  splice = _splicer()
+  schema, of = _parts(kind, text)
+
+  def leaf(regex):
+    index, transitions, finals = _marked_index(_led(regex), vocab, stops, width)
+    initial = index.get_initial_state()
+    out = _unled(dfa_table(transitions, initial, finals, stops, width))
+    if out is None:
+      raise UserError("a part matches nothing")
+    return out["table"], out["final"]
+
+  try:
+    table, final = splice.compose(schema, of, leaf)
+  except (splice.Conflict, UserError, ValueError):
+    return None
+  return {"table": table, "final": final}
+
+
 def build(
   kind: str,
   text: str,
@@ -86,6 +148,7 @@ def build(
   width: int,
   max_table_mb: float,
   output: str = "tables",
+  compose_above: int = COMPOSE_ABOVE,
 ) -> dict:
   """The regex and, with a `vocab`, its tables as NumPy arrays: the token
   tables (`output="tables"`, `tables.Tables`' fields) or, over the 256
@@ -96,8 +159,14 @@ def build(
   regex = regex_of(kind, text)
   if vocab is None:
     return {"regex": regex}
+  if output == "dfa" and kind != "regex" and len(regex) > compose_above:
+    out = _composed(kind, text, vocab, stops, width)
+    if out is not None:
+      return {**out, "regex": regex, "build_s": time.perf_counter() - start}
   try:
-    index, transitions, finals = _marked_index(regex, vocab, stops, width)
+    index, transitions, finals = _marked_index(
+      _led(regex) if output == "dfa" else regex, vocab, stops, width
+    )
   except ValueError as e:
     message = str(e)
     if "incompatible" in message or "no transitions" in message.lower():
@@ -120,8 +189,10 @@ def build(
     )
   initial = index.get_initial_state()
   if output == "dfa":
-    out = dfa_table(transitions, initial, finals, stops, width)
-    empty = not out["final"][0] and not out["table"][0].max(initial=-1) >= 0
+    out = _unled(dfa_table(transitions, initial, finals, stops, width))
+    empty = out is None or (
+      not out["final"][0] and not out["table"][0].max(initial=-1) >= 0
+    )
   else:
     out = tables(transitions, initial, finals, stops, width)
     empty = (
@@ -241,6 +312,27 @@ def _edges(transitions, initial, finals, stops, width):
   renumber = np.cumsum(live) - 1
   src, tok, dst = renumber[src[keep]], tok[keep], renumber[dst[keep]]
   return src, tok, dst, final[live], int(live.sum())
+
+
+# A byte a DFA over bytes is compiled behind (`_led`): outlines-core took
+# seconds to build the index of a regex that starts with a repeated class
+# (a JSON string of at most 16 characters: 4 s, 32: minutes) and 5 ms
+# with any byte before it.
+LEAD = 0x03
+
+
+def _led(regex: str) -> str:
+  return f"\\x{LEAD:02x}(?:{regex})"
+
+
+def _unled(dfa: dict) -> dict | None:
+  """A `dfa_table` of `_led(regex)` as the regex's own: from the state
+  after the lead byte (None where there is none: nothing matches)."""
+  start = int(dfa["table"][0, LEAD]) if dfa["table"].shape[0] else -1
+  if start < 0:
+    return None
+  table, final = _splicer().reached(dfa["table"], dfa["final"], start)
+  return {"table": table, "final": final}
 
 
 def dfa_table(transitions, initial, finals, stops, width) -> dict:

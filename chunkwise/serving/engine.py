@@ -262,6 +262,7 @@ class Engine:
       if self.waiting >= self.max_queue:
         raise Overloaded("Model is overloaded")
       stream = TokenStream(self, next(self._keys), g, seed, prepared.tables)
+      stream.compile_s = prepared.compile_s
       self._inbox.append((stream, prepared))
       self._cv.notify_all()
     return stream

@@ -31,6 +31,7 @@ from chunkwise.serving.stream import CANCELLED, ERROR, TokenStream
 prometheus_client.disable_created_metrics()
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_COMPILE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 _TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
@@ -56,6 +57,12 @@ class Metrics:
     )
     self.e2e = hist(
       "vllm:e2e_request_latency_seconds", "Request latency.", _LATENCY
+    )
+    self.compile = hist(
+      "chunkwise:constraint_compile_seconds",
+      "Compiling a constrained request's schema, regex or tools (before "
+      "it is queued: not in its time to first token).",
+      _COMPILE,
     )
     self.queue = hist(
       "vllm:request_queue_time_seconds", "Time before a slot.", _LATENCY
@@ -101,6 +108,8 @@ class Metrics:
     g = s.generation
     with self._lock:
       self._adapters[g.adapter or ""] += 1
+    if g.constraint is not None:  # compiled, whatever came after
+      self.compile.labels(m).observe(s.compile_s)
     if s.finish_reason == ERROR:
       self.failed("generation")
       return

@@ -215,6 +215,7 @@ class TokenStream:
     self.stop_sequence: str | None = None
     self.error: str | None = None
     self.submitted = time.monotonic()
+    self.compile_s = 0.0  # its constraint's compile, before `submitted`
     self.admitted_at: float | None = None  # it took a slot
     self.first_token_at: float | None = None
     self.finished_at: float | None = None

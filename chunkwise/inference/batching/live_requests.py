@@ -17,6 +17,7 @@ here too, off the loop's thread.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ class Prepared:
   adapter_id: int  # stack index, -1: the base model
   processor_state: tuple  # each of the loop's `processors`' states, [1, ...]
   tables: Any  # constraints.Tables or None
+  compile_s: float = 0.0  # seconds compiling its constraint (0: none)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,8 +188,9 @@ class Intake:
     states = processors_lib.request_states(
       self.templates, self.loop_forms, processors, h.vocab, what
     )
-    tables = None
+    tables, compile_s = None, 0.0
     if request.constraint is not None:
+      start = time.perf_counter()
       try:
         (_,), (tables,) = constraints_lib.compile_rows(
           [request.constraint],
@@ -202,6 +205,7 @@ class Intake:
         constraints_lib.check_room(
           tables, int(request.steps), f"{what}.steps={request.steps}"
         )
+      compile_s = time.perf_counter() - start
     padded = np.full(self.stop_width, h.vocab, np.int32)
     padded[: stops.size] = stops
     sampling = request.sampling.for_batch(1)
@@ -220,6 +224,7 @@ class Intake:
       adapter_id=int(ids[0]),
       processor_state=states,
       tables=tables,
+      compile_s=compile_s,
     )
 
 

@@ -1,0 +1,251 @@
+"""A large JSON schema's DFA over bytes, put together from its parts' DFAs.
+
+  out = dfa_splice.compose(schema, pieces, depth, leaf)  # table, final
+  # leaf(regex) -> (table int32[S, 256], final bool[S]): one regex's DFA
+
+outlines-core writes an object with n optional properties as a regex of
+O(n^2) copies of their values (each property is spelled once for every
+property that may come first), so nested objects multiply: a Kubernetes
+schema of 24 k characters became a 337 k-character regex, and the DFA
+construction took seconds (77 M characters and minutes for the largest
+JSONSchemaBench schemas), although its DFA has only ~24 k states. Here
+each large property value or array item is compiled once, as its own
+DFA, and the parent's regex holds a marker in its place (0x01, the
+part's name, 0x02: bytes no JSON text contains unescaped). The markers
+are then replaced in the parent's DFA by copies of the part's DFA: one
+copy for each state the marker leads to (its continuation), entered from
+every state that reads the marker:
+
+* the part's first bytes join the entering state's transitions;
+* each final state of the part takes the continuation's transitions (and
+  its finality).
+
+Where a part's first bytes meet another transition of the entering state,
+or a final state of the part already reads a byte its continuation reads
+(the union would need a DFA built anew), or the part can be empty or
+re-enter its start, `Conflict` is raised and the caller compiles the
+whole regex instead. Otherwise the DFA spells exactly the text the
+parent's regex with each marker replaced by its part's regex spells
+(tested against it: `tests/test_lazy_masks.py`). Parts are compiled
+bottom-up, each distinct one once (the same definition inlined in many
+places is one DFA, copied per continuation).
+
+Which values become parts: every property value of an object with
+`MANY` or more properties (outlines-core repeats each value once per
+property), and otherwise property values, array items and additional
+properties' values long as JSON (`PART_CHARS`) or as regex
+(`PART_REGEX`: a value of no type is a regex of thousands of characters).
+Where a part conflicts, that part is written in place and the level is
+compiled again.
+
+Runs in the compile worker (`automaton.py`): NumPy, SciPy and the
+standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+OPEN, CLOSE = 0x01, 0x02  # a marker: OPEN, the part's name, CLOSE
+# A property value or array item of at least this many characters of
+# JSON is compiled as its own part.
+PART_CHARS = 256
+# ... or one whose regex is at least this long; or any value of an
+# object with at least `MANY` properties.
+PART_REGEX = 2_000
+MANY = 8
+# Where a part stands in its parent's schema (a const nothing else spells;
+# `schema_values.PLACEHOLDER` is the pieces').
+PLACEHOLDER = "CWPART{}QX"
+
+
+class Conflict(Exception):
+  """Part `part` cannot be joined without building the DFA anew."""
+
+  def __init__(self, part: str, why: str):
+    super().__init__(f"part {part}: {why}")
+    self.part = part
+
+
+Leaf = Callable[[str], tuple[np.ndarray, np.ndarray]]
+
+
+def compose(
+  schema, regex_of: Callable[[object], str], leaf: Leaf
+) -> tuple[np.ndarray, np.ndarray]:
+  """(table, final) of `schema` (a parsed JSON schema without `$ref`s, as
+  `schema_rewrite` leaves it), with `regex_of(schema)` its regex (pieces
+  spliced in) and `leaf(regex)` a regex's DFA. Raises `Conflict`."""
+  return _Composer(regex_of, leaf).dfa(schema)
+
+
+class _Composer:
+  def __init__(self, regex_of, leaf):
+    self.regex_of = regex_of
+    self.leaf = leaf
+    self.done: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+  def dfa(self, schema) -> tuple[np.ndarray, np.ndarray]:
+    """`schema`'s DFA, each distinct schema built once."""
+    key = json.dumps(schema)
+    hit = self.done.get(key)
+    if hit is None:
+      hit = self.done[key] = self._build(schema)
+    return hit
+
+  def _build(self, schema) -> tuple[np.ndarray, np.ndarray]:
+    inline: set[str] = set()  # parts that conflicted: written in place
+    while True:
+      parts: dict[str, tuple[object, str]] = {}
+      regex = self.regex_of(self._cut(schema, parts, inline))
+      for name in list(parts):
+        literal = self.regex_of({"const": PLACEHOLDER.format(name)})
+        if literal not in regex:  # a value outlines-core does not write
+          del parts[name]
+        regex = regex.replace(literal, _marker_regex(name))
+      table, final = self.leaf(regex)
+      if not parts:
+        return table, final
+      inner = {name: self.dfa(sub) for name, (sub, _) in parts.items()}
+      try:
+        return splice(table, final, inner)
+      except Conflict as e:
+        inline.add(parts[e.part][1])
+
+  def _cut(self, schema, parts: dict, inline: set):
+    """`schema` with each large property value, array item and value of
+    additional properties (not in `inline`: their places) replaced by
+    {"const": its part's name}, recorded in `parts` as (schema,
+    place)."""
+    if not isinstance(schema, dict):
+      return schema
+
+    out = dict(schema)
+    props = out.get("properties")
+    props = props if isinstance(props, dict) else {}
+    # every value of an object of many properties: its regex repeats each
+    # value once per property (optional ones, O(n^2) in all)
+    every = len(props) >= MANY
+
+    def cut(sub, place, always=False):
+      if (
+        not isinstance(sub, dict)
+        or place in inline
+        or not (always or self._large(sub))
+      ):
+        return sub
+      name = f"p{len(parts)}"
+      parts[name] = (sub, place)
+      return {"const": PLACEHOLDER.format(name)}
+
+    if props:
+      out["properties"] = {
+        k: cut(v, f"properties/{k}", every) for k, v in props.items()
+      }
+    for key in ("items", "additionalProperties"):
+      if isinstance(out.get(key), dict):
+        out[key] = cut(out[key], key)
+    return out
+
+  def _large(self, schema) -> bool:
+    """Whether `schema` is worth a part: long as JSON, or spelled by a
+    long regex (a value of any type is a regex of thousands of
+    characters)."""
+    return (
+      len(json.dumps(schema)) >= PART_CHARS
+      or len(self.regex_of(schema)) >= PART_REGEX
+    )
+
+
+def _marker_regex(name: str) -> str:
+  return f"\\x{OPEN:02x}{name}\\x{CLOSE:02x}"
+
+
+def splice(
+  table: np.ndarray,
+  final: np.ndarray,
+  parts: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray]:
+  """`table`/`final` (trimmed, state 0 the start) with every marker path
+  replaced by a copy of its part's DFA (the module docstring); the
+  result trimmed to the states reached from 0. Raises `Conflict`."""
+  table = table.copy()
+  final = final.copy()
+  entries = np.flatnonzero(table[:, OPEN] >= 0)
+  # (entering state, part, continuation) of every marker path
+  paths = []
+  for a in entries.tolist():
+    inside = int(table[a, OPEN])
+    for name in parts:
+      b = inside
+      for byte in name.encode() + bytes([CLOSE]):
+        b = int(table[b, byte]) if b >= 0 else -1
+      if b >= 0:
+        paths.append((a, name, b))
+  if not paths:  # no marker on a path to an end
+    return reached(table, final)
+  # One copy of a part per continuation, its start state left out.
+  copies: dict[tuple[str, int], int] = {}  # -> the copy's first state
+  blocks = []
+  size = table.shape[0]
+  for _, name, b in paths:
+    if (name, b) in copies:
+      continue
+    sub, sub_final = parts[name]
+    if sub_final[0] or np.any(sub[1:] == 0) or np.any(sub[0] == 0):
+      raise Conflict(name, "it can be empty or re-enter its start")
+    copies[(name, b)] = size
+    shifted = np.where(sub[1:] > 0, sub[1:] - 1 + size, -1)
+    blocks.append((name, b, size, shifted, sub_final[1:].copy()))
+    size += sub.shape[0] - 1
+  entering = table.copy()
+  entering[entries, OPEN] = -1
+  for a, name, b in paths:
+    sub = parts[name][0]
+    first = np.flatnonzero(sub[0] >= 0)
+    mapped = sub[0, first] - 1 + copies[(name, b)]
+    clash = (entering[a, first] >= 0) & (entering[a, first] != mapped)
+    if np.any(clash):
+      raise Conflict(name, "it starts with a byte its parent reads there")
+    entering[a, first] = mapped
+  out = np.full((size, 256), -1, np.int32)
+  out[: table.shape[0]] = entering
+  out_final = np.zeros(size, bool)
+  out_final[: table.shape[0]] = final
+  for _, _, lo, shifted, sub_final in blocks:
+    out[lo : lo + shifted.shape[0]] = shifted
+    out_final[lo : lo + shifted.shape[0]] = sub_final
+  for name, b, lo, _, sub_final in blocks:
+    ends = lo + np.flatnonzero(sub_final)
+    after = out[b]
+    reads = np.flatnonzero(after >= 0)
+    if np.any(out[np.ix_(ends, reads)] >= 0):
+      raise Conflict(name, "its end reads a byte its continuation reads")
+    out[np.ix_(ends, reads)] = after[reads]
+    out_final[ends] = final[b]
+  return reached(out, out_final)
+
+
+def reached(table: np.ndarray, final: np.ndarray, start: int = 0):
+  """(table, final) of the states reached from `start`, renumbered: the
+  start first (0), the others in order."""
+  from scipy.sparse import csr_matrix
+  from scipy.sparse.csgraph import breadth_first_order
+
+  n = table.shape[0]
+  src, byte = np.nonzero(table >= 0)
+  graph = csr_matrix(
+    (np.ones(src.size, np.int8), (src, table[src, byte])), shape=(n, n)
+  )
+  seen = np.zeros(n, bool)
+  seen[breadth_first_order(graph, start, return_predecessors=False)] = True
+  order = np.flatnonzero(seen)
+  order = np.concatenate([[start], order[order != start]])
+  number = np.full(n, -1, np.int64)
+  number[order] = np.arange(order.size)
+  kept = table[order]
+  kept = np.where(kept >= 0, number[np.maximum(kept, 0)], -1)
+  return kept.astype(np.int32), final[order]

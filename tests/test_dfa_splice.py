@@ -1,0 +1,174 @@
+"""A large schema's byte DFA put together from its parts' DFAs
+(`constraints/dfa_splice.py`) spells exactly what the DFA of its whole
+regex spells (the plain twin), and anything that would not join cleanly
+falls back to the whole regex."""
+
+import numpy as np
+import pytest
+
+import chunkwise as cw
+from chunkwise.constraints import automaton, byte_dfa, dfa_splice, lazy
+from tests.dfa_helpers import same_language
+
+WHOLE = 10**12  # compose_above: never composed
+
+
+def _part(i: int, required=()) -> dict:
+  """An object of six optional scalars, its JSON long enough to be a
+  part."""
+  return {
+    "type": "object",
+    "description": "a part " + "x" * 200,
+    "properties": {
+      f"f{j}": {"type": "string", "maxLength": 8}
+      if j % 2
+      else {"type": "integer"}
+      for j in range(6)
+    },
+    "required": list(required),
+  }
+
+
+def _nested() -> dict:
+  out = {
+    "type": "object",
+    "properties": {f"k{i}": _part(i, ["f0"] * (i % 2)) for i in range(6)},
+  }
+  props = out["properties"]
+  props["list"] = {"type": "array", "items": _part(9), "minItems": 1}
+  props["few"] = {"type": "array", "items": _part(8), "maxItems": 2}
+  props["maybe"] = {  # nullable, with a piece (our date regex) inside
+    "type": ["object", "null"],
+    "description": "y" * 250,
+    "properties": {
+      "a": {"type": "integer"},
+      "when": {"type": "string", "format": "date"},
+    },
+  }
+  props["deep"] = {"type": "object", "properties": {"inner": _part(3)}}
+  props["deep"]["description"] = "z" * 250
+  return out
+
+
+SCHEMAS = {
+  "nested": _nested(),
+  "required": {
+    "type": "object",
+    "properties": {f"r{i}": _part(i) for i in range(4)},
+    "required": ["r1", "r3"],
+  },
+  "recursive": {  # $ref inlined by the rewrite, to its depth
+    "$defs": {
+      "node": {
+        "type": "object",
+        "description": "w" * 250,
+        "properties": {
+          "name": {"type": "string", "maxLength": 5},
+          "children": {
+            "type": "array",
+            "items": {"$ref": "#/$defs/node"},
+            "maxItems": 2,
+          },
+        },
+      }
+    },
+    "$ref": "#/$defs/node",
+  },
+}
+
+
+def _build(name: str, compose_above: int) -> dict:
+  kind, text = cw.constraints.JsonSchema(SCHEMAS[name])._text()
+  return automaton.build(
+    kind,
+    text,
+    byte_dfa.BYTES.entries,
+    (byte_dfa.STOP,),
+    257,
+    256.0,
+    "dfa",
+    compose_above=compose_above,
+  )
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_the_composed_dfa_spells_what_the_whole_regex_spells(name):
+  whole = _build(name, WHOLE)
+  composed = _build(name, 0)
+  assert composed["regex"] == whole["regex"]
+  assert same_language(composed, whole) >= whole["table"].shape[0]
+  # no bigger: each part once per continuation
+  assert composed["table"].shape[0] <= whole["table"].shape[0]
+
+
+def test_a_large_schema_is_composed_by_default():
+  """The nested schema's regex is past `COMPOSE_ABOVE`: the default
+  build is the composed DFA, state for state."""
+  assert len(_build("nested", WHOLE)["regex"]) > automaton.COMPOSE_ABOVE
+  default = _build("nested", automaton.COMPOSE_ABOVE)
+  np.testing.assert_array_equal(default["table"], _build("nested", 0)["table"])
+
+
+def test_a_composed_constraint_masks_as_the_eager_tables():
+  """Through the public path (the worker, a lazy constraint over bytes):
+  random walks find the eager tables' masks at every state."""
+  vocab = cw.ByteVocabulary()
+  c = cw.constraints.JsonSchema(SCHEMAS["nested"])
+  with cw.constraints.constraint.tables_kind("eager"):
+    eager = c.compile(vocab, stop_ids=[2], width=320)
+  with cw.constraints.constraint.tables_kind("lazy"):
+    masks = c.compile(vocab, stop_ids=[2], width=320)
+  assert isinstance(masks, lazy.Lazy)
+  assert masks.states < eager.states  # composed: shared continuations
+  rng = np.random.default_rng(0)
+  for _ in range(8):
+    e, s = 0, 0
+    for _ in range(120):
+      want, got = eager.allowed(e), masks.allowed(s)
+      np.testing.assert_array_equal(got, want)
+      assert bool(eager.final[e]) == bool(masks.final[s])
+      choices = want[want != 2]
+      if not choices.size:
+        break
+      t = int(rng.choice(choices))
+      e, s = eager.step(e, t), masks.step(s, t)
+
+
+def _dfa(regex: str) -> tuple[np.ndarray, np.ndarray]:
+  out = automaton.build(
+    "regex", regex, byte_dfa.BYTES.entries, (256,), 257, 256.0, "dfa"
+  )
+  return out["table"], out["final"]
+
+
+@pytest.mark.parametrize(
+  "parent, part",
+  [
+    (r"a\x01p0\x02b|ac", "c"),  # the part starts with a byte `a` reads
+    (r"a\x01p0\x02x", "b|bx"),  # its end reads what follows it
+    (r"a\x01p0\x02b", "c?"),  # it can be empty
+    (r"a\x01p0\x02b", "c*d"),  # it re-enters its start
+  ],
+)
+def test_parts_that_do_not_join_cleanly_conflict(parent, part):
+  table, final = _dfa(parent)
+  with pytest.raises(dfa_splice.Conflict):
+    dfa_splice.splice(table, final, {"p0": _dfa(part)})
+
+
+def test_a_clean_splice_is_the_regex_with_the_part_in_place():
+  table, final = _dfa(r"(a\x01p0\x02b|z)\x01p0\x02!")
+  got = dfa_splice.splice(table, final, {"p0": _dfa(r"c(d|ee)*f")})
+  want = _dfa(r"(ac(d|ee)*fb|z)c(d|ee)*f!")
+  same_language(
+    dict(table=got[0], final=got[1]), dict(table=want[0], final=want[1])
+  )
+
+
+def test_a_schema_whose_parts_conflict_is_compiled_whole(monkeypatch):
+  def conflict(*args):
+    raise dfa_splice.Conflict("p0", "say")
+
+  monkeypatch.setattr(dfa_splice, "splice", conflict)
+  got, whole = _build("nested", 0), _build("nested", WHOLE)
+  np.testing.assert_array_equal(got["table"], whole["table"])
