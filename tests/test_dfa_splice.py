@@ -172,3 +172,77 @@ def test_a_schema_whose_parts_conflict_is_compiled_whole(monkeypatch):
   monkeypatch.setattr(dfa_splice, "splice", conflict)
   got, whole = _build("nested", 0), _build("nested", WHOLE)
   np.testing.assert_array_equal(got["table"], whole["table"])
+
+
+def _framed() -> cw.constraints.Framed:
+  """Two tools' calls: each frame's arguments a hole."""
+  hole = cw.constraints.Framed.hole
+  call = r'<call>\{"name": "{name}", "arguments": {args}\}</call>'
+  frames = "|".join(
+    call.replace("{name}", n).replace("{args}", hole(h))
+    for n, h in (("read", "a0"), ("write", "a1"))
+  )
+  return cw.constraints.Framed(
+    f"(({frames})\n)+",
+    {
+      "a0": cw.constraints.JsonSchema(SCHEMAS["required"]),
+      "a1": cw.constraints.JsonSchema(_part(1, ["f0", "f3"])),
+    },
+  )
+
+
+def test_a_framed_regex_spells_its_regex_with_the_parts_in_place():
+  kind, text = _framed()._text()
+
+  def build(compose_above):
+    return automaton.build(
+      kind,
+      text,
+      byte_dfa.BYTES.entries,
+      (256,),
+      257,
+      256.0,
+      "dfa",
+      compose_above=compose_above,
+    )
+
+  whole, composed = build(WHOLE), build(0)
+  assert whole["regex"] == composed["regex"] == _framed().regex()
+  assert same_language(composed, whole) >= whole["table"].shape[0]
+  assert composed["table"].shape[0] <= whole["table"].shape[0]
+  # the parts were put in place (nothing conflicted)
+  vocab = byte_dfa.BYTES.entries
+  assert automaton._composed(kind, text, vocab, (256,), 257) is not None
+
+
+def test_a_framed_constraint_masks_as_the_eager_tables():
+  vocab = cw.ByteVocabulary()
+  c = _framed()
+  with cw.constraints.constraint.tables_kind("eager"):
+    eager = c.compile(vocab, stop_ids=[2], width=320)
+  with cw.constraints.constraint.tables_kind("lazy"):
+    masks = c.compile(vocab, stop_ids=[2], width=320)
+  rng = np.random.default_rng(1)
+  for _ in range(6):
+    e, s = 0, 0
+    for _ in range(150):
+      want, got = eager.allowed(e), masks.allowed(s)
+      np.testing.assert_array_equal(got, want)
+      choices = want[want != 2]
+      if not choices.size:
+        break
+      t = int(rng.choice(choices))
+      e, s = eager.step(e, t), masks.step(s, t)
+
+
+@pytest.mark.parametrize(
+  "pattern, parts, match",
+  [
+    ("x", {"a0": "no"}, "must be a constraint"),
+    ("x", {"a0": cw.constraints.Regex("y")}, "no hole 'a0'"),
+    ("x", {"a-0": cw.constraints.Regex("y")}, "letters and digits"),
+  ],
+)
+def test_framed_checks_its_parts(pattern, parts, match):
+  with pytest.raises(ValueError, match=match):
+    cw.constraints.Framed(pattern, parts)

@@ -23,6 +23,7 @@ from chunkwise.constraints import json_regex, schema, schema_rewrite
 from chunkwise.constraints.constraint import (
   Choice,
   Constraint,
+  Framed,
   JsonSchema,
   Regex,
   escape,
@@ -44,6 +45,7 @@ __all__ = [
   "Choice",
   "Constraint",
   "ConstraintProcessor",
+  "Framed",
   "GrammarSet",
   "JsonSchema",
   "Regex",

@@ -34,6 +34,7 @@ not seen that key); a reply is {"ok": result} | {"error": message} |
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -60,6 +61,13 @@ def regex_of(kind: str, text: str) -> str:
   const replaced by its piece)."""
   if kind == "regex":
     return text
+  if kind == "framed":
+    payload = json.loads(text)
+    regex = payload["regex"]
+    for name, (k, t) in payload["parts"].items():
+      hole = _splicer().marker_regex(name)
+      regex = regex.replace(hole, "(" + regex_of(k, t) + ")")
+    return regex
   from outlines_core.json_schema import build_regex_from_schema
 
   def build(schema_text: str, depth: int = 3) -> str:
@@ -119,11 +127,11 @@ def _splicer():
 
 
 def _composed(kind, text, vocab, stops, width) -> dict | None:
-  """`dfa_table`'s result for a schema, its DFA put together from its
-  parts' (`dfa_splice`); None where they do not join cleanly (or a part
-  does not compile alone): then the whole regex is compiled."""
+  """`dfa_table`'s result for a schema or a framed regex, its DFA put
+  together from its parts' (`dfa_splice`); None where they do not join
+  cleanly (or a part does not compile alone): then the whole regex is
+  compiled."""
   splice = _splicer()
-  schema, of = _parts(kind, text)
 
   def leaf(regex):
     index, transitions, finals = _marked_index(_led(regex), vocab, stops, width)
@@ -133,8 +141,24 @@ def _composed(kind, text, vocab, stops, width) -> dict | None:
       raise UserError("a part matches nothing")
     return out["table"], out["final"]
 
+  def dfa(kind, text):
+    if kind == "regex":
+      return leaf(text)
+    if kind == "framed":
+      payload = json.loads(text)
+      parts = {
+        name: (
+          functools.partial(dfa, k, t),
+          functools.partial(regex_of, k, t),
+        )
+        for name, (k, t) in payload["parts"].items()
+      }
+      return splice.frame(payload["regex"], parts, leaf)
+    schema, of = _parts(kind, text)
+    return splice.compose(schema, of, leaf)
+
   try:
-    table, final = splice.compose(schema, of, leaf)
+    table, final = dfa(kind, text)
   except (splice.Conflict, UserError, ValueError):
     return None
   return {"table": table, "final": final}

@@ -105,7 +105,7 @@ class _Composer:
         literal = self.regex_of({"const": PLACEHOLDER.format(name)})
         if literal not in regex:  # a value outlines-core does not write
           del parts[name]
-        regex = regex.replace(literal, _marker_regex(name))
+        regex = regex.replace(literal, marker_regex(name))
       table, final = self.leaf(regex)
       if not parts:
         return table, final
@@ -160,8 +160,33 @@ class _Composer:
     )
 
 
-def _marker_regex(name: str) -> str:
+def marker_regex(name: str) -> str:
+  """The regex of part `name`'s marker (`constraint.Framed.hole`)."""
   return f"\\x{OPEN:02x}{name}\\x{CLOSE:02x}"
+
+
+def frame(regex: str, parts: dict, leaf: Leaf) -> tuple[np.ndarray, np.ndarray]:
+  """(table, final) of `regex` with each part's marker (`marker_regex`)
+  replaced by it: `parts` maps a name to (a function making its DFA, a
+  function making its regex). A part that conflicts is written in place
+  as its regex, and the frame compiled again."""
+  inline: set[str] = set()
+  while True:
+    text = regex
+    for name in inline:
+      text = text.replace(marker_regex(name), "(" + parts[name][1]() + ")")
+    table, final = leaf(text)
+    live = {
+      name: make()
+      for name, (make, _) in parts.items()
+      if name not in inline and marker_regex(name) in text
+    }
+    if not live:
+      return table, final
+    try:
+      return splice(table, final, live)
+    except Conflict as e:
+      inline.add(e.part)
 
 
 def splice(

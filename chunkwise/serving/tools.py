@@ -112,25 +112,34 @@ class Plan:
 
   # -- the language ----------------------------------------------------
 
-  def _arguments(self, tool: Tool) -> str:
-    """The regex of a tool's arguments, compiled from its own schema (its
-    `$ref`s resolve in it): `strict` ones as given, every keyword
-    enforced in full (else a 400 naming the one that cannot be); others
-    with the server's digit bounds."""
+  def _arguments(self, tool: Tool) -> constraints.JsonSchema:
+    """A tool's arguments' constraint, from its own schema (its `$ref`s
+    resolve in it): `strict` ones as given, every keyword enforced in
+    full (else a 400 naming the one that cannot be); others with the
+    server's digit bounds. Its regex is built here, so a schema that
+    cannot be is a 400 now."""
     schema = tool.parameters if tool.strict else digit_bounded(tool.parameters)
     try:
-      return constraints.JsonSchema(schema, strict=tool.strict).regex()
+      out = constraints.JsonSchema(schema, strict=tool.strict)
+      out.regex()
     except ValueError as e:
       raise _bad(f"tool {tool.name!r}: parameters: {e}") from None
+    return out
 
   def calls_regex(self) -> str:
+    """Calls in the format, as one regex (`constraint` compiles each
+    tool's arguments alone, in `_calls`' holes)."""
+    by_name = {t.name: t for t in self.tools}
+    return self._calls(lambda name: self._arguments(by_name[name]).regex())
+
+  def _calls(self, arguments) -> str:
     """Calls in the format: each its fixed head (open, name, key), its
-    tool's arguments and its fixed tail; several with `parallel` (not for
-    a named choice, nor where the template takes one call only)."""
-    f, by_name = self.fmt, {t.name: t for t in self.tools}
+    tool's `arguments(name)` (a regex) and its fixed tail; several with
+    `parallel` (not for a named choice, nor where the template takes one
+    call only)."""
+    f = self.fmt
     frames = "|".join(
-      f"{literal(f.head(name))}({self._arguments(by_name[name])})"
-      for name in self.allowed
+      f"{literal(f.head(name))}({arguments(name)})" for name in self.allowed
     )
     one = f"({frames}){literal(f.tail)}"
     if self.parallel and self.mode != "named" and f.parallel:
@@ -146,15 +155,25 @@ class Plan:
         "with tools, the answer's text can follow a JSON schema "
         "(response_format) but not a regex or a choice"
       )
+    hole = constraints.Framed.hole
     try:
       marker = self.fmt.marker
       text = answer.regex() if answer is not None else without(marker)
       if self.mode == "none":
         return constraints.Regex(text)
-      calls = self.calls_regex()
+      # Each tool's arguments compiled alone, in a hole of the frame.
+      by_name = {t.name: t for t in self.tools}
+      parts = {
+        f"a{i}": self._arguments(by_name[n]) for i, n in enumerate(self.allowed)
+      }
+      index = {n: f"a{i}" for i, n in enumerate(self.allowed)}
+      calls = self._calls(lambda name: hole(index[name]))
       if self.mode == "auto":
-        return constraints.Regex(f"({text})|({calls})")
-      return constraints.Regex(calls)
+        if answer is not None:
+          parts["answer"] = answer
+          text = hole("answer")
+        return constraints.Framed(f"({text})|({calls})", parts)
+      return constraints.Framed(calls, parts)
     except ValueError as e:
       raise _bad(f"tools: {e}") from None
 
