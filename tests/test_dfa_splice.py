@@ -112,18 +112,23 @@ def test_a_large_schema_is_composed_by_default():
 def test_a_composed_constraint_masks_as_the_eager_tables():
   """Through the public path (the worker, a lazy constraint over bytes):
   random walks find the eager tables' masks at every state."""
+  eager, masks = _walk_both(cw.constraints.JsonSchema(SCHEMAS["nested"]))
+  assert masks.states < eager.states  # composed: shared continuations
+
+
+def _walk_both(c, walks=8, steps=150):
+  """`c` compiled eagerly and lazily over bytes; random walks find the
+  same allowed ids and finality at every state. Returns both."""
   vocab = cw.ByteVocabulary()
-  c = cw.constraints.JsonSchema(SCHEMAS["nested"])
   with cw.constraints.constraint.tables_kind("eager"):
     eager = c.compile(vocab, stop_ids=[2], width=320)
   with cw.constraints.constraint.tables_kind("lazy"):
     masks = c.compile(vocab, stop_ids=[2], width=320)
   assert isinstance(masks, lazy.Lazy)
-  assert masks.states < eager.states  # composed: shared continuations
   rng = np.random.default_rng(0)
-  for _ in range(8):
+  for _ in range(walks):
     e, s = 0, 0
-    for _ in range(120):
+    for _ in range(steps):
       want, got = eager.allowed(e), masks.allowed(s)
       np.testing.assert_array_equal(got, want)
       assert bool(eager.final[e]) == bool(masks.final[s])
@@ -132,6 +137,7 @@ def test_a_composed_constraint_masks_as_the_eager_tables():
         break
       t = int(rng.choice(choices))
       e, s = eager.step(e, t), masks.step(s, t)
+  return eager, masks
 
 
 def _dfa(regex: str) -> tuple[np.ndarray, np.ndarray]:
@@ -216,23 +222,7 @@ def test_a_framed_regex_spells_its_regex_with_the_parts_in_place():
 
 
 def test_a_framed_constraint_masks_as_the_eager_tables():
-  vocab = cw.ByteVocabulary()
-  c = _framed()
-  with cw.constraints.constraint.tables_kind("eager"):
-    eager = c.compile(vocab, stop_ids=[2], width=320)
-  with cw.constraints.constraint.tables_kind("lazy"):
-    masks = c.compile(vocab, stop_ids=[2], width=320)
-  rng = np.random.default_rng(1)
-  for _ in range(6):
-    e, s = 0, 0
-    for _ in range(150):
-      want, got = eager.allowed(e), masks.allowed(s)
-      np.testing.assert_array_equal(got, want)
-      choices = want[want != 2]
-      if not choices.size:
-        break
-      t = int(rng.choice(choices))
-      e, s = eager.step(e, t), masks.step(s, t)
+  _walk_both(_framed())
 
 
 @pytest.mark.parametrize(
