@@ -193,3 +193,34 @@ def test_an_unwritable_directory_means_no_cache(tmp_path, monkeypatch):
   tables.clear_cache()
   assert _compile().states > 0
   tables.clear_cache()
+
+
+def test_a_narrowed_schema_is_narrowed_at_once_in_another_process(
+  cache_dir, monkeypatch
+):
+  """A schema that ran past its limits once is compiled at its narrowing
+  level in the next process straight away (the level from disk): one
+  try, not the full one first (which would run past its limit again:
+  30 s for a schema that times out), and no worker run."""
+  monkeypatch.setattr(C.constraint, "TABLES", "lazy")
+  monkeypatch.setattr(C.constraint, "_narrowing", {})
+  props = {f"field_{i}": {"type": "string", "maxLength": 12} for i in range(16)}
+  schema = {"type": "object", "properties": props}
+  limits = {"max_table_mb": 0.06 * 25.6}
+  c = C.JsonSchema(schema, **limits)
+  c.compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+  assert c.narrowed  # it had to
+  script = textwrap.dedent(f"""
+    import chunkwise as cw
+    from chunkwise import constraints as C
+    from chunkwise.constraints import lazy, worker
+    runs, tries = [], []
+    real_run, real_compile = worker.run, lazy.compile
+    worker.run = lambda *a, **k: runs.append(1) or real_run(*a, **k)
+    lazy.compile = lambda *a, **k: tries.append(1) or real_compile(*a, **k)
+    c = C.JsonSchema({schema!r}, **{limits!r})
+    c.compile(cw.ByteVocabulary(), stop_ids=[2], width=320)
+    print(len(runs), len(tries), len(c.narrowed))
+  """)
+  got = _another_process(script, cache_dir)
+  assert got == ["0", "1", str(len(c.narrowed))]

@@ -26,8 +26,10 @@ import json
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
+import numpy as np
+
 from chunkwise import untrusted
-from chunkwise.constraints import dfa_splice, schema_rewrite, worker
+from chunkwise.constraints import dfa_splice, disk_cache, schema_rewrite, worker
 from chunkwise.constraints import lazy as lazy_lib
 from chunkwise.constraints import schema as schema_lib
 from chunkwise.constraints import tables as tables_lib
@@ -226,6 +228,30 @@ NARROWER = (8, 4, 2)
 _narrowing: dict = {}
 
 
+def _narrowing_key(memo: tuple) -> str:
+  """The disk cache's key of a schema's narrowing level."""
+  text = json.dumps(memo, default=int)
+  return "narrowing-" + disk_cache.key("narrowing", text, "", (), 0, 0)
+
+
+def _narrowed_level(memo: tuple) -> int:
+  """The narrowing level that compiled `memo` last (in this process, or
+  in another: on disk, so a schema that runs past its limits does not
+  cost them again in every new process); 0 when none did."""
+  if memo not in _narrowing:
+    found = disk_cache.load_arrays(_narrowing_key(memo), ("level",))
+    level = 0 if found is None else int(found["level"])
+    _narrowing[memo] = level if 0 <= level <= len(NARROWER) else 0
+  return _narrowing[memo]
+
+
+def _remember_level(memo: tuple, level: int) -> None:
+  if _narrowing.get(memo) != level:
+    _narrowing[memo] = level
+    if level:  # level 0 is the default: nothing to keep
+      disk_cache.store_arrays(_narrowing_key(memo), {"level": np.array(level)})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JsonSchema(Constraint):
   """JSON text valid under `schema` (a dict or a JSON string).
@@ -308,7 +334,7 @@ class JsonSchema(Constraint):
     # Strict schemas compile as written or not at all.
     last = 0 if self._rewritten is None else len(NARROWER)
     first_error = None
-    for level in range(_narrowing.get(memo, 0), last + 1):
+    for level in range(_narrowed_level(memo), last + 1):
       rewritten = (
         self._rewritten
         if not level
@@ -330,7 +356,7 @@ class JsonSchema(Constraint):
       except worker.LimitError as e:
         first_error = first_error or e
         continue
-      _narrowing[memo] = level
+      _remember_level(memo, level)
       object.__setattr__(self, "_used", rewritten)
       return tables
     raise first_error
