@@ -216,6 +216,8 @@ def test_a_framed_regex_spells_its_regex_with_the_parts_in_place():
   assert whole["regex"] == composed["regex"] == _framed().regex()
   assert same_language(composed, whole) >= whole["table"].shape[0]
   assert composed["table"].shape[0] <= whole["table"].shape[0]
+  # a frame is composed by default, whatever its length
+  np.testing.assert_array_equal(build(None)["table"], composed["table"])
   # the parts were put in place (nothing conflicted)
   vocab = byte_dfa.BYTES.entries
   assert automaton._composed(kind, text, vocab, (256,), 257) is not None

@@ -128,3 +128,28 @@ def test_sample_is_seeded_per_category():
   assert a != schema_coverage.sample(files, 10, 1, "Snowplow")
   assert a != schema_coverage.sample(files, 10, 0, "Kubernetes")
   assert schema_coverage.sample(files[:5], 10, 0, "x") == files[:5]
+
+
+def test_tool_list_compile_times_both_ways():
+  script = os.path.join(os.path.dirname(SCRIPT), "tool_list_compile.py")
+  out = subprocess.run(
+    [
+      sys.executable,
+      script,
+      "--model=random:tiny",
+      "--lists=2x3,1x9",
+      "--runs=1",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [line.split() for line in out.stdout.splitlines()[1:]]
+  assert [r[:2] for r in rows] == [["2", "3"], ["1", "9"]]
+  for r in rows:
+    assert float(r[2]) > 0 and float(r[3]) > 0 and int(r[4]) > 100
+  bad = subprocess.run(
+    [sys.executable, script, "--lists=3y3"], capture_output=True, text=True
+  )
+  assert bad.returncode != 0 and "'3y3' is not NxP" in bad.stderr

@@ -29,7 +29,13 @@ from contextlib import nullcontext
 import numpy as np
 
 from chunkwise import untrusted
-from chunkwise.constraints import dfa_splice, disk_cache, schema_rewrite, worker
+from chunkwise.constraints import (
+  budget,
+  dfa_splice,
+  disk_cache,
+  schema_rewrite,
+  worker,
+)
 from chunkwise.constraints import lazy as lazy_lib
 from chunkwise.constraints import schema as schema_lib
 from chunkwise.constraints import tables as tables_lib
@@ -331,10 +337,19 @@ class JsonSchema(Constraint):
       self.time_limit_s,
       self.max_compile_mb,
     )
+    # What cannot fit is refused before any compiling; an object too wide
+    # to compile whole starts narrowed (`budget`).
+    written = json.loads(self.schema) if self._rewritten is None else None
+    written = written or self._rewritten.schema
+    with self._named():
+      budget.check(written, max_table_mb=self.max_table_mb)
     # Strict schemas compile as written or not at all.
     last = 0 if self._rewritten is None else len(NARROWER)
+    first = _narrowed_level(memo)
+    if last and not first and budget.too_wide(written):
+      first = 1
     first_error = None
-    for level in range(_narrowed_level(memo), last + 1):
+    for level in range(first, last + 1):
       rewritten = (
         self._rewritten
         if not level

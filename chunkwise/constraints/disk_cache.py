@@ -7,7 +7,8 @@
 A table is keyed by everything its build depends on: the constraint's
 kind and text, the vocabulary's bytes (`tables.Vocab.key`), stop ids,
 logits width, the table-size limit, and the versions of the code that
-builds it (outlines-core's version and a hash of `automaton.py`), so a
+builds it (outlines-core's version and a hash of `automaton.py` and
+`dfa_splice.py`), so a
 new release never reads an old layout. Each entry is one `.npz` of plain
 arrays (read with `allow_pickle=False`), written to a temporary name and
 renamed into place, so a reader never sees half a file. An entry whose
@@ -29,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from chunkwise.constraints import automaton
+from chunkwise.constraints import automaton, dfa_splice
 
 MAX_BYTES = 2 << 30
 FIELDS = ("bits", "token_class", "next_state", "final", "distance")
@@ -68,8 +69,11 @@ def directory() -> str | None:
 def _code_version() -> str:
   from importlib import metadata
 
-  with open(automaton.__file__, "rb") as f:
-    source = hashlib.sha256(f.read()).hexdigest()[:16]
+  digest = hashlib.sha256()
+  for module in (automaton, dfa_splice):  # the worker's code
+    with open(module.__file__, "rb") as f:
+      digest.update(f.read())
+  source = digest.hexdigest()[:16]
   return f"outlines-core {metadata.version('outlines-core')}, {source}"
 
 
