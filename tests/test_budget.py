@@ -86,3 +86,13 @@ def test_a_wide_object_starts_narrowed(monkeypatch):
   assert c.narrowed[0].startswith(f"#: {budget.WIDE - 8} optional properties")
   props.pop("p0")  # one fewer: compiled whole
   assert not budget.too_wide({"type": "object", "properties": props})
+
+
+def test_a_framed_part_that_cannot_fit_is_refused_at_once(monkeypatch):
+  """A tool's arguments (a part of the server's frame) are checked the
+  same way: the 400 names the part and the keyword."""
+  _no_worker(monkeypatch)
+  big = C.JsonSchema({"type": "string", "minLength": 100_000})
+  framed = C.Framed("<" + C.Framed.hole("a0") + ">", {"a0": big})
+  with pytest.raises(ValueError, match="part 'a0': #/minLength"):
+    framed.compile(cw.ByteVocabulary(), stop_ids=[2], width=320)

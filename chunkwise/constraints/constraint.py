@@ -220,6 +220,18 @@ class Framed(Constraint):
     parts = {name: part._text() for name, part in self.parts}
     return "framed", json.dumps({"regex": self.pattern, "parts": parts})
 
+  def compile(self, vocabulary, *, stop_ids: Sequence[int], width: int):
+    """As `Constraint.compile`, each schema part's counts checked first
+    (`budget`)."""
+    self._check_limits()
+    for name, part in self.parts:
+      if isinstance(part, JsonSchema):
+        try:
+          part._check_budget(self.max_table_mb)
+        except ValueError as e:
+          raise ValueError(f"part {name!r}: {e}") from None
+    return Constraint.compile(self, vocabulary, stop_ids=stop_ids, width=width)
+
   def describe(self) -> str:
     where = f" from {self.source}" if self.source else ""
     short = tables_lib._short(self.pattern)
@@ -337,12 +349,7 @@ class JsonSchema(Constraint):
       self.time_limit_s,
       self.max_compile_mb,
     )
-    # What cannot fit is refused before any compiling; an object too wide
-    # to compile whole starts narrowed (`budget`).
-    written = json.loads(self.schema) if self._rewritten is None else None
-    written = written or self._rewritten.schema
-    with self._named():
-      budget.check(written, max_table_mb=self.max_table_mb)
+    written = self._check_budget(self.max_table_mb)
     # Strict schemas compile as written or not at all.
     last = 0 if self._rewritten is None else len(NARROWER)
     first = _narrowed_level(memo)
@@ -375,6 +382,18 @@ class JsonSchema(Constraint):
       object.__setattr__(self, "_used", rewritten)
       return tables
     raise first_error
+
+  def _check_budget(self, max_table_mb: float):
+    """What cannot fit is refused before any compiling (`budget.check`;
+    an object too wide to compile whole starts narrowed: `compile`).
+    Returns the schema as compiled."""
+    if self._rewritten is None:
+      written = json.loads(self.schema)
+    else:
+      written = self._rewritten.schema
+    with self._named():
+      budget.check(written, max_table_mb=max_table_mb)
+    return written
 
   @property
   def _active(self):
