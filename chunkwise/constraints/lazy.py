@@ -213,34 +213,49 @@ def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
   """int32[S]: for each state, the fewest tokens (not `stops`) that spell
   its path of bytes to a final state, where each state's path is one
   shortest path that continues the path of the state after its first
-  byte (`DEAD`: no such path the tokens spell)."""
+  byte (`DEAD`: no such path the tokens spell).
+
+  Vectorized: every state's path is walked down the trie at once, byte
+  by byte, giving the pairs (state, the state after a token that starts
+  its path); then states take their best pair level by level of their
+  byte distance (a pair's end is nearer). `tests/test_lazy_masks.py`
+  compares it with the plain walk, state by state (13 k states of a
+  Kubernetes schema: 125 ms in Python, now a few)."""
   bytes_to = dfa.distance()
-  order = np.argsort(bytes_to, kind="stable")
-  # Each state's next byte along its path, and the state after it.
-  live = bytes_to < DEAD
+  n = dfa.states
   succ = dfa.table  # [S, 256]
   ok = (succ >= 0) & (bytes_to[np.maximum(succ, 0)] == bytes_to[:, None] - 1)
-  first = np.argmax(ok, axis=1)
-  nxt = succ[np.arange(dfa.states), first]
-  out = np.full(dfa.states, DEAD, np.int32)
+  first = np.argmax(ok, axis=1)  # each state's next byte along its path
+  after = succ[np.arange(n), first]  # and the state after it
+  out = np.full(n, DEAD, np.int32)
   out[dfa.final] = 0
-  stop = set(stops.tolist())
-  spelled = trie.spelled
-  for q in order.tolist():
-    if not live[q] or dfa.final[q]:
-      continue
-    best, text, at = DEAD, b"", q
-    while True:  # along q's path: each prefix some token starts with
-      text += bytes([int(first[at])])
-      at = int(nxt[at])
-      ids = spelled.get(text)
-      if ids is None:  # no token starts with these bytes
-        break
-      if any(i not in stop for i in ids) and out[at] < DEAD:
-        best = min(best, 1 + int(out[at]))
-      if dfa.final[at]:
-        break
-    out[q] = best
+  keys, nodes = trie.children
+  spells = np.zeros(trie.nodes, bool)  # a node some non-stop id spells
+  ids = np.flatnonzero(trie.token_node >= 0)
+  spells[trie.token_node[ids[~np.isin(ids, stops)]]] = True
+  starts, ends = [], []
+  q = np.flatnonzero((bytes_to < DEAD) & ~dfa.final)
+  at, node = q, np.full(q.size, -1, np.int64)
+  while q.size:
+    key = (node + 1) * 256 + first[at]
+    i = np.minimum(np.searchsorted(keys, key), keys.size - 1)
+    found = keys[i] == key  # else no token starts with the path so far
+    q, at, node = q[found], after[at[found]], nodes[i[found]]
+    token = spells[node]
+    starts.append(q[token])
+    ends.append(at[token])
+    on = ~dfa.final[at]  # a path ends at its final state
+    q, at, node = q[on], at[on], node[on]
+  start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+  end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+  order = np.argsort(bytes_to[start], kind="stable")
+  start, end = start[order], end[order]
+  level = bytes_to[start]
+  cuts = np.flatnonzero(np.diff(level)) + 1
+  for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, level.size], strict=True):
+    far = out[end[lo:hi]]
+    near = far < DEAD
+    np.minimum.at(out, start[lo:hi][near], far[near] + 1)
   return out
 
 

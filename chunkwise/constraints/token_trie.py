@@ -45,18 +45,12 @@ class Trie:
   key: str  # digest of the token bytes and width
 
   @functools.cached_property
-  def spelled(self) -> dict[bytes, tuple[int, ...]]:
-    """Every node's bytes -> the ids spelling exactly them (budget
-    forcing's distances look paths up in it)."""
-    text: list[bytes] = []
-    for j in range(self.nodes):
-      up = int(self.parent[j])
-      text.append((text[up] if up >= 0 else b"") + bytes([int(self.byte[j])]))
-    out: dict[bytes, tuple[int, ...]] = dict.fromkeys(text, ())
-    for i in np.flatnonzero(self.token_node >= 0).tolist():
-      t = text[int(self.token_node[i])]
-      out[t] = (*out[t], i)
-    return out
+  def children(self) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, nodes): node `nodes[i]` is the child of node p by byte b
+    where keys[i] == (p + 1) * 256 + b (p = -1: the root); keys sorted."""
+    keys = (self.parent.astype(np.int64) + 1) * 256 + self.byte
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order.astype(np.int64)
 
   @property
   def single_bytes(self) -> np.ndarray:
