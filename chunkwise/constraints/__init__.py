@@ -23,11 +23,11 @@ from chunkwise.constraints import json_regex, schema, schema_rewrite
 from chunkwise.constraints.constraint import (
   Choice,
   Constraint,
-  Framed,
   JsonSchema,
   Regex,
   escape,
 )
+from chunkwise.constraints.framed import Framed
 from chunkwise.constraints.processor import (
   ConstraintProcessor,
   GrammarSet,

@@ -102,7 +102,7 @@ def _parts(kind: str, text: str):
 
 # A schema whose regex is longer than this (characters) has its DFA put
 # together from its parts' (`dfa_splice`), where they join cleanly; a
-# framed regex (`constraint.Framed`) always is (three tools: 37 ms, 55 ms
+# framed regex (`framed.Framed`) always is (three tools: 37 ms, 55 ms
 # as one regex).
 COMPOSE_ABOVE = 20_000
 

@@ -161,7 +161,7 @@ class _Composer:
 
 
 def marker_regex(name: str) -> str:
-  """The regex of part `name`'s marker (`constraint.Framed.hole`)."""
+  """The regex of part `name`'s marker (`framed.Framed.hole`)."""
   return f"\\x{OPEN:02x}{name}\\x{CLOSE:02x}"
 
 
