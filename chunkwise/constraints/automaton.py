@@ -300,11 +300,11 @@ def count_states(index) -> int:
   return n_states
 
 
-def _edges(transitions, initial, finals, stops, width):
+def _edges(transitions, initial, finals, stops, width, forward=True):
   """(src, tok, dst, final, n) of outlines' transitions, states numbered
   densely (the initial one 0), without stop ids, ids past `width`,
-  tokens into states that reach no final state and states no walk
-  reaches."""
+  tokens into states that reach no final state and (with `forward`)
+  states no walk reaches."""
   raw = np.array(sorted(set(transitions) | finals | {initial}), np.int64)
   # Dense numbers: the initial state 0, the others in raw order after it.
   order = np.argsort(raw != initial, kind="stable")
@@ -333,6 +333,8 @@ def _edges(transitions, initial, finals, stops, width):
   # there could never end), then the states no walk reaches.
   keep = _closure(dst, src, final)[dst]
   src, tok, dst = src[keep], tok[keep], dst[keep]
+  if not forward:
+    return src, tok, dst, final, n
   start = np.zeros(n, bool)
   start[0] = True
   live = _closure(src, dst, start)
@@ -365,8 +367,11 @@ def _unled(dfa: dict) -> dict | None:
 
 def dfa_table(transitions, initial, finals, stops, width) -> dict:
   """`table` (int32[S, 256]: the state after each byte, -1: rejected) and
-  `final` of a DFA compiled over the single bytes (ids 0-255)."""
-  src, tok, dst, final, n = _edges(transitions, initial, finals, stops, width)
+  `final` of a DFA compiled over the single bytes (ids 0-255), with the
+  states no walk from 0 reaches still in it (`_unled` drops them)."""
+  src, tok, dst, final, n = _edges(
+    transitions, initial, finals, stops, width, forward=False
+  )
   table = np.full((n, 256), -1, np.int32)
   table[src, tok] = dst
   return {"table": table, "final": final}
@@ -502,6 +507,23 @@ def write_message(stream, message) -> None:
   stream.flush()
 
 
+def narrowed(out: dict) -> dict:
+  """`build`'s result with a DFA's `table` as int16 where its states fit
+  (half the bytes through the pipe; `widened` undoes it)."""
+  table = out.get("table")
+  if table is not None and table.shape[0] <= np.iinfo(np.int16).max:
+    out = {**out, "table": table.astype(np.int16)}
+  return out
+
+
+def widened(out: dict) -> dict:
+  """`narrowed`'s inverse: the table as int32 again."""
+  table = out.get("table")
+  if table is not None and table.dtype != np.int32:
+    out = {**out, "table": table.astype(np.int32)}
+  return out
+
+
 def _address_space() -> int | None:
   """This process's virtual size in bytes (None where unknown)."""
   try:
@@ -540,7 +562,7 @@ def serve(requests, replies) -> None:
       continue
     _cap_memory(max_mb)
     try:
-      reply = {"ok": build(vocab=vocab, **request)}
+      reply = {"ok": narrowed(build(vocab=vocab, **request))}
     except UserError as e:
       reply = {"error": str(e)}
     except MemoryError:

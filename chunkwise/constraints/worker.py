@@ -169,7 +169,7 @@ def run(
   if "memory" in reply:
     _shutdown_after_memory_error()
     raise LimitError(_memory_message(what, max_compile_mb))
-  return reply["ok"]
+  return automaton.widened(reply["ok"])
 
 
 def _shutdown_after_memory_error() -> None:
