@@ -198,6 +198,14 @@ flags.DEFINE_list(
 flags.DEFINE_integer(
   "speculate_rounds", 3, "Interleaved rounds of --speculate."
 )
+flags.DEFINE_list(
+  "fast_forward_batches",
+  [],
+  "Batch sizes at which to time constrained JSON (compact, fast_forward) "
+  "with its forced runs appended in one pass, against stepping and against "
+  "free text of the same length (chunkwise.bench.fast_forward), "
+  "--speculate_rounds interleaved rounds; empty: not run.",
+)
 _LONG_PROMPT = flags.DEFINE_list(
   "long_prompt_lengths",
   [],

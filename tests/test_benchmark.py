@@ -284,6 +284,7 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
     "--speculate_k=2",
     "--speculate_batches=2",
     "--speculate_rounds=1",
+    "--fast_forward_batches=1",
     "--chunked_prefill_length=40",
     "--chunked_prefill_piece=16",
     "--slot_step_capacity=128",
@@ -304,6 +305,14 @@ def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   assert both["continuous"]["occupancy"] <= 1
   assert both["programs_compiled"] > 0 and both["speedup"] > 0
   assert "continuous / static" in result.stdout
+  # --fast_forward_batches: forced runs in one pass are the same tokens
+  # as stepping; every call timed.
+  ff = data["configs"][0]["fast_forward"]["b1"]
+  assert ff["diverged_rows"] == 0 and ff["mean_acceptance_length"] >= 1
+  assert all(
+    ff[n]["tokens_per_s"] > 0 for n in ("json", "json, forced", "text")
+  )
+  assert "constrained JSON against free text" in result.stdout
   # --chunked_prefill_length: a 40-token prompt admitted whole and in
   # pieces of 16 while a request decodes, the same tokens.
   chunked = data["configs"][0]["chunked_prefill"]

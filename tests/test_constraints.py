@@ -352,6 +352,58 @@ def test_smollm2_64_sampled_rows_match(smol, name):
     assert _valid(name, text), text
 
 
+def test_smollm2_forced_runs_in_one_pass_are_stepping(smol):
+  """Compact JSON with fast-forward: every forced run appended in one
+  pass (`Speculation(drafter="forced")`) gives the tokens, scores and
+  top-n of stepping one token at a time, bit for bit, sampled rows and
+  budget forcing included; each pass appends several forced tokens, and
+  every row is valid JSON under the schema."""
+  schema = {
+    "type": "object",
+    "properties": {
+      "name": {"type": "string", "maxLength": 12},
+      "age": {"type": "integer", "minimum": 0, "maximum": 120},
+      "city": {"type": "string", "maxLength": 12},
+    },
+    "required": ["name", "age", "city"],
+  }
+  c = cw.constraints.JsonSchema(schema, whitespace="compact", fast_forward=True)
+  pre = smol.prefill(
+    cw.Chunk.tokenize(
+      smol.vocab,
+      ["Ana, 31, lives in Lyon. As JSON:", "Bo is 7 and lives in Oslo:"],
+      is_first_chunk=True,
+    )
+  )
+  kwargs = dict(
+    sample_ids=[0, 1],
+    steps=40,
+    sampling=cw.Sampling(temperature=[0.0, 1.0], seed=5),
+    constraint=c,
+    budget_forcing=True,
+    top_n=2,
+  )
+  plain = smol.generate([pre], **kwargs)
+  fast = smol.generate(
+    [pre],
+    speculation=cw.Speculation(drafter="forced", k=4, calibrate=False),
+    **kwargs,
+  )
+  for a, b in zip(plain, fast, strict=True):
+    for field in ("tokens", "lengths", "per_token_scores", "top_ids"):
+      if hasattr(a, field):
+        np.testing.assert_array_equal(
+          np.asarray(getattr(a, field)), np.asarray(getattr(b, field))
+        )
+  assert fast[1].speculation.mean_acceptance_length > 2.5
+  for text in plain[0].detokenize(smol.vocab):
+    assert c.validate(text).valid, text
+    compact = json.dumps(
+      json.loads(text), separators=(",", ":"), ensure_ascii=False
+    )
+    assert text == compact, text
+
+
 # Constraints on a mesh are test_tiny_mesh_layouts_match_one_device's (the
 # tables are replicated, rows masked where the sampler holds them whole);
 # SmolLM2 on a 3-device ws_2d mesh is tests/test_smollm2.py's.

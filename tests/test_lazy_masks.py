@@ -19,7 +19,7 @@ import chunkwise as cw
 from chunkwise.checkpoints.load import embedded_path
 from chunkwise.constraints import automaton, byte_dfa, lazy, tables, token_trie
 from chunkwise.processors.base import StepInfo
-from tests.dfa_helpers import same_language
+from tests.dfa_helpers import plain_token_distance, same_language
 
 C = cw.constraints
 
@@ -142,41 +142,6 @@ def test_the_byte_dfa_is_the_regex():
     assert schema.run(text[:k].encode()) >= 0
 
 
-def _plain_token_distance(dfa, trie, stops):
-  """The plain twin of `lazy.token_distance`: each state's path walked
-  in Python, byte by byte, looking its prefixes up among the tokens'
-  bytes."""
-  bytes_to = dfa.distance()
-  succ = dfa.table
-  ok = (succ >= 0) & (bytes_to[np.maximum(succ, 0)] == bytes_to[:, None] - 1)
-  first = np.argmax(ok, axis=1)
-  nxt = succ[np.arange(dfa.states), first]
-  spelled = collections.defaultdict(set)  # every token prefix -> its ids
-  for i in np.flatnonzero(trie.token_node >= 0).tolist():
-    text = bytes(trie.token_bytes[i, : trie.token_length[i]])
-    for k in range(1, len(text)):
-      spelled[text[:k]]
-    spelled[text].add(i)
-  out = np.full(dfa.states, lazy.DEAD, np.int32)
-  out[dfa.final] = 0
-  stop = set(np.asarray(stops).tolist())
-  for q in np.argsort(bytes_to, kind="stable").tolist():
-    if bytes_to[q] >= lazy.DEAD or dfa.final[q]:
-      continue
-    best, text, at = lazy.DEAD, b"", q
-    while True:
-      text += bytes([int(first[at])])
-      at = int(nxt[at])
-      if text not in spelled:
-        break
-      if spelled[text] - stop and out[at] < lazy.DEAD:
-        best = min(best, 1 + int(out[at]))
-      if dfa.final[at]:
-        break
-    out[q] = best
-  return out
-
-
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_token_distance_is_the_plain_walk(smol_vocab, name):
   width = len(smol_vocab.token_bytes())
@@ -184,7 +149,7 @@ def test_token_distance_is_the_plain_walk(smol_vocab, name):
   stops = masks._stops
   np.testing.assert_array_equal(
     lazy.token_distance(masks.dfa, masks.trie, stops),
-    _plain_token_distance(masks.dfa, masks.trie, stops),
+    plain_token_distance(masks.dfa, masks.trie, stops),
   )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from chunkwise.bench import adapters as bench_adapters
 from chunkwise.bench import chunked_prefill as bench_chunked
 from chunkwise.bench import continuous as bench_continuous
+from chunkwise.bench import fast_forward as bench_fast_forward
 from chunkwise.bench import kv_dtype as bench_kv_dtype
 from chunkwise.bench import numerics as bench_numerics
 from chunkwise.bench import paged as bench_paged
@@ -35,6 +36,12 @@ def measure(s, config: dict, model, prompt, first: bool) -> None:
       drafts,
       batches=s.speculate_batches,
       steps=s.steps,
+      rounds=s.speculate_rounds,
+    )
+  if s.fast_forward_batches:
+    config["fast_forward"] = bench_fast_forward.compare(
+      model,
+      batches=s.fast_forward_batches,
       rounds=s.speculate_rounds,
     )
   if s.chunked_prefill_length:
@@ -106,6 +113,9 @@ def tables(result: dict) -> str:
     if "speculation" in c:
       out.append(f"{name}, speculation side by side:")
       out.append(bench_speculation.table(c["speculation"]))
+    if "fast_forward" in c:
+      out.append(f"{name}, constrained JSON against free text:")
+      out.append(bench_fast_forward.table(c["fast_forward"]))
     if "continuous" in c:
       out.append(bench_continuous.table(c["continuous"]))
     if "adapters" in c:

@@ -73,6 +73,7 @@ class Settings:
   speculate: tuple[Speculation, ...] = ()
   speculate_batches: tuple[int, ...] = (1,)
   speculate_rounds: int = 3
+  fast_forward_batches: tuple[int, ...] = ()  # empty: not run
   continuous: bool = False
   continuous_requests: int = 256
   continuous_long: int = 256
@@ -224,7 +225,8 @@ def from_flags(flags: Mapping[str, Any]) -> Settings:
   for field in dataclasses.fields(Settings):
     name = field.name
     v = flags[name]
-    if name in _INT_LISTS or (name == "profile_batches" and v):
+    optional = name in ("profile_batches", "fast_forward_batches")
+    if name in _INT_LISTS or (optional and v):
       v = tuple(positive_ints(name, v))
     elif name in _COLUMN_LISTS:
       v = _columns(name, v)

@@ -96,7 +96,7 @@ def workloads() -> dict[str, list[str]]:
   return {"copy": copy, "chat": list(CHAT)}
 
 
-def _prompt_chunks(
+def prompt_chunks(
   model: InferenceModel, messages: Sequence[str], batch: int
 ) -> list[Chunk]:
   """The workload's prompts in calls of `batch` rows: every prompt once
@@ -124,26 +124,25 @@ def _prompt_chunks(
 
 
 @dataclasses.dataclass
-class _Timed:
+class Timed:
   rate: float  # generated tokens / s over the calls
   tokens: list[np.ndarray]
   lengths: list[np.ndarray]
   stats: SpeculationStats | None
 
 
-def _time(model, prefixes, chunks, steps, speculation) -> _Timed:
-  """Greedy generation after each of `prefixes` (the prefills of
-  `chunks`, each its call's drafting context)."""
+def timed_calls(model, calls, steps: int) -> Timed:
+  """Greedy generation of `steps` tokens for each of `calls` ((prefix,
+  rows, more `generate` arguments)), timed together."""
   tokens, lengths, stats, seconds = [], [], None, 0.0
-  for pre, chunk in zip(prefixes, chunks, strict=True):
-    spec = speculation and dataclasses.replace(speculation, context=chunk)
+  for pre, rows, kwargs in calls:
     start = time.perf_counter()
     out, result = model.generate(
       [pre],
-      sample_ids=np.arange(chunk.batch),
+      sample_ids=np.arange(rows),
       steps=steps,
       sampling=Sampling(temperature=0.0),
-      speculation=spec,
+      **kwargs,
     )
     jax.block_until_ready(out.tokens)
     seconds += time.perf_counter() - start
@@ -152,10 +151,30 @@ def _time(model, prefixes, chunks, steps, speculation) -> _Timed:
     if result.speculation is not None:
       stats = result.speculation + (stats or SpeculationStats())
   total = float(sum(x.sum() for x in lengths))
-  return _Timed(total / seconds, tokens, lengths, stats)
+  return Timed(total / seconds, tokens, lengths, stats)
 
 
-def _diverged(a: _Timed, b: _Timed) -> int:
+def _time(model, prefixes, chunks, steps, speculation) -> Timed:
+  """Greedy generation after each of `prefixes` (the prefills of
+  `chunks`, each its call's drafting context)."""
+  return timed_calls(
+    model,
+    [
+      (
+        pre,
+        chunk.batch,
+        {
+          "speculation": speculation
+          and dataclasses.replace(speculation, context=chunk)
+        },
+      )
+      for pre, chunk in zip(prefixes, chunks, strict=True)
+    ],
+    steps,
+  )
+
+
+def rows_diverged(a: Timed, b: Timed) -> int:
   """Rows whose tokens or length differ."""
   count = 0
   for ta, la, tb, lb in zip(
@@ -180,7 +199,7 @@ def compare(
   report: dict = {}
   for workload, messages in workloads().items():
     for batch in batches:
-      chunks = _prompt_chunks(model, messages, batch)
+      chunks = prompt_chunks(model, messages, batch)
       prefixes = [model.prefill(c) for c in chunks]
       # Compiles, untimed; a speculative call once more per pass width,
       # which its calibration times (`speculation/calibration.py`).
@@ -198,7 +217,7 @@ def compare(
           got = _time(model, prefixes, chunks, steps, s)
           rates.setdefault(n, []).append(got.rate)
           ratios[n].append(got.rate / plain.rate)
-          diverged[n] += _diverged(plain, got)
+          diverged[n] += rows_diverged(plain, got)
           stats[n] = got.stats
       cell: dict = {"plain": statistics.median(rates["plain"])}
       for n in speculations:

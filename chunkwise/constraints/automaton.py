@@ -57,8 +57,9 @@ def short(text: str) -> str:
 def regex_of(kind: str, text: str) -> str:
   """The regex of a "regex" (itself), a "schema" (JSON text), or a
   "spliced_schema" (JSON {"schema": ..., "pieces": {placeholder: regex},
-  "max_recursion_depth": n}: the schema's regex with each placeholder
-  const replaced by its piece)."""
+  "max_recursion_depth": n, optionally "whitespace": the regex between
+  JSON's tokens}: the schema's regex with each placeholder const replaced
+  by its piece)."""
   if kind == "regex":
     return text
   if kind == "framed":
@@ -70,16 +71,20 @@ def regex_of(kind: str, text: str) -> str:
     return regex
   from outlines_core.json_schema import build_regex_from_schema
 
-  def build(schema_text: str, depth: int = 3) -> str:
+  def build(schema_text: str, depth: int = 3, whitespace=None) -> str:
     try:
-      return build_regex_from_schema(schema_text, None, depth)
+      return build_regex_from_schema(schema_text, whitespace, depth)
     except Exception as e:
       raise UserError(f"unsupported JSON schema: {e}") from None
 
   if kind == "schema":
     return build(text)
   payload = json.loads(text)
-  regex = build(json.dumps(payload["schema"]), payload["max_recursion_depth"])
+  regex = build(
+    json.dumps(payload["schema"]),
+    payload["max_recursion_depth"],
+    payload.get("whitespace"),
+  )
   for name, piece in payload["pieces"].items():
     # A piece in a definition nothing reaches is absent: nothing to splice.
     literal = build(json.dumps({"const": name}))

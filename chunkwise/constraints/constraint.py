@@ -16,6 +16,15 @@ state; the eager tables': mask bits at the model's vocabulary width),
 compiling process, which is stopped when it runs past either: see
 `worker.py`), and optionally `source`, where it came from (e.g. the
 schema's file), for messages.
+
+`fast_forward=True`: where the constraint allows one byte sequence only
+(a key, punctuation, a tool call's frame), only one tokenization of it is
+allowed (the longest token spelling a prefix of it, step after step:
+`lazy.forced_tokens`), so those tokens are forced, and a loop with
+`Speculation(drafter="forced")` appends a run of them in one pass, with
+the tokens and scores of stepping them one at a time. The text allowed
+is the same; the model's choice among spellings of forced bytes is not
+(lazy tables only).
 """
 
 from __future__ import annotations
@@ -76,6 +85,13 @@ class Constraint:
   time_limit_s: float = 30.0
   max_compile_mb: float = 4096.0
   source: str | None = None
+  fast_forward: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.fast_forward, bool):
+      raise ValueError(
+        f"fast_forward must be True or False, got {self.fast_forward!r}"
+      )
 
   def regex(self) -> str:
     raise NotImplementedError
@@ -125,7 +141,14 @@ class Constraint:
       what=self.describe(),
     )
     if TABLES == "lazy":
-      return lazy_lib.compile(text, vocabulary, **limits)
+      return lazy_lib.compile(
+        text, vocabulary, fast_forward=self.fast_forward, **limits
+      )
+    if self.fast_forward:
+      raise ValueError(
+        "fast_forward=True needs lazy tables (tables_kind('lazy'), the "
+        "default); the eager tables do not fast-forward"
+      )
     vocab = tables_lib.cached_vocab(vocabulary, stop_ids, width)
     return tables_lib.compile_regex(text, vocab, **limits)
 
@@ -170,6 +193,10 @@ class Choice(Constraint):
   def regex(self) -> str:
     return "(" + "|".join(escape(c) for c in self.choices) + ")"
 
+
+# `JsonSchema(whitespace=...)`: the regex between JSON's tokens (None:
+# outlines-core's default, `[ ]?`).
+WHITESPACE = {"flexible": None, "compact": ""}
 
 # Optional properties kept per object by each narrower try of
 # `JsonSchema.compile`.
@@ -218,6 +245,11 @@ class JsonSchema(Constraint):
   A `$ref` that refers back to itself is unrolled `max_recursion_depth`
   times (deeper values are not generated).
 
+  `whitespace`: "flexible" (default: at most one space around each
+  brace, bracket, colon and comma, outlines-core's `[ ]?`) or "compact"
+  (none: `{"a":1,"b":[2,3]}`, every key and separator a forced run, which
+  `fast_forward=True` appends without a forward pass each).
+
   The schema is untrusted: nesting deeper than `schema.MAX_DEPTH` is
   refused, and its regex is built in the compile worker under the
   constraint's limits (see `worker.py`).
@@ -226,6 +258,7 @@ class JsonSchema(Constraint):
   schema: str  # canonical JSON
   strict: bool = False
   max_recursion_depth: int = 3
+  whitespace: str = "flexible"
 
   def __init__(
     self,
@@ -233,8 +266,15 @@ class JsonSchema(Constraint):
     *,
     strict: bool = False,
     max_recursion_depth: int = 3,
+    whitespace: str = "flexible",
     **limits,
   ):
+    if whitespace not in WHITESPACE:
+      raise ValueError(
+        f"whitespace must be one of {', '.join(map(repr, WHITESPACE))}, "
+        f"got {whitespace!r}"
+      )
+    object.__setattr__(self, "whitespace", whitespace)
     depth = max_recursion_depth
     if (
       isinstance(depth, bool)
@@ -375,15 +415,17 @@ class JsonSchema(Constraint):
   def _text_of(self, r) -> tuple[str, str]:
     schema = json.loads(self.schema) if r is None else r.schema
     pieces = {} if r is None else r.pieces
-    if not pieces and self.max_recursion_depth == 3:  # outlines' default
+    flexible = self.whitespace == "flexible"
+    if not pieces and self.max_recursion_depth == 3 and flexible:
       return "schema", self.schema if r is None else json.dumps(r.schema)
-    return "spliced_schema", json.dumps(
-      {
-        "schema": schema,
-        "pieces": pieces,
-        "max_recursion_depth": self.max_recursion_depth,
-      }
-    )
+    payload = {
+      "schema": schema,
+      "pieces": pieces,
+      "max_recursion_depth": self.max_recursion_depth,
+    }
+    if not flexible:
+      payload["whitespace"] = WHITESPACE[self.whitespace]
+    return "spliced_schema", json.dumps(payload)
 
   def regex(self) -> str:
     self._check_limits()

@@ -22,6 +22,16 @@ tables' distance), and from every state the first token of its best
 spelling leads to a state one token nearer, so a forced row still closes
 within its steps; it may close a little sooner than the eager tables
 would have let it.
+
+Fast-forward (`fast_forward=True`): where the DFA allows one byte only
+(a key, punctuation, a call's frame), the bytes up to the next choice (a
+final state or two bytes) are the state's forced run, and only one token
+is allowed there: the longest that spells a prefix of the run
+(`forced_tokens`). Every other spelling of those bytes is masked, so the
+state allows exactly one token: it is forced, and the loop can append a
+run of forced tokens in one pass (`Speculation(drafter="forced")`) with
+the tokens and scores of stepping them one at a time. Distances follow
+the same rule.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ class Lazy:
   dfa: ByteDfa
   trie: Trie
   stops: tuple[int, ...]
+  fast_forward: bool = False
   _walks: dict = dataclasses.field(
     default_factory=collections.OrderedDict, repr=False
   )
@@ -82,6 +93,21 @@ class Lazy:
   def _stops(self) -> np.ndarray:
     return np.array(sorted(s for s in set(self.stops) if 0 <= s < self.width))
 
+  @functools.cached_property
+  def _forced(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """`forced_tokens` with `fast_forward` (None without)."""
+    if not self.fast_forward:
+      return None
+    return forced_tokens(self.dfa, self.trie, self._stops)
+
+  @property
+  def forced_ids(self) -> np.ndarray:
+    """int32[S]: the one token each state allows under fast-forward (-1:
+    none forced; all -1 without `fast_forward`)."""
+    if self._forced is None:
+      return np.full(self.states, -1, np.int32)
+    return self._forced[0]
+
   def next_states(self, state: int) -> np.ndarray:
     """int32[V]: each id's next state from `state` (-1: rejected; a stop
     id: -1 here, see `step`)."""
@@ -89,6 +115,9 @@ class Lazy:
     if hit is None:
       hit = self.trie.walk(self.dfa.shifted, state + 1) - 1
       hit[self._stops] = -1  # only ever a stop
+      token = self.forced_ids[state]
+      if token >= 0:  # fast-forward: that token alone
+        hit = np.where(np.arange(hit.size) == token, hit, -1).astype(np.int32)
       hit.setflags(write=False)
       self._walks[state] = hit
       if len(self._walks) > _WALKS:
@@ -119,7 +148,7 @@ class Lazy:
   def distance(self) -> np.ndarray:
     """int32[S]: tokens to a final state along one fixed shortest path of
     bytes from each state (`DEAD`: none); see the module docstring."""
-    return token_distance(self.dfa, self.trie, self._stops)
+    return token_distance(self.dfa, self.trie, self._stops, self._forced)
 
   @property
   def longest(self) -> int:
@@ -153,10 +182,12 @@ def compile(
   time_limit_s: float = 30.0,
   max_compile_mb: float = 4096.0,
   what: str | None = None,
+  fast_forward: bool = False,
 ) -> Lazy:
   """A regex (or, with `kind="schema"`, a JSON schema's text) compiled for
   `vocabulary` (with `token_bytes()`) and logits `width`: its byte DFA
-  (`byte_dfa.compile`, cached) and the vocabulary's trie (cached).
+  (`byte_dfa.compile`, cached) and the vocabulary's trie (cached); with
+  `fast_forward`, a forced run's one token (module docstring).
 
   Raises ValueError when the regex is invalid, its DFA's table (1 KB a
   state) needs more than `max_table_mb` (a `worker.LimitError`, as past
@@ -166,7 +197,7 @@ def compile(
   stops = tables_lib.check_stops(stop_ids)
   tables_lib.check_vocabulary(vocabulary)
   trie = token_trie.of(vocabulary, width)
-  key = (kind, text, trie.key, stops, float(max_table_mb))
+  key = (kind, text, trie.key, stops, float(max_table_mb), bool(fast_forward))
   hit = _CACHE.get(key)
   if hit is not None:
     _CACHE.move_to_end(key)
@@ -187,7 +218,7 @@ def compile(
       f"transitions, over the limit of max_table_mb={max_table_mb:g}; "
       "simplify it (e.g. a smaller maxLength) or raise the limit"
     )
-  out = Lazy(dfa=dfa, trie=trie, stops=stops)
+  out = Lazy(dfa=dfa, trie=trie, stops=stops, fast_forward=bool(fast_forward))
   if not out.allowed(0).size:
     raise ValueError(f"{what} matches no text this vocabulary can spell")
   _CACHE[key] = out
@@ -209,11 +240,14 @@ def clear_cache() -> None:
   byte_dfa.clear_cache()
 
 
-def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
+def token_distance(
+  dfa: ByteDfa, trie: Trie, stops: np.ndarray, forced: tuple | None = None
+) -> np.ndarray:
   """int32[S]: for each state, the fewest tokens (not `stops`) that spell
   its path of bytes to a final state, where each state's path is one
   shortest path that continues the path of the state after its first
-  byte (`DEAD`: no such path the tokens spell).
+  byte (`DEAD`: no such path the tokens spell); where `forced` (ids and
+  ends, `forced_tokens`) names a token, that token is the path's first.
 
   Vectorized: every state's path is walked down the trie at once, byte
   by byte, giving the pairs (state, the state after a token that starts
@@ -248,6 +282,13 @@ def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
     q, at, node = q[on], at[on], node[on]
   start = np.concatenate(starts) if starts else np.zeros(0, np.int64)
   end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+  if forced is not None:
+    # A forced state's one pair: its token's (`forced`: (ids, ends); the
+    # path is its forced run, so the token's end is on it; every other
+    # token spelling a prefix of the run is masked there).
+    ids, after_id = forced
+    keep = (ids[start] < 0) | (end == after_id[start])
+    start, end = start[keep], end[keep]
   order = np.argsort(bytes_to[start], kind="stable")
   start, end = start[order], end[order]
   level = bytes_to[start]
@@ -257,6 +298,43 @@ def token_distance(dfa: ByteDfa, trie: Trie, stops: np.ndarray) -> np.ndarray:
     near = far < DEAD
     np.minimum.at(out, start[lo:hi][near], far[near] + 1)
   return out
+
+
+def forced_tokens(
+  dfa: ByteDfa, trie: Trie, stops: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """(int32[S] ids, int32[S] ends): for each state whose DFA allows one
+  byte only (and is not final), the longest id (not a stop) that spells a
+  prefix of its forced run (the bytes from it on while each state on the
+  way allows one byte and is not final), and the state after it; -1 for
+  the other states (and where no id spells the run's first byte).
+  Vectorized: every state's run walked down the trie at once, byte by
+  byte."""
+  table = dfa.table
+  moves = table >= 0
+  single = (np.count_nonzero(moves, axis=1) == 1) & ~dfa.final
+  byte = np.argmax(moves, axis=1)
+  keys, nodes = trie.children
+  ids = np.flatnonzero(trie.token_node >= 0)
+  ids = ids[~np.isin(ids, stops)]
+  token_of = np.full(trie.nodes, -1, np.int64)
+  token_of[trie.token_node[ids[::-1]]] = ids[::-1]  # the lowest id per node
+  out = np.full(dfa.states, -1, np.int32)
+  end = np.full(dfa.states, -1, np.int32)
+  q = np.flatnonzero(single)
+  at, node = q, np.full(q.size, -1, np.int64)
+  while q.size:
+    key = (node + 1) * 256 + byte[at]
+    i = np.minimum(np.searchsorted(keys, key), keys.size - 1)
+    found = keys[i] == key  # else no id spells the run so far
+    q, at, node = q[found], at[found], nodes[i[found]]
+    at = table[at, byte[at]]
+    token = token_of[node]
+    spelled = token >= 0  # deeper: longer
+    out[q[spelled]], end[q[spelled]] = token[spelled], at[spelled]
+    on = single[at]
+    q, at, node = q[on], at[on], node[on]
+  return out, end
 
 
 def vocabulary_key(vocabulary, width: int) -> str:

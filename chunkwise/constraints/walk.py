@@ -50,6 +50,7 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
   table: jax.Array  # int32[R * 256]: rows' successors (0: rejected)
   final: jax.Array  # bool[R]
   distance: jax.Array  # int32[R]
+  forced: jax.Array  # int32[R]: the one id a row allows (-1: walked)
   offset: jax.Array  # int32[G]: grammar g's state 0 is row offset[g]
   parent: jax.Array  # int32[N]: a node's parent, within its level
   byte: jax.Array  # int32[N]
@@ -103,16 +104,28 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
 
   def allowed(self, g, s, info, vocab: int) -> tuple[jax.Array, jax.Array]:
     """(bool[rows, vocab] the ids rows in states (g, s) may draw,
-    int32[rows, vocab] the rows they lead to)."""
+    int32[rows, vocab] the rows they lead to). A row in a fast-forward
+    state (`lazy.forced_tokens`) allows its one id; while every
+    constrained row is in one, the trie is not walked."""
     row = self.rows(g, s)
-    if row.shape[0] > FEW:
-      few = jnp.sum(g > 0) <= FEW
-      ends = lax.cond(few, functools.partial(self._few, g), self.ends, row)
-    else:
-      ends = self.ends(row)
-    ends = _width(ends, vocab)
+    forced = jnp.where(g > 0, self.forced[row], -1)
+    one = jnp.arange(vocab)[None, :] == forced[:, None]  # [rows, vocab]
+
+    def walked(row):
+      if row.shape[0] > FEW:
+        few = jnp.sum(g > 0) <= FEW
+        ends = lax.cond(few, functools.partial(self._few, g), self.ends, row)
+      else:
+        ends = self.ends(row)
+      return _width(ends, vocab)
+
+    def skipped(row):
+      return jnp.where(one, self.after(row, jnp.maximum(forced, 0))[:, None], 0)
+
+    ends = lax.cond(jnp.all((g <= 0) | (forced >= 0)), skipped, walked, row)
     is_stop = info.stop_rows(vocab)
     ok = jnp.where(is_stop, self.final[row][:, None], ends > 0)
+    ok = jnp.where((forced >= 0)[:, None], one, ok)
     return ok | (g == 0)[:, None], ends
 
   def apply(self, state, logits, info):
@@ -133,9 +146,10 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
       )
     return jnp.where(allowed, logits, -jnp.inf)
 
-  def update(self, state, tokens, info):
-    g, s = state
-    row = self.rows(g, s)
+  def after(self, row: jax.Array, tokens: jax.Array) -> jax.Array:
+    """int32[rows]: the row after each row's token's bytes (0: rejected;
+    `row` itself for an id without bytes), as many steps as the longest
+    token (not the vocabulary's)."""
     t = jnp.clip(tokens, 0, self.token_node.shape[0] - 1)
     n = self.token_length[t]
     spelled = self.token_bytes[t].astype(jnp.int32)  # [rows, L]
@@ -143,8 +157,14 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
     def byte(i, end):
       return jnp.where(i < n, self.table[end * 256 + spelled[:, i]], end)
 
-    # As many steps as the longest token drawn (not the vocabulary's).
-    end = lax.fori_loop(0, jnp.max(n), byte, row)
+    return lax.fori_loop(0, jnp.max(n), byte, row)
+
+  def update(self, state, tokens, info):
+    g, s = state
+    row = self.rows(g, s)
+    t = jnp.clip(tokens, 0, self.token_node.shape[0] - 1)
+    n = self.token_length[t]
+    end = self.after(row, tokens)
     stop_ids = info.stop_ids if info.stop_ids.ndim == 2 else info.stop_ids[None]
     stop = jnp.any(stop_ids == tokens[:, None], axis=1)
     moved = (g > 0) & (end > 0) & ~stop & (n > 0)
@@ -236,6 +256,7 @@ def processor(
   table = np.zeros((n_rows, 256), np.int32)
   final = np.zeros(n_rows, bool)
   distance = np.full(n_rows, DEAD, np.int32)
+  forced = np.full(n_rows, -1, np.int32)
   for i, t in enumerate(tables, start=1):
     if t is None:
       continue
@@ -243,11 +264,13 @@ def processor(
     table[lo : lo + t.states] = np.where(t.dfa.table >= 0, t.dfa.table + lo, 0)
     final[lo : lo + t.states] = t.final
     distance[lo : lo + t.states] = t.distance
+    forced[lo : lo + t.states] = t.forced_ids
   max_distance = max((t.longest for t in tables if t is not None), default=0)
   return WalkProcessor(
     table=table.reshape(-1),
     final=final,
     distance=distance,
+    forced=forced,
     offset=offset,
     max_distance=np.int32(max_distance),
     force=bool(force),
