@@ -116,15 +116,23 @@ def test_the_device_walk_is_the_host_walk_with_forced_rows(smol_vocab):
   stops = tuple(smol_vocab.eos_ids)
   masks = _compiled(smol_vocab, "compact")
   walker = C.walk.processor((), [masks], trie=masks.trie)
-  forced = np.flatnonzero(masks.forced_ids >= 0)[:4].tolist()
-  free = np.flatnonzero(masks.forced_ids < 0)[:3].tolist()
-  info = StepInfo(
-    generated=jnp.zeros(4, jnp.int32),
-    remaining=jnp.int32(1000),
-    stop_ids=jnp.asarray(stops, jnp.int32),
-  )
+  forcing = C.walk.processor((), [masks], trie=masks.trie, force=True)
+  forced = np.flatnonzero(masks.forced_ids >= 0)[:6].tolist()
+  free = np.flatnonzero(masks.forced_ids < 0)[:6].tolist()
   apply, update = jax.jit(type(walker).apply), jax.jit(type(walker).update)
-  for states in (forced, forced[:2] + free[:2], free[:1] + forced[:3]):
+  # All forced (nothing walks); few rows; more rows than `walk.FEW` with
+  # at most FEW walking (only they walk), and with more (all walk).
+  for states in (
+    forced,
+    forced[:2] + free[:2],
+    free[:3] + forced[:3],
+    forced[:2] + free,
+  ):
+    info = StepInfo(
+      generated=jnp.zeros(len(states), jnp.int32),
+      remaining=jnp.int32(1000),
+      stop_ids=jnp.asarray(stops, jnp.int32),
+    )
     g = jnp.ones(len(states), jnp.int32)
     s = jnp.asarray(states, jnp.int32)
     out = np.asarray(
@@ -138,6 +146,21 @@ def test_the_device_walk_is_the_host_walk_with_forced_rows(smol_vocab):
     _, moved = update(walker, (g, s), jnp.asarray(tokens, jnp.int32), info)
     want = [masks.step(x, t) for x, t in zip(states, tokens, strict=True)]
     np.testing.assert_array_equal(np.asarray(moved), want)
+    # Budget forcing with each row's distance + 1 columns left: a forced
+    # row's one id still fits (its end's distance is one less).
+    tight = StepInfo(
+      generated=jnp.zeros(len(states), jnp.int32),
+      remaining=jnp.asarray(masks.distance[states] + 1, jnp.int32),
+      stop_ids=jnp.asarray(stops, jnp.int32),
+    )
+    out = np.asarray(
+      apply(forcing, (g, s), jnp.zeros((len(states), width)), tight)
+    )
+    for state, row in zip(states, out, strict=True):
+      if masks.forced_ids[state] >= 0:
+        assert np.flatnonzero(row == 0).tolist() == [masks.forced_ids[state]]
+      else:
+        assert np.isin(np.flatnonzero(row == 0), masks.allowed(state)).all()
 
 
 def test_compact_json_has_no_whitespace_and_validates(smol_vocab):

@@ -420,3 +420,43 @@ def test_a_fault_fails_one_http_request_and_the_server_goes_on(
   finally:
     running.stop()
   assert e.closing
+
+
+def test_a_speculating_engine_fast_forwards_constraints(tiny):
+  """With forced drafts, a request's constraint fast-forwards: the engine
+  compiles it so (`Constraint.fast_forward`) and its tokens are
+  `model.generate`'s under that constraint, each forced run appended in
+  one pass."""
+  schema = cw.constraints.JsonSchema(
+    {
+      "type": "object",
+      "properties": {"name": {"type": "string", "maxLength": 6}},
+      "required": ["name"],
+    },
+    whitespace="compact",
+  )
+  speculation = cw.Speculation(drafter="forced", k=4, calibrate=False)
+  e = serving.Engine(
+    tiny, slots=2, capacity=64, warm_up=False, speculation=speculation
+  )
+  try:
+    g = serving.Generation(
+      prompt=[1, 40, 41], max_new_tokens=24, temperature=0, constraint=schema
+    )
+    prepared, _ = e.prepare(g)
+    assert prepared.tables.fast_forward
+    got = [t.id for t in e.submit(g).wait().tokens]
+    assert e.speculation_totals.accepted_tokens >= 5  # '{"name":"'
+  finally:
+    e.close(grace=30.0)
+  want, _ = tiny.generate(
+    [tiny.prefill(cw.Chunk.from_lists([[1, 40, 41]]))],
+    sample_ids=[0],
+    steps=24,
+    sampling=cw.Sampling(temperature=0.0),
+    constraint=schema.fast_forwarded(),
+  )
+  # The stream ends with the stop id that `generate` writes after its row.
+  n = int(want.lengths[0])
+  assert got == np.asarray(want.tokens)[0, : n + 1].tolist()
+  assert got[-1] in tiny.eos_ids

@@ -30,6 +30,7 @@ is the same; the model's choice among spellings of forced bytes is not
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -92,6 +93,15 @@ class Constraint:
       raise ValueError(
         f"fast_forward must be True or False, got {self.fast_forward!r}"
       )
+
+  def fast_forwarded(self) -> Constraint:
+    """This constraint with `fast_forward=True` (itself if it has it): a
+    copy, nothing compiled again."""
+    if self.fast_forward:
+      return self
+    out = copy.copy(self)
+    object.__setattr__(out, "fast_forward", True)
+    return out
 
   def regex(self) -> str:
     raise NotImplementedError

@@ -95,34 +95,38 @@ class WalkProcessor(forcing.RowGrammars, LogitsProcessor):
     parts.append(jnp.zeros((row.shape[0], 1), jnp.int32))  # no node
     return jnp.concatenate(parts, axis=1)[:, self.token_node]
 
-  def _few(self, g: jax.Array, row: jax.Array) -> jax.Array:
-    """`ends` when at most `FEW` rows are constrained: only those walk
-    (the others' rows stay 0, never read: grammar 0 allows every id)."""
-    pick = jnp.argsort(g <= 0, stable=True)[:FEW]  # constrained first
+  def _few(self, walk: jax.Array, row: jax.Array) -> jax.Array:
+    """`ends` when at most `FEW` rows need a `walk` (bool[rows]): only
+    those walk (the others' ends stay 0: free rows allow every id, and a
+    forced row's one id is filled in by `allowed`)."""
+    pick = jnp.argsort(~walk, stable=True)[:FEW]  # walking rows first
     out = jnp.zeros((row.shape[0], self.token_node.shape[0]), jnp.int32)
     return out.at[pick].set(self.ends(row[pick]))
 
   def allowed(self, g, s, info, vocab: int) -> tuple[jax.Array, jax.Array]:
     """(bool[rows, vocab] the ids rows in states (g, s) may draw,
     int32[rows, vocab] the rows they lead to). A row in a fast-forward
-    state (`lazy.forced_tokens`) allows its one id; while every
-    constrained row is in one, the trie is not walked."""
+    state (`lazy.forced_tokens`) allows its one id and does not walk the
+    trie; nor do free rows; while no row needs it, nothing walks."""
     row = self.rows(g, s)
     forced = jnp.where(g > 0, self.forced[row], -1)
     one = jnp.arange(vocab)[None, :] == forced[:, None]  # [rows, vocab]
+    walk = (g > 0) & (forced < 0)
 
     def walked(row):
       if row.shape[0] > FEW:
-        few = jnp.sum(g > 0) <= FEW
-        ends = lax.cond(few, functools.partial(self._few, g), self.ends, row)
+        few = jnp.sum(walk) <= FEW
+        ends = lax.cond(few, functools.partial(self._few, walk), self.ends, row)
       else:
         ends = self.ends(row)
       return _width(ends, vocab)
 
     def skipped(row):
-      return jnp.where(one, self.after(row, jnp.maximum(forced, 0))[:, None], 0)
+      return jnp.zeros((row.shape[0], vocab), jnp.int32)
 
-    ends = lax.cond(jnp.all((g <= 0) | (forced >= 0)), skipped, walked, row)
+    ends = lax.cond(jnp.any(walk), walked, skipped, row)
+    after = self.after(row, jnp.maximum(forced, 0))  # a forced id's end
+    ends = jnp.where(one, after[:, None], ends)
     is_stop = info.stop_rows(vocab)
     ok = jnp.where(is_stop, self.final[row][:, None], ends > 0)
     ok = jnp.where((forced >= 0)[:, None], one, ok)

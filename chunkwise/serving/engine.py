@@ -40,6 +40,7 @@ requests everywhere and every process restarts its loop together.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -105,7 +106,10 @@ class Engine:
       (more with `listen`).
     speculation: a `cw.Speculation` (no context: each request drafts from
       its prompt and tokens); tokens are unchanged, `speculation_totals`
-      counts what finished requests drafted and accepted (/metrics).
+      counts what finished requests drafted and accepted (/metrics). With
+      its forced drafts (`forced`, the default), every request's
+      constraint fast-forwards (`Constraint.fast_forward`): its forced
+      runs are appended in one pass.
     prefix_cache_bytes: K/V of prompts' full pages kept for the requests
       that start alike (a system prompt, a few-shot head): each prefills
       only what follows its longest cached start; 0: none. Counted in
@@ -245,6 +249,8 @@ class Engine:
     if not isinstance(g, Generation):
       raise ValueError(f"submit takes a Generation, got {g!r}")
     request, penalties, seed = g.request(self.top_n, seed)
+    if self.speculation is not None and self.speculation.forced:
+      request = _fast_forwarded(request)
     prepared = self._loop.prepare(request, (penalties,), what="request")
     return prepared, seed
 
@@ -548,3 +554,14 @@ class Engine:
         listener(stream)
       except Exception:
         log.exception("a finish listener failed")
+
+
+def _fast_forwarded(request):
+  """`request` with its constraint fast-forwarding (`Constraint.
+  fast_forward`): a loop that drafts forced tokens appends each forced
+  run in one pass."""
+  if request.constraint is None:
+    return request
+  return dataclasses.replace(
+    request, constraint=request.constraint.fast_forwarded()
+  )
