@@ -91,6 +91,20 @@ _SCHEMA_STRICT = flags.DEFINE_bool(
   "(by default such keywords are checked after generation: each record "
   "says schema_valid and schema_error).",
 )
+_SCHEMA_WHITESPACE = flags.DEFINE_enum(
+  "schema_whitespace",
+  "flexible",
+  ["flexible", "compact"],
+  "With --json_schema: the whitespace between JSON's tokens: flexible (one "
+  "optional space) or compact (none: every key and separator a forced run).",
+)
+_FAST_FORWARD = flags.DEFINE_bool(
+  "fast_forward",
+  False,
+  "With a constraint: one spelling of each run of forced bytes, so its "
+  "tokens are forced; with --speculate, each run is appended in one pass "
+  "(the same tokens as stepping).",
+)
 _CHOICES = flags.DEFINE_list(
   "choices", None, "Constrain every sample to one of these strings."
 )
@@ -179,6 +193,8 @@ def generate() -> None:
     choices=_CHOICES.value,
     budget_forcing=_BUDGET_FORCING.value,
     schema_strict=_SCHEMA_STRICT.value,
+    schema_whitespace=_SCHEMA_WHITESPACE.value,
+    fast_forward=_FAST_FORWARD.value,
     slots=_SLOTS.value,
     static_batching=_STATIC_BATCHING.value,
     speculation=SPECULATE.speculation(),

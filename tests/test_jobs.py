@@ -805,11 +805,15 @@ def test_generate_main_constraints(tmp_path, capsys):
     ("--choices=yes,no", lambda t: t in ("yes", "no")),
     (f"--json_schema=@{schema}", lambda t: type(json.loads(t)["n"]) is int),
     ("--regex=[a-c]{3}", lambda t: re.fullmatch("[a-c]{3}", t)),
+    (
+      f"--json_schema=@{schema} --schema_whitespace=compact --fast_forward",
+      lambda t: re.fullmatch(r'\{"n":-?[0-9]+\}', t),
+    ),
   ):
-    out = tmp_path / f"{flag[2:6]}.jsonl"
+    out = tmp_path / f"{flag[2:6]}{len(flag)}.jsonl"
     code, summary, _ = _main(
       "generate",
-      [*common, f"--output={out}", flag, "--budget_forcing"],
+      [*common, f"--output={out}", *flag.split(" "), "--budget_forcing"],
       capsys,
     )
     assert code == 0, flag
@@ -829,6 +833,11 @@ def test_generate_main_constraints(tmp_path, capsys):
     ),
     (["--regex=(a"], "--regex: the constraint '(a' is not a supported"),
     (["--budget_forcing"], "--budget_forcing needs --regex"),
+    (["--fast_forward"], "--fast_forward needs --regex"),
+    (
+      ["--regex=a", "--schema_whitespace=compact"],
+      "--schema_whitespace=compact needs --json_schema",
+    ),
   ):
     code, _, err = _main("generate", [*common, out, *args], capsys)
     assert code == 1 and message in err, (args, err)

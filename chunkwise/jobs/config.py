@@ -23,6 +23,7 @@ import types
 from collections.abc import Mapping
 from typing import ClassVar
 
+from chunkwise.constraints.constraint import WHITESPACE
 from chunkwise.inference import Sampling, Speculation
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
@@ -234,6 +235,11 @@ class GenerateJob(Job):
   # Refuse JSON-schema keywords not enforced in full (else: checked after,
   # records say schema_valid / schema_error).
   schema_strict: bool = False
+  # JSON's whitespace: "flexible" (one optional space) or "compact".
+  schema_whitespace: str = "flexible"
+  # One spelling of each forced run (`Constraint.fast_forward`): with
+  # `speculation`'s forced drafts, each run is appended in one pass.
+  fast_forward: bool = False
   choices: tuple[str, ...] | None = None
   budget_forcing: bool = False  # close each constrained sample in `steps`
   # Continuous batching (`generate_many`): samples decode in `slots` rows
@@ -292,6 +298,12 @@ class GenerateJob(Job):
         self.speculation.checked()
       except ValueError as e:
         raise ValueError(f"--speculate: {e}") from None
+    whitespace = tuple(WHITESPACE)
+    if self.schema_whitespace not in whitespace:
+      raise ValueError(
+        f"schema_whitespace={self.schema_whitespace!r}: expected one of "
+        f"{', '.join(whitespace)}"
+      )
     if self.slots is not None:
       _positive("slots", self.slots)
     _positive("steps", self.steps)

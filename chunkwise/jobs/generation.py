@@ -49,10 +49,14 @@ def constraint_of(job: GenerateJob, described):
     if value is not None
   ]
   if not given:
-    if job.budget_forcing:
-      raise job_setup.JobError(
-        "--budget_forcing needs --regex, --json_schema or --choices"
-      )
+    for flag, on in (
+      ("budget_forcing", job.budget_forcing),
+      ("fast_forward", job.fast_forward),
+    ):
+      if on:
+        raise job_setup.JobError(
+          f"--{flag} needs --regex, --json_schema or --choices"
+        )
     return None
   if len(given) > 1:
     raise job_setup.JobError(
@@ -60,15 +64,21 @@ def constraint_of(job: GenerateJob, described):
       f"{', '.join('--' + n for n, _ in given)}"
     )
   name, value = given[0]
+  if job.schema_whitespace != "flexible" and name != "json_schema":
+    raise job_setup.JobError(
+      f"--schema_whitespace={job.schema_whitespace} needs --json_schema"
+    )
+  options = {"fast_forward": job.fast_forward}
+  schema = {"strict": job.schema_strict, "whitespace": job.schema_whitespace}
   try:
     if name == "regex":
-      c = constraints.Regex(value)
+      c = constraints.Regex(value, **options)
     elif name == "json_schema" and value.startswith("@"):
-      c = constraints.JsonSchema.from_file(value[1:], strict=job.schema_strict)
+      c = constraints.JsonSchema.from_file(value[1:], **schema, **options)
     elif name == "json_schema":
-      c = constraints.JsonSchema(value, strict=job.schema_strict)
+      c = constraints.JsonSchema(value, **schema, **options)
     else:
-      c = constraints.Choice(value)
+      c = constraints.Choice(value, **options)
     eos = list(described.eos_ids)
     c.compile(
       described.vocab,
@@ -228,6 +238,8 @@ def run_generate(
       "stop_ids": list(job.stop_ids),
       "constraint": None if constrain is None else constrain.regex(),
       "budget_forcing": job.budget_forcing,
+      # Absent when off, so outputs begun before the option still resume.
+      **({"fast_forward": True} if job.fast_forward else {}),
     },
   )
   if run.process:
