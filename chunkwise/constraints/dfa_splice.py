@@ -200,16 +200,21 @@ def splice(
   table = table.copy()
   final = final.copy()
   entries = np.flatnonzero(table[:, OPEN] >= 0)
-  # (entering state, part, continuation) of every marker path
-  paths = []
-  for a in entries.tolist():
-    inside = int(table[a, OPEN])
-    for name in parts:
-      b = inside
-      for byte in name.encode() + bytes([CLOSE]):
-        b = int(table[b, byte]) if b >= 0 else -1
-      if b >= 0:
-        paths.append((a, name, b))
+  # (entering state, part, continuation) of every marker path: each
+  # part's name walked from every entering state at once, then in the
+  # order of the entering states and the parts
+  inside = table[entries, OPEN]
+  found = []
+  for i, name in enumerate(parts):
+    b = inside
+    for byte in name.encode() + bytes([CLOSE]):
+      b = np.where(b >= 0, table[np.maximum(b, 0), byte], -1)
+    hit = np.flatnonzero(b >= 0)
+    found += zip(
+      entries[hit].tolist(), [i] * hit.size, b[hit].tolist(), strict=True
+    )
+  names = list(parts)
+  paths = [(a, names[i], b) for a, i, b in sorted(found)]
   if not paths:  # no marker on a path to an end
     return reached(table, final)
   # One copy of a part per continuation, its start state left out.
