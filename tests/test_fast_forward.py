@@ -184,3 +184,34 @@ def test_bad_options_are_named(smol_vocab):
     C.Regex("ab", fast_forward=True).compile(
       smol_vocab, stop_ids=[0], width=len(smol_vocab.token_bytes())
     )
+
+
+class _Letters:
+  """A vocabulary of a stop, the letters a-y alone (no "z"), and "zz"."""
+
+  def token_bytes(self):
+    return [None] + [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxy"] + [b"zz"]
+
+
+@pytest.mark.parametrize(
+  "pattern, spellable",
+  [
+    ("a+", True),
+    ("a|z", True),
+    ("zz", True),
+    ("z", False),
+    ("za", False),
+  ],
+)
+def test_text_no_token_spells_is_refused(pattern, spellable):
+  """A constraint whose start no token can begin is refused: known at
+  once where each byte the DFA reads is a token alone, else walked."""
+
+  def compile():
+    return C.Regex(pattern).compile(_Letters(), stop_ids=[0], width=27)
+
+  if spellable:
+    assert compile().allowed(0).size
+  else:
+    with pytest.raises(ValueError, match="matches no text this vocabulary"):
+      compile()

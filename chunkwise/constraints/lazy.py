@@ -219,11 +219,37 @@ def compile(
       "simplify it (e.g. a smaller maxLength) or raise the limit"
     )
   out = Lazy(dfa=dfa, trie=trie, stops=stops, fast_forward=bool(fast_forward))
-  if not out.allowed(0).size:
+  # A trimmed DFA with a byte from its start, over a vocabulary that
+  # spells each byte it reads alone, matches some text the vocabulary
+  # spells; otherwise the start's tokens are walked (~1 ms) to know.
+  reads = (dfa.table >= 0).any(axis=0)
+  spelled = (dfa.table[0] >= 0).any() and _lone_bytes(trie, stops)[reads].all()
+  if not spelled and not out.allowed(0).size:
     raise ValueError(f"{what} matches no text this vocabulary can spell")
   _CACHE[key] = out
   if len(_CACHE) > _CACHE_SIZE:
     _CACHE.popitem(last=False)
+  return out
+
+
+def _lone_bytes(trie: Trie, stops: Sequence[int]) -> np.ndarray:
+  """bool[256]: the bytes an id that is not a stop spells alone (kept
+  per vocabulary and stops)."""
+  key = (trie.key, tuple(stops))
+  if key not in _LONE:
+    _LONE.clear()  # one vocabulary at a time, in practice
+    _LONE[key] = _lone_bytes_of(trie, stops)
+  return _LONE[key]
+
+
+_LONE: dict = {}
+
+
+def _lone_bytes_of(trie: Trie, stops: Sequence[int]) -> np.ndarray:
+  lone = (trie.token_length == 1) & (trie.token_node >= 0)
+  lone[[s for s in stops if 0 <= s < lone.size]] = False
+  out = np.zeros(256, bool)
+  out[trie.token_bytes[lone, 0]] = True
   return out
 
 
