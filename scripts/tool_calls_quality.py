@@ -228,13 +228,17 @@ def compile_total(url: str) -> float:
 
 def first_token_s(client, url: str, suffix: str) -> tuple[float, float]:
   """Seconds to a request's first streamed token (the first chunk with a
-  tool call), its tools renamed with `suffix` (a new suffix: a constraint
-  never compiled), and the server's seconds compiling its tools (from
+  tool call), its tools and their properties renamed with `suffix` (a new
+  suffix: a constraint never compiled), and the server's seconds compiling its tools (from
   /metrics, once the request has ended)."""
   before = compile_total(url)
   renamed = json.loads(json.dumps(TOOLS))
   for t in renamed:
-    t["function"]["name"] += suffix
+    # Properties too: the compile worker keeps the DFAs of arguments
+    # schemas it compiled before.
+    f = t["function"]
+    f["name"] += suffix
+    f["parameters"] = _renamed(f["parameters"], suffix)
   start = time.perf_counter()
   stream = client.chat.completions.create(
     model=_MODEL.value,
@@ -256,6 +260,18 @@ def first_token_s(client, url: str, suffix: str) -> tuple[float, float]:
       raise RuntimeError("the server never recorded the compile")
     time.sleep(0.05)
   return took, compiled
+
+
+def _renamed(schema: dict, suffix: str) -> dict:
+  """`schema` with its properties (and nested ones) renamed + `suffix`."""
+  out = dict(schema)
+  if isinstance(out.get("properties"), dict):
+    out["properties"] = {
+      k + suffix: _renamed(v, suffix) for k, v in out["properties"].items()
+    }
+  if isinstance(out.get("required"), list):
+    out["required"] = [k + suffix for k in out["required"]]
+  return out
 
 
 def serve() -> tuple[subprocess.Popen, str]:

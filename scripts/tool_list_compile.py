@@ -7,8 +7,9 @@ tool's regex written in place), on a model's vocabulary.
 
 A list "NxP" is N tools of P properties each (strings, integers,
 booleans, enums and arrays of strings in turn; the first required, the
-rest optional), renamed every run so nothing is compiled before (the
-constraint disk cache is off). Prints the median milliseconds of each
+rest optional), tools and properties renamed every run so nothing is
+compiled before (the constraint disk cache is off, and no two tools
+share an arguments schema). Prints the median milliseconds of each
 way and the regex's length.
 """
 
@@ -43,13 +44,20 @@ _KINDS = (
 
 
 def tool(name: str, properties: int) -> dict:
-  props = {f"p{j}": _KINDS[j % len(_KINDS)] for j in range(properties)}
+  """Tool `name`, its properties named after it (no two tools, and no
+  two runs, share an arguments schema: the compile worker keeps the DFAs
+  of parts it compiled before)."""
+  props = {f"{name}_p{j}": _KINDS[j % len(_KINDS)] for j in range(properties)}
   return {
     "type": "function",
     "function": {
       "name": name,
       "description": "a tool",
-      "parameters": {"type": "object", "properties": props, "required": ["p0"]},
+      "parameters": {
+        "type": "object",
+        "properties": props,
+        "required": [f"{name}_p0"],
+      },
     },
   }
 

@@ -180,6 +180,55 @@ def test_a_schema_whose_parts_conflict_is_compiled_whole(monkeypatch):
   np.testing.assert_array_equal(got["table"], whole["table"])
 
 
+def _build_schema(schema, compose_above: int) -> dict:
+  kind, text = cw.constraints.JsonSchema(schema)._text()
+  return automaton.build(
+    kind,
+    text,
+    byte_dfa.BYTES.entries,
+    (byte_dfa.STOP,),
+    257,
+    256.0,
+    "dfa",
+    compose_above=compose_above,
+  )
+
+
+def test_parts_are_kept_across_schemas(monkeypatch):
+  """A part shared with a schema compiled before is not compiled again
+  (`automaton._LEAVES`: read-only arrays); past `LEAVES_MB` the least
+  recently used go. The DFAs spell what their whole regexes spell."""
+  monkeypatch.setattr(automaton, "_LEAVES", type(automaton._LEAVES)())
+  compiled = []
+  real = automaton._marked_index
+
+  def counted(regex, *args):
+    compiled.append(regex)
+    return real(regex, *args)
+
+  monkeypatch.setattr(automaton, "_marked_index", counted)
+  a = {
+    "type": "object",
+    "properties": {"x": _part(1), "y": {"type": "integer"}},
+  }
+  b = {
+    "type": "object",
+    "properties": {"z": _part(1), "w": {"type": "boolean"}},
+  }
+  _build_schema(a, 0)
+  first = len(compiled)
+  assert first == 2  # the object around its part, and the part
+  got = _build_schema(b, 0)
+  assert len(compiled) == first + 1  # b's own object only
+  assert not any(t.flags.writeable for t, _ in automaton._LEAVES.values())
+  compiled.clear()
+  same_language(got, _build_schema(b, WHOLE))
+  monkeypatch.setattr(automaton, "LEAVES_MB", 0)
+  c = {"type": "object", "properties": {"q": _part(2, ["f0"])}}
+  _build_schema(c, 0)  # c's object is kept, alone
+  assert len(automaton._LEAVES) == 1
+
+
 def _framed() -> cw.constraints.Framed:
   """Two tools' calls: each frame's arguments a hole."""
   hole = cw.constraints.Framed.hole

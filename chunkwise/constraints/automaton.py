@@ -33,6 +33,7 @@ not seen that key); a reply is {"ok": result} | {"error": message} |
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -141,12 +142,17 @@ def _composed(kind, text, vocab, stops, width) -> dict | None:
   splice = _splicer()
 
   def leaf(regex):
+    key = (regex, tuple(stops), width)  # (the vocabulary: the bytes)
+    hit = _LEAVES.get(key)
+    if hit is not None:
+      _LEAVES.move_to_end(key)
+      return hit
     index, transitions, finals = _marked_index(_led(regex), vocab, stops, width)
     initial = index.get_initial_state()
     out = _unled(dfa_table(transitions, initial, finals, stops, width))
     if out is None:
       raise UserError("a part matches nothing")
-    return out["table"], out["final"]
+    return _keep_leaf(key, out["table"], out["final"])
 
   def dfa(kind, text):
     if kind == "regex":
@@ -169,6 +175,25 @@ def _composed(kind, text, vocab, stops, width) -> dict | None:
   except (splice.Conflict, UserError, ValueError):
     return None
   return {"table": table, "final": final}
+
+
+# The parts' DFAs over bytes by regex (and stops, width), kept across
+# requests, `LEAVES_MB` in all (the least recently used go first): a part
+# shared with schemas compiled before (a Kubernetes ObjectMeta, a tool's
+# arguments under another frame) is not compiled again. Read-only.
+LEAVES_MB = 128
+_LEAVES: collections.OrderedDict = collections.OrderedDict()
+
+
+def _keep_leaf(key, table: np.ndarray, final: np.ndarray):
+  table.setflags(write=False)
+  final.setflags(write=False)
+  _LEAVES[key] = (table, final)
+  total = sum(t.nbytes + f.nbytes for t, f in _LEAVES.values())
+  while total > LEAVES_MB * 2**20 and len(_LEAVES) > 1:
+    t, f = _LEAVES.popitem(last=False)[1]
+    total -= t.nbytes + f.nbytes
+  return table, final
 
 
 def build(
