@@ -228,9 +228,9 @@ def compile_total(url: str) -> float:
 
 def first_token_s(client, url: str, suffix: str) -> tuple[float, float]:
   """Seconds to a request's first streamed token (the first chunk with a
-  tool call), its tools and their properties renamed with `suffix` (a new
-  suffix: a constraint never compiled), and the server's seconds compiling its tools (from
-  /metrics, once the request has ended)."""
+  tool call), its tools and their properties renamed with `suffix` (a
+  new suffix: a constraint never compiled), and the server's seconds
+  compiling its tools (from /metrics, once the request has ended)."""
   before = compile_total(url)
   renamed = json.loads(json.dumps(TOOLS))
   for t in renamed:
