@@ -57,7 +57,8 @@ def _compiled(smol_vocab, name) -> lazy.Lazy:
 def _plain_forced(masks: lazy.Lazy) -> np.ndarray:
   """The plain twin of `lazy.forced_tokens`: each state's forced run
   followed in Python, the longest token spelling a prefix of it looked up
-  among the tokens' bytes."""
+  among the tokens' bytes; none where a token spells the whole run and
+  goes on with a byte the DFA allows after it."""
   dfa, trie = masks.dfa, masks.trie
   stops = set(masks._stops.tolist())
   spelled = {}
@@ -65,6 +66,10 @@ def _plain_forced(masks: lazy.Lazy) -> np.ndarray:
     if i not in stops:
       spelled.setdefault(bytes(trie.token_bytes[i, : trie.token_length[i]]), i)
   longest = max(map(len, spelled))
+  goes_on = {}  # a token's proper prefix -> the bytes that follow it
+  for t in spelled:
+    for k in range(1, len(t)):
+      goes_on.setdefault(t[:k], set()).add(t[k])
   out = np.full(dfa.states, -1, np.int32)
   for s in range(dfa.states):
     run, at = b"", s
@@ -74,8 +79,9 @@ def _plain_forced(masks: lazy.Lazy) -> np.ndarray:
         break
       run += bytes([int(moves[0])])
       at = int(dfa.table[at, moves[0]])
+    crosses = any(dfa.table[at, b] >= 0 for b in goes_on.get(run, ()))
     for k in range(len(run), 0, -1):
-      if run[:k] in spelled:
+      if run[:k] in spelled and not crosses:
         out[s] = spelled[run[:k]]
         break
   return out

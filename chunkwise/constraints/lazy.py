@@ -333,9 +333,12 @@ def forced_tokens(
   byte only (and is not final), the longest id (not a stop) that spells a
   prefix of its forced run (the bytes from it on while each state on the
   way allows one byte and is not final), and the state after it; -1 for
-  the other states (and where no id spells the run's first byte).
-  Vectorized: every state's run walked down the trie at once, byte by
-  byte."""
+  the other states, where no id spells the run's first byte, and where
+  an id spells the whole run and goes on with a byte the DFA allows
+  after it (`"` before `[ ]?:`, where `":` may follow: the model's own
+  spelling across the run's end stays allowed, and the state is not
+  forced). Vectorized: every state's run walked down the trie at once,
+  byte by byte."""
   table = dfa.table
   moves = table >= 0
   single = (np.count_nonzero(moves, axis=1) == 1) & ~dfa.final
@@ -347,6 +350,7 @@ def forced_tokens(
   token_of[trie.token_node[ids[::-1]]] = ids[::-1]  # the lowest id per node
   out = np.full(dfa.states, -1, np.int32)
   end = np.full(dfa.states, -1, np.int32)
+  whole = []  # (states, the state after the run, the run's node)
   q = np.flatnonzero(single)
   at, node = q, np.full(q.size, -1, np.int64)
   while q.size:
@@ -359,8 +363,28 @@ def forced_tokens(
     spelled = token >= 0  # deeper: longer
     out[q[spelled]], end[q[spelled]] = token[spelled], at[spelled]
     on = single[at]
+    whole.append((q[~on], at[~on], node[~on]))
     q, at, node = q[on], at[on], node[on]
+  # Runs some id's prefix spells whole: not forced where a child of the
+  # run's node reads a byte the DFA allows after the run.
+  if whole:
+    q, at, node = (np.concatenate(x) for x in zip(*whole, strict=True))
+    crosses = _has_child_by(keys, node, moves[at])
+    out[q[crosses]] = end[q[crosses]] = -1
   return out, end
+
+
+def _has_child_by(keys, node, allowed) -> np.ndarray:
+  """bool[n]: whether trie node `node[i]` has a child by a byte that
+  `allowed[i]` (bool[256]) allows (`keys`: `Trie.children`'s)."""
+  lo = np.searchsorted(keys, (node + 1) * 256)
+  count = np.searchsorted(keys, (node + 2) * 256) - lo
+  owner = np.repeat(np.arange(node.size), count)
+  first = np.repeat(lo - (np.cumsum(count) - count), count)
+  child_byte = keys[first + np.arange(owner.size)] % 256
+  out = np.zeros(node.size, bool)
+  out[owner[allowed[owner, child_byte]]] = True
+  return out
 
 
 def vocabulary_key(vocabulary, width: int) -> str:
