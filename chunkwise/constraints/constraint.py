@@ -19,7 +19,8 @@ schema's file), for messages.
 
 `fast_forward=True`: where the constraint allows one byte sequence only
 (a key, punctuation, a tool call's frame), only one tokenization of it is
-allowed (the longest token spelling a prefix of it, step after step:
+allowed (the longest token spelling a prefix of it, step after step; the
+run's end is left to the model where a token crosses it:
 `lazy.forced_tokens`), so those tokens are forced, and a loop with
 `Speculation(drafter="forced")` appends a run of them in one pass, with
 the tokens and scores of stepping them one at a time. The text allowed

@@ -27,7 +27,9 @@ Fast-forward (`fast_forward=True`): where the DFA allows one byte only
 (a key, punctuation, a call's frame), the bytes up to the next choice (a
 final state or two bytes) are the state's forced run, and only one token
 is allowed there: the longest that spells a prefix of the run
-(`forced_tokens`). Every other spelling of those bytes is masked, so the
+(`forced_tokens`; not where a token spells the whole run and goes on
+with a byte allowed after it: there the model spells across the run's
+end as it would). Every other spelling of those bytes is masked, so the
 state allows exactly one token: it is forced, and the loop can append a
 run of forced tokens in one pass (`Speculation(drafter="forced")`) with
 the tokens and scores of stepping them one at a time. Distances follow
