@@ -6,6 +6,7 @@ saved by `cw.save`. Every response is checked against `generate` (or
 
 import asyncio
 import json
+import re
 import signal
 import time
 
@@ -248,6 +249,52 @@ def test_response_format_and_grammar_constrain(saved, server):
   import re
 
   assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.generated_text)
+
+
+def test_vllm_whitespace_pattern_writes_compact_json(saved, server):
+  """vLLM's `guided_whitespace_pattern` / `structured_outputs.
+  whitespace_pattern`: "" writes JSON with no whitespace between tokens;
+  a pattern this server does not take, or one without a JSON schema, is
+  a 400 naming it."""
+  oa = _openai(server)
+  # The same greedy request with the default pattern writes a space.
+  r = oa.completions.create(
+    model="tiny",
+    prompt="json:",
+    max_tokens=60,
+    temperature=0,
+    extra_body={"guided_json": SCHEMA},
+  )
+  assert " " in r.choices[0].text, r.choices[0].text
+  for extra in (
+    {"guided_json": SCHEMA, "guided_whitespace_pattern": ""},
+    {"structured_outputs": {"json": SCHEMA, "whitespace_pattern": ""}},
+  ):
+    r = oa.completions.create(
+      model="tiny",
+      prompt="json:",
+      max_tokens=60,
+      temperature=0,
+      extra_body=extra,
+    )
+    text = r.choices[0].text
+    assert " " not in text and text.startswith('{"ok":'), text
+    if r.choices[0].finish_reason == "stop":
+      jsonschema.validate(json.loads(text), SCHEMA)
+  for extra, match in (
+    (
+      {"guided_json": SCHEMA, "guided_whitespace_pattern": "[ \\n]*"},
+      "guided_whitespace_pattern=",
+    ),
+    (
+      {"guided_regex": "[a-c]+", "guided_whitespace_pattern": ""},
+      "applies to a JSON schema",
+    ),
+  ):
+    with pytest.raises(openai.BadRequestError, match=re.escape(match)):
+      oa.completions.create(
+        model="tiny", prompt="x", max_tokens=3, extra_body=extra
+      )
 
 
 def test_stop_strings_native_keep_openai_cut(saved, server):

@@ -209,6 +209,14 @@ class Choice(Constraint):
 # outlines-core's default, `[ ]?`).
 WHITESPACE = {"flexible": None, "compact": ""}
 
+def _check_whitespace(whitespace) -> None:
+  if whitespace not in WHITESPACE:
+    raise ValueError(
+      f"whitespace must be one of {', '.join(map(repr, WHITESPACE))}, "
+      f"got {whitespace!r}"
+    )
+
+
 # Optional properties kept per object by each narrower try of
 # `JsonSchema.compile`.
 NARROWER = (8, 4, 2)
@@ -280,11 +288,7 @@ class JsonSchema(Constraint):
     whitespace: str = "flexible",
     **limits,
   ):
-    if whitespace not in WHITESPACE:
-      raise ValueError(
-        f"whitespace must be one of {', '.join(map(repr, WHITESPACE))}, "
-        f"got {whitespace!r}"
-      )
+    _check_whitespace(whitespace)
     object.__setattr__(self, "whitespace", whitespace)
     depth = max_recursion_depth
     if (
@@ -325,6 +329,7 @@ class JsonSchema(Constraint):
       self.schema,
       self.strict,
       self.max_recursion_depth,
+      self.whitespace,
       TABLES,
       lazy_lib.vocabulary_key(vocabulary, width),
       tuple(stop_ids),
@@ -366,6 +371,14 @@ class JsonSchema(Constraint):
       object.__setattr__(self, "_used", rewritten)
       return tables
     raise first_error
+
+  def with_whitespace(self, whitespace: str) -> JsonSchema:
+    """This schema written with `whitespace` ("flexible" or "compact"): a
+    copy, nothing parsed or rewritten again."""
+    _check_whitespace(whitespace)
+    out = copy.copy(self)
+    object.__setattr__(out, "whitespace", whitespace)
+    return out
 
   def _check_budget(self, max_table_mb: float):
     """What cannot fit is refused before any compiling (`budget.check`;

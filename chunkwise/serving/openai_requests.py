@@ -18,6 +18,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
+from chunkwise import constraints
 from chunkwise.serving import api, tools
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.stream import (
@@ -58,6 +59,7 @@ class _Common(BaseModel):
   guided_json: Any = None
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
+  guided_whitespace_pattern: str | None = None
   adapter_source: str | None = None
 
 
@@ -160,7 +162,47 @@ def _sampling(b: _Common, ctx: Context) -> dict:
   )
 
 
+# vLLM's whitespace patterns (`guided_whitespace_pattern`,
+# `structured_outputs.whitespace_pattern`) this server takes, as
+# `JsonSchema(whitespace=...)`: none ("" : compact JSON, whose keys and
+# separators are forced runs) or outlines-core's default (at most one
+# space). Any other pattern is refused (unbounded whitespace runs away).
+WHITESPACE_PATTERNS = {"": "compact", "[ ]?": "flexible"}
+
+
+def _whitespace(b: _Common) -> tuple[str, str | None]:
+  """(`JsonSchema`'s whitespace, the field that set it or None)."""
+  given = [("guided_whitespace_pattern", b.guided_whitespace_pattern)]
+  so = b.structured_outputs
+  if isinstance(so, dict) and so.get("whitespace_pattern") is not None:
+    given.append(
+      ("structured_outputs.whitespace_pattern", so["whitespace_pattern"])
+    )
+  given = [(w, v) for w, v in given if v is not None]
+  if not given:
+    return "flexible", None
+  where, value = given[0]
+  if value not in WHITESPACE_PATTERNS:
+    raise _bad(
+      f"{where}={value!r}: this server takes '' (compact JSON) or "
+      f"'[ ]?' (the default: at most one space)"
+    )
+  return WHITESPACE_PATTERNS[value], where
+
+
 def _constraint(b: _Common):
+  out = _constraint_of(b)
+  whitespace, where = _whitespace(b)
+  if where is None:
+    return out
+  if not isinstance(out, constraints.JsonSchema):
+    raise _bad(
+      f"{where} applies to a JSON schema (response_format, guided_json)"
+    )
+  return out.with_whitespace(whitespace)
+
+
+def _constraint_of(b: _Common):
   given = [
     name
     for name in (
