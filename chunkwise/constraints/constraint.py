@@ -209,6 +209,7 @@ class Choice(Constraint):
 # outlines-core's default, `[ ]?`).
 WHITESPACE = {"flexible": None, "compact": ""}
 
+
 def _check_whitespace(whitespace) -> None:
   if whitespace not in WHITESPACE:
     raise ValueError(
