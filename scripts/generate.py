@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from chunkwise.constraints.constraint import WHITESPACE
 from chunkwise.jobs import (
   GenerateJob,
   cli,
@@ -94,7 +95,7 @@ _SCHEMA_STRICT = flags.DEFINE_bool(
 _SCHEMA_WHITESPACE = flags.DEFINE_enum(
   "schema_whitespace",
   "flexible",
-  ["flexible", "compact"],
+  list(WHITESPACE),
   "With --json_schema: the whitespace between JSON's tokens: flexible (one "
   "optional space) or compact (none: every key and separator a forced run).",
 )

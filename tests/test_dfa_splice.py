@@ -77,8 +77,8 @@ SCHEMAS = {
 }
 
 
-def _build(name: str, compose_above: int) -> dict:
-  kind, text = cw.constraints.JsonSchema(SCHEMAS[name])._text()
+def _build_schema(schema, compose_above: int) -> dict:
+  kind, text = cw.constraints.JsonSchema(schema)._text()
   return automaton.build(
     kind,
     text,
@@ -89,6 +89,10 @@ def _build(name: str, compose_above: int) -> dict:
     "dfa",
     compose_above=compose_above,
   )
+
+
+def _build(name: str, compose_above: int) -> dict:
+  return _build_schema(SCHEMAS[name], compose_above)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -178,20 +182,6 @@ def test_a_schema_whose_parts_conflict_is_compiled_whole(monkeypatch):
   monkeypatch.setattr(dfa_splice, "splice", conflict)
   got, whole = _build("nested", 0), _build("nested", WHOLE)
   np.testing.assert_array_equal(got["table"], whole["table"])
-
-
-def _build_schema(schema, compose_above: int) -> dict:
-  kind, text = cw.constraints.JsonSchema(schema)._text()
-  return automaton.build(
-    kind,
-    text,
-    byte_dfa.BYTES.entries,
-    (byte_dfa.STOP,),
-    257,
-    256.0,
-    "dfa",
-    compose_above=compose_above,
-  )
 
 
 def test_parts_are_kept_across_schemas(monkeypatch):

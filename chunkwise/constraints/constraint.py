@@ -98,10 +98,14 @@ class Constraint:
   def fast_forwarded(self) -> Constraint:
     """This constraint with `fast_forward=True` (itself if it has it): a
     copy, nothing compiled again."""
-    if self.fast_forward:
-      return self
+    return self if self.fast_forward else self._copy_with(fast_forward=True)
+
+  def _copy_with(self, **fields) -> Constraint:
+    """A copy of this (frozen) constraint with `fields` set: what it holds
+    already parsed or rewritten is shared, not made again."""
     out = copy.copy(self)
-    object.__setattr__(out, "fast_forward", True)
+    for name, value in fields.items():
+      object.__setattr__(out, name, value)
     return out
 
   def regex(self) -> str:
@@ -210,7 +214,8 @@ class Choice(Constraint):
 WHITESPACE = {"flexible": None, "compact": ""}
 
 
-def _check_whitespace(whitespace) -> None:
+def check_whitespace(whitespace) -> None:
+  """ValueError unless `whitespace` is a key of `WHITESPACE`."""
   if whitespace not in WHITESPACE:
     raise ValueError(
       f"whitespace must be one of {', '.join(map(repr, WHITESPACE))}, "
@@ -289,7 +294,7 @@ class JsonSchema(Constraint):
     whitespace: str = "flexible",
     **limits,
   ):
-    _check_whitespace(whitespace)
+    check_whitespace(whitespace)
     object.__setattr__(self, "whitespace", whitespace)
     depth = max_recursion_depth
     if (
@@ -376,10 +381,8 @@ class JsonSchema(Constraint):
   def with_whitespace(self, whitespace: str) -> JsonSchema:
     """This schema written with `whitespace` ("flexible" or "compact"): a
     copy, nothing parsed or rewritten again."""
-    _check_whitespace(whitespace)
-    out = copy.copy(self)
-    object.__setattr__(out, "whitespace", whitespace)
-    return out
+    check_whitespace(whitespace)
+    return self._copy_with(whitespace=whitespace)
 
   def _check_budget(self, max_table_mb: float):
     """What cannot fit is refused before any compiling (`budget.check`;

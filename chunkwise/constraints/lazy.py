@@ -96,18 +96,17 @@ class Lazy:
     return np.array(sorted(s for s in set(self.stops) if 0 <= s < self.width))
 
   @functools.cached_property
-  def _forced(self) -> tuple[np.ndarray, np.ndarray] | None:
-    """`forced_tokens` with `fast_forward` (None without)."""
+  def _forced(self) -> tuple[np.ndarray, np.ndarray]:
+    """`forced_tokens` (ids, ends) with `fast_forward`; all -1 without."""
     if not self.fast_forward:
-      return None
+      none = np.full(self.states, -1, np.int32)
+      return none, none
     return forced_tokens(self.dfa, self.trie, self._stops)
 
   @property
   def forced_ids(self) -> np.ndarray:
     """int32[S]: the one token each state allows under fast-forward (-1:
     none forced; all -1 without `fast_forward`)."""
-    if self._forced is None:
-      return np.full(self.states, -1, np.int32)
     return self._forced[0]
 
   def next_states(self, state: int) -> np.ndarray:
@@ -115,11 +114,13 @@ class Lazy:
     id: -1 here, see `step`)."""
     hit = self._walks.get(state)
     if hit is None:
-      hit = self.trie.walk(self.dfa.shifted, state + 1) - 1
-      hit[self._stops] = -1  # only ever a stop
-      token = self.forced_ids[state]
-      if token >= 0:  # fast-forward: that token alone
-        hit = np.where(np.arange(hit.size) == token, hit, -1).astype(np.int32)
+      ids, ends = self._forced
+      if ids[state] >= 0:  # fast-forward: that token alone, nothing walked
+        hit = np.full(self.width, -1, np.int32)
+        hit[ids[state]] = ends[state]
+      else:
+        hit = self.trie.walk(self.dfa.shifted, state + 1) - 1
+        hit[self._stops] = -1  # only ever a stop
       hit.setflags(write=False)
       self._walks[state] = hit
       if len(self._walks) > _WALKS:
@@ -150,7 +151,8 @@ class Lazy:
   def distance(self) -> np.ndarray:
     """int32[S]: tokens to a final state along one fixed shortest path of
     bytes from each state (`DEAD`: none); see the module docstring."""
-    return token_distance(self.dfa, self.trie, self._stops, self._forced)
+    forced = self._forced if self.fast_forward else None
+    return token_distance(self.dfa, self.trie, self._stops, forced)
 
   @property
   def longest(self) -> int:
@@ -235,24 +237,15 @@ def compile(
 
 
 def _lone_bytes(trie: Trie, stops: Sequence[int]) -> np.ndarray:
-  """bool[256]: the bytes an id that is not a stop spells alone (kept
-  per vocabulary and stops)."""
+  """`trie.lone_bytes(stops)`, kept per vocabulary and stops."""
   key = (trie.key, tuple(stops))
   if key not in _LONE:
     _LONE.clear()  # one vocabulary at a time, in practice
-    _LONE[key] = _lone_bytes_of(trie, stops)
+    _LONE[key] = trie.lone_bytes(stops)
   return _LONE[key]
 
 
 _LONE: dict = {}
-
-
-def _lone_bytes_of(trie: Trie, stops: Sequence[int]) -> np.ndarray:
-  lone = (trie.token_length == 1) & (trie.token_node >= 0)
-  lone[[s for s in stops if 0 <= s < lone.size]] = False
-  out = np.zeros(256, bool)
-  out[trie.token_bytes[lone, 0]] = True
-  return out
 
 
 # Compiled constraints by (kind, text, vocabulary, stops, limit): the same
@@ -291,7 +284,6 @@ def token_distance(
   after = succ[np.arange(n), first]  # and the state after it
   out = np.full(n, DEAD, np.int32)
   out[dfa.final] = 0
-  keys, nodes = trie.children
   spells = np.zeros(trie.nodes, bool)  # a node some non-stop id spells
   ids = np.flatnonzero(trie.token_node >= 0)
   spells[trie.token_node[ids[~np.isin(ids, stops)]]] = True
@@ -299,10 +291,9 @@ def token_distance(
   q = np.flatnonzero((bytes_to < DEAD) & ~dfa.final)
   at, node = q, np.full(q.size, -1, np.int64)
   while q.size:
-    key = (node + 1) * 256 + first[at]
-    i = np.minimum(np.searchsorted(keys, key), keys.size - 1)
-    found = keys[i] == key  # else no token starts with the path so far
-    q, at, node = q[found], after[at[found]], nodes[i[found]]
+    # (not found: no token starts with the path so far)
+    found, child = trie.child(node, first[at])
+    q, at, node = q[found], after[at[found]], child[found]
     token = spells[node]
     starts.append(q[token])
     ends.append(at[token])
@@ -345,7 +336,6 @@ def forced_tokens(
   moves = table >= 0
   single = (np.count_nonzero(moves, axis=1) == 1) & ~dfa.final
   byte = np.argmax(moves, axis=1)
-  keys, nodes = trie.children
   ids = np.flatnonzero(trie.token_node >= 0)
   ids = ids[~np.isin(ids, stops)]
   token_of = np.full(trie.nodes, -1, np.int64)
@@ -356,10 +346,8 @@ def forced_tokens(
   q = np.flatnonzero(single)
   at, node = q, np.full(q.size, -1, np.int64)
   while q.size:
-    key = (node + 1) * 256 + byte[at]
-    i = np.minimum(np.searchsorted(keys, key), keys.size - 1)
-    found = keys[i] == key  # else no id spells the run so far
-    q, at, node = q[found], at[found], nodes[i[found]]
+    found, child = trie.child(node, byte[at])  # (else no id spells it)
+    q, at, node = q[found], at[found], child[found]
     at = table[at, byte[at]]
     token = token_of[node]
     spelled = token >= 0  # deeper: longer
@@ -371,22 +359,9 @@ def forced_tokens(
   # run's node reads a byte the DFA allows after the run.
   if whole:
     q, at, node = (np.concatenate(x) for x in zip(*whole, strict=True))
-    crosses = _has_child_by(keys, node, moves[at])
+    crosses = trie.has_child_by(node, moves[at])
     out[q[crosses]] = end[q[crosses]] = -1
   return out, end
-
-
-def _has_child_by(keys, node, allowed) -> np.ndarray:
-  """bool[n]: whether trie node `node[i]` has a child by a byte that
-  `allowed[i]` (bool[256]) allows (`keys`: `Trie.children`'s)."""
-  lo = np.searchsorted(keys, (node + 1) * 256)
-  count = np.searchsorted(keys, (node + 2) * 256) - lo
-  owner = np.repeat(np.arange(node.size), count)
-  first = np.repeat(lo - (np.cumsum(count) - count), count)
-  child_byte = keys[first + np.arange(owner.size)] % 256
-  out = np.zeros(node.size, bool)
-  out[owner[allowed[owner, child_byte]]] = True
-  return out
 
 
 def vocabulary_key(vocabulary, width: int) -> str:

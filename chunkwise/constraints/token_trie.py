@@ -52,13 +52,33 @@ class Trie:
     order = np.argsort(keys, kind="stable")
     return keys[order], order.astype(np.int64)
 
-  @property
-  def single_bytes(self) -> np.ndarray:
-    """bool[256]: the bytes some id spells alone."""
+  def child(self, node: np.ndarray, byte: np.ndarray):
+    """(found bool[n], child int64[n]): each node's child by its byte
+    (node -1: the root; `child` is meaningless where not `found`)."""
+    keys, nodes = self.children
+    key = (node + 1) * 256 + byte
+    i = np.minimum(np.searchsorted(keys, key), keys.size - 1)
+    return keys[i] == key, nodes[i]
+
+  def has_child_by(self, node: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """bool[n]: whether node `node[i]` has a child by a byte `allowed[i]`
+    (bool[256]) allows."""
+    keys, _ = self.children
+    lo = np.searchsorted(keys, (node + 1) * 256)
+    count = np.searchsorted(keys, (node + 2) * 256) - lo
+    owner = np.repeat(np.arange(node.size), count)
+    first = np.repeat(lo - (np.cumsum(count) - count), count)
+    child_byte = keys[first + np.arange(owner.size)] % 256
+    out = np.zeros(node.size, bool)
+    out[owner[allowed[owner, child_byte]]] = True
+    return out
+
+  def lone_bytes(self, stops=()) -> np.ndarray:
+    """bool[256]: the bytes an id (not one of `stops`) spells alone."""
+    lone = (self.token_length == 1) & (self.token_node >= 0)
+    lone[[s for s in stops if 0 <= s < lone.size]] = False
     out = np.zeros(256, bool)
-    one = self.token_node[(self.token_node >= 0)]
-    one = one[one < self.levels[1]] if len(self.levels) > 1 else one[:0]
-    out[self.byte[one]] = True
+    out[self.token_bytes[lone, 0]] = True
     return out
 
   @property

@@ -23,7 +23,7 @@ import types
 from collections.abc import Mapping
 from typing import ClassVar
 
-from chunkwise.constraints.constraint import WHITESPACE
+from chunkwise.constraints.constraint import check_whitespace
 from chunkwise.inference import Sampling, Speculation
 from chunkwise.jobs import adapters as adapters_lib
 from chunkwise.jobs import examples
@@ -298,12 +298,10 @@ class GenerateJob(Job):
         self.speculation.checked()
       except ValueError as e:
         raise ValueError(f"--speculate: {e}") from None
-    whitespace = tuple(WHITESPACE)
-    if self.schema_whitespace not in whitespace:
-      raise ValueError(
-        f"schema_whitespace={self.schema_whitespace!r}: expected one of "
-        f"{', '.join(whitespace)}"
-      )
+    try:
+      check_whitespace(self.schema_whitespace)
+    except ValueError as e:
+      raise ValueError(f"schema_whitespace: {e}") from None
     if self.slots is not None:
       _positive("slots", self.slots)
     _positive("steps", self.steps)
