@@ -203,7 +203,7 @@ def test_a_narrowed_schema_is_narrowed_at_once_in_another_process(
   try, not the full one first (which would run past its limit again:
   30 s for a schema that times out), and no worker run."""
   monkeypatch.setattr(C.constraint, "TABLES", "lazy")
-  monkeypatch.setattr(C.constraint, "_narrowing", {})
+  monkeypatch.setattr(C.narrowing, "_levels", {})
   props = {f"field_{i}": {"type": "string", "maxLength": 12} for i in range(16)}
   schema = {"type": "object", "properties": props}
   limits = {"max_table_mb": 0.06 * 25.6}

@@ -37,12 +37,10 @@ import json
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 
-import numpy as np
-
 from chunkwise import untrusted
 from chunkwise.constraints import (
   budget,
-  disk_cache,
+  narrowing,
   schema_rewrite,
   worker,
 )
@@ -223,38 +221,6 @@ def check_whitespace(whitespace) -> None:
     )
 
 
-# Optional properties kept per object by each narrower try of
-# `JsonSchema.compile`.
-NARROWER = (8, 4, 2)
-# (schema, vocabulary, limits) -> the narrowing level that compiled, so a
-# schema is not tried in full again in this process.
-_narrowing: dict = {}
-
-
-def _narrowing_key(memo: tuple) -> str:
-  """The disk cache's key of a schema's narrowing level."""
-  text = json.dumps(memo, default=int)
-  return "narrowing-" + disk_cache.key("narrowing", text, "", (), 0, 0)
-
-
-def _narrowed_level(memo: tuple) -> int:
-  """The narrowing level that compiled `memo` last (in this process, or
-  in another: on disk, so a schema that runs past its limits does not
-  cost them again in every new process); 0 when none did."""
-  if memo not in _narrowing:
-    found = disk_cache.load_arrays(_narrowing_key(memo), ("level",))
-    level = 0 if found is None else int(found["level"])
-    _narrowing[memo] = level if 0 <= level <= len(NARROWER) else 0
-  return _narrowing[memo]
-
-
-def _remember_level(memo: tuple, level: int) -> None:
-  if _narrowing.get(memo) != level:
-    _narrowing[memo] = level
-    if level:  # level 0 is the default: nothing to keep
-      disk_cache.store_arrays(_narrowing_key(memo), {"level": np.array(level)})
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JsonSchema(Constraint):
   """JSON text valid under `schema` (a dict or a JSON string).
@@ -325,9 +291,10 @@ class JsonSchema(Constraint):
   ) -> tables_lib.Tables:
     """As `Constraint.compile`; a schema whose automaton runs past a limit
     (`time_limit_s`, `max_compile_mb`, `max_table_mb`) is compiled again
-    narrowed, keeping the first `NARROWER[i]` optional properties of each
-    object (and one declared property required where none is), each try
-    within half of `time_limit_s`; `narrowed` then says what was left out.
+    narrowed, keeping the first `narrowing.NARROWER[i]` optional
+    properties of each object (and one declared property required where
+    none is), each try within half of `time_limit_s`; `narrowed` then says
+    what was left out.
     Every output is still valid: fewer are possible. Not with
     `strict=True`."""
     self._check_limits()
@@ -346,8 +313,8 @@ class JsonSchema(Constraint):
     )
     written = self._check_budget(self.max_table_mb)
     # Strict schemas compile as written or not at all.
-    last = 0 if self._rewritten is None else len(NARROWER)
-    first = _narrowed_level(memo)
+    last = 0 if self._rewritten is None else len(narrowing.NARROWER)
+    first = narrowing.level(memo)
     if last and not first and budget.too_wide(written):
       first = 1
     first_error = None
@@ -356,7 +323,9 @@ class JsonSchema(Constraint):
         self._rewritten
         if not level
         else schema_rewrite.rewrite(
-          json.loads(self.schema), self.max_recursion_depth, NARROWER[level - 1]
+          json.loads(self.schema),
+          self.max_recursion_depth,
+          narrowing.NARROWER[level - 1],
         )
       )
       kind, text = self._text_of(rewritten)
@@ -373,7 +342,7 @@ class JsonSchema(Constraint):
       except worker.LimitError as e:
         first_error = first_error or e
         continue
-      _remember_level(memo, level)
+      narrowing.remember(memo, level)
       object.__setattr__(self, "_used", rewritten)
       return tables
     raise first_error
