@@ -350,6 +350,19 @@ def test_overloaded_and_closed(tiny):
   e = serving.Engine(
     tiny, slots=1, capacity=64, max_queue=1, every=2, warm_up=False
   )
+  # The engine's thread is held before its second segment, so the first
+  # request stays in the slot however fast the model is.
+  started, go, apply = threading.Event(), threading.Event(), e._apply
+
+  def held(*args):
+    if started.is_set():
+      go.wait(60)
+    out = apply(*args)
+    if out:  # the first request's first tokens
+      started.set()
+    return out
+
+  e._apply = held
   g = serving.Generation(prompt=[1, 3], max_new_tokens=40)
   first = e.submit(g)
   first_tokens = iter(first)
@@ -357,6 +370,7 @@ def test_overloaded_and_closed(tiny):
   e.submit(g)  # waits
   with pytest.raises(serving.Overloaded):
     e.submit(g)
+  go.set()
   assert e.close(grace=60.0)
   with pytest.raises(serving.Closed):
     e.submit(g)
@@ -383,6 +397,41 @@ def test_stop_strings_find_and_hold_back():
   assert s.safe("abc\n") == 3
   assert s.safe("abc") == 3
   assert text_lib.StopStrings([]).safe("x\n") == 2
+
+
+def test_streamed_logprobs_follow_the_text_shown():
+  """A streamed completion's log-probs cover exactly the tokens whose text
+  was sent: a token the text has not reached (held back for a stop string,
+  or read before its text) waits for a later chunk, never dropped; at the
+  end, tokens past the shown text (a stop string's) are left out."""
+  from chunkwise.serving import openai_api
+  from chunkwise.serving.stream import Token
+
+  class Entries:  # what `CompletionLogprobs.token` is given
+    def token(self, t, text):
+      return (t.id, text)
+
+  toks = [Token(1, "aa", 0.0, False), Token(2, "b", 0.0, False)]
+  toks += [Token(3, "", 0.0, False), Token(4, "EN", 0.0, False)]
+  toks += [Token(5, "D!", 0.0, False), Token(0, "", 0.0, True)]
+  lp = Entries()
+  # 2 characters shown: "b" waits
+  assert openai_api.shown_entries(lp, toks, 0, 2, False) == ([(1, "aa")], 1, 2)
+  # "aab" shown, "EN" held back (it may start "END"): the empty token goes
+  out = openai_api.shown_entries(lp, toks[1:], 2, 3, False)
+  assert out == ([(2, "b"), (3, "")], 2, 3)
+  # the end, the stop string "END" cut: "EN" is not shown, nor what follows
+  out = openai_api.shown_entries(lp, toks[3:], 3, 3, True)
+  assert out == ([], 0, 3)
+  # the end with all text shown: "D!" and the special token complete it
+  out = openai_api.shown_entries(lp, toks[3:], 3, 7, True)
+  assert out == ([(4, "EN"), (5, "D!")], 3, 7)
+  assert openai_api.completion_entries(lp, toks, 4) == [
+    (1, "aa"),
+    (2, "b"),
+    (3, ""),
+    (4, "E"),
+  ]
 
 
 def test_a_fault_fails_one_http_request_and_the_server_goes_on(

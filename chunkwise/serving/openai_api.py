@@ -156,16 +156,28 @@ def completion(
 def completion_entries(lp: CompletionLogprobs, tokens, chars: int) -> list:
   """Log-prob entries of the non-special `tokens` whose text is shown (the
   first `chars` characters of theirs; a stop string's tokens are cut)."""
-  out, shown = [], 0
+  return shown_entries(lp, tokens, 0, chars, final=True)[0]
+
+
+def shown_entries(lp, tokens, start: int, shown: int, final: bool):
+  """(entries, tokens used, characters they spell) of `tokens`, which
+  start at character `start` of a choice's text, up to character `shown`.
+  A token whose text goes past `shown` waits (it is held back, or still
+  being detokenized), unless `final`: then it is cut there, and tokens
+  past it (a stop string's) are left out. Special tokens are used with
+  no entry."""
+  out, used, at = [], 0, start
   for t in tokens:
     if t.special:
+      used += 1
       continue
-    if shown >= chars and t.text:
-      break  # the rest spells the stop string, or is held back
-    text = t.text[: max(0, chars - shown)]
-    shown += len(t.text)
-    out.append(lp.token(t, text))
-  return out
+    if at + len(t.text) > shown and not final:
+      break
+    if at >= shown and t.text:
+      break  # the rest spells the stop string
+    out.append(lp.token(t, t.text[: max(0, shown - at)]))
+    used, at = used + 1, at + len(t.text)
+  return out, used, at
 
 
 def chat_logprobs(ctx: Context, tokens: list[Token], k: int) -> list[dict]:

@@ -103,6 +103,7 @@ async def openai_events(
   )
   called = dict.fromkeys(streams, False)
   sent_tokens = dict.fromkeys(streams, 0)
+  shown_chars = dict.fromkeys(streams, 0)  # what the sent tokens spell
   lp = {
     i: openai_api.CompletionLogprobs(ctx, call.logprobs or 0) for i in streams
   }
@@ -148,9 +149,22 @@ async def openai_events(
       else:
         text = held[index].delta(s, final)
         deltas = [{"content": text}] if text else []
-      tokens = s.tokens[sent_tokens[index] :] if final or deltas else []
-      sent_tokens[index] += len(tokens)
-      logprobs = _chunk_logprobs(ctx, call, chat, lp[index], tokens, text)
+      if chat:
+        tokens = s.tokens[sent_tokens[index] :] if final or deltas else []
+        sent_tokens[index] += len(tokens)
+        logprobs = _chat_logprobs(ctx, call, tokens)
+      else:  # the tokens whose text is shown so far (it may run ahead)
+        logprobs = None
+        if call.logprobs is not None:
+          entries, used, shown_chars[index] = openai_api.shown_entries(
+            lp[index],
+            s.tokens[sent_tokens[index] :],
+            shown_chars[index],
+            held[index].sent,
+            final,
+          )
+          sent_tokens[index] += used
+          logprobs = openai_api.merge(entries) if entries else None
       finish = None
       if final:
         finish = (
@@ -199,11 +213,8 @@ async def openai_events(
   return response
 
 
-def _chunk_logprobs(ctx, call, chat, lp, tokens, text):
+def _chat_logprobs(ctx, call, tokens):
   if call.logprobs is None or not tokens:
     return None
-  if chat:
-    content = openai_api.chat_logprobs(ctx, tokens, call.logprobs)
-    return {"content": content, "refusal": None} if content else None
-  entries = openai_api.completion_entries(lp, tokens, len(text))
-  return openai_api.merge(entries) if entries else None
+  content = openai_api.chat_logprobs(ctx, tokens, call.logprobs)
+  return {"content": content, "refusal": None} if content else None
