@@ -8,20 +8,33 @@ import numpy as np
 from chunkwise.constraints.tables import DEAD
 
 
-def same_language(a: dict, b: dict) -> int:
+def same_language(a: dict, b: dict, without: bytes = b"") -> int:
   """Asserts that two trimmed DFAs over bytes accept the same texts (a
-  walk of their product from both starts); returns the pairs walked."""
-  seen, todo = {(0, 0)}, [(0, 0)]
+  walk of their product from both starts), or with `without` (bytes that
+  are all different) the same texts that do not contain it; returns the
+  triples walked (a's state, b's, how much of `without` the text ends
+  with)."""
+  seen, todo = {(0, 0, 0)}, [(0, 0, 0)]
   while todo:
-    p, q = todo.pop()
-    assert a["final"][p] == b["final"][q], (p, q)
+    p, q, k = todo.pop()
     ra, rb = a["table"][p], b["table"][q]
-    np.testing.assert_array_equal(ra >= 0, rb >= 0, err_msg=f"{(p, q)}")
-    for byte in np.flatnonzero(ra >= 0):
-      pair = (int(ra[byte]), int(rb[byte]))
-      if pair not in seen:
-        seen.add(pair)
-        todo.append(pair)
+    step = [
+      k + 1 if without and byte == without[k] else 0 for byte in range(256)
+    ]
+    if without:
+      step = [
+        j if j or byte != without[0] else 1 for byte, j in enumerate(step)
+      ]
+    allowed = np.array([j < len(without) or not without for j in step])
+    assert a["final"][p] == b["final"][q], (p, q)
+    np.testing.assert_array_equal(
+      (ra >= 0) & allowed, (rb >= 0) & allowed, err_msg=f"{(p, q)}"
+    )
+    for byte in np.flatnonzero((ra >= 0) & allowed):
+      triple = (int(ra[byte]), int(rb[byte]), step[byte])
+      if triple not in seen:
+        seen.add(triple)
+        todo.append(triple)
   return len(seen)
 
 

@@ -190,13 +190,13 @@ def test_parts_are_kept_across_schemas(monkeypatch):
   recently used go. The DFAs spell what their whole regexes spell."""
   monkeypatch.setattr(automaton, "_LEAVES", type(automaton._LEAVES)())
   compiled = []
-  real = automaton._marked_index
+  real = automaton.byte_dfa
 
   def counted(regex, *args):
     compiled.append(regex)
     return real(regex, *args)
 
-  monkeypatch.setattr(automaton, "_marked_index", counted)
+  monkeypatch.setattr(automaton, "byte_dfa", counted)
   a = {
     "type": "object",
     "properties": {"x": _part(1), "y": {"type": "integer"}},
@@ -259,7 +259,7 @@ def test_a_framed_regex_spells_its_regex_with_the_parts_in_place():
   np.testing.assert_array_equal(build(None)["table"], composed["table"])
   # the parts were put in place (nothing conflicted)
   vocab = byte_dfa.BYTES.entries
-  assert automaton._composed(kind, text, vocab, (256,), 257) is not None
+  assert automaton._composed(kind, text, vocab, (256,), 257, 256.0) is not None
 
 
 def test_a_framed_constraint_masks_as_the_eager_tables():

@@ -88,9 +88,17 @@ def regex_of(kind: str, text: str) -> str:
   )
   for name, piece in payload["pieces"].items():
     # A piece in a definition nothing reaches is absent: nothing to splice.
-    literal = build(json.dumps({"const": name}))
-    regex = regex.replace(literal, "(" + piece + ")")
+    regex = regex.replace(_const_regex(name), "(" + piece + ")")
   return regex
+
+
+@functools.lru_cache(maxsize=4096)
+def _const_regex(name: str) -> str:
+  """outlines-core's regex of the JSON string `name` (a piece's
+  placeholder): asked for once per placeholder, not once per part."""
+  from outlines_core.json_schema import build_regex_from_schema
+
+  return build_regex_from_schema(json.dumps({"const": name}), None, 3)
 
 
 def _parts(kind: str, text: str):
@@ -113,28 +121,84 @@ def _parts(kind: str, text: str):
 COMPOSE_ABOVE = 20_000
 
 
-def _splicer():
-  """`dfa_splice`: chunkwise's, or in the worker (which never imports
-  chunkwise) the file beside this one."""
+def _sibling(name: str):
+  """A module beside this one (`dfa_splice`, `regex_dfa`): chunkwise's, or
+  in the worker (which never imports chunkwise) the file by its path."""
   if __package__:
-    from chunkwise.constraints import dfa_splice
+    import importlib
 
-    return dfa_splice
+    return importlib.import_module(f"chunkwise.constraints.{name}")
   import importlib.util
 
-  name = "chunkwise_dfa_splice"
-  if name not in sys.modules:
+  key = f"chunkwise_{name}"
+  if key not in sys.modules:
     path = os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), "dfa_splice.py"
+      os.path.dirname(os.path.abspath(__file__)), f"{name}.py"
     )
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(key, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules[name] = module
-  return sys.modules[name]
+    sys.modules[key] = module
+  return sys.modules[key]
 
 
-def _composed(kind, text, vocab, stops, width) -> dict | None:
+def _splicer():
+  return _sibling("dfa_splice")
+
+
+def byte_dfa(regex: str, max_table_mb: float, width: int) -> dict | None:
+  """The trimmed DFA over bytes of `regex` (`dfa_table`'s `table` and
+  `final`, 0 the start) from the native compiler (`regex_dfa`), None
+  where it does not take the regex (outlines-core then compiles it).
+  UserError where its states' mask bits at `width` would pass
+  `max_table_mb` (as `build`'s check)."""
+  native = _sibling("regex_dfa")
+  max_states = int(max_table_mb * 2**20 // (-(-width // 32) * 4))
+  try:
+    out = native.build(regex, max_states, _cached_class_ranges())
+  except native.TooManyStates:
+    raise UserError(
+      f"the constraint {short(regex)} needs more than {max_states} "
+      f"automaton states, over the limit of max_table_mb={max_table_mb:g} "
+      f"at vocabulary width {width}; simplify it (e.g. a smaller "
+      "maxLength) or raise the limit"
+    ) from None
+  return None if out is None else {"table": out.table, "final": out.final}
+
+
+def _minimal(table: np.ndarray, final: np.ndarray):
+  """A spliced DFA's states reached from 0, minimized where the native
+  compiler is there (`regex_dfa.minimal`), else renumbered
+  (`dfa_splice.reached`, its plain twin)."""
+  out = _sibling("regex_dfa").minimal(table, final)
+  if out is None:
+    return _splicer().reached(table, final)
+  return out.table, out.final
+
+
+def _class_ranges(letter: str) -> np.ndarray:
+  """The code points of Rust's `\\d`, `\\s` or `\\w`, as outlines-core's
+  DFA over bytes accepts them (`regex_dfa.code_points`)."""
+  out = _outlines_dfa("\\" + letter, _BYTE_VOCAB, (256,), 257)
+  return _sibling("regex_dfa").code_points(out["table"], out["final"])
+
+
+@functools.cache
+def _cached_class_ranges():
+  from importlib import metadata
+
+  try:
+    version = metadata.version("outlines-core")
+  except metadata.PackageNotFoundError:
+    version = "unknown"
+  return _sibling("regex_dfa").cached_classes(_class_ranges, version)
+
+
+# The 256 single bytes as outlines-core's vocabulary (ids 0-255).
+_BYTE_VOCAB = {bytes([b]): [b] for b in range(256)}
+
+
+def _composed(kind, text, vocab, stops, width, max_table_mb) -> dict | None:
   """`dfa_table`'s result for a schema or a framed regex, its DFA put
   together from its parts' (`dfa_splice`); None where they do not join
   cleanly (or a part does not compile alone): then the whole regex is
@@ -147,10 +211,10 @@ def _composed(kind, text, vocab, stops, width) -> dict | None:
     if hit is not None:
       _LEAVES.move_to_end(key)
       return hit
-    index, transitions, finals = _marked_index(_led(regex), vocab, stops, width)
-    initial = index.get_initial_state()
-    out = _unled(dfa_table(transitions, initial, finals, stops, width))
-    if out is None:
+    out = byte_dfa(regex, max_table_mb, width) or _outlines_dfa(
+      regex, vocab, stops, width
+    )
+    if out is None or not (out["final"][0] or out["table"][0].max() >= 0):
       raise UserError("a part matches nothing")
     return _keep_leaf(key, out["table"], out["final"])
 
@@ -166,9 +230,9 @@ def _composed(kind, text, vocab, stops, width) -> dict | None:
         )
         for name, (k, t) in payload["parts"].items()
       }
-      return splice.frame(payload["regex"], parts, leaf)
+      return splice.frame(payload["regex"], parts, leaf, _minimal)
     schema, of = _parts(kind, text)
-    return splice.compose(schema, of, leaf)
+    return splice.compose(schema, of, leaf, _minimal)
 
   try:
     table, final = dfa(kind, text)
@@ -217,9 +281,19 @@ def build(
     return {"regex": regex}
   if compose_above is None:  # a frame's parts: always alone (tool lists)
     compose_above = 0 if kind == "framed" else COMPOSE_ABOVE
+  words = -(-width // 32)
   if output == "dfa" and kind != "regex" and len(regex) > compose_above:
-    out = _composed(kind, text, vocab, stops, width)
+    out = _composed(kind, text, vocab, stops, width, max_table_mb)
     if out is not None:
+      return {**out, "regex": regex, "build_s": time.perf_counter() - start}
+  if output == "dfa":
+    out = byte_dfa(regex, max_table_mb, width)
+    if out is not None:
+      if not (out["final"][0] or out["table"][0].max() >= 0):
+        raise UserError(
+          f"the constraint {short(regex)} matches no text this vocabulary "
+          "can spell"
+        )
       return {**out, "regex": regex, "build_s": time.perf_counter() - start}
   try:
     index, transitions, finals = _marked_index(
@@ -236,7 +310,6 @@ def build(
       f"the constraint {short(regex)} is not a supported regex: {message}"
     ) from None
   n_states = count_states(index)
-  words = -(-width // 32)
   mb = n_states * words * 4 / 2**20
   if mb > max_table_mb:
     raise UserError(
@@ -261,6 +334,14 @@ def build(
       f"the constraint {short(regex)} matches no text this vocabulary can spell"
     )
   return {**out, "regex": regex, "build_s": time.perf_counter() - start}
+
+
+def _outlines_dfa(regex, vocab, stops, width) -> dict | None:
+  """`byte_dfa`'s plain twin: outlines-core's DFA of `regex` over the
+  single bytes (None: nothing matches)."""
+  index, transitions, finals = _marked_index(_led(regex), vocab, stops, width)
+  initial = index.get_initial_state()
+  return _unled(dfa_table(transitions, initial, finals, stops, width))
 
 
 # Characters that end a regex's text in `_marked_index` (noncharacters:

@@ -73,19 +73,24 @@ class Conflict(Exception):
 Leaf = Callable[[str], tuple[np.ndarray, np.ndarray]]
 
 
+Trim = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
 def compose(
-  schema, regex_of: Callable[[object], str], leaf: Leaf
+  schema, regex_of: Callable[[object], str], leaf: Leaf, trim: Trim = None
 ) -> tuple[np.ndarray, np.ndarray]:
   """(table, final) of `schema` (a parsed JSON schema without `$ref`s, as
   `schema_rewrite` leaves it), with `regex_of(schema)` its regex (pieces
-  spliced in) and `leaf(regex)` a regex's DFA. Raises `Conflict`."""
-  return _Composer(regex_of, leaf).dfa(schema)
+  spliced in) and `leaf(regex)` a regex's DFA. `trim` renumbers each
+  spliced DFA (`reached`, or a minimizer). Raises `Conflict`."""
+  return _Composer(regex_of, leaf, trim or reached).dfa(schema)
 
 
 class _Composer:
-  def __init__(self, regex_of, leaf):
+  def __init__(self, regex_of, leaf, trim):
     self.regex_of = regex_of
     self.leaf = leaf
+    self.trim = trim
     self.done: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
   def dfa(self, schema) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +116,7 @@ class _Composer:
         return table, final
       inner = {name: self.dfa(sub) for name, (sub, _) in parts.items()}
       try:
-        return splice(table, final, inner)
+        return splice(table, final, inner, self.trim)
       except Conflict as e:
         inline.add(parts[e.part][1])
 
@@ -165,11 +170,13 @@ def marker_regex(name: str) -> str:
   return f"\\x{OPEN:02x}{name}\\x{CLOSE:02x}"
 
 
-def frame(regex: str, parts: dict, leaf: Leaf) -> tuple[np.ndarray, np.ndarray]:
+def frame(
+  regex: str, parts: dict, leaf: Leaf, trim: Trim = None
+) -> tuple[np.ndarray, np.ndarray]:
   """(table, final) of `regex` with each part's marker (`marker_regex`)
   replaced by it: `parts` maps a name to (a function making its DFA, a
   function making its regex). A part that conflicts is written in place
-  as its regex, and the frame compiled again."""
+  as its regex, and the frame compiled again. `trim` as `compose`'s."""
   inline: set[str] = set()
   while True:
     text = regex
@@ -184,7 +191,7 @@ def frame(regex: str, parts: dict, leaf: Leaf) -> tuple[np.ndarray, np.ndarray]:
     if not live:
       return table, final
     try:
-      return splice(table, final, live)
+      return splice(table, final, live, trim or reached)
     except Conflict as e:
       inline.add(e.part)
 
@@ -193,10 +200,13 @@ def splice(
   table: np.ndarray,
   final: np.ndarray,
   parts: dict[str, tuple[np.ndarray, np.ndarray]],
+  trim: Trim = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """`table`/`final` (trimmed, state 0 the start) with every marker path
   replaced by a copy of its part's DFA (the module docstring); the
-  result trimmed to the states reached from 0. Raises `Conflict`."""
+  result trimmed to the states reached from 0 (`trim`: `reached`, or a
+  minimizer). Raises `Conflict`."""
+  trim = trim or reached
   table = table.copy()
   final = final.copy()
   entries = np.flatnonzero(table[:, OPEN] >= 0)
@@ -216,7 +226,7 @@ def splice(
   names = list(parts)
   paths = [(a, names[i], b) for a, i, b in sorted(found)]
   if not paths:  # no marker on a path to an end
-    return reached(table, final)
+    return trim(table, final)
   # One copy of a part per continuation, its start state left out.
   copies: dict[tuple[str, int], int] = {}  # -> the copy's first state
   blocks = []
@@ -256,7 +266,7 @@ def splice(
       raise Conflict(name, "its end reads a byte its continuation reads")
     out[np.ix_(ends, reads)] = after[reads]
     out_final[ends] = final[b]
-  return reached(out, out_final)
+  return trim(out, out_final)
 
 
 def reached(table: np.ndarray, final: np.ndarray, start: int = 0):

@@ -7,8 +7,9 @@
 A table is keyed by everything its build depends on: the constraint's
 kind and text, the vocabulary's bytes (`tables.Vocab.key`), stop ids,
 logits width, the table-size limit, and the versions of the code that
-builds it (outlines-core's version and a hash of `automaton.py` and
-`dfa_splice.py`), so a
+builds it (outlines-core's version and a hash of `automaton.py`,
+`dfa_splice.py` and the native compiler, `regex_dfa.py` and
+`regex_dfa.cc`), so a
 new release never reads an old layout. Each entry is one `.npz` of plain
 arrays (read with `allow_pickle=False`), written to a temporary name and
 renamed into place, so a reader never sees half a file. An entry whose
@@ -30,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from chunkwise.constraints import automaton, dfa_splice
+from chunkwise.constraints import automaton, dfa_splice, regex_dfa
 
 MAX_BYTES = 2 << 30
 FIELDS = ("bits", "token_class", "next_state", "final", "distance")
@@ -70,8 +71,14 @@ def _code_version() -> str:
   from importlib import metadata
 
   digest = hashlib.sha256()
-  for module in (automaton, dfa_splice):  # the worker's code
-    with open(module.__file__, "rb") as f:
+  native = os.path.join(os.path.dirname(regex_dfa.__file__), "regex_dfa.cc")
+  for path in (
+    automaton.__file__,
+    dfa_splice.__file__,
+    regex_dfa.__file__,
+    native,
+  ):
+    with open(path, "rb") as f:  # the worker's code
       digest.update(f.read())
   source = digest.hexdigest()[:16]
   return f"outlines-core {metadata.version('outlines-core')}, {source}"

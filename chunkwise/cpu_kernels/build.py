@@ -24,9 +24,7 @@ False: every matmul then takes the plain XLA path. Setting
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
@@ -39,6 +37,8 @@ import tempfile
 
 import jax
 import jaxlib
+
+from chunkwise.cpu_kernels.toolchain import cache_dir, compiler, locked, version
 
 INVARIANT_TARGET = "chunkwise_invariant_matmul"
 UNARY_TARGET = "chunkwise_invariant_unary"
@@ -74,24 +74,10 @@ def enabled() -> bool:
   return value not in ("0", "false", "off", "no")
 
 
-def compiler() -> str | None:
-  for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
-
-
 def machine() -> str:
   """The architecture's name in `VARIANTS` ("x86_64", "aarch64", ...)."""
   m = platform.machine().lower()
   return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
-
-
-def _cache_dir() -> pathlib.Path:
-  root = os.environ.get("CHUNKWISE_KERNEL_CACHE")
-  if root:
-    return pathlib.Path(root)
-  return pathlib.Path.home() / ".cache" / "chunkwise" / "kernels"
 
 
 # Each instruction set's kernels are a shared object of their own: the
@@ -160,36 +146,22 @@ def compile_variants(
   return built
 
 
-@contextlib.contextmanager
-def _locked(directory: pathlib.Path):
-  directory.mkdir(parents=True, exist_ok=True)
-  with open(directory / "build.lock", "w") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _compile(cxx: str) -> pathlib.Path:
   """The directory of the built libraries: main.so (ffi.cc, portable.cc)
   and <variant>.so for each variant that compiled."""
   sources = ("kernels.cc", "portable.cc", "ffi.cc", *_HEADERS)
   text = b"\0".join((_HERE / s).read_bytes() for s in sources)
-  version = subprocess.run(
-    [cxx, "--version"], capture_output=True, text=True, check=True
-  ).stdout
   variants = VARIANTS.get(machine(), {})
   key = hashlib.sha256(
     b"\0".join(
       s.encode() if isinstance(s, str) else s
-      for s in (text, version, jaxlib.__version__, repr(variants), *FLAGS)
+      for s in (text, version(cxx), jaxlib.__version__, repr(variants), *FLAGS)
     )
   ).hexdigest()[:16]
-  out = _cache_dir() / f"kernels-{key}"
+  out = cache_dir() / f"kernels-{key}"
   if (out / "main.so").exists():
     return out
-  with _locked(out.parent):
+  with locked(out.parent):
     if (out / "main.so").exists():  # built while this process waited
       return out
     work = pathlib.Path(tempfile.mkdtemp(dir=out.parent))
