@@ -222,6 +222,10 @@ def engines(model, names: Sequence[str]) -> list:
       out.append(Chunkwise(model))
     else:
       out.append(Peer(schema_coverage.PEERS[name], model, hf, tokenizer))
+    # What a process does once (chunkwise: start its compile worker and
+    # read the vocabulary's trie; a peer: its tokenizer's tables) is no
+    # schema's compile: every engine compiles one trivial schema first.
+    out[-1].compile("warm-up", '{"type": "integer"}')
   return out
 
 

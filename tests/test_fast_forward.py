@@ -108,10 +108,14 @@ def test_forced_states_allow_their_token_alone(smol_vocab, name):
       masks.trie.token_bytes[token, : masks.trie.token_length[token]]
     )
     assert masks.step(s, token) == masks.dfa.run(spelled, s)
-  np.testing.assert_array_equal(
-    masks.distance,
-    plain_token_distance(masks.dfa, masks.trie, masks._stops, masks.forced_ids),
+  plain = plain_token_distance(
+    masks.dfa, masks.trie, masks._stops, masks.forced_ids
   )
+  np.testing.assert_array_equal(masks.distance, plain)
+  numpy_twin = lazy.token_distance(
+    masks.dfa, masks.trie, masks._stops, masks._forced, native=False
+  )
+  np.testing.assert_array_equal(numpy_twin, plain)
 
 
 def test_the_device_walk_is_the_host_walk_with_forced_rows(smol_vocab):

@@ -147,10 +147,11 @@ def test_token_distance_is_the_plain_walk(smol_vocab, name):
   width = len(smol_vocab.token_bytes())
   masks = _lazy(CORPUS[name], smol_vocab, tuple(smol_vocab.eos_ids), width)
   stops = masks._stops
-  np.testing.assert_array_equal(
-    lazy.token_distance(masks.dfa, masks.trie, stops),
-    plain_token_distance(masks.dfa, masks.trie, stops),
-  )
+  plain = plain_token_distance(masks.dfa, masks.trie, stops)
+  for native in (True, False):  # the native walk, then its NumPy twin
+    np.testing.assert_array_equal(
+      lazy.token_distance(masks.dfa, masks.trie, stops, native=native), plain
+    )
 
 
 @pytest.mark.parametrize("name", ["integer", "string", "nested", "schema"])

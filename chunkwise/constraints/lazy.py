@@ -45,7 +45,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from chunkwise.constraints import byte_dfa, token_trie, worker
+from chunkwise.constraints import byte_dfa, regex_dfa, token_trie, worker
 from chunkwise.constraints import tables as tables_lib
 from chunkwise.constraints.byte_dfa import ByteDfa
 from chunkwise.constraints.tables import DEAD  # a state that cannot finish
@@ -248,6 +248,22 @@ def _lone_bytes(trie: Trie, stops: Sequence[int]) -> np.ndarray:
 _LONE: dict = {}
 
 
+def _spells(trie: Trie, stops) -> np.ndarray:
+  """bool[nodes]: the trie nodes some id (not a stop) spells, kept per
+  vocabulary and stops."""
+  key = (trie.key, tuple(np.asarray(stops).tolist()))
+  if key not in _SPELLS:
+    _SPELLS.clear()  # one vocabulary at a time, in practice
+    out = np.zeros(trie.nodes, bool)
+    ids = np.flatnonzero(trie.token_node >= 0)
+    out[trie.token_node[ids[~np.isin(ids, stops)]]] = True
+    _SPELLS[key] = out
+  return _SPELLS[key]
+
+
+_SPELLS: dict = {}
+
+
 # Compiled constraints by (kind, text, vocabulary, stops, limit): the same
 # object again, so a loop's rows share its grammar id and its walks.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
@@ -262,7 +278,11 @@ def clear_cache() -> None:
 
 
 def token_distance(
-  dfa: ByteDfa, trie: Trie, stops: np.ndarray, forced: tuple | None = None
+  dfa: ByteDfa,
+  trie: Trie,
+  stops: np.ndarray,
+  forced: tuple | None = None,
+  native: bool = True,
 ) -> np.ndarray:
   """int32[S]: for each state, the fewest tokens (not `stops`) that spell
   its path of bytes to a final state, where each state's path is one
@@ -275,7 +295,17 @@ def token_distance(
   its path); then states take their best pair level by level of their
   byte distance (a pair's end is nearer). `tests/test_lazy_masks.py`
   compares it with the plain walk, state by state (13 k states of a
-  Kubernetes schema: 125 ms in Python, now a few)."""
+  Kubernetes schema: 125 ms in Python, now a few). The native compiler
+  does the same walk per state (`regex_dfa.token_distance`: a median
+  schema's in ~50 us, against ~1 ms here); this NumPy body is its twin
+  (`native=False`)."""
+  spells = _spells(trie, stops)
+  if native:
+    out = regex_dfa.token_distance(
+      dfa.table, dfa.final, trie.children, spells, forced, DEAD
+    )
+    if out is not None:
+      return out
   bytes_to = dfa.distance()
   n = dfa.states
   succ = dfa.table  # [S, 256]
@@ -284,9 +314,6 @@ def token_distance(
   after = succ[np.arange(n), first]  # and the state after it
   out = np.full(n, DEAD, np.int32)
   out[dfa.final] = 0
-  spells = np.zeros(trie.nodes, bool)  # a node some non-stop id spells
-  ids = np.flatnonzero(trie.token_node >= 0)
-  spells[trie.token_node[ids[~np.isin(ids, stops)]]] = True
   starts, ends = [], []
   q = np.flatnonzero((bytes_to < DEAD) & ~dfa.final)
   at, node = q, np.full(q.size, -1, np.int64)

@@ -1045,6 +1045,82 @@ Dfa Build(const char* regex, size_t len, int64_t max_states,
   return out;
 }
 
+// Budget forcing's distances (`lazy.token_distance`, its NumPy twin):
+// for each state, the fewest tokens that spell its path of bytes to a
+// final state, where each state's path is its shortest one by the
+// smallest byte, continued by the next state's. `keys`/`nodes`: the
+// trie's children sorted (`Trie.children`), `spells`: the nodes some
+// allowed token ends at; `forced_ids`/`forced_end` (or null): a state
+// whose id is set counts only the pair its forced token makes.
+void TokenDistance(const int32_t* table, const uint8_t* final, int32_t n,
+                   const int64_t* keys, const int64_t* nodes, int64_t nkeys,
+                   const uint8_t* spells, const int32_t* forced_ids,
+                   const int32_t* forced_end, int32_t dead, int32_t* out) {
+  // bytes to a final state: breadth-first, backwards
+  std::vector<int64_t> head(n + 1, 0);
+  for (int64_t k = 0; k < static_cast<int64_t>(n) * 256; ++k) {
+    if (table[k] >= 0) ++head[table[k] + 1];
+  }
+  for (int32_t s = 0; s < n; ++s) head[s + 1] += head[s];
+  std::vector<int32_t> from(head[n]);
+  {
+    std::vector<int64_t> fill(head.begin(), head.end() - 1);
+    for (int32_t s = 0; s < n; ++s) {
+      for (int b = 0; b < 256; ++b) {
+        int32_t t = table[static_cast<int64_t>(s) * 256 + b];
+        if (t >= 0) from[fill[t]++] = s;
+      }
+    }
+  }
+  std::vector<int32_t> bytes_to(n, dead), order;
+  for (int32_t s = 0; s < n; ++s) {
+    if (final[s]) bytes_to[s] = 0, order.push_back(s);
+  }
+  for (size_t k = 0; k < order.size(); ++k) {
+    int32_t t = order[k];
+    for (int64_t i = head[t]; i < head[t + 1]; ++i) {
+      if (bytes_to[from[i]] == dead) {
+        bytes_to[from[i]] = bytes_to[t] + 1;
+        order.push_back(from[i]);
+      }
+    }
+  }
+  // each state's next byte along its path, and the state after it
+  std::vector<int32_t> first(n, 0), after(n, -1);
+  for (int32_t s = 0; s < n; ++s) {
+    if (bytes_to[s] == dead || final[s]) continue;
+    const int32_t* row = &table[static_cast<int64_t>(s) * 256];
+    for (int b = 0; b < 256; ++b) {
+      if (row[b] >= 0 && bytes_to[row[b]] == bytes_to[s] - 1) {
+        first[s] = b, after[s] = row[b];
+        break;
+      }
+    }
+  }
+  for (int32_t s = 0; s < n; ++s) out[s] = final[s] ? 0 : dead;
+  // by increasing distance (`order`: breadth-first), each state's best
+  // token: its path walked down the trie
+  for (int32_t s : order) {
+    if (final[s]) continue;
+    int32_t best = dead;
+    int64_t node = -1;
+    int32_t at = s;
+    while (true) {
+      int64_t key = (node + 1) * 256 + first[at];
+      const int64_t* it = std::lower_bound(keys, keys + nkeys, key);
+      if (it == keys + nkeys || *it != key) break;
+      node = nodes[it - keys];
+      at = after[at];
+      bool counted = !forced_ids || forced_ids[s] < 0 || forced_end[s] == at;
+      if (spells[node] && counted && out[at] < dead) {
+        best = std::min(best, out[at] + 1);
+      }
+      if (final[at]) break;
+    }
+    out[s] = best;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1094,6 +1170,16 @@ __attribute__((visibility("default"))) void* cw_dfa_minimize(
     *status = kNoMemory;
   }
   return nullptr;
+}
+
+// `TokenDistance` (forced_ids, forced_end: null where none is forced).
+__attribute__((visibility("default"))) void cw_token_distance(
+    const int32_t* table, const uint8_t* final, int32_t n,
+    const int64_t* keys, const int64_t* nodes, int64_t nkeys,
+    const uint8_t* spells, const int32_t* forced_ids,
+    const int32_t* forced_end, int32_t dead, int32_t* out) {
+  TokenDistance(table, final, n, keys, nodes, nkeys, spells, forced_ids,
+                forced_end, dead, out);
 }
 
 __attribute__((visibility("default"))) int32_t cw_regex_dfa_states(

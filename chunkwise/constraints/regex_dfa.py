@@ -95,6 +95,10 @@ _SIGNATURES = {
   "cw_regex_dfa_copy": (None, [_P, _P, _P]),
   "cw_regex_dfa_free": (None, [_P]),
   "cw_regex_set_class": (None, [_I32, _P, _I64]),
+  "cw_token_distance": (
+    None,
+    [_P, _P, _I32, _P, _P, _I64, _P, _P, _P, _I32, _P],
+  ),
 }
 
 
@@ -219,6 +223,44 @@ def minimal(table: np.ndarray, final: np.ndarray, start: int = 0) -> Dfa | None:
       raise ValueError(f"not a DFA over bytes from state {start}")
     return None  # two columns' hashes collided (never seen): not minimized
   return _take(lib, handle)
+
+
+def token_distance(
+  table: np.ndarray,
+  final: np.ndarray,
+  children: tuple[np.ndarray, np.ndarray],
+  spells: np.ndarray,
+  forced: tuple[np.ndarray, np.ndarray] | None,
+  dead: int,
+) -> np.ndarray | None:
+  """`lazy.token_distance` natively (that function's NumPy body is its
+  twin): `children` the trie's (keys, nodes), `spells` bool[nodes]: a
+  node some allowed token ends at. None without the library."""
+  lib = library()
+  if lib is None:
+    return None
+  table = np.ascontiguousarray(table, np.int32)
+  final = np.ascontiguousarray(final, np.uint8)
+  keys, nodes = (np.ascontiguousarray(a, np.int64) for a in children)
+  spells = np.ascontiguousarray(spells, np.uint8)
+  ids, ends = (None, None) if forced is None else forced
+  ids = None if ids is None else np.ascontiguousarray(ids, np.int32)
+  ends = None if ends is None else np.ascontiguousarray(ends, np.int32)
+  out = np.empty(table.shape[0], np.int32)
+  lib.cw_token_distance(
+    table.ctypes.data,
+    final.ctypes.data,
+    table.shape[0],
+    keys.ctypes.data,
+    nodes.ctypes.data,
+    keys.size,
+    spells.ctypes.data,
+    None if ids is None else ids.ctypes.data,
+    None if ends is None else ends.ctypes.data,
+    int(dead),
+    out.ctypes.data,
+  )
+  return out
 
 
 def _take(lib, handle) -> Dfa:
