@@ -207,8 +207,6 @@ def splice(
   result trimmed to the states reached from 0 (`trim`: `reached`, or a
   minimizer). Raises `Conflict`."""
   trim = trim or reached
-  table = table.copy()
-  final = final.copy()
   entries = np.flatnonzero(table[:, OPEN] >= 0)
   # (entering state, part, continuation) of every marker path: each
   # part's name walked from every entering state at once, then in the
@@ -238,26 +236,28 @@ def splice(
     if sub_final[0] or np.any(sub[1:] == 0) or np.any(sub[0] == 0):
       raise Conflict(name, "it can be empty or re-enter its start")
     copies[(name, b)] = size
-    shifted = np.where(sub[1:] > 0, sub[1:] - 1 + size, -1)
-    blocks.append((name, b, size, shifted, sub_final[1:].copy()))
+    blocks.append((name, b, size, sub, sub_final[1:]))
     size += sub.shape[0] - 1
-  entering = table.copy()
-  entering[entries, OPEN] = -1
+  # the parent's states first (its markers' first bytes read nothing),
+  # then each copy
+  out = np.empty((size, 256), np.int32)
+  out[: table.shape[0]] = table
+  out[entries, OPEN] = -1
   for a, name, b in paths:
     sub = parts[name][0]
     first = np.flatnonzero(sub[0] >= 0)
     mapped = sub[0, first] - 1 + copies[(name, b)]
-    clash = (entering[a, first] >= 0) & (entering[a, first] != mapped)
+    clash = (out[a, first] >= 0) & (out[a, first] != mapped)
     if np.any(clash):
       raise Conflict(name, "it starts with a byte its parent reads there")
-    entering[a, first] = mapped
-  out = np.full((size, 256), -1, np.int32)
-  out[: table.shape[0]] = entering
+    out[a, first] = mapped
   out_final = np.zeros(size, bool)
   out_final[: table.shape[0]] = final
-  for _, _, lo, shifted, sub_final in blocks:
-    out[lo : lo + shifted.shape[0]] = shifted
-    out_final[lo : lo + shifted.shape[0]] = sub_final
+  for _, _, lo, sub, sub_final in blocks:  # a copy's states, shifted
+    copy = out[lo : lo + sub.shape[0] - 1]
+    np.add(sub[1:], lo - 1, out=copy)
+    copy[sub[1:] <= 0] = -1
+    out_final[lo : lo + sub.shape[0] - 1] = sub_final
   for name, b, lo, _, sub_final in blocks:
     ends = lo + np.flatnonzero(sub_final)
     after = out[b]
