@@ -196,3 +196,16 @@ def test_the_unicode_classes_are_read_once_then_from_disk(
   np.testing.assert_array_equal(again("w"), automaton._class_ranges("w"))
   assert len(asked) == 3  # read back, not asked again
   assert [0x30, 0x39] in digits.tolist()  # ASCII digits among Unicode's
+
+
+def test_a_regex_outside_the_subset_compiles_through_outlines():
+  """Through the public path (the worker): a flag the native compiler
+  does not take is outlines-core's to compile, and it still masks."""
+  dfa = byte_dfa.compile(r"(?i)ab[0-9]")
+  assert dfa.matches(b"AB1") and dfa.matches(b"aB2")
+  assert not dfa.matches(b"ac1")
+  native = byte_dfa.compile(r"[aA][bB][0-9]")
+  same_language(
+    {"table": dfa.table, "final": dfa.final},
+    {"table": native.table, "final": native.final},
+  )

@@ -8,11 +8,17 @@ own address space at its size when the request arrives plus
 `max_compile_mb` (RLIMIT_AS, where the OS enforces it: Linux), so an
 explosion ends in a failed allocation (a MemoryError, or Rust's abort)
 instead of eating the machine. This file imports only the standard
-library, NumPy, SciPy, outlines-core and `dfa_splice.py` (by its path),
+library, NumPy, SciPy, outlines-core and `dfa_splice.py` and
+`regex_dfa.py` (by their paths),
 so the worker starts in a fraction of a second; it never imports
 chunkwise.
 
-What it computes (see `tables.py` for the layout): outlines-core's `Index`
+What it computes: for a DFA over bytes (`output="dfa"`, what lazy
+constraints use), the native compiler's minimal DFA (`regex_dfa`), or
+where that does not take the regex, outlines-core's over the 256 single
+bytes (`_outlines_dfa`, its plain twin); a schema past `COMPOSE_ABOVE`
+regex characters is put together from its parts (`dfa_splice`). For the
+eager tables (see `tables.py` for the layout): outlines-core's `Index`
 walks every vocabulary token through the regex's DFA from every state and
 keeps the tokens that do not die (the regex followed by an end mark, so
 that none is lost: `_marked_index`). States that reach no final state and

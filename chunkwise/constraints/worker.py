@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-from chunkwise.constraints import automaton
+from chunkwise.constraints import automaton, regex_dfa
 
 _SCRIPT = automaton.__file__
 
@@ -37,6 +37,9 @@ class _Process:
   """One live worker: its process, pipes and stderr file."""
 
   def __init__(self):
+    # The native regex compiler is built (once per machine) here, not in
+    # the worker, whose memory cap would bind the C++ compiler too.
+    regex_dfa.library()
     self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in kill)
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
     self.proc = subprocess.Popen(
