@@ -113,6 +113,24 @@ _MAX_QUEUE = flags.DEFINE_integer(
 _MAX_STOP = flags.DEFINE_integer(
   "max_stop_sequences", 8, "Most stop strings per request.", lower_bound=0
 )
+# Per-request caps, each a 400/422 naming its flag, checked before any
+# work (serving.Context.check_sizes).
+_CAPS = {
+  name: flags.DEFINE_integer(name, default, help_text, lower_bound=1)
+  for name, default, help_text in (
+    ("max_n", 8, "Most choices per prompt (OpenAI's n)."),
+    ("max_stop_length", 256, "Most characters of one stop string."),
+    ("max_prompts", 32, "Most prompts in one /v1/completions request."),
+    ("max_choices", 64, "Most choices (prompts x n) in one request."),
+    ("max_messages", 512, "Most chat messages in one request."),
+    ("max_tools", 64, "Most tools offered in one request."),
+    (
+      "max_schema_bytes",
+      256 << 10,
+      "Most bytes of JSON of one request's schemas and tools, all told.",
+    ),
+  )
+}
 _API_KEY = flags.DEFINE_string(
   "api_key",
   None,
@@ -208,6 +226,7 @@ def main(argv):
     max_input_tokens=max_input,
     max_total_tokens=total,
     max_stop_sequences=_MAX_STOP.value,
+    **{name: flag.value for name, flag in _CAPS.items()},
     chat_template=chat_template,
     chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
   )

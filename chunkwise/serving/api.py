@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pydantic
@@ -94,6 +95,14 @@ class Context:
   max_total_tokens: int
   max_stop_sequences: int = 8
   max_n: int = 8
+  # What one request may ask for, checked before any work (`check_sizes`,
+  # `check_stops`); each is a flag of scripts/serve.py of the same name.
+  max_prompts: int = 32  # prompts of one /v1/completions request
+  max_choices: int = 64  # its prompts x n
+  max_stop_length: int = 256  # characters of one stop string
+  max_messages: int = 512  # chat messages
+  max_tools: int = 64  # tools offered
+  max_schema_bytes: int = 256 << 10  # JSON of its schemas and tools, all told
   created: int = 0
   # A chat template (Jinja text) in place of the model's own (--chat_template)
   chat_template: str | None = None
@@ -234,7 +243,49 @@ class Context:
       )
     if any(not s for s in stops):
       raise ApiError(status, "`stop` sequences must be non-empty strings")
+    longest = max(map(len, stops), default=0)
+    if longest > self.max_stop_length:
+      raise ApiError(
+        status,
+        f"`stop` sequences must be at most {self.max_stop_length} "
+        f"characters (this server's --max_stop_length). Given: {longest}",
+      )
     return stops
+
+  def check_sizes(
+    self,
+    status: int,
+    *,
+    prompts: int = 1,
+    n: int = 1,
+    messages: int = 0,
+    tools: int = 0,
+    schemas: Sequence[Any] = (),
+  ) -> None:
+    """Raises ApiError naming the first of this server's per-request caps
+    a request passes: what it asks for is counted before any of it is
+    tokenized, rendered or compiled."""
+    caps = (
+      ("prompts", prompts, self.max_prompts, "prompts in `prompt`"),
+      ("choices", prompts * n, self.max_choices, "choices (prompts x `n`)"),
+      ("messages", messages, self.max_messages, "`messages`"),
+      ("tools", tools, self.max_tools, "`tools`"),
+    )
+    for flag, count, cap, what in caps:
+      if count > cap:
+        raise ApiError(
+          status,
+          f"{count} {what}: this server takes at most {cap} per request "
+          f"(--max_{flag})",
+        )
+    size = sum(len(json.dumps(s)) for s in schemas if s is not None)
+    if size > self.max_schema_bytes:
+      raise ApiError(
+        status,
+        f"the request's schemas and tools are {size} bytes of JSON: this "
+        f"server takes at most {self.max_schema_bytes} per request "
+        "(--max_schema_bytes)",
+      )
 
   def top_n(self, n: int | None, field: str, status: int = 422) -> int:
     n = int(n or 0)

@@ -229,8 +229,8 @@ class Engine:
 
   @property
   def waiting(self) -> int:
-    """Requests submitted and not yet in a slot."""
-    return len(self._inbox) + self._loop.waiting
+    """Requests submitted and not yet in a slot, and scorings not run."""
+    return len(self._inbox) + self._loop.waiting + len(self._scores)
 
   @property
   def running(self) -> int:
@@ -298,12 +298,16 @@ class Engine:
         "alternatives per token"
       )
     self._check_ready()
-    if not _pod():
-      return self._score_now(prompt, top_n, adapter)
-    done = concurrent.futures.Future()  # a pod: every process runs it
+    # Through the queue, run by the engine's thread between segments (in
+    # a pod every process runs it): a scoring waits and counts as one
+    # request, so a flood of them is refused (`Overloaded`) like one of
+    # generations, and never runs beside the loop's step.
+    done = concurrent.futures.Future()
     with self._cv:
       if self._closing:
         raise Closed("the server is shutting down")
+      if self.waiting >= self.max_queue:
+        raise Overloaded("Model is overloaded")
       self._scores.append((done, (list(map(int, prompt)), top_n, adapter)))
       self._cv.notify_all()
     return done.result()

@@ -179,7 +179,7 @@ class Server:
       raise ApiError(
         status, f"the JSON body nests deeper than {self.max_json_depth}"
       ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, not UTF-8, a 5,000-digit number
       raise ApiError(status, f"the body is not valid JSON: {e}") from None
     if _depth(body) > self.max_json_depth:
       raise ApiError(
@@ -208,6 +208,7 @@ class Server:
       ) from None
 
   async def _start(self, g: Generation, status: int) -> TokenStream:
+    self._check_room(1)
     prepared = await self._work(self._prepare, g, status)
     return self._submit(g, prepared)
 
@@ -217,8 +218,27 @@ class Server:
         return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
       except ValueError as e:
         raise ApiError(status, str(e)) from None
+      except Overloaded:
+        raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
+      except Closed:
+        raise ApiError(
+          503, "the server is shutting down", api.UNAVAILABLE
+        ) from None
 
     return await self._work(run)
+
+  def _check_room(self, count: int) -> None:
+    """429 where a request's `count` choices would not all fit the queue:
+    refused whole, before any is prepared (its constraint compiled)."""
+    engine = self.ctx.engine
+    if engine.waiting + count > engine.max_queue:
+      raise ApiError(
+        429,
+        f"Model is overloaded: {engine.waiting} waiting, and the request's "
+        f"{count} choice{'s' * (count != 1)} would pass --max_queue="
+        f"{engine.max_queue}",
+        api.OVERLOADED,
+      )
 
   @staticmethod
   async def _finish(stream: TokenStream) -> TokenStream:
@@ -240,8 +260,9 @@ class Server:
     try:
       if self.api_key is not None and not _public(request):
         given = request.headers.get("Authorization", "")
+        # (bytes that are not UTF-8 compare as replaced, never a 500)
         if not hmac.compare_digest(
-          given.encode(), f"Bearer {self.api_key}".encode()
+          given.encode("utf-8", "replace"), f"Bearer {self.api_key}".encode()
         ):
           raise ApiError(
             401,
@@ -373,6 +394,8 @@ class Server:
     )
     scored = {}
     if call.echo and call.logprobs is not None:
+      generations = sum(c.generation is not None for c in call.choices)
+      self._check_room(len(call.prompts) + generations)
       for p, ids in enumerate(call.prompts):
         scored[p] = await self._score(ids, call.logprobs, call.adapter, 400)
     streams = await self._start_all(call)
@@ -400,6 +423,7 @@ class Server:
 
   async def _start_all(self, call) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
+    self._check_room(len(choices))
     prepared = [
       await self._work(self._prepare, c.generation, 400) for c in choices
     ]

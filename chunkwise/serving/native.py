@@ -135,6 +135,7 @@ def parse(
   temperature = 1.0 if p.temperature is None else p.temperature
   if not sample:
     temperature = 0.0
+  ctx.check_sizes(422, schemas=[p.response_format, p.grammar])
   adapter = ctx.adapter(p.adapter_id)
   prompt = ctx.encode(body.inputs, truncate=p.truncate)
   constraint = _constraint(p)

@@ -125,7 +125,7 @@ def _bad(message: str) -> ApiError:
 def _sampling(b: _Common, ctx: Context) -> dict:
   """Generation fields every OpenAI route shares."""
   if b.n is not None and not 1 <= b.n <= ctx.max_n:
-    raise _bad(f"n must be between 1 and {ctx.max_n}, got {b.n}")
+    raise _bad(f"n must be between 1 and {ctx.max_n} (--max_n), got {b.n}")
   if b.temperature is not None and not 0 <= b.temperature <= 2:
     raise _bad(f"temperature must be in [0, 2], got {b.temperature}")
   if b.top_p is not None and not 0 < b.top_p <= 1:
@@ -264,6 +264,17 @@ def _guided(kind: str, value, where: str):
   raise _bad(f"{where}: grammars are not supported by this server")
 
 
+def _schemas(b: _Common) -> list:
+  """The request's constraint fields (what `check_sizes` weighs)."""
+  return [
+    b.response_format,
+    b.structured_outputs,
+    b.guided_json,
+    b.guided_regex,
+    b.guided_choice,
+  ]
+
+
 def parse_completion(raw: Any, ctx: Context) -> Call:
   b = _validate(CompletionBody, raw)
   adapter = ctx.adapter(b.model, status=404)
@@ -280,6 +291,7 @@ def parse_completion(raw: Any, ctx: Context) -> Call:
   texts = [b.prompt] if isinstance(b.prompt, str) else list(b.prompt)
   if not texts or any(not isinstance(t, str) or not t for t in texts):
     raise _bad("prompt must be a non-empty string or list of them")
+  ctx.check_sizes(400, prompts=len(texts), n=b.n or 1, schemas=_schemas(b))
   shared = _sampling(b, ctx)
   n = b.n or 1
   if b.max_tokens is not None and b.max_tokens < 0:
@@ -367,6 +379,13 @@ def chat_prompt(
 def parse_chat(raw: Any, ctx: Context) -> Call:
   b = _validate(ChatBody, raw)
   adapter = ctx.adapter(b.model, status=404)
+  ctx.check_sizes(
+    400,
+    n=b.n or 1,
+    messages=len(b.messages),
+    tools=len(b.tools or ()),
+    schemas=[*_schemas(b), b.tools],
+  )
   plan = tools.parse(b.tools, b.tool_choice, b.parallel_tool_calls)
   if b.top_logprobs is not None:
     if not b.logprobs:

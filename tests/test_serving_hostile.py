@@ -1,0 +1,234 @@
+"""A hostile client is bounded before any work: every per-request cap is a
+flag, refused with a 400 (422 on the native routes) or 429 naming it, as
+the clients users have see it (`scripts/serve.py` on a loopback port,
+tiny caps so that each is reached by a small request)."""
+
+import threading
+
+import openai
+import pytest
+import text_generation
+
+from chunkwise import serving
+from tests.serving_helpers import running
+
+KEY = "hostile-test-key"
+MODEL = "tiny"
+CAPS = dict(
+  max_prompts=3,
+  max_choices=4,
+  max_stop_length=8,
+  max_messages=5,
+  max_tools=2,
+  max_schema_bytes=2000,
+  max_queue=2,
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+  with running(
+    "--model=random:tiny",
+    f"--model_id={MODEL}",
+    "--slots=2",
+    "--max_total_tokens=96",
+    "--warm_up=false",
+    f"--api_key={KEY}",
+    *(f"--{name}={value}" for name, value in CAPS.items()),
+  ) as s:
+    yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+
+
+def _refused(call, status: int, *names: str):
+  """`call` answered `status`, its message naming every one of `names`."""
+  with pytest.raises(openai.APIStatusError) as e:
+    call()
+  assert e.value.status_code == status, e.value
+  for name in names:
+    assert name in e.value.message, e.value.message
+
+
+def _tool(name: str, description: str = "") -> dict:
+  return {
+    "type": "function",
+    "function": {
+      "name": name,
+      "description": description,
+      "parameters": {
+        "type": "object",
+        "properties": {"x": {"type": "integer"}},
+      },
+    },
+  }
+
+
+def test_counts_past_their_caps_are_400s_naming_the_flag(client):
+  complete = client.completions.create
+  _refused(
+    lambda: complete(model=MODEL, prompt=["a", "b", "c", "d"], max_tokens=1),
+    400,
+    "4 prompts",
+    "--max_prompts",
+  )
+  _refused(
+    lambda: complete(model=MODEL, prompt=["a", "b"], n=3, max_tokens=1),
+    400,
+    "6 choices",
+    "--max_choices",
+  )
+  _refused(
+    lambda: complete(model=MODEL, prompt="a", stop=["123456789"], max_tokens=1),
+    400,
+    "--max_stop_length",
+  )
+  chat = client.chat.completions.create
+  user = [{"role": "user", "content": "hi"}]
+  _refused(
+    lambda: chat(model=MODEL, messages=user * 6, max_tokens=1),
+    400,
+    "6 `messages`",
+    "--max_messages",
+  )
+  _refused(
+    lambda: chat(
+      model=MODEL,
+      messages=user,
+      tools=[_tool("a"), _tool("b"), _tool("c")],
+      max_tokens=1,
+    ),
+    400,
+    "3 `tools`",
+    "--max_tools",
+  )
+  _refused(
+    lambda: chat(
+      model=MODEL,
+      messages=user,
+      tools=[_tool("a", "x" * 2000)],
+      max_tokens=1,
+    ),
+    400,
+    "--max_schema_bytes",
+  )
+  big = {"type": "object", "description": "y" * 2000}
+  _refused(
+    lambda: complete(
+      model=MODEL,
+      prompt="a",
+      max_tokens=1,
+      extra_body={"guided_json": big},
+    ),
+    400,
+    "--max_schema_bytes",
+  )
+
+
+def test_the_native_routes_cap_stops_and_schemas(server):
+  tgi = text_generation.Client(
+    server.url, headers={"Authorization": f"Bearer {KEY}"}
+  )
+  with pytest.raises(text_generation.errors.ValidationError, match="stop_len"):
+    tgi.generate("a", max_new_tokens=1, stop_sequences=["123456789"])
+  with pytest.raises(text_generation.errors.ValidationError, match="schema_b"):
+    tgi.generate(
+      "a",
+      max_new_tokens=1,
+      grammar={"type": "json", "value": {"description": "z" * 2000}},
+    )
+
+
+def test_a_request_is_refused_whole_when_its_choices_do_not_fit(client):
+  """3 choices against a queue of 2: a 429 before any is prepared, for
+  generations and for echo scoring (which the queue now counts); within
+  the caps, both are served."""
+  _refused(
+    lambda: client.completions.create(
+      model=MODEL, prompt=["a", "b", "c"], max_tokens=2
+    ),
+    429,
+    "3 choices",
+    "--max_queue",
+  )
+  _refused(
+    lambda: client.completions.create(
+      model=MODEL, prompt=["a", "b", "c"], max_tokens=0, echo=True, logprobs=0
+    ),
+    429,
+    "--max_queue",
+  )
+  out = client.completions.create(
+    model=MODEL, prompt=["a", "b"], max_tokens=0, echo=True, logprobs=1
+  )
+  assert [c.text for c in out.choices] == ["a", "b"]
+  assert len(out.choices[0].logprobs.tokens) == 1  # BOS has no entry
+  out = client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+  assert len(out.choices) == 2
+
+
+def test_scoring_waits_in_the_queue_and_counts(tiny):
+  """`Engine.score` runs on the engine's thread, counted as waiting: with
+  the queue full it is `Overloaded` at once."""
+  e = serving.Engine(tiny, slots=1, capacity=64, max_queue=1, warm_up=False)
+  started, go, apply = threading.Event(), threading.Event(), e._apply
+
+  def held(*args):  # the thread held before its second segment
+    if started.is_set():
+      go.wait(60)
+    out = apply(*args)
+    if out:
+      started.set()
+    return out
+
+  e._apply = held
+  g = serving.Generation(prompt=[1, 3], max_new_tokens=40)
+  next(iter(e.submit(g)))  # running
+  second = e.submit(g)  # waits: the queue is full
+  with pytest.raises(serving.Overloaded):
+    e.score([1, 5, 6], top_n=0)
+  go.set()
+  next(iter(second))  # in the slot: nothing waits
+  scores, _, _ = e.score([1, 5, 6], top_n=0)
+  assert scores.shape == (3,)
+  assert e.close(grace=60.0)
+
+
+def _raw(server, body: bytes, headers: dict) -> tuple[int, bytes]:
+  import http.client
+  import urllib.parse
+
+  u = urllib.parse.urlparse(server.url)
+  conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+  conn.putrequest("POST", "/v1/completions")
+  for name, value in headers.items():
+    conn.putheader(name, value)
+  conn.putheader("Content-Length", str(len(body)))
+  conn.endheaders(body)
+  response = conn.getresponse()
+  out = response.status, response.read()
+  conn.close()
+  return out
+
+
+def test_bad_bytes_are_4xx_with_no_internals(server):
+  """A key that is not UTF-8 is a 401, a 5,000-digit number a 400: no
+  500, no traceback, no file path in the answer."""
+  json_type = {"Content-Type": "application/json"}
+  status, body = _raw(
+    server,
+    b'{"model": "tiny", "prompt": "a"}',
+    {**json_type, "Authorization": b"Bearer \xff\xfe"},
+  )
+  assert status == 401, body
+  status, body = _raw(
+    server,
+    b'{"model": "tiny", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+    {**json_type, "Authorization": f"Bearer {KEY}"},
+  )
+  assert status == 400 and b"not valid JSON" in body, body
+  for answer in (body,):
+    assert b"Traceback" not in answer and b".py" not in answer
