@@ -346,12 +346,10 @@ def test_engine_refuses_bad_requests(tiny, engine):
     )
 
 
-def test_overloaded_and_closed(tiny):
-  e = serving.Engine(
-    tiny, slots=1, capacity=64, max_queue=1, every=2, warm_up=False
-  )
-  # The engine's thread is held before its second segment, so the first
-  # request stays in the slot however fast the model is.
+def hold_after_first_tokens(e: serving.Engine) -> threading.Event:
+  """Holds `e`'s thread before the segment after the one that gave the
+  first tokens, until the returned event is set (tests then see the
+  queue as it is, however fast the model is)."""
   started, go, apply = threading.Event(), threading.Event(), e._apply
 
   def held(*args):
@@ -363,6 +361,15 @@ def test_overloaded_and_closed(tiny):
     return out
 
   e._apply = held
+  return go
+
+
+def test_overloaded_and_closed(tiny):
+  e = serving.Engine(
+    tiny, slots=1, capacity=64, max_queue=1, every=2, warm_up=False
+  )
+  # The first request stays in the slot however fast the model is.
+  go = hold_after_first_tokens(e)
   g = serving.Generation(prompt=[1, 3], max_new_tokens=40)
   first = e.submit(g)
   first_tokens = iter(first)

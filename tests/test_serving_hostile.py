@@ -3,14 +3,13 @@ flag, refused with a 400 (422 on the native routes) or 429 naming it, as
 the clients users have see it (`scripts/serve.py` on a loopback port,
 tiny caps so that each is reached by a small request)."""
 
-import threading
-
 import openai
 import pytest
 import text_generation
 
 from chunkwise import serving
 from tests.serving_helpers import running
+from tests.test_serving_engine import hold_after_first_tokens
 
 KEY = "hostile-test-key"
 MODEL = "tiny"
@@ -174,17 +173,7 @@ def test_scoring_waits_in_the_queue_and_counts(tiny):
   """`Engine.score` runs on the engine's thread, counted as waiting: with
   the queue full it is `Overloaded` at once."""
   e = serving.Engine(tiny, slots=1, capacity=64, max_queue=1, warm_up=False)
-  started, go, apply = threading.Event(), threading.Event(), e._apply
-
-  def held(*args):  # the thread held before its second segment
-    if started.is_set():
-      go.wait(60)
-    out = apply(*args)
-    if out:
-      started.set()
-    return out
-
-  e._apply = held
+  go = hold_after_first_tokens(e)
   g = serving.Generation(prompt=[1, 3], max_new_tokens=40)
   next(iter(e.submit(g)))  # running
   second = e.submit(g)  # waits: the queue is full
