@@ -134,7 +134,23 @@ _CAPS = {
 _API_KEY = flags.DEFINE_string(
   "api_key",
   None,
-  "Require 'Authorization: Bearer <key>' (default: $CHUNKWISE_API_KEY).",
+  "Require 'Authorization: Bearer <key>' on every route but /health "
+  "(default: $CHUNKWISE_API_KEY; on the command line it shows in `ps`: "
+  "prefer the variable or --api_key_file).",
+)
+_API_KEY_FILE = flags.DEFINE_string(
+  "api_key_file", None, "Read --api_key from this file (its first line)."
+)
+_ALLOWED_HOSTS = flags.DEFINE_list(
+  "allowed_hosts",
+  [],
+  "Host names the server answers to besides the loopback names and "
+  "--host (a browser page elsewhere that resolves to this address is "
+  "refused: DNS rebinding); '*': any. Set it to the names clients use "
+  "when serving beyond loopback.",
+)
+_PUBLIC_OPENAPI = flags.DEFINE_bool(
+  "public_openapi", False, "Serve /openapi.json without the API key."
 )
 _GRACE = flags.DEFINE_float(
   "grace", 30.0, "Seconds running requests get to finish on SIGTERM."
@@ -172,6 +188,7 @@ _MODEL_ID = flags.DEFINE_string(
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+  api_key = _api_key()  # checked before any model is loaded
   try:
     buckets = [int(b) for b in _SLOT_BUCKETS.value] or None
   except ValueError:
@@ -241,11 +258,29 @@ def main(argv):
     ctx,
     host=_HOST.value,
     port=_PORT.value,
-    api_key=_API_KEY.value or os.environ.get("CHUNKWISE_API_KEY") or None,
+    api_key=api_key,
     grace=_GRACE.value,
     ready=ready,
+    extra_hosts=_ALLOWED_HOSTS.value,
+    public_openapi=_PUBLIC_OPENAPI.value,
   )
   sys.exit(0)
+
+
+def _api_key() -> str | None:
+  """--api_key, else --api_key_file's first line, else $CHUNKWISE_API_KEY."""
+  if _API_KEY.value and _API_KEY_FILE.value:
+    cli.fail("give --api_key or --api_key_file, not both")
+  if _API_KEY_FILE.value:
+    try:
+      with open(_API_KEY_FILE.value, encoding="utf-8") as f:
+        key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+      cli.fail(f"--api_key_file={_API_KEY_FILE.value}: {e}")
+    if not key:
+      cli.fail(f"--api_key_file={_API_KEY_FILE.value} holds no key")
+    return key
+  return _API_KEY.value or os.environ.get("CHUNKWISE_API_KEY") or None
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ flag, refused with a 400 (422 on the native routes) or 429 naming it, as
 the clients users have see it (`scripts/serve.py` on a loopback port,
 tiny caps so that each is reached by a small request)."""
 
+import json
+
 import openai
 import pytest
 import text_generation
@@ -186,13 +188,15 @@ def test_scoring_waits_in_the_queue_and_counts(tiny):
   assert e.close(grace=60.0)
 
 
-def _raw(server, body: bytes, headers: dict) -> tuple[int, bytes]:
+def _raw(
+  server, body: bytes, headers: dict, path="/v1/completions", method="POST"
+) -> tuple[int, bytes]:
   import http.client
   import urllib.parse
 
   u = urllib.parse.urlparse(server.url)
   conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-  conn.putrequest("POST", "/v1/completions")
+  conn.putrequest(method, path, skip_host="Host" in headers)
   for name, value in headers.items():
     conn.putheader(name, value)
   conn.putheader("Content-Length", str(len(body)))
@@ -221,3 +225,52 @@ def test_bad_bytes_are_4xx_with_no_internals(server):
   assert status == 400 and b"not valid JSON" in body, body
   for answer in (body,):
     assert b"Traceback" not in answer and b".py" not in answer
+
+
+def test_only_this_servers_names_and_json_bodies_are_answered(server):
+  """DNS rebinding: a page elsewhere whose name resolves to 127.0.0.1
+  sends its own Host (and Origin) and is refused; so is a cross-site
+  text/plain or form POST, which a browser sends without asking first.
+  The loopback names, with any port, are answered."""
+  body = json.dumps({"model": MODEL, "prompt": "a", "max_tokens": 1}).encode()
+  auth = {"Authorization": f"Bearer {KEY}"}
+  as_json = {**auth, "Content-Type": "application/json"}
+  port = server.url.rsplit(":", 1)[1]
+  for host in (f"localhost:{port}", "127.0.0.1", f"[::1]:{port}"):
+    status, out = _raw(server, body, {**as_json, "Host": host})
+    assert status == 200, (host, out)
+  status, out = _raw(server, body, {**as_json, "Host": f"evil.example:{port}"})
+  assert status == 403 and b"--allowed_hosts" in out, out
+  origin = {**as_json, "Origin": "http://evil.example"}
+  status, out = _raw(server, body, origin)
+  assert status == 403 and b"evil.example" in out, out
+  status, out = _raw(server, body, {**as_json, "Origin": server.url})
+  assert status == 200, out
+  for kind in ("text/plain", "application/x-www-form-urlencoded"):
+    status, out = _raw(server, body, {**auth, "Content-Type": kind})
+    assert status == 415 and kind.encode() in out, out
+  status, _ = _raw(server, b"", {"Host": "evil.example"}, "/health", "GET")
+  assert status == 403
+
+
+def test_the_key_guards_every_route_but_health(server, tmp_path):
+  assert server.get("/health")[0] == 200
+  assert server.get("/openapi.json")[0] == 401
+  assert server.get("/info")[0] == 401
+  assert (
+    server.get("/openapi.json", {"Authorization": f"Bearer {KEY}"})[0] == 200
+  )
+
+
+def test_the_key_comes_from_a_file(tmp_path):
+  key = tmp_path / "key"
+  key.write_text("from-a-file\n")
+  with running(
+    "--model=random:tiny",
+    "--warm_up=false",
+    f"--api_key_file={key}",
+    "--public_openapi",
+  ) as s:
+    assert s.get("/info")[0] == 401
+    assert s.get("/info", {"Authorization": "Bearer from-a-file"})[0] == 200
+    assert s.get("/openapi.json")[0] == 200  # opened by its flag

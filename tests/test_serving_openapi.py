@@ -65,7 +65,8 @@ def _routes(app) -> set[tuple[str, str]]:
 
 
 def test_document_is_openapi_31_with_every_route(server):
-  status, body = server.get("/openapi.json")  # public: no key
+  assert server.get("/openapi.json")[0] == 401  # with a key: it too
+  status, body = server.get("/openapi.json", AUTH)
   assert status == 200
   doc = json.loads(body)
   assert doc == openapi.document(models=[MODEL_ID], auth=True)
@@ -86,10 +87,13 @@ def test_document_is_openapi_31_with_every_route(server):
   generate = doc["paths"]["/generate"]["post"]
   assert generate["security"] == [{"bearer": []}]
   assert doc["paths"]["/health"]["get"]["security"] == []
+  assert doc["paths"]["/openapi.json"]["get"]["security"] == [{"bearer": []}]
   assert set(generate["responses"]) == {
     "200",
     "401",
+    "403",
     "413",
+    "415",
     "422",
     "424",
     "429",

@@ -32,6 +32,7 @@ GENERATION = "generation"
 NOT_FOUND = "not_found"
 UNAVAILABLE = "unavailable"
 UNAUTHORIZED = "unauthorized"
+FORBIDDEN = "forbidden"
 
 
 class ApiError(Exception):

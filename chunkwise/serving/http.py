@@ -29,7 +29,8 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -75,8 +76,10 @@ def error_body(path: str, status: int, message: str, kind: str) -> dict:
     names = {
       400: "BadRequestError",
       401: "AuthenticationError",
+      403: "PermissionDeniedError",
       404: "NotFoundError",
       413: "BadRequestError",
+      415: "BadRequestError",
       429: "RateLimitError",
       503: "ServiceUnavailableError",
     }
@@ -119,14 +122,76 @@ def _error_response(path: str, e: ApiError) -> web.Response:
   )
 
 
-def _public(request: web.Request) -> bool:
-  """Whether `request` needs no API key: reading the health checks, the
-  OpenAPI document and the explorer page's files (`POST /` generates: it
-  needs the key)."""
+def _public(request: web.Request, public_openapi: bool) -> bool:
+  """Whether `request` needs no API key: reading the health check and the
+  explorer page's own files (which hold no data: the page asks for the
+  key to call the API), and with `public_openapi` the OpenAPI document
+  (`POST /` generates: it needs the key)."""
   return request.method in ("GET", "HEAD") and (
-    request.path in ("/", "/health", "/openapi.json")
+    request.path in ("/", "/health")
+    or (public_openapi and request.path == "/openapi.json")
     or explore.public(request.path)
   )
+
+
+# Host names a server on loopback answers to (`allowed_hosts`): a page on
+# another site that a browser resolves to 127.0.0.1 (DNS rebinding) sends
+# its own name, and is refused.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def allowed_hosts(host: str, extra: Sequence[str] = ()) -> frozenset | None:
+  """The Host names a server bound to `host` answers to: the loopback
+  names, `host` itself (unless a wildcard address) and `extra`; None
+  (any) where `extra` holds "*"."""
+  if "*" in extra:
+    return None
+  names = set(LOOPBACK_NAMES) | {e.strip().lower() for e in extra if e.strip()}
+  if host not in ("", "0.0.0.0", "::"):
+    names.add(host.lower())
+    if ":" in host and not host.startswith("["):
+      names.add(f"[{host.lower()}]")
+  return frozenset(names)
+
+
+def _host_name(value: str) -> str:
+  """A Host header's (or an origin's netloc's) name, without its port."""
+  value = value.strip().lower()
+  if value.startswith("["):
+    return value[: value.find("]") + 1] if "]" in value else value
+  return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _check_origin(request: web.Request, allowed: frozenset | None) -> None:
+  """403 for a Host, or a browser's Origin, this server does not answer
+  to; 415 for a POST whose body is declared other than JSON (a browser
+  sends text/plain and forms across sites without asking first)."""
+  if allowed is not None:
+    host = _host_name(request.headers.get("Host", ""))
+    if host not in allowed:
+      raise ApiError(
+        403,
+        f"the Host header {host!r} is not one this server answers to "
+        "(--allowed_hosts)",
+        api.FORBIDDEN,
+      )
+    origin = request.headers.get("Origin")
+    if origin is not None:
+      name = _host_name(urllib.parse.urlsplit(origin).netloc)
+      if name not in allowed:
+        raise ApiError(
+          403,
+          f"requests from the origin {origin!r} are not allowed "
+          "(--allowed_hosts)",
+          api.FORBIDDEN,
+        )
+  if request.method == "POST" and "Content-Type" in request.headers:
+    kind = request.content_type
+    if kind != "application/json" and not kind.endswith("+json"):
+      raise ApiError(
+        415,
+        f"the body must be JSON (Content-Type: application/json), got {kind!r}",
+      )
 
 
 def _depth(value: Any) -> int:
@@ -151,9 +216,13 @@ class Server:
     api_key: str | None = None,
     max_json_depth: int = MAX_JSON_DEPTH,
     workers: int = 4,
+    allowed: frozenset | None = LOOPBACK_NAMES,
+    public_openapi: bool = False,
   ):
     self.ctx = ctx
     self.api_key = api_key
+    self.allowed_hosts = allowed  # Host names answered (None: any)
+    self.public_openapi = public_openapi
     self.max_json_depth = max_json_depth
     self.metrics = Metrics(ctx.engine, model_id=ctx.model_id)
     ctx.engine.listen(self.metrics.finished)
@@ -258,7 +327,8 @@ class Server:
   async def middleware(self, request: web.Request, handler):
     path = request.path
     try:
-      if self.api_key is not None and not _public(request):
+      _check_origin(request, self.allowed_hosts)
+      if self.api_key is not None and not _public(request, self.public_openapi):
         given = request.headers.get("Authorization", "")
         # (bytes that are not UTF-8 compare as replaced, never a 500)
         if not hmac.compare_digest(
@@ -352,7 +422,11 @@ class Server:
   async def openapi_route(self, request: web.Request) -> web.Response:
     if self._openapi is None:  # generated once, on first use
       names = [self.ctx.model_id, *self.ctx.adapters]
-      doc = openapi.document(models=names, auth=self.api_key is not None)
+      doc = openapi.document(
+        models=names,
+        auth=self.api_key is not None,
+        public_openapi=self.public_openapi,
+      )
       self._openapi = dumps(doc)
     return web.Response(body=self._openapi, content_type="application/json")
 

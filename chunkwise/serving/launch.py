@@ -19,12 +19,12 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
 from chunkwise.serving.api import Context
-from chunkwise.serving.http import MAX_BODY_BYTES, Server
+from chunkwise.serving.http import MAX_BODY_BYTES, Server, allowed_hosts
 
 log = logging.getLogger("chunkwise.serving")
 
@@ -38,13 +38,21 @@ def serve(
   grace: float = 30.0,
   max_body_bytes: int = MAX_BODY_BYTES,
   ready: Callable[[int], None] | None = None,
+  extra_hosts: Sequence[str] = (),
+  public_openapi: bool = False,
 ) -> None:
   """Serves until SIGTERM or SIGINT: then stops admitting (503), waits up
   to `grace` seconds for running requests, and returns. The socket listens
   at once (/health answers 503 "starting" while the engine warms up);
   `ready(port)` is called once the engine is ready (port 0 picks a free
-  one)."""
-  server = Server(ctx, api_key=api_key)
+  one). Requests must name a loopback host, `host` or one of
+  `extra_hosts` ("*": any) in their Host header (`http.allowed_hosts`)."""
+  server = Server(
+    ctx,
+    api_key=api_key,
+    allowed=allowed_hosts(host, extra_hosts),
+    public_openapi=public_openapi,
+  )
   asyncio.run(
     _main(server, host, port, grace, max_body_bytes, ready, signals=True)
   )
@@ -72,7 +80,7 @@ class Background:
     grace: float = 30.0,
     wait_ready: bool = True,
   ):
-    self.server = Server(ctx, api_key=api_key)
+    self.server = Server(ctx, api_key=api_key, allowed=allowed_hosts(host))
     self._stop: asyncio.Event | None = None
     self._loop: asyncio.AbstractEventLoop | None = None
     started = threading.Event()

@@ -14,8 +14,11 @@ not in it): the route answers the rest with an error in its API's shape
 (`TgiError` off `/v1/`, `OpenAIError` on it, as `http.error_body`
 writes them), which every operation documents per status.
 `models` (the served names) become the examples of the OpenAI bodies'
-`model`; with `auth`, every operation but the health checks, this
-document and the explorer's files needs `Authorization: Bearer <key>`.
+`model`; with `auth`, every operation but the health checks and the
+explorer's files (and this document, with `public_openapi`) needs
+`Authorization: Bearer <key>`. Every operation may answer 403 (a Host
+or Origin not allowed), every POST 415 (a body declared other than
+JSON).
 Each GET route also answers HEAD (aiohttp's), not listed.
 `tests/test_serving_openapi.py` checks the document against the app's
 router and runs schemathesis against the live server from it.
@@ -70,8 +73,10 @@ _STATUS = {
   301: "moved (to `/explore`)",
   400: "invalid request (the message names the field)",
   401: "no valid API key (`Authorization: Bearer <key>`)",
+  403: "a Host or Origin this server does not answer to (`--allowed_hosts`)",
   404: "no such model or adapter (OpenAI), or no such file",
   413: "the body is over the server's size limit",
+  415: "a body declared other than JSON",
   422: "invalid request (the message names the field)",
   424: "the generation failed",
   429: "overloaded: the queue is full (retry after `Retry-After`)",
@@ -237,7 +242,9 @@ def _name(ref: dict) -> str:
   return ref["$ref"].rsplit("/", 1)[1]
 
 
-def _operation(op: Operation, refs: dict, auth: bool) -> dict:
+def _operation(
+  op: Operation, refs: dict, auth: bool, public_openapi: bool
+) -> dict:
   out: dict[str, Any] = {
     "operationId": re.sub(r"\W+", "_", op.method + op.path).strip("_"),
     "summary": op.summary,
@@ -260,20 +267,29 @@ def _operation(op: Operation, refs: dict, auth: bool) -> dict:
   if op.ok_status == 301:
     ok["headers"] = {"Location": {"schema": {"type": "string"}}}
   responses = {str(op.ok_status): ok}
-  errors = set(op.errors) | ({401} if auth and not op.public else set())
+  public = op.public and (op.path != "/openapi.json" or public_openapi)
+  errors = set(op.errors) | {403} | ({401} if auth and not public else set())
+  if op.method == "post":
+    errors.add(415)
   error = {_JSON: {"schema": refs[_error_model(op.path)]}}
   for status in sorted(errors):
     responses[str(status)] = {"description": _STATUS[status], "content": error}
   out["responses"] = responses
   if auth:
-    out["security"] = [] if op.public else [{"bearer": []}]
+    out["security"] = [] if public else [{"bearer": []}]
   return out
 
 
-def document(*, models: Sequence[str] = (), auth: bool = False) -> dict:
+def document(
+  *,
+  models: Sequence[str] = (),
+  auth: bool = False,
+  public_openapi: bool = False,
+) -> dict:
   """The OpenAPI 3.1 document of every route `http.Server.app` serves;
   `models`: the names the OpenAI routes' `model` takes (examples); `auth`:
-  whether the server wants an API key."""
+  whether the server wants an API key (`public_openapi`: not for this
+  document)."""
   refs, schemas = _schemas()
   for body in (openai_requests.CompletionBody, openai_requests.ChatBody):
     model = schemas[_name(refs[body])]["properties"]["model"]
@@ -281,7 +297,9 @@ def document(*, models: Sequence[str] = (), auth: bool = False) -> dict:
       model["examples"] = list(models)
   paths: dict[str, dict] = {}
   for op in OPERATIONS:
-    paths.setdefault(op.path, {})[op.method] = _operation(op, refs, auth)
+    paths.setdefault(op.path, {})[op.method] = _operation(
+      op, refs, auth, public_openapi
+    )
   doc: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {
