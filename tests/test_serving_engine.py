@@ -394,6 +394,60 @@ def test_pieces_join_to_the_text_and_never_split_a_character():
   assert d.add(vocab.encode("€")[0]) == "" and d.flush() == "\ufffd"
 
 
+def test_the_stop_scanner_is_the_plain_search():
+  """`StopScanner` (incremental, one step per character) finds what
+  `StopStrings` (its twin, the text searched again) finds, and holds back
+  as much, on random texts fed in random pieces."""
+  rng = np.random.default_rng(0)
+  for _ in range(2000):
+    stops = [
+      "".join(rng.choice(list("ab\nE"), rng.integers(1, 6)))
+      for _ in range(rng.integers(1, 5))
+    ]
+    plain, scan, text = (
+      text_lib.StopStrings(stops),
+      text_lib.StopScanner(stops),
+      "",
+    )
+    for _ in range(rng.integers(1, 12)):
+      piece = "".join(rng.choice(list("ab\nE"), rng.integers(0, 5)))
+      text += piece
+      found = plain.find(text, len(piece))
+      assert scan.feed(piece) == found, (stops, text)
+      if found is not None:
+        break
+      assert scan.held == len(text) - plain.safe(text), (stops, text)
+
+
+def test_a_streamed_choice_holds_back_what_may_start_a_stop():
+  """`Held` sends each chunk's new text but what may still begin a stop
+  string, never a stop string's character, and at the end the rest."""
+  from chunkwise.serving import openai_api
+  from chunkwise.serving import stream as stream_lib
+
+  class Stream:  # what `Held` reads of a `TokenStream`
+    def __init__(self):
+      self._chars, self.finish_reason, self.stop_sequence = [], None, None
+
+    def text_after(self, pieces):
+      return "".join(self._chars[pieces:]), len(self._chars)
+
+  s, held = Stream(), openai_api.Held(["END"])
+  sent = []
+  for piece in ["ab", "c E", "N", "x EN"]:
+    s._chars.append(piece)
+    sent.append(held.delta(s, False))
+  assert sent == ["ab", "c ", "", "ENx "]  # "EN" held, then let go
+  s._chars.append("D")  # the engine ends on "END"
+  s.finish_reason, s.stop_sequence = stream_lib.STOP_SEQUENCE, "END"
+  assert held.delta(s, True) == "" and held.sent == len("abc ENx ")
+  s, held = Stream(), openai_api.Held(["END"])
+  s._chars += ["a E", "N"]
+  assert held.delta(s, False) == "a "
+  s.finish_reason = stream_lib.LENGTH  # it ended there: all of it
+  assert held.delta(s, True) == "EN"
+
+
 def test_stop_strings_find_and_hold_back():
   s = text_lib.StopStrings(["END", "\n\n"])
   assert s.find("abc EN", 2) is None

@@ -23,7 +23,7 @@ from chunkwise.serving.stream import (
   TokenStream,
   finite,
 )
-from chunkwise.serving.text import Detokenizer, StopStrings
+from chunkwise.serving.text import Detokenizer, StopScanner
 
 
 def new_id(prefix: str) -> str:
@@ -252,21 +252,37 @@ def chat(call: Call, ctx: Context, streams: dict[int, TokenStream]) -> dict:
 
 
 class Held:
-  """A streamed choice's text, holding back what may start a stop string."""
+  """A streamed choice's text, holding back what may start a stop string:
+  each character read once, as it arrives (`TokenStream.text_after`, a
+  `StopScanner`), so a chunk costs what it adds, whatever the text's
+  length and the stop strings'."""
 
   def __init__(self, stops):
-    self.stops = StopStrings(stops)
-    self.sent = 0
+    self.stops = StopScanner(stops)
+    self.sent = 0  # characters sent
+    self._read = 0  # characters read
+    self._pieces = 0  # the stream's pieces read
+    self._pending = ""  # read, not sent: what may start a stop string
+    self._stopped = False  # a stop string was read: nothing after it
 
   def delta(self, s: TokenStream, final: bool) -> str:
-    text = visible(s) if final else s.text
-    if not final:  # the engine may have matched a stop string already
-      found = self.stops.find(text, len(text))
-      text = text if found is None else text[: found[0]]
-    upto = len(text) if final else self.stops.safe(text)
-    if upto <= self.sent:
-      return ""
-    out, self.sent = text[self.sent : upto], upto
+    new, self._pieces = s.text_after(self._pieces)
+    self._read += len(new)
+    if not self._stopped:  # the engine may have matched one already
+      found = self.stops.feed(new)
+      if found is not None:
+        new = new[: max(0, found[0] - (self.stops.length - len(new)))]
+        self._stopped = True
+      self._pending += new
+    upto = len(self._pending)
+    if final:  # all but the stop string the engine ended on
+      if s.finish_reason == STOP_SEQUENCE and s.stop_sequence:
+        shown = self._read - len(s.stop_sequence)
+        upto = max(0, min(upto, shown - self.sent))
+    elif not self._stopped:
+      upto -= min(self.stops.held, upto)
+    out, self._pending = self._pending[:upto], self._pending[upto:]
+    self.sent += len(out)
     return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from chunkwise import processors as processors_lib
 from chunkwise.inference import Chunk, Request, Sampling
-from chunkwise.serving.text import Detokenizer, StopStrings
+from chunkwise.serving.text import Detokenizer, StopScanner
 
 
 class Feeder(Protocol):
@@ -223,8 +223,9 @@ class TokenStream:
     self._cv = threading.Condition()
     self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
     self._text = Detokenizer(engine.model.vocab, specials=engine.model.eos_ids)
-    self._stops = StopStrings(g.stop)
+    self._stops = StopScanner(g.stop)
     self._chars: list[str] = []  # text so far, joined lazily
+    self._length = 0  # its characters
     self._walk = ConstraintWalk(
       tables,
       g.max_new_tokens,
@@ -241,6 +242,13 @@ class TokenStream:
   def text(self) -> str:
     """The text of the tokens so far (special tokens add nothing)."""
     return "".join(self._chars)
+
+  def text_after(self, pieces: int) -> tuple[str, int]:
+    """(the text of the tokens after the first `pieces` pieces, how many
+    pieces there are now): a reader that keeps its count reads each
+    character once, however long the text grows."""
+    chars = self._chars[pieces:]  # (one list read: safe beside `_feed`)
+    return "".join(chars), pieces + len(chars)
 
   def cancel(self) -> None:
     """Stops the request (its slot is freed at the next segment)."""
@@ -322,14 +330,13 @@ class TokenStream:
     )
     for token, score, top_ids, top_lp in rows:
       piece = self._text.add(token)
-      before = sum(map(len, self._chars))
-      self._chars.append(piece)
-      found = self._stops.find(self.text, len(piece))
-      if found is not None:
+      found = self._stops.feed(piece)
+      if found is not None:  # the text ends with the stop string
         index, stop = found
-        piece = piece[: index + len(stop) - before]
-        self._chars[-1] = piece
+        piece = piece[: index + len(stop) - self._length]
         stopped = stop
+      self._chars.append(piece)
+      self._length += len(piece)
       new.append(
         Token(
           token,
@@ -354,6 +361,7 @@ class TokenStream:
       if tail and new:
         new[-1] = dataclasses.replace(new[-1], text=new[-1].text + tail)
         self._chars.append(tail)
+        self._length += len(tail)
       if update.stop_id is not None:
         sid = update.stop_id
         new.append(
