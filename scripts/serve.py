@@ -113,6 +113,25 @@ _MAX_QUEUE = flags.DEFINE_integer(
 _MAX_STOP = flags.DEFINE_integer(
   "max_stop_sequences", 8, "Most stop strings per request.", lower_bound=0
 )
+_CLIENT_LIMITS = {
+  name: flags.DEFINE_float(name, default, help_text, lower_bound=0.1)
+  for name, default, help_text in (
+    ("body_timeout_s", 30.0, "Seconds to read a request's body (else 408)."),
+    (
+      "write_timeout_s",
+      30.0,
+      "Seconds a stream's event may wait on a client that reads nothing "
+      "before the request is cancelled and its slot freed.",
+    ),
+    ("keepalive_timeout_s", 15.0, "Seconds an idle connection is kept."),
+  )
+}
+_MAX_CLIENT_REQUESTS = flags.DEFINE_integer(
+  "max_client_requests",
+  256,
+  "Requests at once from one address (else 429).",
+  lower_bound=1,
+)
 # Per-request caps, each a 400/422 naming its flag, checked before any
 # work (serving.Context.check_sizes).
 _CAPS = {
@@ -244,6 +263,8 @@ def main(argv):
     max_total_tokens=total,
     max_stop_sequences=_MAX_STOP.value,
     **{name: flag.value for name, flag in _CAPS.items()},
+    **{name: flag.value for name, flag in _CLIENT_LIMITS.items()},
+    max_client_requests=_MAX_CLIENT_REQUESTS.value,
     chat_template=chat_template,
     chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
   )

@@ -23,6 +23,9 @@ CAPS = dict(
   max_tools=2,
   max_schema_bytes=2000,
   max_queue=2,
+  max_client_requests=2,
+  body_timeout_s=1,
+  keepalive_timeout_s=1,
 )
 
 
@@ -42,7 +45,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+  # no retries: a 429 is asserted as it comes
+  return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def _refused(call, status: int, *names: str):
@@ -274,3 +278,68 @@ def test_the_key_comes_from_a_file(tmp_path):
     assert s.get("/info")[0] == 401
     assert s.get("/info", {"Authorization": "Bearer from-a-file"})[0] == 200
     assert s.get("/openapi.json")[0] == 200  # opened by its flag
+
+
+def _connect(server):
+  import socket
+  import urllib.parse
+
+  u = urllib.parse.urlparse(server.url)
+  return socket.create_connection((u.hostname, u.port), timeout=30)
+
+
+def _partial(server, sent: bytes = b'{"model": "tiny"'):
+  """A POST whose body stops short of its Content-Length."""
+  sock = _connect(server)
+  head = (
+    "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    "Content-Length: 1000\r\n\r\n"
+  )
+  sock.sendall(head.encode() + sent)
+  return sock
+
+
+def test_slow_clients_are_cut_off_and_counted(server, client):
+  """A body that stops coming is a 408 after --body_timeout_s; while two
+  such requests of one address run, a third is a 429
+  (--max_client_requests); an idle connection is closed after
+  --keepalive_timeout_s."""
+  slow = [_partial(server), _partial(server)]
+  _refused(
+    lambda: client.completions.create(model=MODEL, prompt="a", max_tokens=1),
+    429,
+    "--max_client_requests",
+  )
+  for sock in slow:
+    answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"--body_timeout_s" in answer
+    sock.close()
+  out = client.completions.create(model=MODEL, prompt="a", max_tokens=1)
+  assert out.choices  # the count went back down
+  idle = _connect(server)
+  idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+  assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+  idle.settimeout(10)
+  assert idle.recv(4096) == b""  # closed by the server, not by us
+  idle.close()
+
+
+def test_a_stream_nobody_reads_times_out_as_a_client_gone():
+  """`sse.write` past the response's write timeout raises what a client
+  that left raises (`ConnectionResetError`): the routes then cancel the
+  generation and free its slot (as when the client goes away,
+  tests/test_serving_http.py)."""
+  import asyncio
+
+  from chunkwise.serving import sse
+
+  class Stuck:  # a response whose client reads nothing
+    write_timeout_s = 0.05
+
+    async def write(self, data):
+      await asyncio.Event().wait()
+
+  with pytest.raises(ConnectionResetError, match="--write_timeout_s"):
+    asyncio.run(sse.write(Stuck(), b"data: {}\n\n"))

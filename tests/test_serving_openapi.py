@@ -92,6 +92,7 @@ def test_document_is_openapi_31_with_every_route(server):
     "200",
     "401",
     "403",
+    "408",
     "413",
     "415",
     "422",

@@ -104,6 +104,11 @@ class Context:
   max_messages: int = 512  # chat messages
   max_tools: int = 64  # tools offered
   max_schema_bytes: int = 256 << 10  # JSON of its schemas and tools, all told
+  # Slow and greedy clients (flags of the same names)
+  body_timeout_s: float = 30.0  # to read a request's body
+  write_timeout_s: float = 30.0  # to hand a stream's event to the client
+  max_client_requests: int = 256  # requests at once from one address
+  keepalive_timeout_s: float = 15.0  # an idle connection kept open
   created: int = 0
   # A chat template (Jinja text) in place of the model's own (--chat_template)
   chat_template: str | None = None

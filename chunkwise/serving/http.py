@@ -77,6 +77,7 @@ def error_body(path: str, status: int, message: str, kind: str) -> dict:
       400: "BadRequestError",
       401: "AuthenticationError",
       403: "PermissionDeniedError",
+      408: "APITimeoutError",
       404: "NotFoundError",
       413: "BadRequestError",
       415: "BadRequestError",
@@ -223,6 +224,7 @@ class Server:
     self.api_key = api_key
     self.allowed_hosts = allowed  # Host names answered (None: any)
     self.public_openapi = public_openapi
+    self._clients: dict[str, int] = {}  # requests running per address
     self.max_json_depth = max_json_depth
     self.metrics = Metrics(ctx.engine, model_id=ctx.model_id)
     ctx.engine.listen(self.metrics.finished)
@@ -244,7 +246,14 @@ class Server:
     4 MB body takes seconds to walk, and the event loop only moves
     bytes."""
     status = 400 if api.openai_route(request.path) else 422
-    raw = await request.read()
+    try:
+      raw = await asyncio.wait_for(request.read(), self.ctx.body_timeout_s)
+    except TimeoutError:
+      raise ApiError(
+        408,
+        f"the body did not arrive within {self.ctx.body_timeout_s:g} s "
+        "(--body_timeout_s)",
+      ) from None
     return await self._work(self._parse, raw, status)
 
   def _parse(self, raw: bytes, status: int) -> Any:
@@ -332,8 +341,20 @@ class Server:
   @web.middleware
   async def middleware(self, request: web.Request, handler):
     path = request.path
+    client = request.remote or ""
+    counted = False
     try:
       _check_origin(request, self.allowed_hosts)
+      if request.method == "POST":  # the requests that do work
+        if self._clients.get(client, 0) >= self.ctx.max_client_requests:
+          raise ApiError(
+            429,
+            f"{self.ctx.max_client_requests} requests from this address "
+            "are running (--max_client_requests)",
+            api.OVERLOADED,
+          )
+        self._clients[client] = self._clients.get(client, 0) + 1
+        counted = True
       if self.api_key is not None and not _public(request, self.public_openapi):
         given = request.headers.get("Authorization", "")
         # (bytes that are not UTF-8 compare as replaced, never a 500)
@@ -366,6 +387,13 @@ class Server:
         message = f"{e.reason}: {request.method} {path}"
       kind = api.NOT_FOUND if e.status == 404 else api.VALIDATION
       return _error_response(path, ApiError(e.status, message, kind))
+    finally:
+      if counted:  # (a stream counts until it ends)
+        left = self._clients[client] - 1
+        if left:
+          self._clients[client] = left
+        else:
+          del self._clients[client]
 
   # -- health, info, models, metrics -------------------------------------
 

@@ -133,7 +133,10 @@ async def _main(
   listening=None,
 ):
   runner = web.AppRunner(
-    server.app(max_body_bytes), handler_cancellation=True, access_log=None
+    server.app(max_body_bytes),
+    handler_cancellation=True,
+    access_log=None,
+    keepalive_timeout=server.ctx.keepalive_timeout_s,
   )
   await runner.setup()
   site = web.TCPSite(runner, host, port)

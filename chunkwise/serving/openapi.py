@@ -74,6 +74,7 @@ _STATUS = {
   400: "invalid request (the message names the field)",
   401: "no valid API key (`Authorization: Bearer <key>`)",
   403: "a Host or Origin this server does not answer to (`--allowed_hosts`)",
+  408: "the body did not arrive in time (`--body_timeout_s`)",
   404: "no such model or adapter (OpenAI), or no such file",
   413: "the body is over the server's size limit",
   415: "a body declared other than JSON",
@@ -269,8 +270,8 @@ def _operation(
   responses = {str(op.ok_status): ok}
   public = op.public and (op.path != "/openapi.json" or public_openapi)
   errors = set(op.errors) | {403} | ({401} if auth and not public else set())
-  if op.method == "post":
-    errors.add(415)
+  if op.method == "post":  # (and one address's requests at once: 429)
+    errors |= {408, 415, 429}
   error = {_JSON: {"schema": refs[_error_model(op.path)]}}
   for status in sorted(errors):
     responses[str(status)] = {"description": _STATUS[status], "content": error}

@@ -29,8 +29,29 @@ _SSE_HEADERS = {
 }
 
 
+class Events(web.StreamResponse):
+  """An SSE response whose writes time out (`write_timeout_s`): a client
+  that stops reading is dropped, its generation cancelled and its slot
+  freed, instead of holding both while `drain()` waits forever."""
+
+  write_timeout_s: float | None = None
+
+
+async def write(response: web.StreamResponse, data: bytes) -> None:
+  """`response.write(data)`, a `ConnectionResetError` (what a client that
+  left raises, so the callers cancel its streams) past the response's
+  write timeout."""
+  timeout = getattr(response, "write_timeout_s", None)
+  try:
+    await asyncio.wait_for(response.write(data), timeout)
+  except TimeoutError:
+    raise ConnectionResetError(
+      f"the client read nothing for {timeout:g} s (--write_timeout_s)"
+    ) from None
+
+
 async def send(response: web.StreamResponse, body: Any) -> None:
-  await response.write(b"data: " + dumps(body) + b"\n\n")
+  await write(response, b"data: " + dumps(body) + b"\n\n")
 
 
 async def close(response: web.StreamResponse) -> None:
@@ -45,7 +66,7 @@ async def native_events(
   handed over; the last carries the text and details (a stream's last
   tokens and its finish are handed over together, so the last token is
   known when it comes); an in-stream error event if it fails."""
-  response = await open_sse(request)
+  response = await open_sse(request, ctx.write_timeout_s)
   index = 0
   try:
     async for token in s:
@@ -68,8 +89,9 @@ async def native_events(
   return response
 
 
-async def open_sse(request) -> web.StreamResponse:
-  response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+async def open_sse(request, timeout: float | None = None) -> web.StreamResponse:
+  response = Events(status=200, headers=_SSE_HEADERS)
+  response.write_timeout_s = timeout
   response.enable_chunked_encoding()
   await response.prepare(request)
   return response
@@ -81,7 +103,7 @@ async def openai_events(
   """Streams an OpenAI request: chunks per choice as text is safe to show
   (a stop string is never shown in part), the usage chunk if asked, then
   [DONE]."""
-  response = await open_sse(request)
+  response = await open_sse(request, ctx.write_timeout_s)
   rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
   created = int(time.time())
   queue: asyncio.Queue = asyncio.Queue()
@@ -201,7 +223,7 @@ async def openai_events(
       await send(
         response, openai_api.usage_chunk(call, rid, created, obj, generated)
       )
-    await response.write(b"data: [DONE]\n\n")
+    await write(response, b"data: [DONE]\n\n")
   except (asyncio.CancelledError, ConnectionResetError):
     for s in streams.values():
       s.cancel()
