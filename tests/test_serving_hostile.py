@@ -343,3 +343,49 @@ def test_a_stream_nobody_reads_times_out_as_a_client_gone():
 
   with pytest.raises(ConnectionResetError, match="--write_timeout_s"):
     asyncio.run(sse.write(Stuck(), b"data: {}\n\n"))
+
+
+def test_a_failed_compile_is_refused_at_once_when_asked_again(monkeypatch):
+  """A constraint that ran into its time limit is not compiled again for
+  the next client: the same request is refused at once, naming why."""
+  import chunkwise as cw
+  from chunkwise.constraints import disk_cache, worker
+
+  monkeypatch.setattr(worker, "_failed", type(worker._failed)())
+  sent, real = [], worker._run
+  monkeypatch.setattr(worker, "_run", lambda *a: sent.append(a) or real(*a))
+  vocab = cw.ByteVocabulary()
+  runaway = "[ab]*a[ab]{21}"  # seconds natively, past a 1 s limit
+  with disk_cache.off():
+    with pytest.raises(worker.LimitError, match="time_limit_s"):
+      cw.constraints.Regex(runaway, time_limit_s=1).compile(
+        vocab, stop_ids=[2], width=320
+      )
+    assert len(sent) == 1
+    with pytest.raises(worker.LimitError, match="failed the same way"):
+      cw.constraints.Regex(runaway, time_limit_s=1).compile(
+        vocab, stop_ids=[2], width=320
+      )
+    assert len(sent) == 1  # not sent to the worker again
+    # another limit is another request: compiled, not remembered
+    with pytest.raises(worker.LimitError, match=r"took over 1\.5 s"):
+      cw.constraints.Regex(runaway, time_limit_s=1.5).compile(
+        vocab, stop_ids=[2], width=320
+      )
+
+
+def test_compiles_past_the_waiting_cap_are_busy(monkeypatch):
+  """With `MAX_WAITING` compiles waiting for the worker, one more is
+  `Busy` at once (the server's 429) instead of queueing behind them."""
+  from chunkwise.constraints import worker
+
+  monkeypatch.setattr(worker, "MAX_WAITING", 0)
+  with pytest.raises(worker.Busy, match="waiting for the compiler"):
+    worker.run(
+      {"kind": "regex", "text": "a", "stops": (2,), "width": 320},
+      vocab_key=None,
+      vocab=None,
+      time_limit_s=5,
+      max_compile_mb=100,
+      what="a",
+    )

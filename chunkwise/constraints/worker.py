@@ -18,8 +18,11 @@ a failed allocation there, reported as a ValueError naming the limit.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import hashlib
 import os
+import pickle
 import select
 import signal
 import subprocess
@@ -66,6 +69,7 @@ class _Process:
 
 
 _lock = threading.Lock()
+_waiting_lock = threading.Lock()
 _current: _Process | None = None
 
 
@@ -107,6 +111,21 @@ class LimitError(ValueError):
   max_compile_mb, max_table_mb)."""
 
 
+class Busy(RuntimeError):
+  """`MAX_WAITING` compiles already wait for the worker (HTTP 429)."""
+
+
+# Compiles that may wait for the worker at once; one more is `Busy`.
+MAX_WAITING = 16
+# A failed compile is refused at once when asked again within this many
+# seconds (the same request, limits and vocabulary): a schema that ran
+# 30 s into its limit does not take the worker again for every client.
+REMEMBER_FAILURES_S = 600.0
+_FAILURES_KEPT = 1024
+_failed: collections.OrderedDict = collections.OrderedDict()  # key -> (t, e)
+_waiting = 0
+
+
 def run(
   request: dict,
   *,
@@ -122,10 +141,47 @@ def run(
   Raises:
     LimitError: it ran past `time_limit_s`, `max_compile_mb` or
       `max_table_mb` (`what` names it).
-    ValueError: the constraint cannot be compiled.
+    ValueError: the constraint cannot be compiled (a failure is
+      remembered `REMEMBER_FAILURES_S`: asked again, it is raised at once).
+    Busy: `MAX_WAITING` compiles already wait for the worker.
   """
-  global _current
-  with _lock:
+  key = hashlib.sha256(
+    pickle.dumps(
+      (sorted(request.items()), vocab_key, time_limit_s, max_compile_mb)
+    )
+  ).hexdigest()
+  with _waiting_lock:
+    remembered = _failed.get(key)
+  if remembered is not None:
+    when, error = remembered
+    if time.monotonic() - when < REMEMBER_FAILURES_S:
+      raise type(error)(f"{error} (it failed the same way before)")
+  try:
+    return _run(request, vocab_key, vocab, time_limit_s, max_compile_mb, what)
+  except ValueError as e:  # LimitError too: remembered
+    with _waiting_lock:
+      _failed[key] = (time.monotonic(), e)
+      while len(_failed) > _FAILURES_KEPT:
+        _failed.popitem(last=False)
+    raise
+
+
+def _run(request, vocab_key, vocab, time_limit_s, max_compile_mb, what):
+  global _current, _waiting
+  with _waiting_lock:
+    if _waiting >= MAX_WAITING:
+      raise Busy(
+        f"{_waiting} constraint compiles are waiting for the compiler; "
+        "try again shortly"
+      )
+    _waiting += 1
+  try:
+    _lock.acquire()
+  finally:
+    with _waiting_lock:
+      _waiting -= 1
+  with contextlib.ExitStack() as held:
+    held.callback(_lock.release)
     if _current is not None and _current.proc.poll() is not None:
       _current.kill()
       _current = None

@@ -35,6 +35,7 @@ from typing import Any
 
 from aiohttp import web
 
+from chunkwise.constraints import worker
 from chunkwise.serving import (
   api,
   explore,
@@ -280,6 +281,8 @@ class Server:
       return self.ctx.engine.prepare(g)
     except ValueError as e:
       raise ApiError(status, str(e)) from None
+    except worker.Busy as e:  # the constraint compiler's queue is full
+      raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
 
   def _submit(self, g: Generation, prepared) -> TokenStream:
     try:
