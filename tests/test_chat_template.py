@@ -133,6 +133,16 @@ def test_template_escapes_are_refused_and_nothing_runs(
       "{% endfor %}{% endfor %}",
       "longer than 1048576 characters",
     ),
+    (  # doubling with `~` or `+`: refused at the size limit, not in memory
+      '{% set ns = namespace(s="x") %}{% for i in range(40) %}'
+      "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+      "'~' would build 2097152",
+    ),
+    (
+      '{% set ns = namespace(s="x") %}{% for i in range(40) %}'
+      "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+      "'\\+' would build 2097152",
+    ),
     ("{{ x", "syntax error at line 1"),
     ("{{ undefined_thing.attr }}", "'undefined_thing' is undefined"),
   ],
@@ -140,6 +150,41 @@ def test_template_escapes_are_refused_and_nothing_runs(
 def test_template_resources_are_bounded(text, reason):
   with pytest.raises(ChatTemplateError, match=reason):
     ChatTemplate(text, "t").render([{"role": "user", "content": "hi"}])
+
+
+SPIN = (  # loops that call nothing: 10^15 iterations
+  "{% for i in range(99999) %}{% for j in range(99999) %}"
+  "{% for k in range(99999) %}{% endfor %}{% endfor %}{% endfor %}"
+)
+
+
+def test_an_empty_loop_stops_at_the_time_limit_per_render(monkeypatch):
+  """Loops count against the time budget, and each render keeps its own:
+  another render finishing meanwhile (in another thread) does not lift
+  it."""
+  import threading
+
+  from chunkwise.checkpoints import chat_template
+
+  monkeypatch.setattr(chat_template, "TIME_LIMIT_S", 0.5)
+  spin, quick = ChatTemplate(SPIN, "t"), ChatTemplate("{{ 1 }}", "q")
+  errors = []
+
+  def run():
+    try:
+      spin.render([{"role": "user", "content": "hi"}])
+    except ChatTemplateError as e:
+      errors.append(str(e))
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  while t.is_alive() and not errors:
+    quick.render([])  # renders of another template, and of this one:
+    with pytest.raises(ChatTemplateError, match="longer than"):
+      spin.render([])  # each stops at its own limit
+    t.join(0.05)
+  t.join(30)
+  assert not t.is_alive() and "longer than 0.5 s" in errors[0]
 
 
 def test_messages_reach_the_template_as_plain_data():

@@ -17,11 +17,12 @@ What the template sees is plain data: messages, tools and extra variables
 are copied into JSON types (str, int, float, bool, None, lists, dicts), so
 no method of a caller's object is reachable. Resources are bounded too:
 the rendered text may hold at most `max(MAX_OUTPUT_CHARS, 4 x the input's
-characters)` characters, `*`, `**`, `%`, `str.format` and filters may not
-build values larger than that, ranges hold at most 100,000 items (Jinja's
-own cap), and rendering stops after `TIME_LIMIT_S` (checked at every
-attribute, item, call, filter and operator; a loop whose body does none
-of these can still spend CPU time, never memory).
+characters)` characters, `*`, `**`, `%`, `+`, `~`, `str.format` and
+filters may not build values larger than that, ranges hold at most
+100,000 items (Jinja's own cap), and rendering stops after `TIME_LIMIT_S`
+(checked at every attribute, item, call, filter, operator and loop
+iteration: an empty loop cannot spin past it). Each render has its own
+time and size limits, however many run at once.
 
 Every failure is a `ChatTemplateError` (a `ValueError`) naming the
 template's source: a syntax error, a sandbox violation ("nothing was
@@ -36,6 +37,7 @@ import functools
 import json
 import math
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -100,6 +102,7 @@ def _environment_class():
   from jinja2 import nodes
   from jinja2.ext import Extension
   from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+  from jinja2.visitor import NodeTransformer
 
   class GenerationBlock(Extension):
     """`{% generation %}...{% endgeneration %}` (transformers marks the
@@ -117,11 +120,27 @@ def _environment_class():
     def _body(self, caller):
       return caller()
 
+  class _Guard(NodeTransformer):
+    """`Sandbox._parse`'s rewrite of a template's tree."""
+
+    def visit_Concat(self, node):
+      node = self.generic_visit(node)
+      return nodes.Call(
+        nodes.Name("cw_concat", "load"), node.nodes, [], None, None
+      ).set_lineno(node.lineno)
+
+    def visit_For(self, node):
+      node = self.generic_visit(node)
+      node.iter = nodes.Call(
+        nodes.Name("cw_loop", "load"), [node.iter], [], None, None
+      ).set_lineno(node.lineno)
+      return node
+
   class Sandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox with a time budget and size checks on every
     operator, call and filter that can build a large value."""
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def __init__(self):
       super().__init__(
@@ -129,8 +148,43 @@ def _environment_class():
         lstrip_blocks=True,
         extensions=[GenerationBlock, "jinja2.ext.loopcontrols"],
       )
-      self.deadline = math.inf
-      self.max_chars = MAX_OUTPUT_CHARS
+      # Each render's own limits: renders of one template run in many
+      # threads at once, and one ending must not lift another's.
+      self._limits = threading.local()
+
+    @property
+    def deadline(self) -> float:
+      return getattr(self._limits, "deadline", math.inf)
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+      self._limits.deadline = value
+
+    @property
+    def max_chars(self) -> int:
+      return getattr(self._limits, "max_chars", MAX_OUTPUT_CHARS)
+
+    @max_chars.setter
+    def max_chars(self, value: int) -> None:
+      self._limits.max_chars = value
+
+    def _parse(self, source, name, filename):
+      """The template's tree with every `~` a checked call (`cw_concat`)
+      and every loop's items counted against the time budget
+      (`cw_loop`): neither can then build past the size limit, or spin
+      past the time limit without calling anything."""
+      return _Guard().visit(super()._parse(source, name, filename))
+
+    def concat(self, *parts) -> str:
+      self.tick()
+      out = "".join(map(str, parts))
+      self.check_size(len(out), "'~'")
+      return out
+
+    def loop(self, items):
+      for item in items:
+        self.tick()
+        yield item
 
     def tick(self) -> None:
       if time.monotonic() > self.deadline:
@@ -208,6 +262,12 @@ def _environment_class():
               f"of {_MAX_POWER_BITS}"
             )
         return left**right
+      if operator == "+":
+        if isinstance(left, str | list | tuple) and isinstance(
+          right, str | list | tuple
+        ):
+          self.check_size(len(left) + len(right), "'+'")
+        return left + right
       if isinstance(left, str):
         self.check_spec(left, "'%' formatting")
       return left % right
@@ -265,6 +325,8 @@ def _environment_class():
     env.filters["tojson"] = tojson
     env.filters = {n: env.checked_filter(n, f) for n, f in env.filters.items()}
     env.globals.update(
+      cw_concat=env.concat,
+      cw_loop=env.loop,
       raise_exception=raise_exception,
       strftime_now=strftime_now,
       dict=SafeDict(),
