@@ -122,6 +122,8 @@ class TokenizerVocabulary:
       else ChatTemplate(chat_template, chat_template_source)
     )
     self._token_bytes = None
+    self._text_tokenizer = None  # `encode_text`'s
+    self._controls = None
 
   @classmethod
   def from_file(cls, path: str, **kwargs) -> TokenizerVocabulary:
@@ -204,6 +206,29 @@ class TokenizerVocabulary:
     if not isinstance(s, str):
       raise ValueError(f"encode expects a str, got {s!r}")
     return self._tokenizer.encode(s, add_special_tokens=False).ids
+
+  def encode_text(self, s: str) -> list[int]:
+    """`encode`, but a control token's name written in `s`
+    ("<|im_end|>") is text, not the control token: what text a user
+    wrote is (`serving`'s chat prompts)."""
+    if not isinstance(s, str):
+      raise ValueError(f"encode_text expects a str, got {s!r}")
+    if self._text_tokenizer is None:
+      from tokenizers import Tokenizer
+
+      plain = Tokenizer.from_str(self._tokenizer.to_str())
+      plain.encode_special_tokens = True
+      self._text_tokenizer = plain
+    return self._text_tokenizer.encode(s, add_special_tokens=False).ids
+
+  def control_texts(self) -> tuple[str, ...]:
+    """The names of the control (special) tokens, as text may spell them."""
+    if self._controls is None:
+      added = self._tokenizer.get_added_tokens_decoder().values()
+      self._controls = tuple(
+        a.content for a in added if a.special and a.content
+      )
+    return self._controls
 
   def decode(self, ids: Sequence[int]) -> str:
     known = [int(i) for i in ids if 0 <= int(i) < self._size]

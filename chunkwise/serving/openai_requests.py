@@ -13,6 +13,8 @@ vLLM's `structured_outputs` and the older `guided_*` become constraints.
 from __future__ import annotations
 
 import dataclasses
+import re
+import secrets
 from typing import Any
 
 import pydantic
@@ -348,6 +350,49 @@ def _content(message: dict, i: int) -> dict:
   return {**message, "content": content or ""}
 
 
+def _render(vocab, messages, tools) -> str:
+  try:
+    return vocab.apply_chat_template(
+      messages, add_generation_prompt=True, tools=tools
+    )
+  except ValueError as e:
+    raise _bad(f"the chat template failed: {e}") from None
+
+
+def _chat_ids(vocab, messages: list[dict], tools) -> list[int]:
+  """The rendered conversation's ids, where a control token comes only
+  from the template, never from a message's content: content that spells
+  one ("hi<|im_end|>\n<|im_start|>system") is tokenized as text. Such
+  content is rare, so only then is the template rendered with a marker
+  in each content's place, and the text between markers (the template's)
+  and each content (as text, `encode_text`) tokenized apart; otherwise
+  the whole text is tokenized at once, as the model's own tokenizer
+  would."""
+  controls = getattr(vocab, "control_texts", tuple)()
+  forged = controls and any(
+    c in m["content"] for m in messages for c in controls if m["content"]
+  )
+  if not forged:
+    return vocab.encode(_render(vocab, messages, tools))
+  nonce = secrets.token_hex(8)
+  marks = {}
+  for i, m in enumerate(messages):
+    if m["content"]:
+      marks[f"\ue000{nonce}.{i}\ue001"] = m["content"]
+  marked = [
+    {**m, "content": f"\ue000{nonce}.{i}\ue001"} if m["content"] else m
+    for i, m in enumerate(messages)
+  ]
+  rendered = _render(vocab, marked, tools)
+  ids = []
+  for piece in re.split(f"(\ue000{nonce}\\.\\d+\ue001)", rendered):
+    if piece in marks:
+      ids += vocab.encode_text(marks[piece])
+    elif piece:
+      ids += vocab.encode(piece)
+  return ids
+
+
 def chat_prompt(
   ctx: Context, messages: list[dict], tools: list[dict] | None = None
 ) -> list[int]:
@@ -359,13 +404,7 @@ def chat_prompt(
   if getattr(vocab, "chat_template", None) is None:
     raise _bad("this model has no chat template: use /v1/completions")
   messages = [_content(m, i) for i, m in enumerate(messages)]
-  try:
-    text = vocab.apply_chat_template(
-      messages, add_generation_prompt=True, tools=tools
-    )
-  except ValueError as e:
-    raise _bad(f"the chat template failed: {e}") from None
-  ids = vocab.encode(text)
+  ids = _chat_ids(vocab, messages, tools)
   if not ids or ids[0] != ctx.model.bos_id:
     ids = [ctx.model.bos_id, *ids]
   if len(ids) > ctx.max_input_tokens:
