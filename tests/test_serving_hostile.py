@@ -458,3 +458,28 @@ def test_control_tokens_typed_in_a_message_are_text(which):
   count = sorted(i for i in ids if i in control_ids)
   assert count == sorted(i for i in want if i in control_ids)  # no more
   assert vocab.decode(ids).count(forge) == 1  # the text is all there
+
+
+def test_the_compiled_constraint_caches_are_bounded_by_bytes(monkeypatch):
+  """Both caches of compiled constraints (the lazy ones, the tables and
+  DFAs under them) forget their oldest entries past their byte budgets,
+  however few entries they hold."""
+  import chunkwise as cw
+  from chunkwise.constraints import lazy, tables
+
+  lazy.clear_cache()
+  monkeypatch.setattr(lazy, "CACHE_BYTES", 60_000)
+  monkeypatch.setattr(tables, "CACHE_BYTES", 60_000)
+  vocab = cw.ByteVocabulary()
+  for n in range(20, 30):  # ~25-35 states each: ~30 KB of arrays
+    c = cw.constraints.Regex(f"[a-z]{{{n}}}")
+    newest = c.compile(vocab, stop_ids=[2], width=320)
+    newest.allowed(0)  # a walked mask counts too (at the next entry)
+  newest = cw.constraints.Regex("[a-z]{9}").compile(
+    vocab, stop_ids=[2], width=320
+  )
+  assert sum(c.held_bytes for c in lazy._CACHE.values()) <= 60_000
+  assert list(lazy._CACHE.values())[-1] is newest  # the newest stays
+  held = sum(map(tables.held_bytes, tables._table_cache.values()))
+  assert held <= 60_000 and 1 <= len(tables._table_cache) < 10
+  lazy.clear_cache()

@@ -71,6 +71,18 @@ class Lazy:
     return self.dfa.regex
 
   @property
+  def held_bytes(self) -> int:
+    """Bytes of the arrays it holds in memory: its DFA's, the masks
+    walked so far and what it computed from them (not the shared trie):
+    what the compiled-constraint cache counts."""
+    arrays = [*vars(self.dfa).values(), *self._walks.values()]
+    arrays += [v for v in vars(self).values() if v is not self._walks]
+    flat = []
+    for a in arrays:
+      flat += a if isinstance(a, tuple) else [a]
+    return sum(a.nbytes for a in flat if isinstance(a, np.ndarray))
+
+  @property
   def build_s(self) -> float:
     return self.dfa.build_s
 
@@ -231,8 +243,9 @@ def compile(
   if not spelled and not out.allowed(0).size:
     raise ValueError(f"{what} matches no text this vocabulary can spell")
   _CACHE[key] = out
-  if len(_CACHE) > _CACHE_SIZE:
-    _CACHE.popitem(last=False)
+  held = sum(c.held_bytes for c in _CACHE.values())
+  while len(_CACHE) > 1 and (len(_CACHE) > _CACHE_SIZE or held > CACHE_BYTES):
+    held -= _CACHE.popitem(last=False)[1].held_bytes
   return out
 
 
@@ -268,6 +281,10 @@ _SPELLS: dict = {}
 # object again, so a loop's rows share its grammar id and its walks.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 64
+# Their arrays in memory, all told, counted as each one is added
+# (`Lazy.held_bytes`; a constraint's walked masks are `_WALKS` at most;
+# the vocabulary's trie, shared, is not counted).
+CACHE_BYTES = 1 << 30
 
 
 def clear_cache() -> None:

@@ -310,11 +310,21 @@ def _dfa_fits(a: dict) -> bool:
 
 def _keep(key, value):
   """`value`, remembered under `key` (the oldest forgotten past
-  `_CACHE_SIZE`)."""
-  while len(_table_cache) >= _CACHE_SIZE:
-    _table_cache.pop(next(iter(_table_cache)))
+  `_CACHE_SIZE` entries or `CACHE_BYTES` of arrays, all told)."""
   _table_cache[key] = value
+  held = sum(map(held_bytes, _table_cache.values()))
+  while len(_table_cache) > 1 and (
+    len(_table_cache) > _CACHE_SIZE or held > CACHE_BYTES
+  ):
+    held -= held_bytes(_table_cache.pop(next(iter(_table_cache))))
   return value
+
+
+def held_bytes(value) -> int:
+  """Bytes of the arrays of a cached result (`Tables`, or a DFA's dict)."""
+  if isinstance(value, Tables):
+    return value.nbytes
+  return sum(v.nbytes for v in value.values() if isinstance(v, np.ndarray))
 
 
 def regex_of_schema(
@@ -350,6 +360,9 @@ def regex_of_schema(
 
 
 _CACHE_SIZE = 64
+# Compiled tables kept in memory, all told (a table may be 256 MB: 64 of
+# them would hold 16 GB).
+CACHE_BYTES = 1 << 30
 _table_cache: dict[tuple, Tables] = {}
 _regex_cache: dict[tuple[str, str], str] = {}
 
