@@ -132,6 +132,12 @@ _MAX_CLIENT_REQUESTS = flags.DEFINE_integer(
   "Requests at once from one address (else 429).",
   lower_bound=1,
 )
+_MAX_CONNECTIONS = flags.DEFINE_integer(
+  "max_connections",
+  1024,
+  "Connections open at once; one more is answered 503 and closed.",
+  lower_bound=1,
+)
 # Per-request caps, each a 400/422 naming its flag, checked before any
 # work (serving.Context.check_sizes).
 _CAPS = {
@@ -265,6 +271,7 @@ def main(argv):
     **{name: flag.value for name, flag in _CAPS.items()},
     **{name: flag.value for name, flag in _CLIENT_LIMITS.items()},
     max_client_requests=_MAX_CLIENT_REQUESTS.value,
+    max_connections=_MAX_CONNECTIONS.value,
     chat_template=chat_template,
     chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
   )

@@ -483,3 +483,24 @@ def test_the_compiled_constraint_caches_are_bounded_by_bytes(monkeypatch):
   held = sum(map(tables.held_bytes, tables._table_cache.values()))
   assert held <= 60_000 and 1 <= len(tables._table_cache) < 10
   lazy.clear_cache()
+
+
+def test_connections_past_the_cap_are_answered_503_and_closed():
+  with running(
+    "--model=random:tiny", "--warm_up=false", "--max_connections=2"
+  ) as s:
+    held = [_connect(s), _connect(s)]  # open, idle
+    extra = _connect(s)
+    answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503") and b"--max_connections" in answer
+    assert extra.recv(4096) == b""  # then closed
+    extra.close()
+    for sock in held:
+      sock.close()
+    import time
+
+    for _ in range(100):  # the server sees them go
+      if s.get("/health")[0] == 200:
+        break
+      time.sleep(0.05)
+    assert s.get("/health")[0] == 200

@@ -109,6 +109,7 @@ class Context:
   write_timeout_s: float = 30.0  # to hand a stream's event to the client
   max_client_requests: int = 256  # requests at once from one address
   keepalive_timeout_s: float = 15.0  # an idle connection kept open
+  max_connections: int = 1024  # open at once (one more: 503, closed)
   created: int = 0
   # A chat template (Jinja text) in place of the model's own (--chat_template)
   chat_template: str | None = None

@@ -120,6 +120,73 @@ class Background:
       self._thread.join()
 
 
+_FULL_BODY = (
+  b'{"error": "too many connections (--max_connections)", '
+  b'"error_type": "overloaded"}'
+)
+_FULL = (
+  b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+) % (len(_FULL_BODY), _FULL_BODY)
+
+
+class _Counted(asyncio.Protocol):
+  """aiohttp's protocol for one connection, counted by its site (a
+  wrapper: aiohttp's has `__slots__`)."""
+
+  def __init__(self, site, inner):
+    self.site, self.inner, self.counted = site, inner, False
+
+  def connection_made(self, transport):
+    if self.site.open >= self.site.cap:
+      transport.write(_FULL)
+      transport.close()
+      return
+    self.site.open += 1
+    self.counted = True
+    self.inner.connection_made(transport)
+
+  def connection_lost(self, exc):
+    if self.counted:
+      self.site.open -= 1
+      self.inner.connection_lost(exc)
+
+  def data_received(self, data):
+    if self.counted:
+      self.inner.data_received(data)
+
+  def eof_received(self):
+    return self.inner.eof_received() if self.counted else None
+
+  def pause_writing(self):
+    if self.counted:
+      self.inner.pause_writing()
+
+  def resume_writing(self):
+    if self.counted:
+      self.inner.resume_writing()
+
+
+class _CappedSite(web.TCPSite):
+  """A TCP site that holds at most `cap` connections: one more is
+  answered 503 and closed before aiohttp reads a byte of it."""
+
+  def __init__(self, runner, host, port, cap: int):
+    super().__init__(runner, host, port)
+    self.cap, self.open = cap, 0
+
+  async def start(self) -> None:
+    await web.BaseSite.start(self)
+    server = self._runner.server
+
+    def protocol():
+      return _Counted(self, server())
+
+    loop = asyncio.get_running_loop()
+    self._server = await loop.create_server(protocol, self._host, self._port)
+    self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
 async def _main(
   server,
   host,
@@ -139,9 +206,9 @@ async def _main(
     keepalive_timeout=server.ctx.keepalive_timeout_s,
   )
   await runner.setup()
-  site = web.TCPSite(runner, host, port)
+  site = _CappedSite(runner, host, port, server.ctx.max_connections)
   await site.start()
-  bound = site._server.sockets[0].getsockname()[1]
+  bound = site._bound_port
   stop = stop or asyncio.Event()
   loop = asyncio.get_running_loop()
   if signals:
