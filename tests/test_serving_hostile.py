@@ -504,3 +504,18 @@ def test_connections_past_the_cap_are_answered_503_and_closed():
         break
       time.sleep(0.05)
     assert s.get("/health")[0] == 200
+
+
+def test_error_texts_keep_no_server_paths():
+  """An error names what was wrong, not where the server keeps its files
+  (a model file's path in a chat template's error: its name only)."""
+  from chunkwise.serving import api
+
+  text = (
+    "chat template of /srv/models/x/model.gguf: tokenizer.chat_template: "
+    'File "/usr/lib/python3/site.py" at http://example.com/a/b'
+  )
+  assert api.scrub(text) == (
+    "chat template of model.gguf: tokenizer.chat_template: "
+    'File "site.py" at http://example.com/a/b'
+  )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,18 @@ NOT_FOUND = "not_found"
 UNAVAILABLE = "unavailable"
 UNAUTHORIZED = "unauthorized"
 FORBIDDEN = "forbidden"
+
+
+# An absolute file path in an error's text (a model file's, a module's):
+# the client gets its last part only.
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+@-]+/)+([\w.+@-]+)")
+
+
+def scrub(message: str) -> str:
+  """`message` without the server's file paths (each one's file name
+  kept): an error tells a client what was wrong, not where this server
+  keeps its files."""
+  return _PATH.sub(r"\1", message)
 
 
 class ApiError(Exception):

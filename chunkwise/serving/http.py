@@ -114,6 +114,7 @@ def _json_response(body: Any, status: int = 200, headers=None) -> web.Response:
 
 
 def _error_response(path: str, e: ApiError) -> web.Response:
+  e = ApiError(e.status, api.scrub(e.message), e.kind)
   headers = {"X-Content-Type-Options": "nosniff"}
   if e.status == 429:
     headers["Retry-After"] = "1"

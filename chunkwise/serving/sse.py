@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from chunkwise.serving import native, openai_api, tool_calls
+from chunkwise.serving import api, native, openai_api, tool_calls
 from chunkwise.serving.api import Context, dumps
 from chunkwise.serving.stream import ERROR, TokenStream
 
@@ -82,7 +82,7 @@ async def native_events(
     s.cancel()
     raise
   except Exception as e:  # the request failed mid-stream
-    message = f"Request failed during generation: {e}"
+    message = api.scrub(f"Request failed during generation: {e}")
     with contextlib.suppress(ConnectionResetError):
       await send(response, {"error": message, "error_type": "generation"})
   await close(response)
@@ -155,7 +155,7 @@ async def openai_events(
           response,
           {
             "error": {
-              "message": f"generation failed: {s.error}",
+              "message": api.scrub(f"generation failed: {s.error}"),
               "type": "InternalServerError",
               "param": None,
               "code": 500,
