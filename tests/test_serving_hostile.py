@@ -519,3 +519,31 @@ def test_error_texts_keep_no_server_paths():
     "chat template of model.gguf: tokenizer.chat_template: "
     'File "site.py" at http://example.com/a/b'
   )
+
+
+def test_the_event_loop_is_not_held_by_large_bodies_or_stops(server):
+  """A 4 MB body (its JSON walked for depth and surrogates took 2.8 s on
+  the event loop) and a stream with stop strings: the loop
+  keeps running its timers (`chunkwise:event_loop_lag_max_seconds`, a
+  bound far above what parsing off the loop costs, far below what it
+  cost on it)."""
+  filler = [{"k": [i, str(i)]} for i in range(150_000)]
+  body = json.dumps(
+    {"model": MODEL, "prompt": "a", "max_tokens": 1, "x": filler}
+  ).encode()
+  assert 3_000_000 < len(body) < 4 << 20
+  auth = {"Authorization": f"Bearer {KEY}"}
+  status, out = _raw(server, body, {**auth, "Content-Type": "application/json"})
+  assert status == 200, out[:300]
+  stream = openai.OpenAI(
+    base_url=server.url + "/v1", api_key=KEY, max_retries=0
+  ).completions.create(
+    model=MODEL,
+    prompt="a",
+    max_tokens=40,
+    stream=True,
+    stop=["\n" + "x" * 7, "ab" * 4],  # the fixture's longest
+  )
+  assert sum(1 for _ in stream) >= 1
+  lag = server.metric("chunkwise:event_loop_lag_max_seconds", auth)
+  assert 0 <= lag < 1.0, lag

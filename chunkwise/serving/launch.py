@@ -120,6 +120,17 @@ class Background:
       self._thread.join()
 
 
+async def watch_loop(metrics, period: float = 0.05) -> None:
+  """Times how late the event loop runs a `period` timer, forever
+  (`chunkwise:event_loop_lag_seconds` in /metrics): the loop only moves
+  bytes, so a lag is work someone put on it, delaying every client."""
+  loop = asyncio.get_running_loop()
+  while True:
+    start = loop.time()
+    await asyncio.sleep(period)
+    metrics.lagged(max(0.0, loop.time() - start - period))
+
+
 _FULL_BODY = (
   b'{"error": "too many connections (--max_connections)", '
   b'"error_type": "overloaded"}'
@@ -230,8 +241,10 @@ async def _main(
       ready(bound)
 
   announcing = asyncio.create_task(announce())
+  watching = asyncio.create_task(watch_loop(server.metrics))
   await stop.wait()
   announcing.cancel()
+  watching.cancel()
   log.info("shutting down: finishing running requests (%.0f s grace)", grace)
   server.draining = True
   clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)

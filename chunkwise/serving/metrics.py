@@ -67,6 +67,14 @@ class Metrics:
     self.queue = hist(
       "vllm:request_queue_time_seconds", "Time before a slot.", _LATENCY
     )
+    self.loop_lag = hist(
+      "chunkwise:event_loop_lag_seconds",
+      "How late the event loop ran a timer (`launch.watch_loop`): work "
+      "on the loop, which only moves bytes, delays every client.",
+      _LATENCY,
+      [],
+    )
+    self.max_loop_lag = 0.0
     self.prompt_tokens = Counter(
       "vllm:prompt_tokens", "Prompt tokens.", label, registry=r
     )
@@ -92,6 +100,10 @@ class Metrics:
     )
     self.tgi_input = hist("tgi_request_input_length", "Input.", _TOKENS, [])
     r.register(_Collector(self))
+
+  def lagged(self, seconds: float) -> None:
+    self.loop_lag.observe(seconds)
+    self.max_loop_lag = max(self.max_loop_lag, seconds)
 
   def received(self) -> None:
     with self._lock:
@@ -204,6 +216,11 @@ class _Collector:
     served = ",".join(engine.model.adapters)
     g.add_metric([served, "", str(len(engine.model.adapters))], 1.0)
     yield g
+    yield GaugeMetricFamily(
+      "chunkwise:event_loop_lag_max_seconds",
+      "The latest the event loop ever ran a timer.",
+      value=m.max_loop_lag,
+    )
     if engine.speculation is not None:
       yield from _speculation(m.model_id, engine.speculation_totals)
     stats = engine.prefix_cache_stats
