@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
@@ -209,6 +210,20 @@ def _depth(value: Any) -> int:
   return deepest
 
 
+@contextlib.contextmanager
+def _queue_errors():
+  """The engine's queue refusals as HTTP errors: full (429), closing
+  (503)."""
+  try:
+    yield
+  except Overloaded:
+    raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
+  except Closed:
+    raise ApiError(
+      503, "the server is shutting down", api.UNAVAILABLE
+    ) from None
+
+
 class Server:
   """The routes' state: the context, metrics, a worker pool, auth."""
 
@@ -286,14 +301,8 @@ class Server:
       raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
 
   def _submit(self, g: Generation, prepared) -> TokenStream:
-    try:
+    with _queue_errors():
       return self.ctx.engine.submit(g, prepared)
-    except Overloaded:
-      raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
-    except Closed:
-      raise ApiError(
-        503, "the server is shutting down", api.UNAVAILABLE
-      ) from None
 
   async def _start(self, g: Generation, status: int) -> TokenStream:
     self._check_room(1)
@@ -303,15 +312,10 @@ class Server:
   async def _score(self, prompt, top_n: int, adapter, status: int):
     def run():
       try:
-        return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
+        with _queue_errors():
+          return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
       except ValueError as e:
         raise ApiError(status, str(e)) from None
-      except Overloaded:
-        raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
-      except Closed:
-        raise ApiError(
-          503, "the server is shutting down", api.UNAVAILABLE
-        ) from None
 
     return await self._work(run)
 

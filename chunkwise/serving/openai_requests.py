@@ -375,14 +375,13 @@ def _chat_ids(vocab, messages: list[dict], tools) -> list[int]:
   if not forged:
     return vocab.encode(_render(vocab, messages, tools))
   nonce = secrets.token_hex(8)
-  marks = {}
+  marks, marked = {}, []
   for i, m in enumerate(messages):
     if m["content"]:
-      marks[f"\ue000{nonce}.{i}\ue001"] = m["content"]
-  marked = [
-    {**m, "content": f"\ue000{nonce}.{i}\ue001"} if m["content"] else m
-    for i, m in enumerate(messages)
-  ]
+      mark = f"\ue000{nonce}.{i}\ue001"
+      marks[mark] = m["content"]
+      m = {**m, "content": mark}
+    marked.append(m)
   rendered = _render(vocab, marked, tools)
   ids = []
   for piece in re.split(f"(\ue000{nonce}\\.\\d+\ue001)", rendered):
