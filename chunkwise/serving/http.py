@@ -27,11 +27,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
-import json
 import logging
-import re
-import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -39,11 +36,13 @@ from aiohttp import web
 from chunkwise.constraints import worker
 from chunkwise.serving import (
   api,
+  bodies,
   explore,
   native,
   openai_api,
   openai_requests,
   openapi,
+  origin,
   sse,
 )
 from chunkwise.serving.api import ApiError, Context, dumps
@@ -58,13 +57,10 @@ from chunkwise.serving.stream import (
 
 log = logging.getLogger("chunkwise.serving")
 
-MAX_BODY_BYTES = 4 << 20
 _STARTING = (
   "the server is starting: it compiles its programs before it takes "
   "requests (GET /health answers 200 once it is ready)"
 )
-MAX_JSON_DEPTH = 64
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uXXXX escape of one
 _SSE_HEADERS = {
   "Content-Type": "text/event-stream",
   "Cache-Control": "no-cache",
@@ -126,90 +122,6 @@ def _error_response(path: str, e: ApiError) -> web.Response:
   )
 
 
-def _public(request: web.Request, public_openapi: bool) -> bool:
-  """Whether `request` needs no API key: reading the health check and the
-  explorer page's own files (which hold no data: the page asks for the
-  key to call the API), and with `public_openapi` the OpenAPI document
-  (`POST /` generates: it needs the key)."""
-  return request.method in ("GET", "HEAD") and (
-    request.path in ("/", "/health")
-    or (public_openapi and request.path == "/openapi.json")
-    or explore.public(request.path)
-  )
-
-
-# Host names a server on loopback answers to (`allowed_hosts`): a page on
-# another site that a browser resolves to 127.0.0.1 (DNS rebinding) sends
-# its own name, and is refused.
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-
-
-def allowed_hosts(host: str, extra: Sequence[str] = ()) -> frozenset | None:
-  """The Host names a server bound to `host` answers to: the loopback
-  names, `host` itself (unless a wildcard address) and `extra`; None
-  (any) where `extra` holds "*"."""
-  if "*" in extra:
-    return None
-  names = set(LOOPBACK_NAMES) | {e.strip().lower() for e in extra if e.strip()}
-  if host not in ("", "0.0.0.0", "::"):
-    names.add(host.lower())
-    if ":" in host and not host.startswith("["):
-      names.add(f"[{host.lower()}]")
-  return frozenset(names)
-
-
-def _host_name(value: str) -> str:
-  """A Host header's (or an origin's netloc's) name, without its port."""
-  value = value.strip().lower()
-  if value.startswith("["):
-    return value[: value.find("]") + 1] if "]" in value else value
-  return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
-
-
-def _check_origin(request: web.Request, allowed: frozenset | None) -> None:
-  """403 for a Host, or a browser's Origin, this server does not answer
-  to; 415 for a POST whose body is declared other than JSON (a browser
-  sends text/plain and forms across sites without asking first)."""
-  if allowed is not None:
-    host = _host_name(request.headers.get("Host", ""))
-    if host not in allowed:
-      raise ApiError(
-        403,
-        f"the Host header {host!r} is not one this server answers to "
-        "(--allowed_hosts)",
-        api.FORBIDDEN,
-      )
-    origin = request.headers.get("Origin")
-    if origin is not None:
-      name = _host_name(urllib.parse.urlsplit(origin).netloc)
-      if name not in allowed:
-        raise ApiError(
-          403,
-          f"requests from the origin {origin!r} are not allowed "
-          "(--allowed_hosts)",
-          api.FORBIDDEN,
-        )
-  if request.method == "POST" and "Content-Type" in request.headers:
-    kind = request.content_type
-    if kind != "application/json" and not kind.endswith("+json"):
-      raise ApiError(
-        415,
-        f"the body must be JSON (Content-Type: application/json), got {kind!r}",
-      )
-
-
-def _depth(value: Any) -> int:
-  deepest, todo = 0, [(value, 1)]
-  while todo:
-    v, d = todo.pop()
-    if isinstance(v, dict | list):
-      deepest = max(deepest, d)
-      todo.extend(
-        (x, d + 1) for x in (v.values() if isinstance(v, dict) else v)
-      )
-  return deepest
-
-
 @contextlib.contextmanager
 def _queue_errors():
   """The engine's queue refusals as HTTP errors: full (429), closing
@@ -232,9 +144,9 @@ class Server:
     ctx: Context,
     *,
     api_key: str | None = None,
-    max_json_depth: int = MAX_JSON_DEPTH,
+    max_json_depth: int = bodies.MAX_JSON_DEPTH,
     workers: int = 4,
-    allowed: frozenset | None = LOOPBACK_NAMES,
+    allowed: frozenset | None = origin.LOOPBACK_NAMES,
     public_openapi: bool = False,
   ):
     self.ctx = ctx
@@ -273,24 +185,8 @@ class Server:
       ) from None
     return await self._work(self._parse, raw, status)
 
-  def _parse(self, raw: bytes, status: int) -> Any:
-    try:
-      body = json.loads(raw)
-    except RecursionError:
-      raise ApiError(
-        status, f"the JSON body nests deeper than {self.max_json_depth}"
-      ) from None
-    except ValueError as e:  # not JSON, not UTF-8, a 5,000-digit number
-      raise ApiError(status, f"the body is not valid JSON: {e}") from None
-    if _depth(body) > self.max_json_depth:
-      raise ApiError(
-        status, f"the JSON body nests deeper than {self.max_json_depth}"
-      )
-    if not isinstance(body, dict):
-      raise ApiError(status, "the body must be a JSON object")
-    if _SURROGATE.search(raw) and (where := api.unpaired_surrogate(body)):
-      raise ApiError(status, f"{where} holds an unpaired surrogate: not text")
-    return body
+  def _parse(self, raw: bytes, status: int) -> dict:
+    return bodies.parse(raw, status=status, max_depth=self.max_json_depth)
 
   def _prepare(self, g: Generation, status: int):
     try:
@@ -352,7 +248,7 @@ class Server:
     client = request.remote or ""
     counted = False
     try:
-      _check_origin(request, self.allowed_hosts)
+      origin.check(request, self.allowed_hosts)
       if request.method == "POST":  # the requests that do work
         if self._clients.get(client, 0) >= self.ctx.max_client_requests:
           raise ApiError(
@@ -363,7 +259,8 @@ class Server:
           )
         self._clients[client] = self._clients.get(client, 0) + 1
         counted = True
-      if self.api_key is not None and not _public(request, self.public_openapi):
+      public = origin.public(request, self.public_openapi)
+      if self.api_key is not None and not public:
         given = request.headers.get("Authorization", "")
         # (bytes that are not UTF-8 compare as replaced, never a 500)
         if not hmac.compare_digest(
@@ -561,7 +458,7 @@ class Server:
 
   # -- the app -----------------------------------------------------------------
 
-  def app(self, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+  def app(self, max_body_bytes: int = bodies.MAX_BODY_BYTES) -> web.Application:
     app = web.Application(
       middlewares=[self.middleware], client_max_size=max_body_bytes
     )

@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from aiohttp import web
 
 from chunkwise.serving.api import Context
-from chunkwise.serving.http import MAX_BODY_BYTES, Server, allowed_hosts
+from chunkwise.serving.bodies import MAX_BODY_BYTES
+from chunkwise.serving.http import Server
+from chunkwise.serving.origin import allowed_hosts
 
 log = logging.getLogger("chunkwise.serving")
 
@@ -46,7 +48,7 @@ def serve(
   at once (/health answers 503 "starting" while the engine warms up);
   `ready(port)` is called once the engine is ready (port 0 picks a free
   one). Requests must name a loopback host, `host` or one of
-  `extra_hosts` ("*": any) in their Host header (`http.allowed_hosts`)."""
+  `extra_hosts` ("*": any) in their Host header (`origin.allowed_hosts`)."""
   server = Server(
     ctx,
     api_key=api_key,

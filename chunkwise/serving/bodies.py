@@ -1,0 +1,122 @@
+"""Request bodies: parsed off the event loop, bounded before and after.
+
+  body = bodies.parse(raw, status=400, max_depth=64)   # in a worker thread
+
+A body is at most `MAX_BODY_BYTES` (aiohttp refuses more with a 413). It
+is parsed in a worker thread, never on the event loop, and still the
+parse must not hold the interpreter long: `json.loads` keeps the GIL for
+all of its work, so every other thread, the loop's included, waits. Two
+things made a 4 MB body cost far more than its bytes:
+
+- Python's cyclic collector. Each new list or dict is tracked, and every
+  few hundred allocations the collector walks them again: a body of a
+  million small lists took 0.3-0.6 s to parse, where the parse itself
+  takes 0.05-0.08 s. The collector is paused while a body is parsed
+  (`_collector_paused`, counted across threads), and so is it while the
+  body is checked: the depth walk allocates as it goes.
+- The number of arrays and objects. Each one is tracked by the
+  collector as long as the body lives, and walked once by the depth
+  check. A body may hold at most `MAX_JSON_CONTAINERS` '[' and '{'
+  characters (its arrays and objects, and those characters inside its
+  strings), counted in one pass over the bytes before anything is
+  parsed. The prompts this bounds are far larger than any model's
+  context: 200,000 brackets of code is over 100,000 tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import re
+import threading
+from typing import Any
+
+from chunkwise.serving import api
+from chunkwise.serving.api import ApiError
+
+MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64
+MAX_JSON_CONTAINERS = 200_000
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uXXXX escape of one
+
+_TOO_DEEP = object()
+_pause_lock = threading.Lock()
+_pauses = 0  # parses running with the collector paused
+_paused_here = False  # whether the collector was on when the first began
+
+
+@contextlib.contextmanager
+def _collector_paused():
+  """The cyclic collector off while any thread parses a body (it was on
+  before: it is on again after the last one)."""
+  global _pauses, _paused_here
+  with _pause_lock:
+    if _pauses == 0:
+      _paused_here = gc.isenabled()
+      gc.disable()
+    _pauses += 1
+  try:
+    yield
+  finally:
+    with _pause_lock:
+      _pauses -= 1
+      if _pauses == 0 and _paused_here:
+        gc.enable()
+
+
+def depth(value: Any) -> int:
+  """How deep `value`'s lists and dicts nest (a scalar: 0), level by
+  level: one list per level, no tuple per value."""
+  deepest, level = 0, [value]
+  while True:
+    inner, found = [], False
+    for v in level:
+      if isinstance(v, dict):
+        inner.extend(v.values())
+      elif isinstance(v, list):
+        inner.extend(v)
+      else:
+        continue
+      found = True
+    if not found:
+      return deepest
+    deepest, level = deepest + 1, inner
+
+
+def parse(
+  raw: bytes,
+  *,
+  status: int,
+  max_depth: int = MAX_JSON_DEPTH,
+  max_containers: int = MAX_JSON_CONTAINERS,
+) -> dict:
+  """`raw` as a JSON object; an `ApiError(status)` naming what is wrong:
+  not JSON or UTF-8, more than `max_containers` brackets, nesting deeper
+  than `max_depth`, not an object, an unpaired surrogate."""
+  brackets = raw.count(b"[") + raw.count(b"{")
+  if brackets > max_containers:
+    raise ApiError(
+      status,
+      f"the body holds {brackets} '[' and '{{' characters (JSON arrays and "
+      f"objects, or those characters in its strings); at most "
+      f"{max_containers} are parsed",
+    )
+  with _collector_paused():
+    return _checked(raw, status, max_depth)
+
+
+def _checked(raw: bytes, status: int, max_depth: int) -> dict:
+  try:
+    body = json.loads(raw)
+  except RecursionError:  # deeper than Python's recursion limit
+    body = _TOO_DEEP
+  except ValueError as e:  # not JSON, not UTF-8, a 5,000-digit number
+    raise ApiError(status, f"the body is not valid JSON: {e}") from None
+  if body is _TOO_DEEP or depth(body) > max_depth:
+    raise ApiError(status, f"the JSON body nests deeper than {max_depth}")
+  if not isinstance(body, dict):
+    raise ApiError(status, "the body must be a JSON object")
+  if _SURROGATE.search(raw) and (where := api.unpaired_surrogate(body)):
+    raise ApiError(status, f"{where} holds an unpaired surrogate: not text")
+  return body
