@@ -40,6 +40,7 @@ from absl import app, flags
 
 from chunkwise import compile_cache, jobs, serving
 from chunkwise.checkpoints.chat_template import ChatTemplate
+from chunkwise.constraints import worker
 from chunkwise.jobs import cli, model_flags, sampling_flags
 
 MODEL = model_flags.ModelFlags()
@@ -126,6 +127,27 @@ _CLIENT_LIMITS = {
     ("keepalive_timeout_s", 15.0, "Seconds an idle connection is kept."),
   )
 }
+_COMPILE_BUDGET = flags.DEFINE_float(
+  "compile_budget_s",
+  30.0,
+  "Seconds of constraint compiling one request gets for all its schemas, "
+  "tools and choices together (a constraint's own limit is 30 s).",
+  lower_bound=0.1,
+)
+_COMPILE_WORKERS = flags.DEFINE_integer(
+  "compile_workers",
+  worker.WORKERS,
+  "Constraint compiles run at once, each in a process of its own at a "
+  "lower CPU priority.",
+  lower_bound=1,
+)
+_MAX_COMPILES_WAITING = flags.DEFINE_integer(
+  "max_compiles_waiting",
+  worker.MAX_WAITING,
+  "Constraint compiles that may wait for a --compile_workers process "
+  "(one more is a 429).",
+  lower_bound=0,
+)
 _MAX_CLIENT_REQUESTS = flags.DEFINE_integer(
   "max_client_requests",
   256,
@@ -262,6 +284,8 @@ def main(argv):
     engine.follow()
     logging.info("process %d: process 0 stopped", process)
     sys.exit(0)
+  worker.WORKERS = _COMPILE_WORKERS.value
+  worker.MAX_WAITING = _MAX_COMPILES_WAITING.value
   ctx = serving.Context(
     engine=engine,
     model_id=_MODEL_ID.value or MODEL.model.value,
@@ -272,6 +296,7 @@ def main(argv):
     **{name: flag.value for name, flag in _CLIENT_LIMITS.items()},
     max_client_requests=_MAX_CLIENT_REQUESTS.value,
     max_connections=_MAX_CONNECTIONS.value,
+    compile_budget_s=_COMPILE_BUDGET.value,
     chat_template=chat_template,
     chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
   )

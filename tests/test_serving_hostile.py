@@ -27,6 +27,8 @@ CAPS = dict(
   max_client_requests=2,
   body_timeout_s=1,
   keepalive_timeout_s=1,
+  compile_workers=1,
+  compile_budget_s=4,
 )
 
 
@@ -327,6 +329,83 @@ def test_slow_clients_are_cut_off_and_counted(server, client):
   idle.close()
 
 
+def _compile_workers(server) -> set[int]:
+  """The server's compile worker processes (its children running
+  automaton.py)."""
+  import pathlib
+
+  found = set()
+  for proc in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+      status = (proc / "status").read_text()
+      cmd = (proc / "cmdline").read_bytes()
+    except OSError:
+      continue
+    parent = int(status.split("PPid:")[1].split()[0])
+    if parent == server.proc.pid and b"automaton.py" in cmd:
+      found.add(int(proc.name))
+  return found
+
+
+def _alive(pid: int) -> bool:
+  import os
+
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+# Seconds for the native compiler (2^22 DFA states), one per letter.
+def _runaway(letter: str) -> str:
+  return f"[{letter}z]*{letter}[{letter}z]{{21}}"
+
+
+def test_compiles_are_fenced_by_budget_and_client(server, client):
+  """A request's compiles stop at --compile_budget_s (4 s here, not a
+  constraint's 30 s), named in its 400; a compile whose client leaves is
+  stopped at once: its worker is killed, well before its budget ends."""
+  import time
+
+  start = time.monotonic()
+  _refused(
+    lambda: client.completions.create(
+      model=MODEL,
+      prompt="a",
+      max_tokens=1,
+      extra_body={"guided_regex": _runaway("p")},
+    ),
+    400,
+    "--compile_budget_s",
+  )
+  assert time.monotonic() - start < 12
+  body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+  body["guided_regex"] = _runaway("q")
+  sock = _connect(server)
+  data = json.dumps(body).encode()
+  sock.sendall(
+    (
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+      f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+      f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    + data
+  )
+  time.sleep(1.0)  # compiling now (--compile_workers=1: that worker)
+  (pid,) = _compile_workers(server)
+  assert _alive(pid)
+  sock.close()
+  left = time.monotonic()
+  while _alive(pid):
+    assert time.monotonic() - left < 2.0, "the compile went on"
+    time.sleep(0.02)
+  out = client.completions.create(
+    model=MODEL, prompt="a", max_tokens=3, extra_body={"guided_regex": "[0-9]+"}
+  )
+  assert out.choices[0].text.isdigit()
+
+
 def test_a_stream_nobody_reads_times_out_as_a_client_gone():
   """`sse.write` past the response's write timeout raises what a client
   that left raises (`ConnectionResetError`): the routes then cancel the
@@ -376,11 +455,13 @@ def test_a_failed_compile_is_refused_at_once_when_asked_again(monkeypatch):
 
 
 def test_compiles_past_the_waiting_cap_are_busy(monkeypatch):
-  """With `MAX_WAITING` compiles waiting for the worker, one more is
-  `Busy` at once (the server's 429) instead of queueing behind them."""
+  """With every worker compiling and `MAX_WAITING` compiles waiting, one
+  more is `Busy` at once (the server's 429) instead of queueing behind
+  them."""
   from chunkwise.constraints import worker
 
   monkeypatch.setattr(worker, "MAX_WAITING", 0)
+  monkeypatch.setattr(worker, "_running", worker.WORKERS)
   with pytest.raises(worker.Busy, match="waiting for the compiler"):
     worker.run(
       {"kind": "regex", "text": "a", "stops": (2,), "width": 320},

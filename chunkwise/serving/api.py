@@ -123,6 +123,9 @@ class Context:
   max_client_requests: int = 256  # requests at once from one address
   keepalive_timeout_s: float = 15.0  # an idle connection kept open
   max_connections: int = 1024  # open at once (one more: 503, closed)
+  # Seconds of constraint compiling for all of a request's choices and
+  # tools together (--compile_budget_s; `worker.Budget`)
+  compile_budget_s: float = 30.0
   created: int = 0
   # A chat template (Jinja text) in place of the model's own (--chat_template)
   chat_template: str | None = None

@@ -28,7 +28,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -160,6 +160,14 @@ class Server:
     self.pool = concurrent.futures.ThreadPoolExecutor(
       workers, thread_name_prefix="chunkwise-http"
     )
+    # Preparing a constrained request waits for a compile worker: it has
+    # threads of its own, as many as compiles may run and wait, so that
+    # compiles never hold the threads that parse every request.
+    self._compile_threads = worker.WORKERS + worker.MAX_WAITING
+    self.compiles = concurrent.futures.ThreadPoolExecutor(
+      self._compile_threads, thread_name_prefix="chunkwise-compile"
+    )
+    self._compiling = 0
     self.draining = False
     self._openapi: bytes | None = None
 
@@ -188,13 +196,46 @@ class Server:
   def _parse(self, raw: bytes, status: int) -> dict:
     return bodies.parse(raw, status=status, max_depth=self.max_json_depth)
 
-  def _prepare(self, g: Generation, status: int):
+  def _prepare(self, g: Generation, status: int, budget: worker.Budget):
     try:
-      return self.ctx.engine.prepare(g)
+      with budget:
+        return self.ctx.engine.prepare(g)
     except ValueError as e:
       raise ApiError(status, str(e)) from None
     except worker.Busy as e:  # the constraint compiler's queue is full
       raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
+    except worker.Cancelled as e:  # (nobody reads it: the client left)
+      raise ApiError(499, str(e)) from None
+
+  async def _prepare_all(self, generations: Sequence[Generation], status):
+    """Each generation validated and its constraint compiled, one after
+    another, within one compile budget (--compile_budget_s); a client
+    that leaves cancels the compile it waits for."""
+    budget = worker.Budget(self.ctx.compile_budget_s, name="--compile_budget_s")
+    try:
+      return [await self._prepare_one(g, status, budget) for g in generations]
+    except asyncio.CancelledError:
+      budget.cancel()
+      raise
+
+  async def _prepare_one(self, g: Generation, status, budget: worker.Budget):
+    if g.constraint is None:
+      return await self._work(self._prepare, g, status, budget)
+    if self._compiling >= self._compile_threads:
+      raise ApiError(
+        429,
+        f"Model is overloaded: {self._compiling} constrained requests are "
+        "compiling or waiting to (--compile_workers, "
+        "--max_compiles_waiting)",
+        api.OVERLOADED,
+      )
+    self._compiling += 1
+    try:
+      return await asyncio.get_running_loop().run_in_executor(
+        self.compiles, self._prepare, g, status, budget
+      )
+    finally:
+      self._compiling -= 1
 
   def _submit(self, g: Generation, prepared) -> TokenStream:
     with _queue_errors():
@@ -202,7 +243,7 @@ class Server:
 
   async def _start(self, g: Generation, status: int) -> TokenStream:
     self._check_room(1)
-    prepared = await self._work(self._prepare, g, status)
+    (prepared,) = await self._prepare_all([g], status)
     return self._submit(g, prepared)
 
   async def _score(self, prompt, top_n: int, adapter, status: int):
@@ -437,9 +478,7 @@ class Server:
   async def _start_all(self, call) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
     self._check_room(len(choices))
-    prepared = [
-      await self._work(self._prepare, c.generation, 400) for c in choices
-    ]
+    prepared = await self._prepare_all([c.generation for c in choices], 400)
     streams: dict[int, TokenStream] = {}
     try:
       for c, p in zip(choices, prepared, strict=True):

@@ -253,4 +253,5 @@ async def _main(
   await asyncio.sleep(0.1)  # the last events reach their clients
   await runner.cleanup()
   server.pool.shutdown(wait=False)
+  server.compiles.shutdown(wait=False, cancel_futures=True)
   log.info("stopped (%s)", "clean" if clean else "requests cancelled")
