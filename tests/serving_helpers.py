@@ -93,6 +93,15 @@ class Server:
     raise AssertionError(f"{name} != {value} after {timeout} s")
 
 
+def alive(pid: int) -> bool:
+  """Whether process `pid` exists (not yet reaped)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
 def request(url: str, data=None, headers=None) -> tuple[int, bytes]:
   req = urllib.request.Request(url, data=data, headers=headers or {})
   try:

@@ -11,6 +11,7 @@ import pytest
 import chunkwise as cw
 from chunkwise import constraints as C
 from chunkwise.constraints import disk_cache, worker
+from tests.serving_helpers import alive
 
 VOCAB = cw.ByteVocabulary()
 
@@ -23,14 +24,6 @@ def _runaway(letter: str) -> C.Regex:
 
 def _compile(c: C.Constraint):
   return c.compile(VOCAB, stop_ids=[2], width=320)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
 
 
 @pytest.fixture(autouse=True)
@@ -131,7 +124,7 @@ def test_a_cancelled_compile_is_stopped_running_or_waiting(monkeypatch):
   running_budget.cancel()
   assert isinstance(running.join().error, worker.Cancelled)
   assert time.monotonic() - start < 1
-  _wait_for(lambda: not _alive(pid))  # killed and reaped
+  _wait_for(lambda: not alive(pid))  # killed and reaped
   assert not worker._failed and worker._running == 0
   assert _compile(C.Regex("[0-9]{7}")).states == 8
   assert worker.pid() not in (None, pid)

@@ -14,6 +14,7 @@ import pytest
 import chunkwise as cw
 from chunkwise.constraints import automaton
 from chunkwise.partitioning import make_mesh
+from tests.serving_helpers import alive
 
 C = cw.constraints
 SMALL_SCHEMA = {
@@ -417,14 +418,6 @@ def _rss_mb() -> float:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 # 2^22 DFA states over bytes: seconds and GBs to compile (outlines-core
 # took as long at 2^18; the native compiler builds that in 0.6 s).
 RUNAWAY = "[ab]*a[ab]{21}"
@@ -444,7 +437,7 @@ def test_runaway_compile_is_stopped_at_its_time_limit():
       vocab, stop_ids=[2], width=320
     )
   assert time.monotonic() - start < 4
-  assert not _alive(pid) and worker.pid() is None  # killed and reaped
+  assert not alive(pid) and worker.pid() is None  # killed and reaped
   time.sleep(1)
   assert _rss_mb() - before < 50  # nothing keeps growing here
   t = C.Regex("[ab]{2}").compile(vocab, stop_ids=[2], width=320)

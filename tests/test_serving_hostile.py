@@ -11,7 +11,7 @@ import text_generation
 
 from chunkwise import serving
 from chunkwise.serving import bodies
-from tests.serving_helpers import running
+from tests.serving_helpers import alive, running
 from tests.test_serving_engine import hold_after_first_tokens
 
 KEY = "hostile-test-key"
@@ -347,16 +347,6 @@ def _compile_workers(server) -> set[int]:
   return found
 
 
-def _alive(pid: int) -> bool:
-  import os
-
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
 # Seconds for the native compiler (2^22 DFA states), one per letter.
 def _runaway(letter: str) -> str:
   return f"[{letter}z]*{letter}[{letter}z]{{21}}"
@@ -394,10 +384,10 @@ def test_compiles_are_fenced_by_budget_and_client(server, client):
   )
   time.sleep(1.0)  # compiling now (--compile_workers=1: that worker)
   (pid,) = _compile_workers(server)
-  assert _alive(pid)
+  assert alive(pid)
   sock.close()
   left = time.monotonic()
-  while _alive(pid):
+  while alive(pid):
     assert time.monotonic() - left < 2.0, "the compile went on"
     time.sleep(0.02)
   out = client.completions.create(
