@@ -38,6 +38,29 @@ def test_depth_is_the_recursive_definition():
     assert bodies.depth(v) == _plain_depth(v), v
 
 
+def _count(v) -> int:
+  if isinstance(v, dict):
+    return 1 + sum(map(_count, v.values()))
+  if isinstance(v, list):
+    return 1 + sum(map(_count, v))
+  return 0
+
+
+def test_containers_are_counted_outside_strings():
+  """`containers` against the arrays and objects `json.loads` makes, on
+  random values whose strings hold brackets, quotes and backslash runs."""
+  rng = random.Random(1)
+  pieces = ["[", "{", '"', "\\", "a", "]", "}"]
+  for _ in range(500):
+    v = _random_value(rng, 0)
+    text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+    v = [v, text, {text: [text]}]
+    raw = json.dumps(v, ensure_ascii=rng.random() < 0.5).encode()
+    assert bodies.containers(raw) == _count(v), raw
+  assert bodies.containers(b'"\\\\"[') == 1  # an escaped backslash
+  assert bodies.containers(b'"\\"[') == 0  # an escaped quote: a string
+
+
 def test_refusals_name_what_is_wrong():
   def refused(raw, match, **limits):
     with pytest.raises(ApiError) as e:
@@ -45,8 +68,9 @@ def test_refusals_name_what_is_wrong():
     assert e.value.status == 422 and re.search(match, e.value.message)
 
   refused(b"[" * 10 + b"]" * 10, "nests deeper than 5", max_depth=5)
-  refused(b"[" * 100_000 + b"]" * 100_000, "nests deeper than 64")
-  refused(b'{"a": [[], {}, "[{"]}', "holds 6 '\\[' and '\\{'", max_containers=5)
+  refused(b"[" * 10_000 + b"]" * 10_000, "nests deeper than 64")
+  refused(b"[" * 60_000 + b"]" * 60_000, "holds 60000 JSON arrays")
+  refused(b'{"a": [[], {}, "[{"]}', "holds 4 JSON arrays", max_containers=3)
   refused(b"[1]", "must be a JSON object")
   refused(b"null", "must be a JSON object")
   refused(b'{"a": 1', "not valid JSON")
