@@ -291,16 +291,22 @@ def _connect(server):
   return socket.create_connection((u.hostname, u.port), timeout=30)
 
 
-def _partial(server, sent: bytes = b'{"model": "tiny"'):
-  """A POST whose body stops short of its Content-Length."""
+def _send(server, data: bytes, length: int | None = None):
+  """A POST /v1/completions of `data` (declared `length` bytes long) on a
+  socket of its own, nothing read back yet."""
   sock = _connect(server)
   head = (
     "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-    "Content-Length: 1000\r\n\r\n"
+    f"Content-Length: {len(data) if length is None else length}\r\n\r\n"
   )
-  sock.sendall(head.encode() + sent)
+  sock.sendall(head.encode() + data)
   return sock
+
+
+def _partial(server, sent: bytes = b'{"model": "tiny"'):
+  """A POST whose body stops short of its Content-Length."""
+  return _send(server, sent, 1000)
 
 
 def test_slow_clients_are_cut_off_and_counted(server, client):
@@ -372,16 +378,7 @@ def test_compiles_are_fenced_by_budget_and_client(server, client):
   assert time.monotonic() - start < 12
   body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
   body["guided_regex"] = _runaway("q")
-  sock = _connect(server)
-  data = json.dumps(body).encode()
-  sock.sendall(
-    (
-      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-      f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-      f"Content-Length: {len(data)}\r\n\r\n"
-    ).encode()
-    + data
-  )
+  sock = _send(server, json.dumps(body).encode())
   time.sleep(1.0)  # compiling now (--compile_workers=1: that worker)
   (pid,) = _compile_workers(server)
   assert alive(pid)
@@ -722,20 +719,10 @@ class _Attacks:
     return int(answer.split()[1]) if answer else "cut"
 
   def unread_stream(self, i):  # asks for a stream, reads nothing
-    sock = _connect(self.server)
-    data = json.dumps(
-      {"model": MODEL, "prompt": "a", "max_tokens": 60, "stream": True}
-    ).encode()
-    sock.sendall(
-      (
-        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-      ).encode()
-      + data
-    )
     import time
 
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 60, "stream": True}
+    sock = _send(self.server, json.dumps(body).encode())
     time.sleep(2)
     sock.close()
     return "left"
