@@ -174,6 +174,8 @@ class Server:
   # -- helpers ---------------------------------------------------------------
 
   async def _work(self, fn: Callable, *args):
+    """`fn(*args)` in the worker pool: parsing, preparing, and building
+    a response (64 choices' logprobs are seconds of dicts and JSON)."""
     return await asyncio.get_running_loop().run_in_executor(
       self.pool, fn, *args
     )
@@ -436,8 +438,12 @@ class Server:
     await self._finish(s)
     if s.finish_reason == ERROR:
       raise ApiError(424, s.error or "failed", api.GENERATION)
-    out = native.response(inputs, s, options, self.ctx, prompt_details)
-    return _json_response([out] if wrap else out)
+
+    def build():
+      out = native.response(inputs, s, options, self.ctx, prompt_details)
+      return _json_response([out] if wrap else out)
+
+    return await self._work(build)
 
   # -- OpenAI ------------------------------------------------------------------
 
@@ -459,8 +465,10 @@ class Server:
       )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
-    return _json_response(
-      openai_api.completion(call, self.ctx, streams, scored)
+    return await self._work(
+      lambda: _json_response(
+        openai_api.completion(call, self.ctx, streams, scored)
+      )
     )
 
   async def chat(self, request: web.Request):
@@ -473,7 +481,9 @@ class Server:
       )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
-    return _json_response(openai_api.chat(call, self.ctx, streams))
+    return await self._work(
+      lambda: _json_response(openai_api.chat(call, self.ctx, streams))
+    )
 
   async def _start_all(self, call) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
