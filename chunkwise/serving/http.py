@@ -10,30 +10,28 @@ Routes (../shared/SERVING.md): `POST /`, `/generate`, `/generate_stream`
 page at `GET /explore` (`explore`).
 
 Each request is parsed and validated, its constraint compiled and (when
-asked) its prompt scored in a worker thread, then queued on the engine;
-a stream's tokens are written as the engine hands them over (SSE, one
-event per token, flushed). A client that goes away cancels its request
-(aiohttp cancels the handler; the engine frees the slot at the next
-segment). Errors are JSON in each API's shape, the framework's own 404 /
-405 / 413 included. With an API key every route but the health checks,
-the OpenAPI document and the explorer's own files (they hold no data)
-needs `Authorization: Bearer <key>`. SIGTERM stops admitting (503),
-lets running requests finish within a grace period, and exits.
+asked) its prompt scored in a worker thread (`admission`), then queued
+on the engine; a stream's tokens are written as the engine hands them
+over (SSE, one event per token, flushed). A client that goes away
+cancels its request (aiohttp cancels the handler; the engine frees the
+slot at the next segment). Errors are JSON in each API's shape, the
+framework's own 404 / 405 / 413 included. Who may call is `origin`'s:
+the Host and Origin answered, and with an API key every route but the
+health checks and the explorer's own files (they hold no data; the
+OpenAPI document too with `public_openapi`) needs `Authorization:
+Bearer <key>`. SIGTERM stops admitting (503), lets running requests
+finish within a grace period, and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import hmac
 import logging
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 
-from chunkwise.constraints import worker
 from chunkwise.serving import (
   api,
   bodies,
@@ -45,13 +43,11 @@ from chunkwise.serving import (
   origin,
   sse,
 )
+from chunkwise.serving.admission import Admission
 from chunkwise.serving.api import ApiError, Context, dumps
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
   ERROR,
-  Closed,
-  Generation,
-  Overloaded,
   TokenStream,
 )
 
@@ -122,22 +118,14 @@ def _error_response(path: str, e: ApiError) -> web.Response:
   )
 
 
-@contextlib.contextmanager
-def _queue_errors():
-  """The engine's queue refusals as HTTP errors: full (429), closing
-  (503)."""
-  try:
-    yield
-  except Overloaded:
-    raise ApiError(429, "Model is overloaded", api.OVERLOADED) from None
-  except Closed:
-    raise ApiError(
-      503, "the server is shutting down", api.UNAVAILABLE
-    ) from None
+def _status(request: web.Request) -> int:
+  """A bad request's status: 400 on the OpenAI routes, 422 on TGI's."""
+  return 400 if api.openai_route(request.path) else 422
 
 
 class Server:
-  """The routes' state: the context, metrics, a worker pool, auth."""
+  """The routes' state: the context, metrics, admission (its pools),
+  auth."""
 
   def __init__(
     self,
@@ -154,122 +142,13 @@ class Server:
     self.allowed_hosts = allowed  # Host names answered (None: any)
     self.public_openapi = public_openapi
     self._clients: dict[str, int] = {}  # requests running per address
-    self.max_json_depth = max_json_depth
     self.metrics = Metrics(ctx.engine, model_id=ctx.model_id)
     ctx.engine.listen(self.metrics.finished)
-    self.pool = concurrent.futures.ThreadPoolExecutor(
-      workers, thread_name_prefix="chunkwise-http"
-    )
-    # Preparing a constrained request waits for a compile worker: it has
-    # threads of its own, as many as compiles may run and wait, so that
-    # compiles never hold the threads that parse every request.
-    self._compile_threads = worker.WORKERS + worker.MAX_WAITING
-    self.compiles = concurrent.futures.ThreadPoolExecutor(
-      self._compile_threads, thread_name_prefix="chunkwise-compile"
-    )
-    self._compiling = 0
+    self.admit = Admission(ctx, workers=workers, max_json_depth=max_json_depth)
     self.draining = False
     self._openapi: bytes | None = None
 
   # -- helpers ---------------------------------------------------------------
-
-  async def _work(self, fn: Callable, *args):
-    """`fn(*args)` in the worker pool: parsing, preparing, and building
-    a response (64 choices' logprobs are seconds of dicts and JSON)."""
-    return await asyncio.get_running_loop().run_in_executor(
-      self.pool, fn, *args
-    )
-
-  async def _body(self, request: web.Request) -> Any:
-    """The request's JSON body, parsed and checked in the worker pool: a
-    4 MB body takes seconds to walk, and the event loop only moves
-    bytes."""
-    status = 400 if api.openai_route(request.path) else 422
-    try:
-      raw = await asyncio.wait_for(request.read(), self.ctx.body_timeout_s)
-    except TimeoutError:
-      raise ApiError(
-        408,
-        f"the body did not arrive within {self.ctx.body_timeout_s:g} s "
-        "(--body_timeout_s)",
-      ) from None
-    return await self._work(self._parse, raw, status)
-
-  def _parse(self, raw: bytes, status: int) -> dict:
-    return bodies.parse(raw, status=status, max_depth=self.max_json_depth)
-
-  def _prepare(self, g: Generation, status: int, budget: worker.Budget):
-    try:
-      with budget:
-        return self.ctx.engine.prepare(g)
-    except ValueError as e:
-      raise ApiError(status, str(e)) from None
-    except worker.Busy as e:  # the constraint compiler's queue is full
-      raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
-    except worker.Cancelled as e:  # (nobody reads it: the client left)
-      raise ApiError(499, str(e)) from None
-
-  async def _prepare_all(self, generations: Sequence[Generation], status):
-    """Each generation validated and its constraint compiled, one after
-    another, within one compile budget (--compile_budget_s); a client
-    that leaves cancels the compile it waits for."""
-    budget = worker.Budget(self.ctx.compile_budget_s, name="--compile_budget_s")
-    try:
-      return [await self._prepare_one(g, status, budget) for g in generations]
-    except asyncio.CancelledError:
-      budget.cancel()
-      raise
-
-  async def _prepare_one(self, g: Generation, status, budget: worker.Budget):
-    if g.constraint is None:
-      return await self._work(self._prepare, g, status, budget)
-    if self._compiling >= self._compile_threads:
-      raise ApiError(
-        429,
-        f"Model is overloaded: {self._compiling} constrained requests are "
-        "compiling or waiting to (--compile_workers, "
-        "--max_compiles_waiting)",
-        api.OVERLOADED,
-      )
-    self._compiling += 1
-    try:
-      return await asyncio.get_running_loop().run_in_executor(
-        self.compiles, self._prepare, g, status, budget
-      )
-    finally:
-      self._compiling -= 1
-
-  def _submit(self, g: Generation, prepared) -> TokenStream:
-    with _queue_errors():
-      return self.ctx.engine.submit(g, prepared)
-
-  async def _start(self, g: Generation, status: int) -> TokenStream:
-    self._check_room(1)
-    (prepared,) = await self._prepare_all([g], status)
-    return self._submit(g, prepared)
-
-  async def _score(self, prompt, top_n: int, adapter, status: int):
-    def run():
-      try:
-        with _queue_errors():
-          return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
-      except ValueError as e:
-        raise ApiError(status, str(e)) from None
-
-    return await self._work(run)
-
-  def _check_room(self, count: int) -> None:
-    """429 where a request's `count` choices would not all fit the queue:
-    refused whole, before any is prepared (its constraint compiled)."""
-    engine = self.ctx.engine
-    if engine.waiting + count > engine.max_queue:
-      raise ApiError(
-        429,
-        f"Model is overloaded: {engine.waiting} waiting, and the request's "
-        f"{count} choice{'s' * (count != 1)} would pass --max_queue="
-        f"{engine.max_queue}",
-        api.OVERLOADED,
-      )
 
   @staticmethod
   async def _finish(stream: TokenStream) -> TokenStream:
@@ -375,7 +254,7 @@ class Server:
         "max_total_tokens": ctx.max_total_tokens,
         "max_batch_total_tokens": ctx.engine.slots * ctx.engine.capacity,
         "max_client_batch_size": 1,
-        "validation_workers": self.pool._max_workers,
+        "validation_workers": self.admit.pool._max_workers,
         "max_top_n_tokens": ctx.engine.top_n,
         "slots": ctx.engine.slots,
         "adapters": list(ctx.adapters),
@@ -424,15 +303,15 @@ class Server:
     return await self._native(request, stream=True, wrap=False)
 
   async def _native(self, request, *, stream: bool | None, wrap: bool):
-    body = await self._body(request)
-    inputs, g, options = await self._work(
+    body = await self.admit.body(request, _status(request))
+    inputs, g, options = await self.admit.work(
       lambda: native.parse(body, self.ctx, stream=stream)
     )
     prompt_details = None
     if options.decoder_input_details:
-      scores, _, _ = await self._score(g.prompt, 0, g.adapter, 422)
+      scores, _, _ = await self.admit.score(g.prompt, 0, g.adapter, 422)
       prompt_details = native.prefill(g.prompt, scores, self.ctx)
-    s = await self._start(g, 422)
+    s = await self.admit.start(g, 422)
     if options.stream:
       return await sse.native_events(request, s, inputs, options, self.ctx)
     await self._finish(s)
@@ -443,21 +322,23 @@ class Server:
       out = native.response(inputs, s, options, self.ctx, prompt_details)
       return _json_response([out] if wrap else out)
 
-    return await self._work(build)
+    return await self.admit.work(build)
 
   # -- OpenAI ------------------------------------------------------------------
 
   async def completions(self, request: web.Request):
-    body = await self._body(request)
-    call = await self._work(
+    body = await self.admit.body(request, _status(request))
+    call = await self.admit.work(
       lambda: openai_requests.parse_completion(body, self.ctx)
     )
     scored = {}
     if call.echo and call.logprobs is not None:
       generations = sum(c.generation is not None for c in call.choices)
-      self._check_room(len(call.prompts) + generations)
+      self.admit.check_room(len(call.prompts) + generations)
       for p, ids in enumerate(call.prompts):
-        scored[p] = await self._score(ids, call.logprobs, call.adapter, 400)
+        scored[p] = await self.admit.score(
+          ids, call.logprobs, call.adapter, 400
+        )
     streams = await self._start_all(call)
     if call.stream:
       return await sse.openai_events(
@@ -465,15 +346,15 @@ class Server:
       )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
-    return await self._work(
+    return await self.admit.work(
       lambda: _json_response(
         openai_api.completion(call, self.ctx, streams, scored)
       )
     )
 
   async def chat(self, request: web.Request):
-    body = await self._body(request)
-    call = await self._work(openai_requests.parse_chat, body, self.ctx)
+    body = await self.admit.body(request, _status(request))
+    call = await self.admit.work(openai_requests.parse_chat, body, self.ctx)
     streams = await self._start_all(call)
     if call.stream:
       return await sse.openai_events(
@@ -481,18 +362,18 @@ class Server:
       )
     await asyncio.gather(*(self._finish(s) for s in streams.values()))
     self._check_failed(streams)
-    return await self._work(
+    return await self.admit.work(
       lambda: _json_response(openai_api.chat(call, self.ctx, streams))
     )
 
   async def _start_all(self, call) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
-    self._check_room(len(choices))
-    prepared = await self._prepare_all([c.generation for c in choices], 400)
+    self.admit.check_room(len(choices))
+    prepared = await self.admit.prepare([c.generation for c in choices], 400)
     streams: dict[int, TokenStream] = {}
     try:
       for c, p in zip(choices, prepared, strict=True):
-        streams[c.index] = self._submit(c.generation, p)
+        streams[c.index] = self.admit.submit(c.generation, p)
     except ApiError:
       for s in streams.values():
         s.cancel()

@@ -273,6 +273,5 @@ async def _main(
   clean = await loop.run_in_executor(None, server.ctx.engine.close, grace)
   await asyncio.sleep(0.1)  # the last events reach their clients
   await runner.cleanup()
-  server.pool.shutdown(wait=False)
-  server.compiles.shutdown(wait=False, cancel_futures=True)
+  server.admit.shutdown()
   log.info("stopped (%s)", "clean" if clean else "requests cancelled")
