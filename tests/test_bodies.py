@@ -72,6 +72,12 @@ def test_refusals_name_what_is_wrong():
   refused(b"[" * 60_000 + b"]" * 60_000, "holds 60000 JSON arrays")
   refused(b'{"a": [[], {}, "[{"]}', "holds 4 JSON arrays", max_containers=3)
   refused(b"[1]", "must be a JSON object")
+  utf16 = '{"a":"\\"","x":[' + ",".join(["[]"] * 60) + "]}"
+  # (as UTF-8 its NULs make it no JSON: never parsed as UTF-16, whose
+  # escaped quotes the count would misread)
+  refused(utf16.encode("utf-16-le"), "not valid JSON", max_containers=100)
+  refused('{"a": "\\ud800"}'.encode("utf-32"), "not UTF-8")
+  refused(b'{"a": "\xff"}', "not UTF-8 \\(byte 7\\)")
   refused(b"null", "must be a JSON object")
   refused(b'{"a": 1', "not valid JSON")
   refused(b'{"a": "\\ud800"}', "unpaired surrogate")

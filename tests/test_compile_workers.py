@@ -138,3 +138,49 @@ def test_budgets_are_positive_numbers():
   for bad in (0, -1, True, "30", float("nan")):
     with pytest.raises(ValueError, match="compile budget must be a positive"):
       worker.Budget(bad)
+
+
+class _Interrupt(BaseException):  # what a KeyboardInterrupt would do
+  pass
+
+
+def test_an_interrupted_compile_never_answers_the_next(monkeypatch):
+  """A thread interrupted while its worker compiles leaves that worker
+  with a reply nobody read: it is killed, not handed the next compile
+  (which would read the stale reply as its own)."""
+  real, calls = worker._read_reply, []
+
+  def interrupted(*args):
+    if not calls:
+      calls.append(1)
+      raise _Interrupt
+    return real(*args)
+
+  monkeypatch.setattr(worker, "_read_reply", interrupted)
+  with pytest.raises(_Interrupt):
+    _compile(C.Regex("[0-9]{9}"))  # 10 states
+  assert worker._running == 0 and not worker._idle
+  assert _compile(C.Regex("x{3}")).states == 4
+
+
+def test_a_remembered_failure_is_not_remembered_again(monkeypatch):
+  """Refused from memory, a failure keeps its first time and message,
+  also where it is found once a worker is free (it failed while this
+  compile waited: the check before waiting passes here)."""
+  bad = C.Regex("[0-9]{3}", max_table_mb=1e-9)
+  with pytest.raises(worker.LimitError):
+    _compile(bad)
+  ((key, (when, _)),) = worker._failed.items()
+  real, checks = worker._check_remembered, []
+
+  def found_after_waiting(key):
+    checks.append(key)
+    if len(checks) % 2 == 0:  # the second check of each compile
+      real(key)
+
+  monkeypatch.setattr(worker, "_check_remembered", found_after_waiting)
+  for _ in range(2):
+    with pytest.raises(worker.LimitError) as e:
+      _compile(bad)
+    assert str(e.value).count("failed the same way before") == 1
+  assert len(checks) == 4 and worker._failed[key][0] == when

@@ -864,3 +864,48 @@ def test_hostile_clients_beside_a_good_one():
     assert out.choices[0].finish_reason in ("length", "stop")
     after = _rss_mb(server.proc.pid)
     assert abs(after - rss) <= 0.1 * rss, (rss, after)
+
+
+def test_parsing_what_may_compile_runs_on_the_compile_pool_in_budget():
+  """A body with tools, a response format, guided decoding or a TGI
+  grammar is parsed (its schemas' regexes built, in a compile worker)
+  on the compile pool within the request's budget; a full compile queue
+  there is a 429, not a 500. Other bodies parse in the worker pool."""
+  import asyncio
+  import threading
+  import types
+
+  from chunkwise.constraints import worker
+  from chunkwise.serving.admission import Admission
+
+  admit = Admission(types.SimpleNamespace(compile_budget_s=5.0))
+  seen = []
+
+  def parse(body, ctx):
+    seen.append((threading.current_thread().name, worker._budget()))
+    if body.get("busy"):
+      raise worker.Busy("16 constraint compiles are waiting")
+    return body
+
+  async def run(body):
+    budget = admit.budget()
+    return budget, await admit.parse(parse, body, budget, 400)
+
+  try:
+    for body in (
+      {"tools": []},
+      {"response_format": {}},
+      {"guided_regex": "a"},
+      {"parameters": {"grammar": {}}},
+    ):
+      budget, _ = asyncio.run(run(body))
+      name, inside = seen.pop()
+      assert name.startswith("chunkwise-compile") and inside is budget
+    asyncio.run(run({"prompt": "a"}))
+    name, inside = seen.pop()
+    assert name.startswith("chunkwise-http") and inside is None
+    with pytest.raises(serving.ApiError) as e:
+      asyncio.run(run({"tools": [], "busy": True}))
+    assert e.value.status == 429
+  finally:
+    admit.shutdown()

@@ -84,6 +84,7 @@ class _Process:
     self.vocab_key = None
     self.tail = ""
     self.killed = False
+    self.busy = False  # a request sent, its reply not read whole
 
   def kill(self) -> None:
     """Kills (if alive) and reaps the process; keeps its stderr's tail."""
@@ -108,6 +109,11 @@ class Busy(RuntimeError):
   """`MAX_WAITING` compiles already wait for a worker (HTTP 429)."""
 
 
+class Crashed(ValueError):
+  """The compiler process died (not remembered: it may be the machine's
+  doing, an OOM kill)."""
+
+
 class Cancelled(RuntimeError):
   """The compile's `Budget` was cancelled: its client has gone."""
 
@@ -125,8 +131,6 @@ class Budget:
       raise ValueError(f"{name} must be a positive number, got {seconds!r}")
     self.seconds = self.left = float(seconds)
     self.name = name
-    self.cut = False  # whether the compile running now was given less
-    # than its time_limit_s: what was left of this budget
     self._cancelled = threading.Event()
     self._lock = threading.Lock()
 
@@ -223,7 +227,9 @@ def _check_remembered(key: str) -> None:
   if remembered is not None:
     when, error = remembered
     if time.monotonic() - when < REMEMBER_FAILURES_S:
-      raise type(error)(f"{error} (it failed the same way before)")
+      again = type(error)(f"{error} (it failed the same way before)")
+      again.remembered = True  # (not stored again: `run`)
+      raise again
 
 
 def run(
@@ -259,11 +265,14 @@ def run(
         f"{budget.seconds:g} s ({budget.name})"
       )
     limit = min(time_limit_s, budget.left)
-    budget.cut = limit < time_limit_s
+  cut = limit < time_limit_s
   try:
-    return _run(request, vocab_key, vocab, limit, max_compile_mb, what, key)
-  except ValueError as e:  # LimitError too: remembered, unless cut short
-    if limit == time_limit_s:
+    return _run(
+      request, vocab_key, vocab, limit, max_compile_mb, what, key, cut
+    )
+  except ValueError as e:  # LimitError too: remembered, unless cut short,
+    # a crash (not the constraint's doing: an OOM kill), or remembered
+    if not (cut or isinstance(e, Crashed) or getattr(e, "remembered", False)):
       with _cv:
         _failed[key] = (time.monotonic(), e)
         while len(_failed) > _FAILURES_KEPT:
@@ -298,7 +307,12 @@ def _acquire(budget: Budget | None, vocab_key, what: str) -> _Process | None:
 
 
 def _release(p: _Process | None) -> None:
+  """The worker's turn back; a worker whose reply was not read whole (the
+  thread was interrupted: KeyboardInterrupt, MemoryError) is killed, or
+  its stale reply would answer the next compile."""
   global _running
+  if p is not None and p.busy and not p.killed:
+    _forget(p)
   with _cv:
     _running -= 1
     if p is not None and not p.killed and p in _live:
@@ -306,7 +320,7 @@ def _release(p: _Process | None) -> None:
     _cv.notify()
 
 
-def _run(request, vocab_key, vocab, limit, max_compile_mb, what, key):
+def _run(request, vocab_key, vocab, limit, max_compile_mb, what, key, cut):
   global _last
   budget = _budget()
   p = _acquire(budget, vocab_key, what)
@@ -322,7 +336,9 @@ def _run(request, vocab_key, vocab, limit, max_compile_mb, what, key):
     _last = p
     start = time.monotonic()
     try:
-      return _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what)
+      return _compile(
+        p, request, vocab_key, vocab, limit, max_compile_mb, what, cut
+      )
     finally:
       if budget is not None:
         budget.spend(time.monotonic() - start)
@@ -337,8 +353,8 @@ def _forget(p: _Process) -> None:
     _live.discard(p)
 
 
-def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what):
-  budget = _budget()
+def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what, cut):
+  budget = _budget() if cut else None
   message = {
     **request,
     "vocab_key": vocab_key,
@@ -347,12 +363,15 @@ def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what):
   if vocab_key is not None and p.vocab_key != vocab_key:
     message["vocab"] = vocab
   start = time.monotonic()
+  p.busy = True  # until its reply is read whole (`_release`)
   try:
     automaton.write_message(p.proc.stdin, message)
     p.vocab_key = vocab_key
   except (BrokenPipeError, OSError):
     pass  # it died; reported below
-  reply = _read_reply(p, start + limit, budget)
+  reply = _read_reply(p, start + limit, _budget())
+  if isinstance(reply, dict):
+    p.busy = False
   if reply is _CANCELLED:
     _forget(p)
     raise Cancelled(f"compiling {what} was cancelled: its client left")
@@ -366,7 +385,7 @@ def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what):
     code, tail = p.proc.returncode, p.tail.strip()
     if "memory allocation" in tail or code == -signal.SIGABRT:
       raise LimitError(_memory_message(what, max_compile_mb))
-    raise ValueError(
+    raise Crashed(
       f"compiling {what} crashed the compiler process (exit code {code})"
       + (f": {tail.splitlines()[-1]}" if tail else "")
     )
@@ -381,10 +400,10 @@ def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what):
 
 
 def _time_message(what: str, limit: float, budget: Budget | None) -> str:
-  """`limit` is the compile's own time_limit_s, or what was left of its
-  budget (`cut`)."""
+  """`limit` is the compile's own time_limit_s, or (given the `budget`
+  that cut it) what was left of that."""
   cause = "time_limit_s"
-  if budget is not None and budget.cut:
+  if budget is not None:
     cause = (
       f"what was left of its request's {budget.seconds:g} s of compiling, "
       f"{budget.name}"

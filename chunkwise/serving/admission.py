@@ -3,20 +3,22 @@ event loop (which only moves bytes).
 
   admit = Admission(ctx)
   body = await admit.body(request, status)     # 408 / 400: read, parsed
+  budget = admit.budget()                      # the request's compiles
+  call = await admit.parse(parse_chat, body, budget, status)
   admit.check_room(count)                      # 429 unless all fit
-  prepared = await admit.prepare(generations, status)
+  prepared = await admit.prepare(generations, status, budget)
   stream = admit.submit(generation, prepared)  # queued on the engine
   scores = await admit.score(prompt, top_n, adapter, status)
   response = await admit.work(build)           # any other heavy step
 
 Two thread pools: `pool` parses bodies, tokenizes, and builds whole
-responses; `compiles` prepares the requests that carry a constraint,
-which may wait seconds for a compile worker (`constraints.worker`), so
-that compiles never hold the threads every request needs. The compile
-pool has as many threads as compiles may run and wait; one more
-constrained request is a 429. All of a request's compiles share one
-`worker.Budget` (--compile_budget_s), and a client that leaves cancels
-the compile it waits for.
+responses; `compiles` parses and prepares the requests that carry tools,
+a schema, a regex or a grammar, which may wait seconds for a compile
+worker (`constraints.worker`), so that compiles never hold the threads
+every request needs. The compile pool has as many threads as compiles
+may run and wait; one more such request is a 429. All of a request's
+compiles share one `worker.Budget` (`budget()`, --compile_budget_s), and
+a client that leaves cancels the compile it waits for.
 """
 
 from __future__ import annotations
@@ -33,6 +35,33 @@ from chunkwise.constraints import worker
 from chunkwise.serving import api, bodies
 from chunkwise.serving.api import ApiError, Context
 from chunkwise.serving.stream import Closed, Generation, Overloaded, TokenStream
+
+# A body field whose reading may compile something (OpenAI's and vLLM's;
+# TGI's grammar is in "parameters").
+_COMPILING = ("tools", "functions", "response_format", "structured_outputs")
+
+
+def _may_compile(body: dict) -> bool:
+  params = body.get("parameters")
+  return (
+    any(k in body for k in _COMPILING)
+    or any(k.startswith("guided_") for k in body)
+    or (isinstance(params, dict) and "grammar" in params)
+  )
+
+
+def _as_api_errors(status: int, fn: Callable, *args):
+  """`fn(*args)`, its refusals as HTTP errors: a bad request (`status`),
+  the compile workers' queue full (429), a compile cancelled (499: its
+  client has left, nobody reads it)."""
+  try:
+    return fn(*args)
+  except worker.Busy as e:
+    raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
+  except worker.Cancelled as e:
+    raise ApiError(499, str(e)) from None
+  except ValueError as e:
+    raise ApiError(status, str(e)) from None
 
 
 @contextlib.contextmanager
@@ -68,7 +97,7 @@ class Admission:
     self.compiles = concurrent.futures.ThreadPoolExecutor(
       self._compile_threads, thread_name_prefix="chunkwise-compile"
     )
-    self._compiling = 0  # constrained requests in `compiles`
+    self._compiling_now = 0  # requests in `compiles`
 
   def shutdown(self) -> None:
     self.pool.shutdown(wait=False)
@@ -109,55 +138,69 @@ class Admission:
         api.OVERLOADED,
       )
 
-  async def prepare(self, generations: Sequence[Generation], status: int):
-    """Each generation validated and its constraint compiled, one after
-    another, within one compile budget (--compile_budget_s); a client
-    that leaves cancels the compile it waits for."""
-    budget = worker.Budget(self.ctx.compile_budget_s, name="--compile_budget_s")
-    try:
-      return [await self._prepare_one(g, status, budget) for g in generations]
-    except asyncio.CancelledError:
-      budget.cancel()
-      raise
+  def budget(self) -> worker.Budget:
+    """A request's compile budget (--compile_budget_s): everything it
+    compiles, while parsed and while prepared, shares it."""
+    return worker.Budget(self.ctx.compile_budget_s, name="--compile_budget_s")
 
-  async def _prepare_one(self, g: Generation, status, budget: worker.Budget):
-    if g.constraint is None:
-      return await self.work(self._prepare, g, status, budget)
-    if self._compiling >= self._compile_threads:
+  async def parse(self, fn: Callable, body: dict, budget, status: int):
+    """`fn(body, ctx)`, a route's parser: where the body carries tools, a
+    schema or a grammar (reading one builds its regex, in a compile
+    worker), on the compile pool within `budget`; else in the pool."""
+    if not _may_compile(body):
+      return await self.work(fn, body, self.ctx)
+    return await self._compiling(budget, status, fn, body, self.ctx)
+
+  async def prepare(
+    self, generations: Sequence[Generation], status: int, budget
+  ) -> list:
+    """Each generation validated and its constraint compiled, one after
+    another, within the request's `budget`."""
+    prepare = self.ctx.engine.prepare
+    out = []
+    for g in generations:
+      if g.constraint is None:
+        out.append(await self.work(_as_api_errors, status, prepare, g))
+      else:
+        out.append(await self._compiling(budget, status, prepare, g))
+    return out
+
+  async def _compiling(self, budget: worker.Budget, status, fn, *args):
+    """`fn(*args)` on the compile pool within `budget`; a client that
+    leaves (the handler cancelled) cancels the budget, and with it the
+    compile it waits for."""
+    if self._compiling_now >= self._compile_threads:
       raise ApiError(
         429,
-        f"Model is overloaded: {self._compiling} constrained requests are "
-        "compiling or waiting to (--compile_workers, "
+        f"Model is overloaded: {self._compiling_now} constrained requests "
+        "are compiling or waiting to (--compile_workers, "
         "--max_compiles_waiting)",
         api.OVERLOADED,
       )
-    self._compiling += 1
+
+    def run():
+      with budget:
+        return _as_api_errors(status, fn, *args)
+
+    self._compiling_now += 1
     try:
       return await asyncio.get_running_loop().run_in_executor(
-        self.compiles, self._prepare, g, status, budget
+        self.compiles, run
       )
+    except asyncio.CancelledError:
+      budget.cancel()
+      raise
     finally:
-      self._compiling -= 1
-
-  def _prepare(self, g: Generation, status: int, budget: worker.Budget):
-    try:
-      with budget:
-        return self.ctx.engine.prepare(g)
-    except ValueError as e:
-      raise ApiError(status, str(e)) from None
-    except worker.Busy as e:  # the compile workers' queue is full
-      raise ApiError(429, f"Model is overloaded: {e}", api.OVERLOADED) from None
-    except worker.Cancelled as e:  # (nobody reads it: the client left)
-      raise ApiError(499, str(e)) from None
+      self._compiling_now -= 1
 
   def submit(self, g: Generation, prepared) -> TokenStream:
     with queue_errors():
       return self.ctx.engine.submit(g, prepared)
 
-  async def start(self, g: Generation, status: int) -> TokenStream:
+  async def start(self, g: Generation, status: int, budget) -> TokenStream:
     """One generation checked, prepared and queued."""
     self.check_room(1)
-    (prepared,) = await self.prepare([g], status)
+    (prepared,) = await self.prepare([g], status, budget)
     return self.submit(g, prepared)
 
   async def score(self, prompt, top_n: int, adapter, status: int) -> Any:

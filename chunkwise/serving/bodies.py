@@ -119,9 +119,16 @@ def parse(
   max_containers: int = MAX_JSON_CONTAINERS,
 ) -> dict:
   """`raw` as a JSON object; an `ApiError(status)` naming what is wrong:
-  not JSON or UTF-8, more than `max_containers` arrays and objects,
-  nesting deeper
-  than `max_depth`, not an object, an unpaired surrogate."""
+  not UTF-8 (`json.loads` would take UTF-16 and UTF-32 too, whose bytes
+  the counts below misread), not JSON, more than `max_containers` arrays
+  and objects, nesting deeper than `max_depth`, not an object, an
+  unpaired surrogate."""
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ApiError(
+      status, f"the body is not UTF-8 (byte {e.start}): JSON bodies are"
+    ) from None
   if raw.count(b"[") + raw.count(b"{") > max_containers:  # (strings too)
     found = containers(raw)
     if found > max_containers:
@@ -131,15 +138,15 @@ def parse(
         f"{max_containers} are parsed",
       )
   with _collector_paused():
-    return _checked(raw, status, max_depth)
+    return _checked(raw, text, status, max_depth)
 
 
-def _checked(raw: bytes, status: int, max_depth: int) -> dict:
+def _checked(raw: bytes, text: str, status: int, max_depth: int) -> dict:
   try:
-    body = json.loads(raw)
+    body = json.loads(text)
   except RecursionError:  # deeper than Python's recursion limit
     body = _TOO_DEEP
-  except ValueError as e:  # not JSON, not UTF-8, a 5,000-digit number
+  except ValueError as e:  # not JSON, a BOM, a 5,000-digit number
     raise ApiError(status, f"the body is not valid JSON: {e}") from None
   if body is _TOO_DEEP or depth(body) > max_depth:
     raise ApiError(status, f"the JSON body nests deeper than {max_depth}")

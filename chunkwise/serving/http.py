@@ -146,7 +146,13 @@ class Server:
     ctx.engine.listen(self.metrics.finished)
     self.admit = Admission(ctx, workers=workers, max_json_depth=max_json_depth)
     self.draining = False
+    self.opened = False  # set once ready (`launch`: after the heap froze)
     self._openapi: bytes | None = None
+
+  @property
+  def ready(self) -> bool:
+    """Taking requests: the engine warmed up and the server opened."""
+    return self.opened and self.ctx.engine.ready
 
   # -- helpers ---------------------------------------------------------------
 
@@ -196,7 +202,7 @@ class Server:
       if request.method == "POST":
         if self.draining:
           raise ApiError(503, "the server is shutting down", api.UNAVAILABLE)
-        if not self.ctx.engine.ready:
+        if not self.ready:
           raise ApiError(503, _STARTING, api.UNAVAILABLE)
         self.metrics.received()
       response = await handler(request)
@@ -229,7 +235,7 @@ class Server:
       return _json_response(
         {"error": "unhealthy", "error_type": "healthcheck"}, 503
       )
-    if not self.ctx.engine.ready:  # warming up: compiling its programs
+    if not self.ready:  # warming up: compiling its programs
       return _json_response(
         {"error": "starting", "error_type": "healthcheck"}, 503
       )
@@ -304,14 +310,15 @@ class Server:
 
   async def _native(self, request, *, stream: bool | None, wrap: bool):
     body = await self.admit.body(request, _status(request))
-    inputs, g, options = await self.admit.work(
-      lambda: native.parse(body, self.ctx, stream=stream)
+    budget = self.admit.budget()
+    inputs, g, options = await self.admit.parse(
+      lambda b, ctx: native.parse(b, ctx, stream=stream), body, budget, 422
     )
     prompt_details = None
     if options.decoder_input_details:
       scores, _, _ = await self.admit.score(g.prompt, 0, g.adapter, 422)
       prompt_details = native.prefill(g.prompt, scores, self.ctx)
-    s = await self.admit.start(g, 422)
+    s = await self.admit.start(g, 422, budget)
     if options.stream:
       return await sse.native_events(request, s, inputs, options, self.ctx)
     await self._finish(s)
@@ -328,8 +335,9 @@ class Server:
 
   async def completions(self, request: web.Request):
     body = await self.admit.body(request, _status(request))
-    call = await self.admit.work(
-      lambda: openai_requests.parse_completion(body, self.ctx)
+    budget = self.admit.budget()
+    call = await self.admit.parse(
+      openai_requests.parse_completion, body, budget, 400
     )
     scored = {}
     if call.echo and call.logprobs is not None:
@@ -339,7 +347,7 @@ class Server:
         scored[p] = await self.admit.score(
           ids, call.logprobs, call.adapter, 400
         )
-    streams = await self._start_all(call)
+    streams = await self._start_all(call, budget)
     if call.stream:
       return await sse.openai_events(
         request, call, streams, self.ctx, chat=False
@@ -354,8 +362,9 @@ class Server:
 
   async def chat(self, request: web.Request):
     body = await self.admit.body(request, _status(request))
-    call = await self.admit.work(openai_requests.parse_chat, body, self.ctx)
-    streams = await self._start_all(call)
+    budget = self.admit.budget()
+    call = await self.admit.parse(openai_requests.parse_chat, body, budget, 400)
+    streams = await self._start_all(call, budget)
     if call.stream:
       return await sse.openai_events(
         request, call, streams, self.ctx, chat=True
@@ -366,10 +375,11 @@ class Server:
       lambda: _json_response(openai_api.chat(call, self.ctx, streams))
     )
 
-  async def _start_all(self, call) -> dict[int, TokenStream]:
+  async def _start_all(self, call, budget) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
     self.admit.check_room(len(choices))
-    prepared = await self.admit.prepare([c.generation for c in choices], 400)
+    generations = [c.generation for c in choices]
+    prepared = await self.admit.prepare(generations, 400, budget)
     streams: dict[int, TokenStream] = {}
     try:
       for c, p in zip(choices, prepared, strict=True):

@@ -251,12 +251,16 @@ async def _main(
     )
 
   watching = []
+  # A server of its own process opens once its heap froze; in a process
+  # it shares (`Background`), nothing freezes: open with the engine.
+  server.opened = not signals
 
   async def announce():  # once the engine has warmed up
     while not engine.ready:
       await asyncio.sleep(0.05)
     if signals:  # a process of its own (`serve`)
-      _freeze_heap()
+      _freeze_heap()  # (before any request is taken: `Server.ready`)
+    server.opened = True
     # (timed from here: warming up and freezing hold the loop, once)
     watching.append(asyncio.create_task(watch_loop(server.metrics)))
     log.info("serving %s on http://%s:%d", server.ctx.model_id, host, bound)
