@@ -106,6 +106,14 @@ inline void nmajor_pack(const Problem& p, const int8_t* w, int16_t* buf, i64 n, 
   }
 }
 
+// A k-major weight's per-group scales as the tiles read them: f32 (`f`),
+// or GGUF's f16 (`h`, one shared weight) converted in the tile, exactly:
+// no pass widening them first.
+struct Scales {
+  const float* f;
+  const uint16_t* h;
+};
+
 inline int32_t pair_bits(const int16_t* x) {  // (x[0], x[1]) as one int32
   int32_t v;
   std::memcpy(&v, x, sizeof(v));
@@ -135,7 +143,7 @@ inline __m512i dp16(__m512i acc, __m512i a, __m512i b) {
 // `zeros`.
 template <int MR, bool MASKED, bool U4>
 void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
-                    const float* s, const int8_t* zeros, i64 m0, i64 n, i64 cols) {
+                    const Scales& s, const int8_t* zeros, i64 m0, i64 n, i64 cols) {
   const __m256i nib = _mm256_set1_epi8(15);
   const __mmask32 bmask = MASKED ? static_cast<__mmask32>((1ull << cols) - 1) : ~0u;
   const __mmask16 f0 = static_cast<__mmask16>(bmask), f1 = static_cast<__mmask16>(bmask >> 16);
@@ -144,9 +152,11 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
     const i64 k0 = gr * p.group;
     const int16_t* xg[MR];
     for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
-    const float* sr = s + gr * N + n;
-    const __m512 s0 = _mm512_maskz_loadu_ps(f0, sr);
-    const __m512 s1 = _mm512_maskz_loadu_ps(f1, sr + 16);
+    const i64 at = gr * N + n;
+    const __m512 s0 = s.f ? _mm512_maskz_loadu_ps(f0, s.f + at)
+                          : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(f0, s.h + at));
+    const __m512 s1 = s.f ? _mm512_maskz_loadu_ps(f1, s.f + at + 16)
+                          : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(f1, s.h + at + 16));
     for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
       const i64 c1 = std::min(p.group, c0 + kChunk);
       __m512i lo[MR], hi[MR];
@@ -195,7 +205,7 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
 
 template <int MR, bool U4>
 void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
-                    const float* s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
+                    const Scales& s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
   i64 n = n0;
   for (; n + 32 <= n1; n += 32) kmajor_tile_i8<MR, false, U4>(p, xq, g, w, s, zeros, m0, n, 32);
   if (n < n1) kmajor_tile_i8<MR, true, U4>(p, xq, g, w, s, zeros, m0, n, n1 - n);
@@ -203,7 +213,7 @@ void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
 
 template <int MR>
 void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
-                    const float* s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
+                    const Scales& s, const int8_t* zeros, i64 m0, i64 n0, i64 n1) {
   if (p.u4()) kmajor_cols_i8<MR, true>(p, xq, g, w, s, zeros, m0, n0, n1);
   else kmajor_cols_i8<MR, false>(p, xq, g, w, s, zeros, m0, n0, n1);
 }
@@ -214,7 +224,7 @@ void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
 void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* zeros, i64 n0,
                i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const float* s = p.scale(g);
+  const Scales s{p.scale(g), p.s16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 64) {
     const i64 e = std::min(n1, n + 64);
@@ -302,7 +312,7 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
 // pairs: columns [16h, 16h + 8) in lo[h], [16h + 8, 16h + 16) in hi[h].
 template <int MR, int H>
 void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
-                    const float* s, i64 m0, i64 n, i64 cols) {
+                    const Scales& s, i64 m0, i64 n, i64 cols) {
   const i64 N = p.N;
   const bool tail = cols < 16 * H;
   const bool u4 = p.u4();
@@ -360,7 +370,8 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
             const i64 left = cols - c;
             if (left <= 0) continue;
             const __m256 sum = _mm256_cvtepi32_ps(half ? hi[m][h] : lo[m][h]);
-            const __m256 sv = Vec::loadn(s + gr * N + n + c, left);
+            const i64 at = gr * N + n + c;
+            const __m256 sv = s.f ? Vec::loadn(s.f + at, left) : Vec::loadn_half(s.h + at, left);
             const __m256 f = _mm256_mul_ps(sv, xs);
             if (left >= 8) _mm256_storeu_ps(a + c, _mm256_fmadd_ps(sum, f, _mm256_loadu_ps(a + c)));
             else Vec::storen(a + c, _mm256_fmadd_ps(sum, f, Vec::loadn(a + c, left)), left);
@@ -372,7 +383,7 @@ void kmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
 
 template <int MR, int H>
 void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* w,
-                    const float* s, i64 m0, i64 n0, i64 n1) {
+                    const Scales& s, i64 m0, i64 n0, i64 n1) {
   i64 n = n0;
   for (; n + 16 * H <= n1; n += 16 * H) kmajor_tile_i8<MR, H>(p, xq, g, w, s, m0, n, 16 * H);
   for (; n < n1; n += 16) kmajor_tile_i8<MR, 1>(p, xq, g, w, s, m0, n, std::min<i64>(16, n1 - n));
@@ -380,7 +391,7 @@ void kmajor_cols_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*
 
 void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const float* s = p.scale(g);
+  const Scales s{p.scale(g), p.s16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 64) {
     const i64 e = std::min(n1, n + 64);
@@ -588,11 +599,20 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
 }
 #endif
 
-// f16 scales (and offsets) of outputs [n0, n1) widened into this thread's
-// buffers, at the same indices (`wide` then reads them as f32 ones).
+// x86's k-major tiles read f16 scales as they are (`Scales`).
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+constexpr bool kHalfScalesInTiles = true;
+#else
+constexpr bool kHalfScalesInTiles = false;
+#endif
+
+// f16 offsets, and scales unless the tiles read them (`kHalfScalesInTiles`,
+// k-major), of outputs [n0, n1) widened into this thread's buffers, at the
+// same indices (`wide` then reads them as f32 ones).
 inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
   thread_local LineBuffer<float> scales, offsets;
-  const uint16_t* in[2] = {p.s16, p.o16};
+  const bool in_tiles = kHalfScalesInTiles && !p.nmajor;
+  const uint16_t* in[2] = {in_tiles ? nullptr : p.s16, p.o16};
   float* out[2] = {nullptr, nullptr};
   for (int f = 0; f < 2; ++f) {
     if (in[f] == nullptr) continue;
@@ -606,7 +626,8 @@ inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
   }
   wide->s = out[0];
   wide->o = out[1];
-  wide->s16 = wide->o16 = nullptr;
+  wide->s16 = in_tiles ? p.s16 : nullptr;
+  wide->o16 = nullptr;
 }
 
 // Column (k-major) or table-row (n-major) blocks of every batch, claimed

@@ -203,6 +203,13 @@ struct Vec {
     partial<uint16_t, 8>(p, n, buf);
     return load(buf);
   }
+  // n IEEE halves (f16 scales) as f32, exactly; zeros past n
+  static V loadn_half(const uint16_t* p, i64 n) {
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(32) uint16_t buf[8];
+    partial<uint16_t, 8>(p, n, buf);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void storen(float* p, V v, i64 n) { _mm256_maskstore_ps(p, mask(n), v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
