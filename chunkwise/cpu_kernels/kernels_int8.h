@@ -106,7 +106,7 @@ inline void nmajor_pack(const Problem& p, const int8_t* w, int16_t* buf, i64 n, 
   }
 }
 
-// A k-major weight's per-group scales as the tiles read them: f32 (`f`),
+// A weight's per-group scales as the tiles read them: f32 (`f`),
 // or GGUF's f16 (`h`, one shared weight) converted in the tile, exactly:
 // no pass widening them first.
 struct Scales {
@@ -244,7 +244,7 @@ void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* zero
 // `lines` cache lines from `ahead` (the next block), spread over the groups.
 template <int MR>
 void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t* buf,
-                    const float* s, i64 m0, i64 n, i64 rows, const char* ahead, i64 lines) {
+                    const Scales& s, i64 m0, i64 n, i64 rows, const char* ahead, i64 lines) {
   const i64 pp = (p.group + 1) / 2;
   const __mmask16 rm = static_cast<__mmask16>((1u << rows) - 1);
   __m512 total[MR];
@@ -254,9 +254,16 @@ void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t
       prefetch(ahead + 64 * l);
     const int16_t* xg[MR];
     for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
-    alignas(64) float sw[16] = {};
-    for (i64 r = 0; r < rows; ++r) sw[r] = s[(n + r) * p.groups + gr];
-    const __m512 sv = _mm512_load_ps(sw);
+    __m512 sv;
+    if (s.f) {
+      alignas(64) float sw[16] = {};
+      for (i64 r = 0; r < rows; ++r) sw[r] = s.f[(n + r) * p.groups + gr];
+      sv = _mm512_load_ps(sw);
+    } else {  // f16 (GGUF's): gathered, converted in one step
+      alignas(32) uint16_t hw[16] = {};
+      for (i64 r = 0; r < rows; ++r) hw[r] = s.h[(n + r) * p.groups + gr];
+      sv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(hw)));
+    }
     const int16_t* bg = buf + 32 * gr * pp;
     for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
       const i64 c1 = std::min(p.group, c0 + kChunk);
@@ -279,7 +286,7 @@ void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t
 // n-major: table rows [n0, n1) of batch g, all rows, 16 table rows a block.
 void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const float* s = p.scale(g);
+  const Scales s{p.scale(g), p.s16};
   const i64 pp = (p.group + 1) / 2;
   thread_local LineBuffer<int16_t> lines;
   int16_t* buf = lines.get(32 * pp * p.groups);
@@ -406,13 +413,21 @@ void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t*, i64
 // rows as 2 x 8 int32 lanes).
 template <int MR>
 void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t* buf,
-                    const float* s, i64 m0, i64 n, i64 rows) {
+                    const Scales& s, i64 m0, i64 n, i64 rows) {
   const i64 pp = (p.group + 1) / 2;
   for (i64 gr = 0; gr < p.groups; ++gr) {
     const int16_t* xg[MR];
     for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
     alignas(32) float sw[16] = {};
-    for (i64 r = 0; r < rows; ++r) sw[r] = s[(n + r) * p.groups + gr];
+    if (s.f) {
+      for (i64 r = 0; r < rows; ++r) sw[r] = s.f[(n + r) * p.groups + gr];
+    } else {  // f16 (GGUF's): gathered, converted 8 at a time
+      alignas(16) uint16_t hw[16] = {};
+      for (i64 r = 0; r < rows; ++r) hw[r] = s.h[(n + r) * p.groups + gr];
+      for (int h = 0; h < 2; ++h)
+        _mm256_store_ps(sw + 8 * h,
+                        _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hw + 8 * h))));
+    }
     const int16_t* bg = buf + 32 * gr * pp;
     for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
       const i64 c1 = std::min(p.group, c0 + kChunk);
@@ -446,7 +461,7 @@ void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t
 
 void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const float* s = p.scale(g);
+  const Scales s{p.scale(g), p.s16};
   const i64 pp = (p.group + 1) / 2;
   thread_local LineBuffer<int16_t> lines;
   int16_t* buf = lines.get(32 * pp * p.groups);
@@ -599,19 +614,19 @@ void nmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, i64 n0, i64 n1) {
 }
 #endif
 
-// x86's k-major tiles read f16 scales as they are (`Scales`).
+// x86's tiles read f16 scales as they are (`Scales`).
 #if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
 constexpr bool kHalfScalesInTiles = true;
 #else
 constexpr bool kHalfScalesInTiles = false;
 #endif
 
-// f16 offsets, and scales unless the tiles read them (`kHalfScalesInTiles`,
-// k-major), of outputs [n0, n1) widened into this thread's buffers, at the
-// same indices (`wide` then reads them as f32 ones).
+// f16 offsets, and scales unless the tiles read them (`kHalfScalesInTiles`),
+// of outputs [n0, n1) widened into this thread's buffers, at the same
+// indices (`wide` then reads them as f32 ones).
 inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
   thread_local LineBuffer<float> scales, offsets;
-  const bool in_tiles = kHalfScalesInTiles && !p.nmajor;
+  const bool in_tiles = kHalfScalesInTiles;
   const uint16_t* in[2] = {in_tiles ? nullptr : p.s16, p.o16};
   float* out[2] = {nullptr, nullptr};
   for (int f = 0; f < 2; ++f) {
