@@ -268,7 +268,7 @@ def run(
   cut = limit < time_limit_s
   try:
     return _run(
-      request, vocab_key, vocab, limit, max_compile_mb, what, key, cut
+      request, vocab_key, vocab, limit, max_compile_mb, what, key, budget, cut
     )
   except ValueError as e:  # LimitError too: remembered, unless cut short,
     # a crash (not the constraint's doing: an OOM kill), or remembered
@@ -320,9 +320,10 @@ def _release(p: _Process | None) -> None:
     _cv.notify()
 
 
-def _run(request, vocab_key, vocab, limit, max_compile_mb, what, key, cut):
+def _run(
+  request, vocab_key, vocab, limit, max_compile_mb, what, key, budget, cut
+):
   global _last
-  budget = _budget()
   p = _acquire(budget, vocab_key, what)
   try:
     _check_remembered(key)  # (it may have failed while this waited)
@@ -337,7 +338,7 @@ def _run(request, vocab_key, vocab, limit, max_compile_mb, what, key, cut):
     start = time.monotonic()
     try:
       return _compile(
-        p, request, vocab_key, vocab, limit, max_compile_mb, what, cut
+        p, request, vocab_key, vocab, limit, max_compile_mb, what, budget, cut
       )
     finally:
       if budget is not None:
@@ -353,8 +354,9 @@ def _forget(p: _Process) -> None:
     _live.discard(p)
 
 
-def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what, cut):
-  budget = _budget() if cut else None
+def _compile(
+  p, request, vocab_key, vocab, limit, max_compile_mb, what, budget, cut
+):
   message = {
     **request,
     "vocab_key": vocab_key,
@@ -369,7 +371,7 @@ def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what, cut):
     p.vocab_key = vocab_key
   except (BrokenPipeError, OSError):
     pass  # it died; reported below
-  reply = _read_reply(p, start + limit, _budget())
+  reply = _read_reply(p, start + limit, budget)
   if isinstance(reply, dict):
     p.busy = False
   if reply is _CANCELLED:
@@ -381,7 +383,7 @@ def _compile(p, request, vocab_key, vocab, limit, max_compile_mb, what, cut):
         p.proc.wait(timeout=10)
     _forget(p)
     if reply is _TIMEOUT:
-      raise LimitError(_time_message(what, limit, budget))
+      raise LimitError(_time_message(what, limit, budget if cut else None))
     code, tail = p.proc.returncode, p.tail.strip()
     if "memory allocation" in tail or code == -signal.SIGABRT:
       raise LimitError(_memory_message(what, max_compile_mb))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -206,11 +207,12 @@ class Admission:
   async def score(self, prompt, top_n: int, adapter, status: int) -> Any:
     """The prompt's own log-probs, through the engine's queue."""
 
+    score = functools.partial(
+      self.ctx.engine.score, prompt, top_n=top_n, adapter=adapter
+    )
+
     def run():
-      try:
-        with queue_errors():
-          return self.ctx.engine.score(prompt, top_n=top_n, adapter=adapter)
-      except ValueError as e:
-        raise ApiError(status, str(e)) from None
+      with queue_errors():
+        return _as_api_errors(status, score)
 
     return await self.work(run)
