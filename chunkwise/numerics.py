@@ -22,6 +22,13 @@ A model's `numerics` is one of
                - the top-p filter's cumulative sum is a fixed scan.
                Other backends run the same programs with XLA's dots (the
                twin): there the property is not kept (DESIGN.md §4.10).
+  "q8"         "invariant", with the activations of int8 and GGUF-block
+               weights rounded to int8 per block of 32 inputs (llama.cpp's
+               Q8_0 activations) instead of int16 per weight group: the
+               integer sums are exact in any order, so it is invariant
+               too, at four products per 32-bit lane (VNNI's vpdpbusd,
+               AVX2's vpmaddubsw). Float weights run as "invariant". Its
+               quality: docs/numerics.md.
   "fast"       XLA's own dots and reductions, whose order depends on the
                shapes (a row's scores move by ~3e-5 between batch sizes),
                and the decode kernel `cpu_kernels.matmul` up to 16 rows.
@@ -47,7 +54,8 @@ from chunkwise import contract as contract_lib
 from chunkwise import cpu_kernels
 from chunkwise.contract import contract_dims
 
-NUMERICS = ("invariant", "fast")
+NUMERICS = ("invariant", "fast", "q8")
+_INVARIANT = ("invariant", "q8")
 
 _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 # The platform a program being traced runs on, where its engine knows it:
@@ -111,13 +119,19 @@ def traced(fn, numerics: str, platform: str | None = None):
 
 def invariant() -> bool:
   """Whether the code being traced keeps rows invariant (on the CPU)."""
-  return _CURRENT.get() == "invariant" and _kernels()
+  return _CURRENT.get() in _INVARIANT and _kernels()
+
+
+def act8() -> bool:
+  """Whether the code being traced rounds int8 and block weights'
+  activations to int8 ("q8"), not int16."""
+  return _CURRENT.get() == "q8" and _kernels()
 
 
 def rows_invariant(numerics: str) -> bool:
   """Whether programs run under `numerics` keep rows invariant here (the
   host-side twin of `invariant`, outside any trace)."""
-  return numerics == "invariant" and _kernels()
+  return numerics in _INVARIANT and _kernels()
 
 
 def _kernels() -> bool:
@@ -283,7 +297,9 @@ def matmul(eq: str, x: jax.Array, w) -> jax.Array:
       s = w.scale.astype(jnp.float32)
       scale = s.reshape((1, n, -1) if nmajor else (1, -1, n))
     rows = x.reshape(1, -1, k)
-    out = cpu_kernels.invariant_matmul(rows, w2, scale, nmajor=nmajor)
+    out = cpu_kernels.invariant_matmul(
+      rows, w2, scale, nmajor=nmajor, act8=scale is not None and act8()
+    )
     out = out.reshape(*free_x, *free_w)
     return (out if order is None else out.transpose(order)).astype(x.dtype)
 

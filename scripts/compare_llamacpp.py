@@ -52,12 +52,26 @@ _REQUANTIZE = flags.DEFINE_list(
   "to each of these gguf types (Q4_0, Q8_0, Q5_0, Q5_1).",
 )
 _WEIGHTS = flags.DEFINE_list(
-  "weights", ["native", "int8", "float32"], "chunkwise's weights per file."
+  "weights",
+  ["native", "native:q8", "int8", "int8:q8", "float32"],
+  "chunkwise's weights per file, each as weights[:numerics] (native, "
+  "int8 or float32; numerics as chunkwise.numerics names them, else the "
+  "load's default).",
 )
 _THREADS = flags.DEFINE_integer("threads", 2, "Threads of each side.")
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 512, "Prefill length.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Greedy decode steps.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Timed runs after the first.")
+_BATCHES = flags.DEFINE_list(
+  "batches",
+  ["1"],
+  "Rows decoded together: 1 (a prompt of --prompt_tokens), and each larger "
+  "batch b (b prompts of --batch_prompt_tokens, each its own sequence of "
+  "one llama.cpp context); tok/s are the batch's aggregate.",
+)
+_BATCH_PROMPT = flags.DEFINE_integer(
+  "batch_prompt_tokens", 64, "Each row's prompt length at batches > 1."
+)
 _OUT = flags.DEFINE_string("out", "", "Also write the rows as JSON here.")
 _QUALITY = flags.DEFINE_bool(
   "quality", False, "Measure distributions against llama.cpp, not speed."
@@ -112,6 +126,25 @@ def requantize(src: str, kind: str, out: str) -> str:
   return out
 
 
+def _load(path: str, spec: str):
+  """chunkwise's model of a --weights entry: weights[:numerics]."""
+  import chunkwise as cw
+  from chunkwise import numerics as numerics_lib
+
+  weights, _, numerics = spec.partition(":")
+  if weights not in ("native", "int8", "float32"):
+    raise app.UsageError(
+      f"--weights={spec!r}: expected native, int8 or float32"
+    )
+  if numerics and numerics not in numerics_lib.NUMERICS:
+    raise app.UsageError(
+      f"--weights={spec!r}: numerics {numerics!r} is not one of "
+      f"{', '.join(numerics_lib.NUMERICS)}"
+    )
+  quantize = weights if weights in ("native", "int8") else None
+  return cw.load(path, quantize=quantize, numerics=numerics or None)
+
+
 def _child(spec: str) -> None:
   """One chunkwise side: prints one JSON line."""
   path, weights, _ = spec.split("|")
@@ -123,13 +156,13 @@ def _child(spec: str) -> None:
 
   jax.devices()  # the runtime up, before any weight
   before = _hwm_mib(os.getpid())
-  quantize = weights if weights in ("native", "int8") else None
-  model = cw.load(path, quantize=quantize)
-  ids = model.vocab.encode(TEXT)
-  while len(ids) < _PROMPT.value:
-    ids = ids + ids
-  ids = np.asarray(ids[: _PROMPT.value], np.int32)[None]
-  chunk = cw.Chunk(tokens=jnp.asarray(ids), lengths=jnp.array([ids.shape[1]]))
+  model = _load(path, weights)
+  batch = int(_BATCHES.value[0])
+  n = _PROMPT.value if batch == 1 else _BATCH_PROMPT.value
+  ids = np.asarray(_prompts(model.vocab.encode(TEXT), batch, n), np.int32)
+  chunk = cw.Chunk(
+    tokens=jnp.asarray(ids), lengths=jnp.full((batch,), n, jnp.int32)
+  )
   prefill_s, decode_s, tokens = [], [], None
   for run in range(_RUNS.value + 1):
     t0 = time.perf_counter()
@@ -138,7 +171,7 @@ def _child(spec: str) -> None:
     t1 = time.perf_counter()
     out, _ = model.generate(
       [first],
-      sample_ids=np.arange(1),
+      sample_ids=np.arange(batch),
       steps=_STEPS.value,
       sampling=cw.Sampling(temperature=0.0),
     )
@@ -159,6 +192,14 @@ def _child(spec: str) -> None:
       )
     )
   )
+
+
+def _prompts(ids: list[int], batch: int, n: int) -> list[list[int]]:
+  """`batch` prompts of n tokens: TEXT's tokens repeated, row i starting
+  i tokens further in (llama.cpp's side cuts the same ones: bench.mjs)."""
+  while len(ids) < n + batch:
+    ids = ids + ids
+  return [ids[i : i + n] for i in range(batch)]
 
 
 def _hwm_mib(pid: int) -> float | None:
@@ -191,7 +232,11 @@ def _run(cmd: list[str]) -> tuple[dict, float]:
   return json.loads(line), peak
 
 
-def _llamacpp(path: str) -> dict:
+def _prompt_len(batch: int) -> int:
+  return _PROMPT.value if batch == 1 else _BATCH_PROMPT.value
+
+
+def _llamacpp(path: str, batch: int) -> dict:
   script = NODE_DIR / "bench.mjs"
   _need_node()
   result, rss = _run(
@@ -200,9 +245,10 @@ def _llamacpp(path: str) -> dict:
       str(script),
       path,
       str(_THREADS.value),
-      str(_PROMPT.value),
+      str(_prompt_len(batch)),
       str(_STEPS.value),
       str(_RUNS.value + 1),
+      str(batch),
     ]
   )
   result["prefill_s"] = result["prefill_s"][1:]
@@ -211,7 +257,7 @@ def _llamacpp(path: str) -> dict:
   return result
 
 
-def _chunkwise(path: str, weights: str) -> dict:
+def _chunkwise(path: str, weights: str, batch: int) -> dict:
   """chunkwise's side (JAX's CPU runtime uses every core: run this on a
   machine with --threads cores, as CI's has 2)."""
   result, rss = _run(
@@ -220,6 +266,8 @@ def _chunkwise(path: str, weights: str) -> dict:
       __file__,
       f"--child={path}|{weights}|{_THREADS.value}",
       f"--prompt_tokens={_PROMPT.value}",
+      f"--batch_prompt_tokens={_BATCH_PROMPT.value}",
+      f"--batches={batch}",
       f"--steps={_STEPS.value}",
       f"--runs={_RUNS.value}",
     ]
@@ -228,8 +276,8 @@ def _chunkwise(path: str, weights: str) -> dict:
   return result
 
 
-def _row(file: str, side: str, r: dict, ref: list | None) -> dict:
-  decode = statistics.median(r["decode_s"])
+def _row(file: str, side: str, r: dict, ref: list | None, batch: int) -> dict:
+  decode = statistics.median(r["decode_s"]) / batch
   same = None
   if ref is not None:
     n = min(len(ref), len(r["tokens"]))
@@ -237,7 +285,10 @@ def _row(file: str, side: str, r: dict, ref: list | None) -> dict:
   return dict(
     file=os.path.basename(file),
     side=side,
-    prefill_tok_s=_PROMPT.value / statistics.median(r["prefill_s"]),
+    batch=batch,
+    prefill_tok_s=batch
+    * _prompt_len(batch)
+    / statistics.median(r["prefill_s"]),
     decode_tok_s=1 / decode,
     rss_peak_mib=r["rss_peak_mib"],
     rss_before_mib=r.get("rss_before_mib"),
@@ -257,7 +308,6 @@ def _quality(files: list[str]) -> list[dict]:
   file, and native against the file dequantized to f32."""
   import numpy as np
 
-  import chunkwise as cw
   from chunkwise.checkpoints import quality
 
   texts = quality.read_texts(_TEXTS.value)
@@ -265,8 +315,7 @@ def _quality(files: list[str]) -> list[dict]:
   for path in files:
     models = {}
     for weights in dict.fromkeys([*_WEIGHTS.value, "float32"]):
-      quantize = weights if weights in ("native", "int8") else None
-      models[weights] = cw.load(path, quantize=quantize)
+      models[weights] = _load(path, weights)
     with tempfile.TemporaryDirectory() as tmp:
       tokens, out = f"{tmp}/rows.json", f"{tmp}/probs.f32"
       model = models["float32"]
@@ -281,20 +330,21 @@ def _quality(files: list[str]) -> list[dict]:
     for weights in _WEIGHTS.value:
       r = quality.against_reference(models[weights], texts, reference)
       rows.append(dict(file=name, candidate=weights, vs="llama.cpp", **r))
-    if "native" in models:
-      r = quality.measure(models["float32"], models["native"], texts)
-      rows.append(dict(file=name, candidate="native", vs="f32 same file", **r))
+    for weights in models:
+      if weights.startswith("native"):
+        r = quality.measure(models["float32"], models[weights], texts)
+        rows.append(dict(file=name, candidate=weights, vs="f32 same file", **r))
   return rows
 
 
 def _print_quality(rows: list[dict]) -> None:
   print(
-    f"{'file':40s} {'chunkwise':10s} {'against':16s} {'top-1':>7s} "
+    f"{'file':40s} {'chunkwise':12s} {'against':16s} {'top-1':>7s} "
     f"{'mean KL':>9s} {'max KL':>9s}"
   )
   for r in rows:
     print(
-      f"{r['file']:40s} {r['candidate']:10s} {r['vs']:16s} "
+      f"{r['file']:40s} {r['candidate']:12s} {r['vs']:16s} "
       f"{r['top1_agreement']:7.4f} {r['mean_kl']:9.2e} {r['max_kl']:9.2e}"
     )
 
@@ -329,26 +379,30 @@ def main(argv):
     return
   rows = []
   for path in files:
-    ref = _llamacpp(path)
-    rows.append(_row(path, "llama.cpp", ref, None))
-    for weights in _WEIGHTS.value:
-      got = _chunkwise(path, weights)
-      rows.append(_row(path, f"chunkwise {weights}", got, ref["tokens"]))
-    size = os.path.getsize(path) / 2**20
-    for r in rows[-1 - len(_WEIGHTS.value) :]:
-      r["file_mib"] = size
+    for batch in [int(b) for b in _BATCHES.value]:
+      ref = _llamacpp(path, batch)
+      rows.append(_row(path, "llama.cpp", ref, None, batch))
+      for weights in _WEIGHTS.value:
+        got = _chunkwise(path, weights, batch)
+        side = f"chunkwise {weights}"
+        rows.append(_row(path, side, got, ref["tokens"], batch))
+      size = os.path.getsize(path) / 2**20
+      for r in rows[-1 - len(_WEIGHTS.value) :]:
+        r["file_mib"] = size
   print(
     f"cpu: {isa.cpu_name()}, kernel path {isa.current()}, "
     f"{_THREADS.value} threads, prompt {_PROMPT.value}, {_STEPS.value} steps"
   )
   print(
-    f"{'file':40s} {'side':20s} {'decode tok/s':>12s} {'prefill tok/s':>13s} "
+    f"{'file':40s} {'side':20s} {'batch':>5s} {'decode tok/s':>12s} "
+    f"{'prefill tok/s':>13s} "
     f"{'peak RSS MiB':>12s} {'runtime MiB':>11s} {'file MiB':>8s} "
     f"{'same greedy':>11s}"
   )
   for r in rows:
     print(
-      f"{r['file']:40s} {r['side']:20s} {r['decode_tok_s']:12.1f} "
+      f"{r['file']:40s} {r['side']:20s} {r['batch']:5d} "
+      f"{r['decode_tok_s']:12.1f} "
       f"{r['prefill_tok_s']:13.1f} {r['rss_peak_mib']:12.0f} "
       f"{_mib(r['rss_before_mib']):>11s} {r['file_mib']:8.1f} {_same(r):>11s}"
     )

@@ -50,7 +50,15 @@ struct Case {
   Weight type;
   bool nmajor, acc, ones, shift = false;
   bool offset = false, half = false;  // int8 / u4: offsets, f16 scales
+  bool act8 = false;                  // int8 / u4: 8-bit activations
 };
+
+// Whether the vector paths take act8 case c (ffi.cc sends the others to
+// the portable loops).
+bool act8_vectored(const Case& c) {
+  const i64 group = c.K / c.groups, A = group % 32 == 0 ? 32 : group;
+  return A % 4 == 0 && !(c.type == Weight::kU4 && c.nmajor && A != 32);
+}
 
 std::mt19937 rng(0);
 
@@ -75,11 +83,11 @@ std::string describe(const Case& c) {
                   : c.type == Weight::kU4   ? "u4"
                                             : "int8";
   char buf[200];
-  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s%s%s%s",
+  std::snprintf(buf, sizeof buf, "matmul G=%lld M=%lld K=%lld N=%lld groups=%lld %s %s%s%s%s%s%s%s",
                 (long long)c.G, (long long)c.M, (long long)c.K, (long long)c.N,
                 (long long)c.groups, t, c.nmajor ? "n-major" : "k-major", c.acc ? " acc" : "",
                 c.ones ? " ones" : "", c.shift ? " shift" : "", c.offset ? " offset" : "",
-                c.half ? " f16" : "");
+                c.half ? " f16" : "", c.act8 ? " act8" : "");
   return buf;
 }
 
@@ -133,6 +141,7 @@ void check_matmul(const Table* table, const Case& c) {
   p.group = c.K / c.groups;
   p.w_shared = c.G == 1;
   p.ones = c.ones;
+  p.act8 = c.act8;
   std::vector<float> want(c.G * c.M * cols), got(want.size());
   Threads par;
   p.out = want.data();
@@ -286,7 +295,12 @@ int main(int argc, char** argv) {
       {3, 40, 300, 64, 1, Weight::kF32, false, true, true, true},  // values from logits
       {2, 3, 70, 64, 1, Weight::kBF16, false, true, true, true},
   };
-  for (const Case& c : cases) check_matmul(table, c);
+  for (const Case& c : cases) {
+    check_matmul(table, c);
+    Case q8 = c;  // int8 and u4 weights with 8-bit activations too
+    q8.act8 = true;
+    if ((c.type == Weight::kI8 || c.type == Weight::kU4) && act8_vectored(q8)) check_matmul(table, q8);
+  }
   for (int i = 0; i < random_cases; ++i) {
     auto pick = [](std::initializer_list<i64> v) {
       return *(v.begin() + std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng));
@@ -307,6 +321,12 @@ int main(int argc, char** argv) {
     c.offset = int8 && (rng() & 1);
     c.half = int8 && (rng() & 1);
     check_matmul(table, c);
+    if (int8) {  // act8: blocks of 32 (GGUF's, and groups of several), 16, 8, 12
+      c.act8 = true;
+      const i64 block = c.type == Weight::kU4 && c.nmajor ? 32 : pick({32, 16, 8, 12});
+      c.K = c.groups * block * (block == 32 ? pick({1, 2, 3}) : 1);
+      check_matmul(table, c);
+    }
   }
   for (i64 n : {1, 3, 7, 16, 33, 1001}) check_unary(table, n);
   for (auto mk : {std::pair<i64, i64>{5, 4099}, {3, 70}, {17, 16}, {2, 5}, {4, 23}})

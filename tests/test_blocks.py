@@ -384,3 +384,23 @@ def test_cpu_matmul_reads_the_blocks_in_place(kind):
   want = np.asarray(matmul.plain("btk,kn->btn", x, w))
   np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max())
   assert not np.array_equal(got, want)  # the kernel, not the twin, ran
+
+
+def test_native_q8_rows_are_invariant_and_near_int16(blocked_file, blocked):
+  """numerics="q8" over every block format (x rounded to int8 per block):
+  a row's scores the same bits alone as beside another, and near the
+  int16 activations' (the invariant default's) scores."""
+  _, (first, _, _) = blocked
+  q8 = cw.load(blocked_file, quantize="native", numerics="q8")
+  assert q8.numerics == "q8"
+  both = q8.prefill(_chunk(), top_n=3)
+  alone = q8.prefill(
+    cw.Chunk(tokens=_chunk().tokens[1:], lengths=_chunk().lengths[1:]), top_n=3
+  )
+  np.testing.assert_array_equal(
+    both.per_token_scores[1:], alone.per_token_scores
+  )
+  np.testing.assert_array_equal(both.top_ids[1:], alone.top_ids)
+  got, want = both.per_token_scores[:, 1:], first.per_token_scores[:, 1:]
+  assert not np.array_equal(got, want)
+  np.testing.assert_allclose(got, want, atol=0.05)

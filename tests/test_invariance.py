@@ -5,10 +5,10 @@ computed by a decode step or by a multi-position pass. Every comparison
 is `np.array_equal`.
 
 Random compositions are drawn from fixed seeds (several draws per test);
-on one device (a grouped-KV tiny model, and a tied-embedding one with soft
+on one device (a grouped-KV tiny model, a tied-embedding one with soft
 caps and a sliding window: the n-major unembedding, tanh and window
-masks), on a (2,2,2) mesh with the ws_2d and weight-gathered layouts, and
-on SmolLM2.
+masks, and int8 weights under numerics "q8"), on a (2,2,2) mesh with the
+ws_2d and weight-gathered layouts, and on SmolLM2.
 """
 
 import dataclasses
@@ -37,11 +37,21 @@ def _capped(h):
   )
 
 
+def _q8():
+  """The tiny model's int8 weights under numerics "q8" (activations rounded
+  to int8 per block: `cpu_kernels.invariant_matmul`'s act8)."""
+  base = cw.InferenceModel.random(cw.configs.get("tiny"), seed=2)
+  axes = cw.models.Weights.axes(base.hparams)
+  int8 = cw.models.quantized.quantize_weights(base.weights, axes)
+  return cw.InferenceModel(base.hparams, int8, numerics="q8")
+
+
 MODELS = {
   "tiny": lambda: cw.InferenceModel.random(cw.configs.get("tiny"), seed=0),
   "tiny-capped": lambda: cw.InferenceModel.random(
     _capped(cw.configs.get("tiny")), seed=1
   ),
+  "tiny-int8-q8": _q8,
 }
 
 
@@ -271,7 +281,8 @@ def test_fast_numerics_stay_available_and_names_are_checked(tiny):
   chunk = _chunk([[1, 5, 9, 11]])
   a, b = fast.prefill(chunk), tiny.prefill(chunk)
   np.testing.assert_allclose(a.per_token_scores, b.per_token_scores, atol=1e-5)
-  with pytest.raises(ValueError, match=r"numerics='exact'.*invariant, fast"):
+  names = r"numerics='exact'.*invariant, fast, q8"
+  with pytest.raises(ValueError, match=names):
     cw.InferenceModel(tiny.hparams, tiny.weights, numerics="exact")
   # int8 weights stay fast unless asked (their invariant prefill is slower).
   int8 = cw.models.quantized.quantize_weights(

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 _matmul = jax.jit(
-  cpu_kernels.invariant_matmul, static_argnames=("nmajor", "ones", "isa")
+  cpu_kernels.invariant_matmul,
+  static_argnames=("nmajor", "ones", "isa", "act8"),
 )
 # The vector paths this CPU runs (each compared with "portable").
 PATHS = [n for n in cpu_kernels.isa.available() if n != "portable"]
@@ -496,3 +497,94 @@ def test_bad_block_operands_are_refused():
     _matmul(x, jnp.zeros((1, 64, 8), jnp.uint8), s, None, nmajor=False)
   with pytest.raises(Exception, match="one dtype"):
     _matmul(x, w, s, None, nmajor=False, offset=jnp.ones((1, 2, 8)))
+
+
+# 8-bit activations (`act8`, numerics "q8"): x rounded to int8 per block
+# of 32 inputs (or of the whole group where it is not a multiple of 32).
+ACT8_CASES = [
+  # m, k, n, kind, nmajor, group, offset, f16 scales
+  (1, 576, 200, "u4", False, 32, True, True),  # decode, Q4_1-like
+  (9, 576, 70, "u4", False, 32, False, True),  # Q4_0, a column tail
+  (5, 128, 64, "u4", False, 16, True, False),  # u4 blocks of 16
+  (3, 576, 37, "u4", True, 32, True, True),  # a tied 4-bit table
+  (1, 576, 130, "int8", False, 576, False, False),  # our int8: 18 blocks
+  (17, 96, 33, "int8", False, 32, True, True),  # Q5_1-like, row tiles
+  (2, 64, 21, "int8", True, 16, False, True),  # Q6_K-like table
+  (6, 192, 40, "int8", True, 64, False, False),  # groups of 2 blocks
+  (4, 72, 50, "int8", False, 12, False, False),  # blocks of 12
+  (3, 36, 20, "int8", True, 6, False, False),  # 6: the portable loops
+  (3, 96, 20, "u4", True, 16, False, True),  # n-major u4 of 16: portable
+]
+
+
+def _act8_operands(rng, m, k, n, kind, nmajor, group, with_offset, half):
+  x = rng.standard_normal((1, m, k)).astype(np.float32)
+  x[0, 0, :4] = [0.0, -0.0, 30.0, -30.0]  # a block with a large max
+  if m > 1:
+    x[0, 1, : min(k, 32)] = 0  # a block of zeros: sx = 0
+  if kind == "u4":
+    codes = rng.integers(0, 16, (n, k))
+    values = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
+  else:  # every int8 code, -128 included
+    codes = rng.integers(-128, 128, (n, k))
+    values = codes.astype(np.int8)
+  groups = (n, k // group)
+  dtype = np.float16 if half else np.float32
+  scale = rng.uniform(1e-3, 2e-2, groups).astype(dtype)
+  offset = rng.uniform(-0.1, 0.1, groups).astype(dtype)
+  dequant = codes * np.repeat(scale.astype(np.float64), group, axis=1)
+  if with_offset:
+    dequant = dequant + np.repeat(offset.astype(np.float64), group, axis=1)
+  else:
+    offset = None
+  if not nmajor:
+    values, scale = values.T, scale.T
+    offset = None if offset is None else offset.T
+  return x, values, scale, offset, dequant
+
+
+@paths
+@pytest.mark.parametrize("case", ACT8_CASES, ids=str)
+def test_act8_is_its_definition(case, isa):
+  m, k, n, _, nmajor, group = case[:6]
+  rng = np.random.default_rng(m * k + n)
+  x, values, scale, offset, dequant = _act8_operands(rng, *case)
+
+  def run(isa, rows=slice(None), act8=True):
+    return np.asarray(
+      _matmul(
+        jnp.asarray(x)[:, rows],
+        jnp.asarray(values)[None],
+        jnp.asarray(scale)[None],
+        None,
+        nmajor=nmajor,
+        isa=isa,
+        offset=None if offset is None else jnp.asarray(offset)[None],
+        act8=act8,
+      )
+    )
+
+  got = run(isa)
+  assert np.array_equal(got, run("portable")), isa
+  for r in {0, m // 2, m - 1}:  # each row alone: the same bits
+    assert np.array_equal(run(isa, slice(r, r + 1))[0, 0], got[0, r]), r
+  # The exact product but for x rounded to int8 per block: half a step
+  # (max |x| over the block / 127) times sum |w| over the block.
+  block = 32 if group % 32 == 0 else group
+  xf = np.asarray(x[0], np.float64)
+  want = xf @ dequant.T
+  half = np.abs(xf).reshape(m, k // block, block).max(-1) / 127 / 2
+  bound = np.repeat(half, block, axis=1) @ np.abs(dequant).T
+  err = np.abs(got[0].astype(np.float64) - want)
+  assert np.all(err <= 1e-5 * k * np.abs(want).max() + 1.01 * bound)
+  # a bound that is not vacuous (the u4 codes, all positive, make sum |w|
+  # large against the sums themselves)
+  assert np.max(bound) < 0.25 * np.max(np.abs(want))
+  int16 = run(isa, act8=False)
+  assert not np.array_equal(int16, got)
+
+
+def test_act8_is_refused_where_it_cannot_apply():
+  x = jnp.ones((1, 2, 64))
+  with pytest.raises(Exception, match=r"act8.*needs an int8 or u4 weight"):
+    _matmul(x, jnp.ones((1, 64, 8)), None, None, nmajor=False, act8=True)

@@ -56,6 +56,7 @@ TORCH_CAPS = {
   },
   "avx512_vnni": {},  # everything torch has
   "neon": {},
+  "neon_dotprod": {},
 }
 SIDES = ("invariant", "fast", "transformers")
 PROMPT = (1, 504, 3458, 282, 4649, 314)  # BOS + "The capital of France is"

@@ -45,7 +45,14 @@ UNARY_TARGET = "chunkwise_invariant_unary"
 ROW_SUM_TARGET = "chunkwise_invariant_row_sum"
 ATTEND_TARGET = "chunkwise_invariant_attend"
 _HERE = pathlib.Path(__file__).parent
-_HEADERS = ("common.h", "vec.h", "kernels_int8.h", "kernels_attend.h", "pool.h")
+_HEADERS = (
+  "common.h",
+  "vec.h",
+  "kernels_int8.h",
+  "kernels_q8.h",
+  "kernels_attend.h",
+  "pool.h",
+)
 # Every build's flags: no contraction of a * b + c into an FMA (the
 # definition says where FMAs are), no -march (see the module doc).
 FLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off")
@@ -58,11 +65,16 @@ VARIANTS = {
     "avx512": ("-DCW_ISA_AVX512", *_AVX512),
     "avx512_vnni": ("-DCW_ISA_AVX512", *_AVX512, "-mavx512vnni"),
   },
-  "aarch64": {"neon": ("-DCW_ISA_NEON",)},
+  "aarch64": {
+    "neon": ("-DCW_ISA_NEON",),
+    # ARMv8.2's dot products (sdot: 4 int8 products a lane), for
+    # numerics="q8"; everything else as "neon".
+    "neon_dotprod": ("-DCW_ISA_NEON", "-march=armv8.2-a+dotprod"),
+  },
 }
 
 # ffi.cc's numbers of the instruction sets are 1 + their index here.
-NAMES = ("portable", "avx2", "avx512", "avx512_vnni", "neon")
+NAMES = ("portable", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
 _LOADED: list = []  # the variants' libraries, kept loaded
 
 log = logging.getLogger(__name__)

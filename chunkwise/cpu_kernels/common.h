@@ -74,6 +74,9 @@ struct Problem {
   bool nmajor = false;
   i64 G = 0, M = 0, K = 0, N = 0, groups = 1, group = 0;
   bool w_shared = true, ones = false;
+  // int8 and u4 weights: activations rounded to int8 per block of
+  // act_block() inputs (below) instead of int16 per group.
+  bool act8 = false;
   // A window of `count` of w's `heads` (its second dim) from `first`:
   // batch g reads w's [g / count, first + g % count]; count 0: none.
   i64 heads = 0, count = 0, first = 0;
@@ -123,6 +126,9 @@ struct Problem {
     return o == nullptr ? nullptr : o + w_index(g) * groups * N;
   }
   CW_INLINE bool u4() const { return type == Weight::kU4; }
+  // act8: inputs per activation block (common.h's definition below).
+  CW_INLINE i64 act_block() const { return group % 32 == 0 ? 32 : group; }
+  CW_INLINE i64 act_blocks() const { return K / act_block(); }
   // Byte of a u4 weight's codes (k, n) (its k's parity picks the nibble).
   CW_INLINE i64 u4_byte(i64 k, i64 n) const { return nmajor ? n * (K / 2) + k / 2 : k / 2 * N + n; }
   CW_INLINE const float* xrow(i64 g, i64 m) const { return x + (g * M + m) * K; }
@@ -197,15 +203,17 @@ struct QuantizedX {
   CW_INLINE float scale_of(i64 m, i64 g) const { return scale[m * groups + g]; }
 };
 
-// The offsets' chain (above) for rows [0, M) x outputs [n0, n1) of batch g,
-// after every chunk: the same scalar operations on every path.
-inline void add_offsets(const Problem& p, const int32_t* qsum, const float* sx, i64 g, i64 m,
-                        i64 n0, i64 n1) {
+// The offsets' chain (above) for row m of batch g, outputs [n0, n1),
+// after every chunk: the same scalar operations on every path. `blocks`
+// (qsum's and sx's entries: the groups, or act8's blocks) over the groups.
+inline void add_offsets(const Problem& p, const int32_t* qsum, const float* sx, i64 blocks,
+                        i64 g, i64 m, i64 n0, i64 n1) {
   const float* o = p.offset(g);
   float* out = p.orow(g, m);
-  for (i64 gr = 0; gr < p.groups; ++gr) {
-    const float q = static_cast<float>(qsum[gr]);
-    const float x = sx[gr];
+  for (i64 b = 0; b < blocks; ++b) {
+    const i64 gr = b * p.groups / blocks;
+    const float q = static_cast<float>(qsum[b]);
+    const float x = sx[b];
     if (p.nmajor) {
       for (i64 n = n0; n < n1; ++n) out[n] = std::fma(q, o[n * p.groups + gr] * x, out[n]);
     } else {
@@ -246,7 +254,8 @@ inline int8_t u4_code(const Problem& p, const uint8_t* w, i64 k, i64 n) {
 
 // The per-group factor and whether the group is rounded at all (module
 // doc): sets *sx and *inv from the group's max |x| and finiteness.
-inline bool group_scale(float mx, bool finite, float* sx, float* inv) {
+// `top`: the largest code, 32767 (int16) or 127 (int8, below).
+inline bool group_scale(float mx, bool finite, float* sx, float* inv, float top = 32767.f) {
   if (!finite) {
     *sx = std::numeric_limits<float>::quiet_NaN();
     return false;
@@ -255,14 +264,76 @@ inline bool group_scale(float mx, bool finite, float* sx, float* inv) {
     *sx = 0.f;
     return false;
   }
-  *sx = mx / 32767.f;
-  *inv = 32767.f / mx;
+  *sx = mx / top;
+  *inv = top / mx;
   return true;
 }
 
 inline int16_t round_i16(float v) {
   const float r = std::nearbyint(v);
   return static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, r)));
+}
+
+// ---- int8 and u4 weights: activations rounded to int8 (Problem::act8) ------
+//
+// llama.cpp's Q8_0 activations, invariant: row m's inputs in blocks of A
+// = act_block() consecutive inputs (32 where the weight group is a
+// multiple of 32, so GGUF's blocks of 32 and our int8 weights' groups;
+// else the whole group, e.g. Q6_K's 16) become int8 q = nearbyint(x *
+// (127 / max |x| over the block)), clamped to +-127, and the block's scale
+// sx = max / 127, non-finite and tiny blocks as above. A block's products
+// are summed exactly in int32 (|q w| <= 127 * 128: blocks up to 2^17
+// inputs), in any order; the output is then one f32 chain over the blocks
+// in order,
+//   a <- fma(float(isum), s_w(gr, n) * sx(m, b), a)      (gr: b's group)
+// from acc (or +0), then, with offsets, over the blocks again:
+//   a <- fma(float(qsum(m, b)), o(gr, n) * sx(m, b), a)
+// with qsum the block's sum of q. Half the bytes of int16 inputs, and
+// four products per 32-bit lane in one instruction (VNNI's vpdpbusd,
+// AVX2's vpmaddubsw + vpmaddwd, NEON's sdot).
+constexpr i64 kMaxActBlock = i64{1} << 17;
+
+inline int8_t round_i8(float v) {
+  const float r = std::nearbyint(v);
+  return static_cast<int8_t>(std::max(-127.f, std::min(127.f, r)));
+}
+
+// Rows of x rounded to int8 (above): q [M, blocks, P] (P = A rounded up
+// to 4; a kernel may store each block's inputs in its own order, the sums
+// being exact), sx and qsum [M, blocks].
+struct QuantizedX8 {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> qsum;
+  i64 M = 0, blocks = 0, A = 0, P = 0;
+
+  CW_INLINE const int8_t* at(i64 m, i64 b) const { return q.data() + (m * blocks + b) * P; }
+  CW_INLINE float scale_of(i64 m, i64 b) const { return scale[m * blocks + b]; }
+  CW_INLINE int32_t sum_of(i64 m, i64 b) const { return qsum[m * blocks + b]; }
+};
+
+// Block b of row `row` (x's f32 row, A inputs at xb) rounded into q (its
+// P entries, zeros past A, input t at q[order(t)]), *sx, *qsum: the same
+// values on every path (the max is exact in any order).
+template <class Order>
+inline void quantize_block8(const float* xb, i64 A, i64 P, int8_t* q, float* sx, int32_t* qsum,
+                            Order order) {
+  float mx = 0.f;
+  bool finite = true;
+  for (i64 t = 0; t < A; ++t) {
+    finite &= std::isfinite(xb[t]);
+    mx = std::max(mx, std::fabs(xb[t]));
+  }
+  if (P > 0) std::fill(q, q + P, int8_t{0});
+  float inv = 0.f;
+  int32_t sum = 0;
+  if (group_scale(mx, finite, sx, &inv, 127.f))
+    for (i64 t = 0; t < A; ++t) {
+      const int8_t v = round_i8(xb[t] * inv);
+      q[order(t)] = v;
+      sum += v;
+    }
+  *qsum = sum;
 }
 
 // ---- exp and log, the same operations in every lane ------------------------
@@ -472,7 +543,8 @@ enum Isa : int64_t {
   kAvx512 = 3,
   kAvx512Vnni = 4,
   kNeon = 5,
-  kIsaCount = 6,
+  kNeonDot = 6,
+  kIsaCount = 7,
 };
 
 }  // namespace chunkwise

@@ -14,6 +14,7 @@
 // CHUNKWISE_CPU_ISA). A set this CPU lacks is refused, never run.
 
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -24,6 +25,9 @@
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
+#endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
 #endif
 #endif
 
@@ -39,7 +43,7 @@ using chunkwise::i64;
 using chunkwise::Table;
 
 const char* const kNames[chunkwise::kIsaCount] = {
-    "auto", "portable", "avx2", "avx512", "avx512_vnni", "neon"};
+    "auto", "portable", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod"};
 
 // Whether the CPU can run instruction set `isa` (compiled or not).
 bool cpu_has(int64_t isa) {
@@ -65,6 +69,14 @@ bool cpu_has(int64_t isa) {
       return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
 #else
       return true;  // Advanced SIMD is part of every AArch64 ABI
+#endif
+    case chunkwise::kNeonDot:
+#if defined(__APPLE__)
+      return true;  // every Apple silicon core has ARMv8.4's dot products
+#elif defined(__linux__)
+      return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+      return false;
 #endif
 #endif
     default: return false;
@@ -129,7 +141,7 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out,
                      int64_t count, int64_t nmajor, int64_t scaled, int64_t has_acc,
                      int64_t has_shift, int64_t ones, int64_t has_offset, int64_t has_rows,
-                     int64_t has_valid, int64_t isa) {
+                     int64_t has_valid, int64_t act8, int64_t isa) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto sd = scale.dimensions();
@@ -208,6 +220,15 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     if (u4 && p.group % 2)
       return ffi::Error::InvalidArgument("a u4 weight's groups must be even");
   }
+  if (act8) {
+    if (!int8)
+      return ffi::Error::InvalidArgument("act8 (8-bit activations) needs an int8 or u4 weight");
+    p.act8 = true;
+    if (p.act_block() > chunkwise::kMaxActBlock)
+      return ffi::Error::InvalidArgument(
+          "act8: a weight group of " + std::to_string(p.group) +
+          " inputs is not a multiple of 32 and above 2^17 (int32 sums could overflow)");
+  }
   if (has_offset && (!int8 || offset.element_count() != scale.element_count()))
     return ffi::Error::InvalidArgument("offset needs an int8 or u4 weight and scale's shape");
   if (has_acc) {
@@ -248,6 +269,10 @@ ffi::Error Invariant(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     for (i64 i = 0; i < p.G * p.M * p.cols(); ++i) p.out[i] = p.acc ? p.acc[i] : 0.f;
     return ffi::Error::Success();
   }
+  // The vector paths read act8's blocks 4 inputs at a time, n-major u4
+  // ones 32 (kernels_q8.h); other blocks run the portable loops.
+  if (p.act8 && (p.act_block() % 4 != 0 || (u4 && p.nmajor && p.act_block() != 32)))
+    table = chunkwise::portable::table();
   Pool par(pool);
   table->matmul(p, par);
   return ffi::Error::Success();
@@ -401,6 +426,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantMatmul, Invariant,
                                   .Attr<int64_t>("has_offset")
                                   .Attr<int64_t>("has_rows")
                                   .Attr<int64_t>("has_valid")
+                                  .Attr<int64_t>("act8")
                                   .Attr<int64_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ChunkwiseInvariantUnary, Unary,

@@ -35,6 +35,10 @@ fixed tree.
   row r enter, the rest being masked (attention over a cache's filled
   columns): a k-major product's chains stop after input valid[r] - 1, an
   n-major one's outputs from column valid[r] on are their starts.
+  act8: an int8 or 4-bit weight's x rounded to int8 per block of 32
+  inputs (the group where it is not a multiple of 32), not int16 per
+  group: twice the products per instruction, llama.cpp's Q8_0 rounding
+  (`common.h`; numerics "q8").
   Returns f32 [G, M, N'] with N' = N + ones.
 
 Registered for the CPU platform only: call it under
@@ -70,6 +74,7 @@ def invariant_matmul(
   offset=None,
   rows=None,
   valid=None,
+  act8: bool = False,
 ) -> jax.Array:
   g, m, _ = x.shape
   n = (w.shape[-2] if nmajor else w.shape[-1]) + int(ones)
@@ -97,6 +102,7 @@ def invariant_matmul(
     has_offset=int(offset is not None),
     has_rows=int(rows is not None),
     has_valid=int(valid is not None),
+    act8=int(act8),
     isa=isa_lib.number(isa),
   )
 

@@ -522,6 +522,7 @@ void half_to_float(const uint16_t* in, float* out, i64 n) {
 }
 
 #include "kernels_int8.h"
+#include "kernels_q8.h"
 #include "kernels_attend.h"
 
 void matmul(const Problem& p, Parallel& par) {
@@ -530,6 +531,12 @@ void matmul(const Problem& p, Parallel& par) {
     case Weight::kBF16: run_float<uint16_t>(p, par); break;
     case Weight::kI8:
     case Weight::kU4: {
+      if (p.act8) {
+        QuantizedX8 xq;
+        quantize8(p, xq);
+        run_act8(p, xq, par);
+        break;
+      }
       QuantizedX xq;
       quantize(p, xq);
       run_int8(p, xq, par);

@@ -646,33 +646,42 @@ inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
 }
 
 // Column (k-major) or table-row (n-major) blocks of every batch, claimed
-// by threads; k-major blocks are multiples of 64 columns (a line of every
-// weight row), n-major of 16 table rows.
-void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
+// by threads: body(q, g, n0, n1) for outputs [n0, n1) of batch g, q the
+// problem with that block's f16 scales and offsets widened (`widen_block`).
+// Blocks are whole units (64 columns k-major, a line of every weight row;
+// 16 table rows n-major), two a thread, of units as even as they divide
+// (9 units on 2 threads: 2, 2, 2, 3, not 3, 3, 3).
+template <class Body>
+void run_blocks(const Problem& p, Parallel& par, Body body) {
   const i64 threads = std::max(1, par.threads());
   const i64 unit = p.nmajor ? 16 : 64;
-  i64 block = (p.N + 2 * threads - 1) / (2 * threads);
-  block = std::max<i64>(unit, (block + unit - 1) / unit * unit);
-  const i64 nblocks = (p.N + block - 1) / block;
+  const i64 units = (p.N + unit - 1) / unit;
+  const i64 nblocks = std::min(units, 2 * threads);
+  auto run = [&](i64 b) {
+    const i64 g = b / nblocks, i = b % nblocks;
+    const i64 n0 = i * units / nblocks * unit, n1 = std::min(p.N, (i + 1) * units / nblocks * unit);
+    Problem q = p;
+    if (p.s16 != nullptr) widen_block(p, n0, n1, &q);
+    body(q, g, n0, n1);
+  };
+  if (p.G * p.M * p.K * p.N < kInline) {
+    for (i64 b = 0; b < p.G * nblocks; ++b) run(b);
+    return;
+  }
+  par.run(p.G * nblocks, run);
+}
+
+void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
   std::vector<int8_t> zeros(p.nmajor ? 0 : p.N + 64, 0);
   const int8_t* z = zeros.data();
-  auto body = [&, z](i64 b) {
-    const i64 g = b / nblocks;
-    const i64 n0 = b % nblocks * block, n1 = std::min(p.N, n0 + block);
-    Problem q = p;  // with f16 scales: this block's widened
-    if (p.s16 != nullptr) widen_block(p, n0, n1, &q);
+  run_blocks(p, par, [&, z](const Problem& q, i64 g, i64 n0, i64 n1) {
     if (q.nmajor) nmajor_i8(q, xq, g, n0, n1);
     else kmajor_i8(q, xq, g, z, n0, n1);
     if (q.o != nullptr)
       for (i64 m = 0; m < q.M; ++m) {
         const i64 row = g * q.M + m;
-        add_offsets(q, xq.qsum.data() + row * q.groups, xq.scale.data() + row * q.groups, g, m,
-                    n0, n1);
+        add_offsets(q, xq.qsum.data() + row * q.groups, xq.scale.data() + row * q.groups,
+                    q.groups, g, m, n0, n1);
       }
-  };
-  if (p.G * p.M * p.K * p.N < kInline) {
-    for (i64 b = 0; b < p.G * nblocks; ++b) body(b);
-    return;
-  }
-  par.run(p.G * nblocks, body);
+  });
 }

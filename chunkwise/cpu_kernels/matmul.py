@@ -19,10 +19,13 @@ import jax
 from chunkwise.cpu_kernels.invariant import invariant_matmul
 
 
-def matmul(x, w, scale=None, *, nmajor: bool, offset=None) -> jax.Array:
+def matmul(
+  x, w, scale=None, *, nmajor: bool, offset=None, act8: bool = False
+) -> jax.Array:
   """uint8 `w`: 4-bit codes two to a byte along K ([K / 2, N] or
   [N, K / 2]); `offset` (like scale, int8 and 4-bit weights): w = code *
-  scale + offset."""
+  scale + offset; `act8`: x rounded to int8 per block of 32 inputs, not
+  int16 (`invariant_matmul`)."""
   int8 = w.dtype in (jax.numpy.int8, jax.numpy.uint8)
   return invariant_matmul(
     x[None],
@@ -30,4 +33,5 @@ def matmul(x, w, scale=None, *, nmajor: bool, offset=None) -> jax.Array:
     scale[None] if int8 else None,
     nmajor=nmajor,
     offset=None if offset is None else offset[None],
+    act8=act8 and int8,
   )[0]

@@ -12,7 +12,9 @@
 // chained sum of the row's x). An int8 weight's (either order): x rounded
 // to int16 per row and weight group, int32 sums per chunk, one f32 chain
 // over the chunks, then over the groups' offsets where there are (common.h);
-// a u4 weight's codes enter as int8 ones. A row sum (norms, a log-softmax's total) is
+// with act8, x rounded to int8 per block of 32 inputs instead, int32 sums
+// per block, one f32 chain over the blocks (`int8_row_act8`); a u4
+// weight's codes enter as int8 ones. A row sum (norms, a log-softmax's total) is
 // 16 lanes: lane l chains v = x[k] (or exp(x[k] - shift)) for k = 16 j + l
 // as a <- fma(v, 1, a) from +0 (past K, a lane takes fma(0, 0, a)), then
 // the lanes are added as the fixed tree of common.h's tree16. exp and log
@@ -99,8 +101,40 @@ void int8_row(const Problem& p, i64 g, i64 m) {
     std::vector<int32_t> qsum(p.groups, 0);
     for (i64 gr = 0; gr < p.groups; ++gr)
       for (i64 t = 0; t < p.group; ++t) qsum[gr] += q[gr * P + t];
-    add_offsets(p, qsum.data(), sx.data(), g, m, 0, p.N);
+    add_offsets(p, qsum.data(), sx.data(), p.groups, g, m, 0, p.N);
   }
+}
+
+// The act8 form (common.h): x rounded to int8 per block of A inputs.
+void int8_row_act8(const Problem& p, i64 g, i64 m) {
+  const int8_t* w = p.weight<int8_t>(g);
+  const uint8_t* w4 = static_cast<const uint8_t*>(p.w);  // u4: w_shared
+  const float* s = p.scale(g);
+  const i64 A = p.act_block(), blocks = p.act_blocks();
+  std::vector<int8_t> q(blocks * A);
+  std::vector<float> sx(blocks);
+  std::vector<int32_t> qsum(blocks);
+  for (i64 b = 0; b < blocks; ++b)
+    quantize_block8(p.xrow(g, m) + b * A, A, A, q.data() + b * A, &sx[b], &qsum[b],
+                    [](i64 t) { return t; });
+  const float* acc = p.arow(g, m);
+  float* out = p.orow(g, m);
+  for (i64 n = 0; n < p.N; ++n) {
+    float a = acc ? acc[n] : 0.f;
+    for (i64 b = 0; b < blocks; ++b) {
+      const i64 gr = b * A / p.group;
+      const float sw = p.nmajor ? s[n * p.groups + gr] : s[gr * p.N + n];
+      int32_t isum = 0;
+      for (i64 t = 0; t < A; ++t) {
+        const i64 k = b * A + t;
+        const int8_t wv = p.u4() ? u4_code(p, w4, k, n) : p.nmajor ? w[n * p.K + k] : w[k * p.N + n];
+        isum += static_cast<int32_t>(q[k]) * wv;
+      }
+      a = std::fma(static_cast<float>(isum), sw * sx[b], a);
+    }
+    out[n] = a;
+  }
+  if (p.o != nullptr) add_offsets(p, qsum.data(), sx.data(), blocks, g, m, 0, p.N);
 }
 
 void half_to_float(const uint16_t* in, float* out, i64 n) {
@@ -125,7 +159,10 @@ void matmul(const Problem& given, Parallel& par) {
     const i64 g = b / p.M, m = b % p.M;
     switch (p.type) {
       case Weight::kI8:
-      case Weight::kU4: int8_row(p, g, m); break;
+      case Weight::kU4:
+        if (p.act8) int8_row_act8(p, g, m);
+        else int8_row(p, g, m);
+        break;
       case Weight::kBF16: float_row<uint16_t>(p, g, m); break;
       case Weight::kF32: float_row<float>(p, g, m); break;
     }

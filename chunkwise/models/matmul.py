@@ -221,7 +221,12 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
   if isinstance(w, BlockArray) and w.offset is not None:
     offset = per_group(w.offset)
   out = cpu_kernels.matmul(
-    x.reshape(rows, k), w2, scale, nmajor=nmajor, offset=offset
+    x.reshape(rows, k),
+    w2,
+    scale,
+    nmajor=nmajor,
+    offset=offset,
+    act8=scale is not None and numerics.act8(),
   )
   return out.reshape(*free_x, *free_w).astype(x.dtype)
 
