@@ -621,13 +621,15 @@ constexpr bool kHalfScalesInTiles = true;
 constexpr bool kHalfScalesInTiles = false;
 #endif
 
-// f16 offsets, and scales unless the tiles read them (`kHalfScalesInTiles`),
-// of outputs [n0, n1) widened into this thread's buffers, at the same
-// indices (`wide` then reads them as f32 ones).
-inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
+// f16 offsets (unless `offsets_in_tiles`: the tiles read them too), and
+// scales unless the tiles read them (`kHalfScalesInTiles`), of outputs
+// [n0, n1) widened into this thread's buffers, at the same indices
+// (`wide` then reads them as f32 ones).
+inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide,
+                        bool offsets_in_tiles = false) {
   thread_local LineBuffer<float> scales, offsets;
   const bool in_tiles = kHalfScalesInTiles;
-  const uint16_t* in[2] = {in_tiles ? nullptr : p.s16, p.o16};
+  const uint16_t* in[2] = {in_tiles ? nullptr : p.s16, offsets_in_tiles ? nullptr : p.o16};
   float* out[2] = {nullptr, nullptr};
   for (int f = 0; f < 2; ++f) {
     if (in[f] == nullptr) continue;
@@ -640,19 +642,20 @@ inline void widen_block(const Problem& p, i64 n0, i64 n1, Problem* wide) {
     }
   }
   wide->s = out[0];
-  wide->o = out[1];
+  wide->o = offsets_in_tiles ? nullptr : out[1];
   wide->s16 = in_tiles ? p.s16 : nullptr;
-  wide->o16 = nullptr;
+  wide->o16 = offsets_in_tiles ? p.o16 : nullptr;
 }
 
 // Column (k-major) or table-row (n-major) blocks of every batch, claimed
 // by threads: body(q, g, n0, n1) for outputs [n0, n1) of batch g, q the
-// problem with that block's f16 scales and offsets widened (`widen_block`).
+// problem with that block's f16 scales and offsets widened (`widen_block`;
+// with `offsets_in_tiles`, f16 offsets left to the tiles).
 // Blocks are whole units (64 columns k-major, a line of every weight row;
 // 16 table rows n-major), two a thread, of units as even as they divide
 // (9 units on 2 threads: 2, 2, 2, 3, not 3, 3, 3).
 template <class Body>
-void run_blocks(const Problem& p, Parallel& par, Body body) {
+void run_blocks(const Problem& p, Parallel& par, Body body, bool offsets_in_tiles = false) {
   const i64 threads = std::max(1, par.threads());
   const i64 unit = p.nmajor ? 16 : 64;
   const i64 units = (p.N + unit - 1) / unit;
@@ -661,7 +664,7 @@ void run_blocks(const Problem& p, Parallel& par, Body body) {
     const i64 g = b / nblocks, i = b % nblocks;
     const i64 n0 = i * units / nblocks * unit, n1 = std::min(p.N, (i + 1) * units / nblocks * unit);
     Problem q = p;
-    if (p.s16 != nullptr) widen_block(p, n0, n1, &q);
+    if (p.s16 != nullptr) widen_block(p, n0, n1, &q, offsets_in_tiles);
     body(q, g, n0, n1);
   };
   if (p.G * p.M * p.K * p.N < kInline) {

@@ -43,6 +43,57 @@ struct XOrder {
 // u4 blocks to the portable loops).
 inline XOrder x_order(const Problem& p) { return {!p.u4() ? 0 : p.nmajor ? 2 : 1}; }
 
+// The sum of n int8 (exact).
+CW_INLINE int32_t sum_bytes(const int8_t* q, i64 n) {
+  int32_t sum = 0;
+  i64 t = 0;
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+  for (; t + 16 <= n; t += 16) {  // |q| + 128 as unsigned bytes, summed by psadbw
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t)),
+                                    _mm_set1_epi8(-128));
+    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
+    sum += _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 128 * 16;
+  }
+#elif defined(CW_ISA_NEON)
+  for (; t + 16 <= n; t += 16) sum += vaddlvq_s8(vld1q_s8(q + t));
+#endif
+  for (; t < n; ++t) sum += q[t];
+  return sum;
+}
+
+// A block's n inputs (natural order, from `in`) in the order the tiles
+// read (`XOrder`, kind 1 or 2) into q.
+CW_INLINE void reorder(const int8_t* in, int8_t* q, i64 n, XOrder order) {
+  i64 t = 0;
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+  if (order.kind == 1) {  // (0, 2, 1, 3) in each quad
+    const __m128i swap = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for (; t + 16 <= n; t += 16)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + t),
+                       _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + t)), swap));
+  } else if (n == 32) {  // evens, then odds
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in)), split);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(v, 0xD8));
+    return;
+  }
+#elif defined(CW_ISA_NEON)
+  if (order.kind == 1) {
+    const uint8x16_t swap = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+    for (; t + 16 <= n; t += 16) vst1q_s8(q + t, vqtbl1q_s8(vld1q_s8(in + t), swap));
+  } else if (n == 32) {
+    const int8x16_t lo = vld1q_s8(in), hi = vld1q_s8(in + 16);
+    vst1q_s8(q, vuzp1q_s8(lo, hi));
+    vst1q_s8(q + 16, vuzp2q_s8(lo, hi));
+    return;
+  }
+#endif
+  for (; t < n; ++t) q[order(t)] = in[t];
+}
+
+// Every row of x rounded per block (common.h): the same values as
+// quantize_block8's, the max and the rounding in vectors.
 void quantize8(const Problem& p, QuantizedX8& xq) {
   xq.M = p.G * p.M;
   xq.A = p.act_block();
@@ -52,11 +103,33 @@ void quantize8(const Problem& p, QuantizedX8& xq) {
   xq.scale.resize(xq.M * xq.blocks);
   xq.qsum.resize(xq.M * xq.blocks);
   const XOrder order = x_order(p);
+  const i64 A = xq.A;
+  std::vector<int8_t> buf(A + W);
   for (i64 row = 0; row < xq.M; ++row)
     for (i64 b = 0; b < xq.blocks; ++b) {
       const i64 i = row * xq.blocks + b;
-      quantize_block8(p.x + row * p.K + b * xq.A, xq.A, xq.P, xq.q.data() + i * xq.P,
-                      &xq.scale[i], &xq.qsum[i], order);
+      const float* xb = p.x + row * p.K + b * A;
+      int8_t* q = xq.q.data() + i * xq.P;
+      if (A % W != 0) {  // (a block of 4 .. 12: the scalar form)
+        quantize_block8(xb, A, xq.P, q, &xq.scale[i], &xq.qsum[i], order);
+        continue;
+      }
+      V mv = Vec::zero();
+      bool finite = true;
+      for (i64 k = 0; k < A; k += W) {
+        const V v = Vec::load(xb + k);
+        finite &= Vec::finite(v);
+        mv = Vec::max(mv, Vec::abs(v));
+      }
+      float inv = 0.f;
+      std::fill(q, q + xq.P, int8_t{0});
+      xq.qsum[i] = 0;
+      if (!group_scale(Vec::hmax(mv), finite, &xq.scale[i], &inv, 127.f)) continue;
+      const V iv = Vec::set1(inv);
+      int8_t* out = order.kind == 0 ? q : buf.data();
+      for (i64 k = 0; k < A; k += W) Vec::store_i8(out + k, Vec::mul(Vec::load(xb + k), iv));
+      xq.qsum[i] = sum_bytes(out, A);
+      if (order.kind != 0) reorder(out, q, A, order);
     }
 }
 
@@ -123,7 +196,7 @@ CW_INLINE void load_permuted(const uint16_t* p, i64 cols, __m512* v) {
 // and back.
 template <int MR, bool U4>
 void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, i64 m0, i64 n, i64 cols) {
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
   const __mmask64 bm = cols >= 64 ? ~__mmask64{0} : (__mmask64{1} << cols) - 1;
   const __m512i nib = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(-128);
   const i64 N = p.N, A = xq.A;
@@ -194,6 +267,22 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
       }
     }
   }
+  if (o.f || o.h) {  // the offsets' chain (common.h), in the tiles' order too
+    group = -1;
+    for (i64 b = 0; b < xq.blocks; ++b) {
+      if (b * A / p.group != group) {
+        group = b * A / p.group;
+        if (o.f) load_permuted(o.f + group * N + n, cols, sc);
+        else load_permuted(o.h + group * N + n, cols, sc);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const i64 row = g * p.M + m0 + m;
+        const __m512 qs = _mm512_set1_ps(static_cast<float>(xq.sum_of(row, b)));
+        const __m512 xs = _mm512_set1_ps(xq.scale_of(row, b));
+        for (int q = 0; q < 4; ++q) chain[m][q] = _mm512_fmadd_ps(qs, _mm512_mul_ps(sc[q], xs), chain[m][q]);
+      }
+    }
+  }
   for (int m = 0; m < MR; ++m) {
     chunks4x4(chain[m]);
     float* out = p.orow(g, m0 + m) + n;
@@ -203,25 +292,25 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
 
 template <int MR>
 void kmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, i64 m0, i64 n, i64 cols) {
-  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, m0, n, cols);
-  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, m0, n, cols);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
+  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols);
+  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols);
 }
 
 // k-major: columns [n0, n1) of batch g, every row: strips of 64 columns,
 // row tiles inside (a strip's weights read from memory once).
 void kmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const Scales s{p.scale(g), p.s16};
+  const Scales s{p.scale(g), p.s16}, o{p.offset(g), p.o16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 64) {
     const i64 cols = std::min<i64>(64, n1 - n);
     i64 m = 0;
-    for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, m, n, cols);
+    for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, n, cols);
     switch (p.M - m) {
-      case 3: kmajor_rows_q8<3>(p, xq, g, w, s, m, n, cols); break;
-      case 2: kmajor_rows_q8<2>(p, xq, g, w, s, m, n, cols); break;
-      case 1: kmajor_rows_q8<1>(p, xq, g, w, s, m, n, cols); break;
+      case 3: kmajor_rows_q8<3>(p, xq, g, w, s, o, m, n, cols); break;
+      case 2: kmajor_rows_q8<2>(p, xq, g, w, s, o, m, n, cols); break;
+      case 1: kmajor_rows_q8<1>(p, xq, g, w, s, o, m, n, cols); break;
       default: break;
     }
   }
@@ -293,7 +382,7 @@ void nmajor_scales_q8(const Problem& p, const Scales& s, i64 n, i64 rows, __m512
 // two sums in turn (independent chains), added at its end (exact).
 template <int MR, bool U4>
 void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_t* buf,
-                    const __m512* sv, i64 m0, i64 n, i64 rows) {
+                    const __m512* sv, const __m512* ov, i64 m0, i64 n, i64 rows) {
   const __mmask16 rm = static_cast<__mmask16>((1u << rows) - 1);
   const i64 A = xq.A;
   __m512 total[MR];
@@ -322,14 +411,22 @@ void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_
                                  _mm512_mul_ps(scale, _mm512_set1_ps(xq.scale_of(row, b))), total[m]);
     }
   }
+  if (ov != nullptr)  // the offsets' chain (common.h)
+    for (i64 b = 0; b < xq.blocks; ++b)
+      for (int m = 0; m < MR; ++m) {
+        const i64 row = g * p.M + m0 + m;
+        const __m512 qs = _mm512_set1_ps(static_cast<float>(xq.sum_of(row, b)));
+        total[m] = _mm512_fmadd_ps(
+            qs, _mm512_mul_ps(ov[b * A / p.group], _mm512_set1_ps(xq.scale_of(row, b))), total[m]);
+      }
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(p.orow(g, m0 + m) + n, rm, total[m]);
 }
 
 template <int MR>
 void nmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_t* buf,
-                    const __m512* sv, i64 m0, i64 n, i64 rows) {
-  if (p.u4()) nmajor_tile_q8<MR, true>(p, xq, g, buf, sv, m0, n, rows);
-  else nmajor_tile_q8<MR, false>(p, xq, g, buf, sv, m0, n, rows);
+                    const __m512* sv, const __m512* ov, i64 m0, i64 n, i64 rows) {
+  if (p.u4()) nmajor_tile_q8<MR, true>(p, xq, g, buf, sv, ov, m0, n, rows);
+  else nmajor_tile_q8<MR, false>(p, xq, g, buf, sv, ov, m0, n, rows);
 }
 
 // n-major: table rows [n0, n1) of batch g, all rows, 16 table rows a block.
@@ -338,18 +435,21 @@ void nmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const Scales s{p.scale(g), p.s16};
   thread_local LineBuffer<int32_t> lines;
   int32_t* buf = lines.get((p.K + 63) / 64 * 16 * 16);
-  thread_local LineBuffer<float> scales;
+  const Scales o{p.offset(g), p.o16};
+  thread_local LineBuffer<float> scales, offsets;
   __m512* sv = reinterpret_cast<__m512*>(scales.get(16 * p.groups));
+  __m512* ov = o.f || o.h ? reinterpret_cast<__m512*>(offsets.get(16 * p.groups)) : nullptr;
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 16) {
     const i64 rows = std::min<i64>(16, n1 - n);
     nmajor_pack_q8(p, w, buf, n, rows);
     nmajor_scales_q8(p, s, n, rows, sv);
+    if (ov != nullptr) nmajor_scales_q8(p, o, n, rows, ov);
     i64 m = 0;
-    for (; m + 8 <= p.M; m += 8) nmajor_rows_q8<8>(p, xq, g, buf, sv, m, n, rows);
+    for (; m + 8 <= p.M; m += 8) nmajor_rows_q8<8>(p, xq, g, buf, sv, ov, m, n, rows);
     switch (p.M - m) {
 #define CW_CASE(r) \
-  case r: nmajor_rows_q8<r>(p, xq, g, buf, sv, m, n, rows); break;
+  case r: nmajor_rows_q8<r>(p, xq, g, buf, sv, ov, m, n, rows); break;
       CW_CASE(1) CW_CASE(2) CW_CASE(3) CW_CASE(4) CW_CASE(5) CW_CASE(6) CW_CASE(7)
 #undef CW_CASE
       default: break;
@@ -408,7 +508,7 @@ CW_INLINE void load_rows(const int8_t* r, i64 stride, int rows, i64 cols, __m256
 // batch g, from their chains in `out` and back.
 template <int MR, bool U4>
 void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, i64 m0, i64 n, i64 cols) {
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
   const __m256i nib = _mm256_set1_epi8(15);
   const i64 N = p.N, A = xq.A;
   __m256 chain[MR][4], sc[4];
@@ -479,6 +579,24 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
         chain[m][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][q]), _mm256_mul_ps(sc[q], xs), chain[m][q]);
     }
   }
+  if (o.f || o.h) {  // the offsets' chain (common.h), in the tiles' order too
+    group = -1;
+    for (i64 b = 0; b < xq.blocks; ++b) {
+      if (b * A / p.group != group) {
+        group = b * A / p.group;
+        for (int q = 0; q < 4; ++q)
+          sc[q] = o.f ? Vec::loadn(o.f + group * N + n + 8 * q, cols - 8 * q)
+                      : Vec::loadn_half(o.h + group * N + n + 8 * q, cols - 8 * q);
+        to_tiles(sc);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const i64 row = g * p.M + m0 + m;
+        const __m256 qs = _mm256_set1_ps(static_cast<float>(xq.sum_of(row, b)));
+        const __m256 xs = _mm256_set1_ps(xq.scale_of(row, b));
+        for (int q = 0; q < 4; ++q) chain[m][q] = _mm256_fmadd_ps(qs, _mm256_mul_ps(sc[q], xs), chain[m][q]);
+      }
+    }
+  }
   for (int m = 0; m < MR; ++m) {
     from_tiles(chain[m]);
     float* out = p.orow(g, m0 + m) + n;
@@ -488,24 +606,24 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
 
 template <int MR>
 void kmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, i64 m0, i64 n, i64 cols) {
-  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, m0, n, cols);
-  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, m0, n, cols);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
+  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols);
+  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols);
 }
 
 // k-major: columns [n0, n1) of batch g, every row: strips of 64 columns
 // (two tiles), row tiles inside.
 void kmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const Scales s{p.scale(g), p.s16};
+  const Scales s{p.scale(g), p.s16}, o{p.offset(g), p.o16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
   for (i64 n = n0; n < n1; n += 64) {
     const i64 e = std::min(n1, n + 64);
     i64 m = 0;
     for (; m + kMR8a <= p.M; m += kMR8a)
-      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, m, c, std::min<i64>(32, e - c));
+      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c));
     if (m < p.M)
-      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<1>(p, xq, g, w, s, m, c, std::min<i64>(32, e - c));
+      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c));
   }
 }
 
@@ -547,9 +665,17 @@ void nmajor_pack_q8(const Problem& p, const int8_t* w, int32_t* buf, i64 n, i64 
 }
 
 // n-major: out[m0 .. m0 + MR, n .. n + rows) from a packed block.
+// 8 table rows' scales or offsets of group gr, f32 (rows past `rows` 0).
+CW_INLINE __m256 nmajor_gather(const Problem& p, const Scales& s, i64 n, i64 rows, i64 gr) {
+  alignas(32) float v[8] = {};
+  for (i64 r = 0; r < rows; ++r)
+    v[r] = s.f ? s.f[(n + r) * p.groups + gr] : half_bits_to_float(s.h[(n + r) * p.groups + gr]);
+  return _mm256_load_ps(v);
+}
+
 template <int MR, bool U4>
 void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_t* buf,
-                    const Scales& s, i64 m0, i64 n, i64 rows) {
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 rows) {
   const i64 A = xq.A;
   __m256 total[MR];
   for (int m = 0; m < MR; ++m) total[m] = Vec::loadn(p.orow(g, m0 + m) + n, rows);
@@ -559,10 +685,7 @@ void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_
     const i64 k0 = b * A;
     if (k0 / p.group != group) {
       group = k0 / p.group;
-      alignas(32) float sw[8] = {};
-      for (i64 r = 0; r < rows; ++r)
-        sw[r] = s.f ? s.f[(n + r) * p.groups + group] : half_bits_to_float(s.h[(n + r) * p.groups + group]);
-      sv = _mm256_load_ps(sw);
+      sv = nmajor_gather(p, s, n, rows, group);
     }
     __m256i acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_si256();
@@ -579,20 +702,34 @@ void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_
                                  _mm256_mul_ps(sv, _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, b))),
                                  total[m]);
   }
+  if (o.f || o.h) {  // the offsets' chain (common.h)
+    group = -1;
+    for (i64 b = 0; b < xq.blocks; ++b) {
+      if (b * A / p.group != group) {
+        group = b * A / p.group;
+        sv = nmajor_gather(p, o, n, rows, group);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const i64 row = g * p.M + m0 + m;
+        const __m256 qs = _mm256_set1_ps(static_cast<float>(xq.sum_of(row, b)));
+        total[m] = _mm256_fmadd_ps(qs, _mm256_mul_ps(sv, _mm256_set1_ps(xq.scale_of(row, b))), total[m]);
+      }
+    }
+  }
   for (int m = 0; m < MR; ++m) Vec::storen(p.orow(g, m0 + m) + n, total[m], rows);
 }
 
 template <int MR>
 void nmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_t* buf,
-                    const Scales& s, i64 m0, i64 n, i64 rows) {
-  if (p.u4()) nmajor_tile_q8<MR, true>(p, xq, g, buf, s, m0, n, rows);
-  else nmajor_tile_q8<MR, false>(p, xq, g, buf, s, m0, n, rows);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 rows) {
+  if (p.u4()) nmajor_tile_q8<MR, true>(p, xq, g, buf, s, o, m0, n, rows);
+  else nmajor_tile_q8<MR, false>(p, xq, g, buf, s, o, m0, n, rows);
 }
 
 // n-major: table rows [n0, n1) of batch g, all rows, 8 table rows a block.
 void nmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
-  const Scales s{p.scale(g), p.s16};
+  const Scales s{p.scale(g), p.s16}, o{p.offset(g), p.o16};
   thread_local LineBuffer<int32_t> lines;
   int32_t* buf = lines.get((p.K + 31) / 32 * 8 * 8);
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
@@ -600,11 +737,11 @@ void nmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
     const i64 rows = std::min<i64>(8, n1 - n);
     nmajor_pack_q8(p, w, buf, n, rows);
     i64 m = 0;
-    for (; m + 4 <= p.M; m += 4) nmajor_rows_q8<4>(p, xq, g, buf, s, m, n, rows);
+    for (; m + 4 <= p.M; m += 4) nmajor_rows_q8<4>(p, xq, g, buf, s, o, m, n, rows);
     switch (p.M - m) {
-      case 3: nmajor_rows_q8<3>(p, xq, g, buf, s, m, n, rows); break;
-      case 2: nmajor_rows_q8<2>(p, xq, g, buf, s, m, n, rows); break;
-      case 1: nmajor_rows_q8<1>(p, xq, g, buf, s, m, n, rows); break;
+      case 3: nmajor_rows_q8<3>(p, xq, g, buf, s, o, m, n, rows); break;
+      case 2: nmajor_rows_q8<2>(p, xq, g, buf, s, o, m, n, rows); break;
+      case 1: nmajor_rows_q8<1>(p, xq, g, buf, s, o, m, n, rows); break;
       default: break;
     }
   }
@@ -812,16 +949,27 @@ void nmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
 }
 #endif
 
-// kernels_int8.h's blocks of outputs, then the offsets' chain.
+// x86's tiles chain the offsets themselves, reading them as they are (f32
+// or f16); NEON's outputs take them in a pass of their own after.
+#if defined(CW_ISA_AVX512) || defined(CW_ISA_AVX2)
+constexpr bool kOffsetsInTiles = true;
+#else
+constexpr bool kOffsetsInTiles = false;
+#endif
+
+// kernels_int8.h's blocks of outputs.
 void run_act8(const Problem& p, const QuantizedX8& xq, Parallel& par) {
-  run_blocks(p, par, [&](const Problem& q, i64 g, i64 n0, i64 n1) {
-    if (q.nmajor) nmajor_q8(q, xq, g, n0, n1);
-    else kmajor_q8(q, xq, g, n0, n1);
-    if (q.o != nullptr)
-      for (i64 m = 0; m < q.M; ++m) {
-        const i64 row = g * q.M + m;
-        add_offsets(q, xq.qsum.data() + row * xq.blocks, xq.scale.data() + row * xq.blocks,
-                    xq.blocks, g, m, n0, n1);
-      }
-  });
+  run_blocks(
+      p, par,
+      [&](const Problem& q, i64 g, i64 n0, i64 n1) {
+        if (q.nmajor) nmajor_q8(q, xq, g, n0, n1);
+        else kmajor_q8(q, xq, g, n0, n1);
+        if (!kOffsetsInTiles && q.o != nullptr)
+          for (i64 m = 0; m < q.M; ++m) {
+            const i64 row = g * q.M + m;
+            add_offsets(q, xq.qsum.data() + row * xq.blocks, xq.scale.data() + row * xq.blocks,
+                        xq.blocks, g, m, n0, n1);
+          }
+      },
+      kOffsetsInTiles);
 }

@@ -142,6 +142,12 @@ struct Vec {
                                    _mm512_set1_ps(32767.f));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(c)));
   }
+  // The same into int8 (q8's activations: common.h's round_i8).
+  static void store_i8(int8_t* q, V v) {
+    const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c)));
+  }
 
   struct L {
     using F = __m512;
@@ -297,6 +303,13 @@ struct Vec {
     const __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), p);
   }
+  static void store_i8(int8_t* q, V v) {
+    const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 c = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+    const __m256i i = _mm256_cvtps_epi32(c);
+    const __m128i p = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(p, p));
+  }
 
   struct L {
     using F = __m256;
@@ -387,6 +400,15 @@ struct Vec {
     const float32x4_t c = vminq_f32(vmaxq_f32(vrndnq_f32(v), vdupq_n_f32(-32767.f)),
                                     vdupq_n_f32(32767.f));
     vst1_s16(q, vmovn_s32(vcvtq_s32_f32(c)));
+  }
+  static void store_i8(int8_t* q, V v) {
+    const float32x4_t c = vminq_f32(vmaxq_f32(vrndnq_f32(v), vdupq_n_f32(-127.f)),
+                                    vdupq_n_f32(127.f));
+    const int16x4_t h = vmovn_s32(vcvtq_s32_f32(c));
+    const int8x8_t b = vmovn_s16(vcombine_s16(h, h));
+    int8_t tmp[8];
+    vst1_s8(tmp, b);
+    std::memcpy(q, tmp, 4);
   }
 
   struct L {
