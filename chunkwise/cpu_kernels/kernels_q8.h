@@ -474,6 +474,11 @@ CW_INLINE __m256i dp8(__m256i acc, __m256i w, __m256i wabs, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
 }
 
+// u4 codes (at most 15) times x (|x| <= 127): a vpmaddubsw pair sum is at
+// most 3810, so a block of up to 32 inputs (8 steps of quads) sums them
+// in int16 exactly (at most 30480) and widens them once, with one
+// vpmaddwd, at its end: two instructions a step, not three.
+
 // 32 columns as 4 x 8: natural (v[q]: columns 8 q ..) <-> the tiles'
 // order (v[q]'s 128-bit lane L: columns 16 L + 4 q ..).
 CW_INLINE void to_tiles(__m256* v) {
@@ -570,9 +575,16 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
       }
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = _mm256_set1_epi32(quad_bits(xb[m] + t));
-        for (int q = 0; q < 4; ++q) acc[m][q] = dp8<U4>(acc[m][q], wq[q], wabs[q], xv);
+        if (U4 && A <= 32) {  // int16 pair sums, widened once a block (above)
+          for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_add_epi16(acc[m][q], _mm256_maddubs_epi16(wq[q], xv));
+        } else {
+          for (int q = 0; q < 4; ++q) acc[m][q] = dp8<U4>(acc[m][q], wq[q], wabs[q], xv);
+        }
       }
     }
+    if (U4 && A <= 32)
+      for (int m = 0; m < MR; ++m)
+        for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_madd_epi16(acc[m][q], _mm256_set1_epi16(1));
     for (int m = 0; m < MR; ++m) {
       const __m256 xs = _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, b));
       for (int q = 0; q < 4; ++q)
@@ -694,9 +706,14 @@ void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_
     for (i64 t = 0; t < A; t += 4) {
       const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + (k0 + t) / 4 * 8));
       const __m256i wa = U4 ? wv : _mm256_abs_epi8(wv);
-      for (int m = 0; m < MR; ++m)
-        acc[m] = dp8<U4>(acc[m], wv, wa, _mm256_set1_epi32(quad_bits(xb[m] + t)));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xv = _mm256_set1_epi32(quad_bits(xb[m] + t));
+        if (U4 && A <= 32) acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(wv, xv));
+        else acc[m] = dp8<U4>(acc[m], wv, wa, xv);
+      }
     }
+    if (U4 && A <= 32)
+      for (int m = 0; m < MR; ++m) acc[m] = _mm256_madd_epi16(acc[m], _mm256_set1_epi16(1));
     for (int m = 0; m < MR; ++m)
       total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]),
                                  _mm256_mul_ps(sv, _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, b))),
