@@ -79,6 +79,14 @@ _QUALITY = flags.DEFINE_bool(
 _TEXTS = flags.DEFINE_string(
   "texts", str(ROOT / "scripts" / "data" / "eval_texts.jsonl"), "--quality's."
 )
+_CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  "",
+  "A directory for JAX's persistent compilation cache on chunkwise's side "
+  "(chunkwise.compile_cache; '' = off, every program compiled in the "
+  "process, its compiler's memory in the peak RSS). Run twice: the second "
+  "run's programs come from the cache, as a restarted server's do.",
+)
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one chunkwise side.")
 
 
@@ -155,6 +163,10 @@ def _child(spec: str) -> None:
   import chunkwise as cw
 
   jax.devices()  # the runtime up, before any weight
+  if _CACHE.value:
+    from chunkwise import compile_cache
+
+    compile_cache.enable(_CACHE.value)
   before = _hwm_mib(os.getpid())
   model = _load(path, weights)
   batch = int(_BATCHES.value[0])
@@ -214,13 +226,24 @@ def _hwm_mib(pid: int) -> float | None:
   return None
 
 
-def _run(cmd: list[str]) -> tuple[dict, float]:
+# chunkwise's side runs on JAX's CPU backend alone: with JAX's TPU plugin
+# installed (the `tpu` extra), JAX would otherwise load libtpu into every
+# process, ~100 MiB of resident pages no CPU run uses.
+CPU_ONLY = {"JAX_PLATFORMS": "cpu"}
+
+
+def _run(cmd: list[str], env: dict | None = None) -> tuple[dict, float]:
   """(the JSON line the command printed, its peak RSS in MiB: VmHWM read
   every 20 ms while it runs; getrusage's would count this process's own,
   which a child inherits across exec)."""
   peak = 0.0
   with tempfile.TemporaryFile("w+") as out:
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+      cmd,
+      stdout=out,
+      stderr=subprocess.DEVNULL,
+      env=None if env is None else {**os.environ, **env},
+    )
     while proc.poll() is None:
       peak = max(peak, _hwm_mib(proc.pid) or 0.0)
       time.sleep(0.02)
@@ -270,7 +293,9 @@ def _chunkwise(path: str, weights: str, batch: int) -> dict:
       f"--batches={batch}",
       f"--steps={_STEPS.value}",
       f"--runs={_RUNS.value}",
-    ]
+      f"--compilation_cache={_CACHE.value}",
+    ],
+    env=CPU_ONLY,
   )
   result["rss_peak_mib"] = max(rss, result["rss_peak_mib"] or 0.0)
   return result
