@@ -80,9 +80,11 @@ class InferenceModel(ModelSetup):
       "default" for bf16.
     numerics: "invariant" (on the CPU a row's logits, scores and tokens
       are bit-identical whatever else is in its batch and however its
-      context was cut into chunks) or "fast" (XLA's own reduction orders);
-      None: "invariant" for float weights, "fast" for int8 weights and on
-      a CPU whose kernels have no vector path. See `chunkwise.numerics`.
+      context was cut into chunks), "q8" (invariant too, int8 and GGUF
+      block weights' activations rounded to 8 bits: llama.cpp's speed
+      and quality) or "fast" (XLA's own reduction orders); None:
+      "invariant" for float weights, "fast" for int8 weights and on a CPU
+      whose kernels have no vector path. See `chunkwise.numerics`.
     infer_fn: replaces the Transformer forward pass (tests drive the loop
       machinery with hand-computable toy models through it).
     prefill_chunk: a chunk longer than this many columns is prefilled in

@@ -179,7 +179,7 @@ class ModelSetup:
 
   @property
   def numerics(self) -> str:
-    """ "invariant" or "fast" (`chunkwise.numerics`)."""
+    """ "invariant", "q8" or "fast" (`chunkwise.numerics`)."""
     return self._numerics
 
   @property

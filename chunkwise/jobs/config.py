@@ -83,7 +83,7 @@ class ModelConfig:
   dtype: WeightDtype | None = None
   quantize: Quantization = Quantization.NONE
   precision: str | None = None  # "highest", "high", "default"
-  numerics: str | None = None  # "invariant", "fast" (chunkwise.numerics)
+  numerics: str | None = None  # "invariant", "q8", "fast" (chunkwise.numerics)
   kv_dtype: str | None = None  # "float32", "bfloat16", "int8" (None: f32)
   # LoRA adapters served besides the base model: {name: PEFT directory}
   # (or "name=path,name2=path2"); examples pick one by name.

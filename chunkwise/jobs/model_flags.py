@@ -80,8 +80,10 @@ class ModelFlags:
       list(NUMERICS),
       "invariant: on the CPU a row's scores and tokens are bit-identical "
       "whatever shares its batch (default for float weights where the CPU "
-      "kernels have a vector path; int8 weights: fast); fast: XLA's own "
-      "reduction orders. See chunkwise.numerics.",
+      "kernels have a vector path; int8 weights: fast); q8: invariant too, "
+      "int8 and GGUF-block weights' activations rounded to 8 bits "
+      "(llama.cpp's speed and quality); fast: XLA's own reduction orders. "
+      "See chunkwise.numerics.",
     )
     self.kv_dtype = cli.define(
       flags.DEFINE_enum,
