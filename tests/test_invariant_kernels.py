@@ -364,6 +364,8 @@ def test_the_paths_are_what_the_cpu_reports():
   want = ["portable"]
   if {"avx2", "fma"} <= flags:
     want.append("avx2")
+    if "avx_vnni" in flags:  # /proc/cpuinfo's name for AVX-VNNI
+      want.append("avx2_vnni")
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
       want.append("avx512")
       if "avx512_vnni" in flags:

@@ -62,6 +62,9 @@ _AVX512 = (*_X86, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 VARIANTS = {
   "x86_64": {
     "avx2": ("-DCW_ISA_AVX2", *_X86),
+    # AVX-VNNI (Alder Lake and later client cores, without AVX-512):
+    # vpdpbusd on 256 bits for numerics="q8"; everything else as "avx2".
+    "avx2_vnni": ("-DCW_ISA_AVX2", *_X86, "-mavxvnni"),
     "avx512": ("-DCW_ISA_AVX512", *_AVX512),
     "avx512_vnni": ("-DCW_ISA_AVX512", *_AVX512, "-mavx512vnni"),
   },
@@ -74,7 +77,15 @@ VARIANTS = {
 }
 
 # ffi.cc's numbers of the instruction sets are 1 + their index here.
-NAMES = ("portable", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod")
+NAMES = (
+  "portable",
+  "avx2",
+  "avx2_vnni",
+  "avx512",
+  "avx512_vnni",
+  "neon",
+  "neon_dotprod",
+)
 _LOADED: list = []  # the variants' libraries, kept loaded
 
 log = logging.getLogger(__name__)

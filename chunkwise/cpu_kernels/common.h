@@ -536,15 +536,17 @@ struct Table {
 };
 
 // The instruction sets, as dispatch.cc and invariant.py number them.
+// Within an architecture, a later set is preferred where the CPU has it.
 enum Isa : int64_t {
   kAuto = 0,
   kPortable = 1,
   kAvx2 = 2,
-  kAvx512 = 3,
-  kAvx512Vnni = 4,
-  kNeon = 5,
-  kNeonDot = 6,
-  kIsaCount = 7,
+  kAvx2Vnni = 3,
+  kAvx512 = 4,
+  kAvx512Vnni = 5,
+  kNeon = 6,
+  kNeonDot = 7,
+  kIsaCount = 8,
 };
 
 }  // namespace chunkwise

@@ -15,6 +15,9 @@
 
 #include <atomic>
 #include <string>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <vector>
 
 #include "common.h"
@@ -43,7 +46,7 @@ using chunkwise::i64;
 using chunkwise::Table;
 
 const char* const kNames[chunkwise::kIsaCount] = {
-    "auto", "portable", "avx2", "avx512", "avx512_vnni", "neon", "neon_dotprod"};
+    "auto", "portable", "avx2", "avx2_vnni", "avx512", "avx512_vnni", "neon", "neon_dotprod"};
 
 // Whether the CPU can run instruction set `isa` (compiled or not).
 bool cpu_has(int64_t isa) {
@@ -53,6 +56,14 @@ bool cpu_has(int64_t isa) {
     case chunkwise::kAvx2:
       __builtin_cpu_init();
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case chunkwise::kAvx2Vnni: {  // AVX-VNNI: CPUID leaf 7, subleaf 1, EAX bit 4
+      // asked once: CPUID is slow, and in a VM a trap to the hypervisor
+      static const bool vnni = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+      }();
+      return cpu_has(chunkwise::kAvx2) && vnni;
+    }
     case chunkwise::kAvx512:
       __builtin_cpu_init();
       return cpu_has(chunkwise::kAvx2) && __builtin_cpu_supports("avx512f") &&

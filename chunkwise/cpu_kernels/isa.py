@@ -8,8 +8,8 @@ kernels load) or a call names its own (`isa=`: the tests run every path
 against the portable one). Every path computes the same bits
 (`tests/test_invariant_kernels.py`), so the choice changes speed only.
 
-  isa.current()     # "avx512_vnni", "avx512", "avx2", "neon_dotprod",
-                    # "neon" or "portable"
+  isa.current()     # "avx512_vnni", "avx512", "avx2_vnni", "avx2",
+                    # "neon_dotprod", "neon" or "portable"
   isa.available()   # every path this CPU runs, best last
   isa.cpu_name()    # "AMD EPYC 7B13", ... (benchmarks record both)
 

@@ -466,12 +466,25 @@ constexpr int kMR8a = 2;  // x rows per act8 register tile (16 registers)
 // pairs (u4 codes unsigned as they are; int8 codes as |w| times x with
 // w's sign: a pair sum is at most 2 x 128 x 127, below int16's
 // saturation), then vpmaddwd's quads.
+// With AVX-VNNI (the avx2_vnni build) one vpdpbusd instead, as AVX-512
+// VNNI's: int8 codes biased by 128 (`kBias`), taken back per block.
+#ifdef __AVXVNNI__
+constexpr bool kBias = true;
+#else
+constexpr bool kBias = false;
+#endif
+
 template <bool U4>
 CW_INLINE __m256i dp8(__m256i acc, __m256i w, __m256i wabs, __m256i x) {
+#ifdef __AVXVNNI__
+  (void)wabs;
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pairs = U4 ? _mm256_maddubs_epi16(w, x)
                            : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+#endif
 }
 
 // u4 codes (at most 15) times x (|x| <= 127): a vpmaddubsw pair sum is at
@@ -571,20 +584,27 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
         wq[1] = _mm256_unpackhi_epi16(l01, l23);
         wq[2] = _mm256_unpacklo_epi16(h01, h23);
         wq[3] = _mm256_unpackhi_epi16(h01, h23);
-        for (int q = 0; q < 4; ++q) wabs[q] = _mm256_abs_epi8(wq[q]);
+        for (int q = 0; q < 4; ++q)
+          if (kBias) wq[q] = _mm256_xor_si256(wq[q], _mm256_set1_epi8(-128));
+          else wabs[q] = _mm256_abs_epi8(wq[q]);
       }
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = _mm256_set1_epi32(quad_bits(xb[m] + t));
-        if (U4 && A <= 32) {  // int16 pair sums, widened once a block (above)
+        if (U4 && !kBias && A <= 32) {  // int16 pair sums, widened once a block (above)
           for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_add_epi16(acc[m][q], _mm256_maddubs_epi16(wq[q], xv));
         } else {
           for (int q = 0; q < 4; ++q) acc[m][q] = dp8<U4>(acc[m][q], wq[q], wabs[q], xv);
         }
       }
     }
-    if (U4 && A <= 32)
+    if (U4 && !kBias && A <= 32)
       for (int m = 0; m < MR; ++m)
         for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_madd_epi16(acc[m][q], _mm256_set1_epi16(1));
+    if (!U4 && kBias)
+      for (int m = 0; m < MR; ++m) {
+        const __m256i back = _mm256_set1_epi32(128 * xq.sum_of(g * p.M + m0 + m, b));
+        for (int q = 0; q < 4; ++q) acc[m][q] = _mm256_sub_epi32(acc[m][q], back);
+      }
     for (int m = 0; m < MR; ++m) {
       const __m256 xs = _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, b));
       for (int q = 0; q < 4; ++q)
@@ -704,16 +724,20 @@ void nmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int32_
     const int8_t* xb[MR];
     for (int m = 0; m < MR; ++m) xb[m] = xq.at(g * p.M + m0 + m, b);
     for (i64 t = 0; t < A; t += 4) {
-      const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + (k0 + t) / 4 * 8));
-      const __m256i wa = U4 ? wv : _mm256_abs_epi8(wv);
+      __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(buf + (k0 + t) / 4 * 8));
+      const __m256i wa = U4 || kBias ? wv : _mm256_abs_epi8(wv);
+      if (!U4 && kBias) wv = _mm256_xor_si256(wv, _mm256_set1_epi8(-128));
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = _mm256_set1_epi32(quad_bits(xb[m] + t));
-        if (U4 && A <= 32) acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(wv, xv));
+        if (U4 && !kBias && A <= 32) acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(wv, xv));
         else acc[m] = dp8<U4>(acc[m], wv, wa, xv);
       }
     }
-    if (U4 && A <= 32)
+    if (U4 && !kBias && A <= 32)
       for (int m = 0; m < MR; ++m) acc[m] = _mm256_madd_epi16(acc[m], _mm256_set1_epi16(1));
+    if (!U4 && kBias)
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm256_sub_epi32(acc[m], _mm256_set1_epi32(128 * xq.sum_of(g * p.M + m0 + m, b)));
     for (int m = 0; m < MR; ++m)
       total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]),
                                  _mm256_mul_ps(sv, _mm256_set1_ps(xq.scale_of(g * p.M + m0 + m, b))),
