@@ -16,14 +16,17 @@
 // int32 sums and their f32 chains stay in that order for a whole tile,
 // the scales are put in it once per group and the chains back in order at
 // the tile's end (a 4 x 4, or 2 x 2, transpose of 128-bit chunks).
-// Products: AVX-512 VNNI's vpdpbusd (unsigned x signed bytes: u4 codes as
-// they are, int8 codes + 128, the block's 128 x sum(q) taken back in
-// int32), else vpmaddubsw + vpmaddwd (int8 codes as |w| times x with w's
-// sign: no pair sum reaches the int16 saturation). n-major weights (a tied
-// table) are packed 16 (AVX-512) table rows at a time into quads in L1 (a
-// 16 x 16 transpose of 32-bit words) and multiplied like k-major tiles.
-// NEON: quads from zips (k-major) or packed (n-major), `sdot` where the
-// build has the dot-product extension, else widening multiplies.
+// Products: VNNI's vpdpbusd, AVX-512's or AVX-VNNI's (unsigned x signed
+// bytes: u4 codes as they are, int8 codes + 128, the block's 128 x sum(q)
+// taken back in int32), else vpmaddubsw + vpmaddwd (int8 codes as |w|
+// times x with w's sign: no pair sum reaches the int16 saturation). n-major
+// weights (a tied table) are packed 16 (AVX-512) or 8 (AVX2) table rows at
+// a time into quads in L1 (a transpose of 32-bit words) and multiplied like
+// k-major tiles. The offsets' chain runs in the tiles too, after the
+// blocks'. NEON: k-major quads from zips (columns in order); n-major table
+// rows read as they are, each block's lanes summed across (exact); `sdot`
+// where the build has the dot-product extension, else widening multiplies,
+// and the offsets in a pass of their own.
 
 // Where input t of a block (t < A) sits in x's rounded block, for the
 // layout these tiles read (every layout keeps each quad's 4 inputs
