@@ -170,7 +170,7 @@ def _child(spec: str) -> None:
   before = _hwm_mib(os.getpid())
   model = _load(path, weights)
   batch = int(_BATCHES.value[0])
-  n = _PROMPT.value if batch == 1 else _BATCH_PROMPT.value
+  n = _prompt_len(batch)
   ids = np.asarray(_prompts(model.vocab.encode(TEXT), batch, n), np.int32)
   chunk = cw.Chunk(
     tokens=jnp.asarray(ids), lengths=jnp.full((batch,), n, jnp.int32)

@@ -240,6 +240,20 @@ void kmajor_i8(const Problem& p, const QuantizedX& xq, i64 g, const int8_t* zero
   }
 }
 
+// n-major: group gr's scales (or offsets) of table rows [n, n + rows)
+// (rows <= 16) as f32 (rows past `rows` 0): gathered, f16 converted in one
+// step.
+inline __m512 nmajor_scales(const Problem& p, const Scales& s, i64 n, i64 rows, i64 gr) {
+  if (s.f) {
+    alignas(64) float sw[16] = {};
+    for (i64 r = 0; r < rows; ++r) sw[r] = s.f[(n + r) * p.groups + gr];
+    return _mm512_load_ps(sw);
+  }
+  alignas(32) uint16_t hw[16] = {};
+  for (i64 r = 0; r < rows; ++r) hw[r] = s.h[(n + r) * p.groups + gr];
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(hw)));
+}
+
 // n-major: out[m0 .. m0 + MR, n .. n + rows) from a packed block. Prefetches
 // `lines` cache lines from `ahead` (the next block), spread over the groups.
 template <int MR>
@@ -254,16 +268,7 @@ void nmajor_tile_i8(const Problem& p, const QuantizedX& xq, i64 g, const int16_t
       prefetch(ahead + 64 * l);
     const int16_t* xg[MR];
     for (int m = 0; m < MR; ++m) xg[m] = xq.at(g * p.M + m0 + m, gr);
-    __m512 sv;
-    if (s.f) {
-      alignas(64) float sw[16] = {};
-      for (i64 r = 0; r < rows; ++r) sw[r] = s.f[(n + r) * p.groups + gr];
-      sv = _mm512_load_ps(sw);
-    } else {  // f16 (GGUF's): gathered, converted in one step
-      alignas(32) uint16_t hw[16] = {};
-      for (i64 r = 0; r < rows; ++r) hw[r] = s.h[(n + r) * p.groups + gr];
-      sv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(hw)));
-    }
+    const __m512 sv = nmajor_scales(p, s, n, rows, gr);
     const int16_t* bg = buf + 32 * gr * pp;
     for (i64 c0 = 0; c0 < p.group; c0 += kChunk) {
       const i64 c1 = std::min(p.group, c0 + kChunk);
@@ -674,6 +679,16 @@ void run_blocks(const Problem& p, Parallel& par, Body body, bool offsets_in_tile
   par.run(p.G * nblocks, run);
 }
 
+// add_offsets for every row of batch g, outputs [n0, n1): qsum and sx hold
+// `blocks` entries a row (QuantizedX's groups, QuantizedX8's blocks).
+inline void add_offsets_rows(const Problem& q, const int32_t* qsum, const float* sx, i64 blocks,
+                             i64 g, i64 n0, i64 n1) {
+  for (i64 m = 0; m < q.M; ++m) {
+    const i64 row = g * q.M + m;
+    add_offsets(q, qsum + row * blocks, sx + row * blocks, blocks, g, m, n0, n1);
+  }
+}
+
 void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
   std::vector<int8_t> zeros(p.nmajor ? 0 : p.N + 64, 0);
   const int8_t* z = zeros.data();
@@ -681,10 +696,6 @@ void run_int8(const Problem& p, const QuantizedX& xq, Parallel& par) {
     if (q.nmajor) nmajor_i8(q, xq, g, n0, n1);
     else kmajor_i8(q, xq, g, z, n0, n1);
     if (q.o != nullptr)
-      for (i64 m = 0; m < q.M; ++m) {
-        const i64 row = g * q.M + m;
-        add_offsets(q, xq.qsum.data() + row * q.groups, xq.scale.data() + row * q.groups,
-                    q.groups, g, m, n0, n1);
-      }
+      add_offsets_rows(q, xq.qsum.data(), xq.scale.data(), q.groups, g, n0, n1);
   });
 }

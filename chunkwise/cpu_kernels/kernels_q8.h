@@ -364,20 +364,10 @@ void nmajor_pack_q8(const Problem& p, const int8_t* w, int32_t* buf, i64 n, i64 
   }
 }
 
-// n-major: the scales of table rows [n, n + rows) (rows <= 16), group
-// by group, as f32 vectors in `out` (one per group; rows past `rows` 0).
+// n-major: the scales (or offsets) of table rows [n, n + rows), a vector
+// a group, in `out` (kernels_int8.h's `nmajor_scales`, every group once).
 void nmajor_scales_q8(const Problem& p, const Scales& s, i64 n, i64 rows, __m512* out) {
-  for (i64 gr = 0; gr < p.groups; ++gr) {
-    if (s.f) {
-      alignas(64) float sw[16] = {};
-      for (i64 r = 0; r < rows; ++r) sw[r] = s.f[(n + r) * p.groups + gr];
-      out[gr] = _mm512_load_ps(sw);
-    } else {  // f16 (GGUF's): gathered, converted in one step
-      alignas(32) uint16_t hw[16] = {};
-      for (i64 r = 0; r < rows; ++r) hw[r] = s.h[(n + r) * p.groups + gr];
-      out[gr] = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(hw)));
-    }
-  }
+  for (i64 gr = 0; gr < p.groups; ++gr) out[gr] = nmajor_scales(p, s, n, rows, gr);
 }
 
 // n-major: out[m0 .. m0 + MR, n .. n + rows) from a packed block and its
@@ -1009,11 +999,7 @@ void run_act8(const Problem& p, const QuantizedX8& xq, Parallel& par) {
         if (q.nmajor) nmajor_q8(q, xq, g, n0, n1);
         else kmajor_q8(q, xq, g, n0, n1);
         if (!kOffsetsInTiles && q.o != nullptr)
-          for (i64 m = 0; m < q.M; ++m) {
-            const i64 row = g * q.M + m;
-            add_offsets(q, xq.qsum.data() + row * xq.blocks, xq.scale.data() + row * xq.blocks,
-                        xq.blocks, g, m, n0, n1);
-          }
+          add_offsets_rows(q, xq.qsum.data(), xq.scale.data(), xq.blocks, g, n0, n1);
       },
       kOffsetsInTiles);
 }

@@ -226,7 +226,7 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
     scale,
     nmajor=nmajor,
     offset=offset,
-    act8=scale is not None and numerics.act8(),
+    act8=numerics.act8(),  # (cpu_kernels.matmul: int8 and 4-bit weights only)
   )
   return out.reshape(*free_x, *free_w).astype(x.dtype)
 
