@@ -72,6 +72,13 @@ _BATCHES = flags.DEFINE_list(
 _BATCH_PROMPT = flags.DEFINE_integer(
   "batch_prompt_tokens", 64, "Each row's prompt length at batches > 1."
 )
+_SCORES = flags.DEFINE_bool(
+  "scores",
+  False,
+  "chunkwise's prefill scores every prompt position (prefill(scores=True)); "
+  "by default it computes the last position's logits alone, as llama.cpp's "
+  "prompt evaluation does.",
+)
 _OUT = flags.DEFINE_string("out", "", "Also write the rows as JSON here.")
 _QUALITY = flags.DEFINE_bool(
   "quality", False, "Measure distributions against llama.cpp, not speed."
@@ -178,8 +185,8 @@ def _child(spec: str) -> None:
   prefill_s, decode_s, tokens = [], [], None
   for run in range(_RUNS.value + 1):
     t0 = time.perf_counter()
-    first = model.prefill(chunk)
-    first.per_token_scores.block_until_ready()
+    first = model.prefill(chunk, scores=_SCORES.value)
+    first.next_token_logits.block_until_ready()
     t1 = time.perf_counter()
     out, _ = model.generate(
       [first],
@@ -204,6 +211,12 @@ def _child(spec: str) -> None:
       )
     )
   )
+
+
+def _prefill_kind() -> str:
+  if _SCORES.value:
+    return "scores every position"
+  return "computes the last position's logits only"
 
 
 def _prompts(ids: list[int], batch: int, n: int) -> list[list[int]]:
@@ -294,6 +307,7 @@ def _chunkwise(path: str, weights: str, batch: int) -> dict:
       f"--steps={_STEPS.value}",
       f"--runs={_RUNS.value}",
       f"--compilation_cache={_CACHE.value}",
+      f"--scores={_SCORES.value}",
     ],
     env=CPU_ONLY,
   )
@@ -416,7 +430,8 @@ def main(argv):
         r["file_mib"] = size
   print(
     f"cpu: {isa.cpu_name()}, kernel path {isa.current()}, "
-    f"{_THREADS.value} threads, prompt {_PROMPT.value}, {_STEPS.value} steps"
+    f"{_THREADS.value} threads, prompt {_PROMPT.value}, {_STEPS.value} steps, "
+    f"chunkwise's prefill {_prefill_kind()}"
   )
   print(
     f"{'file':40s} {'side':20s} {'batch':>5s} {'decode tok/s':>12s} "

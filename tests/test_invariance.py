@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
+from chunkwise.inference import results
 from chunkwise.partitioning import make_mesh
 
 SAMPLINGS = [
@@ -130,6 +131,81 @@ def _batch_compositions(model, seed, top_n=3, batches=(2, 3, 5, 8, 17)):
 @pytest.mark.parametrize("seed", [0])
 def test_prefill_rows_do_not_depend_on_the_batch(model, seed):
   _batch_compositions(model, seed)
+
+
+def _in_pieces(model, monkeypatch, rows=4, piece=3):
+  """The model's prefill with its logits scored `piece` positions at a time
+  (`results.PIECE_BYTES`; a fresh model, so traced anew)."""
+  monkeypatch.setattr(
+    results, "PIECE_BYTES", 4 * rows * model.hparams.vocab * piece
+  )
+  layouts = {}
+  if model.mesh is not None:
+    layouts = dict(
+      mesh=model.mesh,
+      prefill_layout=model.prefill_layout,
+      generate_layout=model.generate_layout,
+    )
+  return cw.InferenceModel(
+    model.hparams,
+    model.weights,
+    bos_id=model.bos_id,
+    numerics=model.numerics,
+    **layouts,
+  )
+
+
+def _pieces_equal_whole(model, monkeypatch, seed):
+  """A long prefill scored in pieces (a piece a loop iteration, the last
+  one padded; rows end in different pieces, one is empty) gives the
+  whole-logits prefill's bits, and its next-token logits feed a chunk
+  after it alike."""
+  rng = np.random.default_rng(seed)
+  vocab = model.hparams.vocab
+  rows = [_tokens(rng, vocab, n) for n in (11, 4, 1, 7)]
+  rows[2] = []
+  chunk, after = _chunk(rows), _chunk([[5, 6]] * 4, first=False)
+  pieces = _in_pieces(model, monkeypatch)
+  assert results.piece_length(len(rows), vocab) == 3 < chunk.time
+  for m in (model, pieces):
+    got = m.prefill(chunk, top_n=2)
+    got = (got, m.prefill(after, prefix=[got], top_n=2))
+    if m is model:
+      want = got
+  for i, n in enumerate(len(r) for r in rows):
+    for g, w, what in zip(got, want, ("chunk", "after"), strict=True):
+      _equal(_row(g, i, n), _row(w, i, n), f"row {i}'s {what}")
+
+
+def _unscored_equal_scored(model, seed):
+  """prefill(scores=False) gives the scored prefill's next-token logits
+  and K/V, bit for bit, and NaN scores; a chunk after it scores alike."""
+  rng = np.random.default_rng(seed)
+  rows = [_tokens(rng, model.hparams.vocab, n) for n in (9, 3, 6)]
+  chunk, after = _chunk(rows), _chunk([[4, 7, 2]] * 3, first=False)
+  scored = model.prefill(chunk)
+  unscored = model.prefill(chunk, scores=False)
+  cut = model.with_prefill_chunk(4).prefill(chunk, scores=False)  # 3 pieces
+  for got in (unscored, cut):
+    assert np.isnan(np.asarray(got.per_token_scores)).all()
+    assert got.top_ids.shape == (3, chunk.time, 0)
+    assert np.array_equal(got.next_token_logits, scored.next_token_logits)
+  for g, w in zip(
+    jax.tree.leaves(unscored.kv_cache),
+    jax.tree.leaves(scored.kv_cache),
+    strict=True,
+  ):
+    assert np.array_equal(g, w)
+  want = model.prefill(after, prefix=[scored], top_n=2)
+  for got in (unscored, cut):
+    got = model.prefill(after, prefix=[got], top_n=2)
+    for i in range(3):
+      _equal(_row(got, i, 3), _row(want, i, 3), f"after row {i}")
+
+
+def test_prefill_in_pieces_is_the_whole_bit_for_bit(model, monkeypatch):
+  _pieces_equal_whole(model, monkeypatch, 6)
+  _unscored_equal_scored(model, 8)
 
 
 def _splits(model, seed, top_n=2):
@@ -265,12 +341,14 @@ def test_generate_many_slots_are_bit_identical_to_alone(model):
 
 
 @pytest.mark.parametrize("layout", ["ws_2d", "wg"])
-def test_on_a_mesh(meshes, layout):
+def test_on_a_mesh(meshes, layout, monkeypatch):
   model = meshes[layout]
   _batch_compositions(model, 3, top_n=2)
   if layout == "ws_2d":  # chunk splits read the cache alike in every layout
     _splits(model, 4)
   _generate_compositions(model, 5)
+  _pieces_equal_whole(model, monkeypatch, 7)
+  _unscored_equal_scored(model, 9)
 
 
 def test_fast_numerics_stay_available_and_names_are_checked(tiny):
@@ -281,6 +359,10 @@ def test_fast_numerics_stay_available_and_names_are_checked(tiny):
   chunk = _chunk([[1, 5, 9, 11]])
   a, b = fast.prefill(chunk), tiny.prefill(chunk)
   np.testing.assert_allclose(a.per_token_scores, b.per_token_scores, atol=1e-5)
+  with pytest.raises(ValueError, match=r"top_n=2 .*scores=False"):
+    tiny.prefill(chunk, top_n=2, scores=False)
+  with pytest.raises(TypeError, match="scores='no' must be True or False"):
+    tiny.prefill(chunk, scores="no")
   names = r"numerics='exact'.*invariant, fast, q8"
   with pytest.raises(ValueError, match=names):
     cw.InferenceModel(tiny.hparams, tiny.weights, numerics="exact")

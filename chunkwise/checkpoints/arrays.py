@@ -19,11 +19,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from chunkwise.models import quantized
 
 ARRAYS = "arrays"
+
+
+def _checkpointer():
+  """Orbax's checkpointer, imported on first use: importing Orbax (and
+  TensorStore) costs every process 25 MiB of resident memory, and most
+  never read or write a checkpoint."""
+  import orbax.checkpoint as ocp
+
+  return ocp.StandardCheckpointer()
 
 
 def flatten(tree) -> dict[str, Any]:
@@ -56,7 +64,7 @@ def stored_shapes(directory: str) -> dict[str, tuple[int, ...]]:
   """Each array's shape as Orbax's own metadata records it."""
   path = os.path.join(directory, ARRAYS)
   try:
-    with ocp.StandardCheckpointer() as ckpt:
+    with _checkpointer() as ckpt:
       tree = ckpt.metadata(path).item_metadata.tree
   except Exception as e:  # Orbax raises many kinds
     raise ValueError(
@@ -99,7 +107,7 @@ def restore(directory: str, targets):
   flat = flatten(targets)
   stored = {n: t for n, t in flat.items() if np.prod(t.shape)}
   try:
-    with ocp.StandardCheckpointer() as ckpt:
+    with _checkpointer() as ckpt:
       restored = ckpt.restore(os.path.join(directory, ARRAYS), nest(stored))
   except Exception as e:  # Orbax raises many kinds
     raise ValueError(
@@ -118,7 +126,7 @@ def save(directory: str, tree) -> None:
   refuses empty ones, e.g. top-n of n = 0: their shapes are recorded in the
   description and they are made again by `restore`)."""
   stored = {n: x for n, x in flatten(tree).items() if x.size}
-  ckpt = ocp.StandardCheckpointer()
+  ckpt = _checkpointer()
   ckpt.save(os.path.join(directory, ARRAYS), nest(stored))
   ckpt.wait_until_finished()
   ckpt.close()

@@ -258,6 +258,7 @@ def read(
       value = gguf_blocks.decode(f.raw(info.name), info.qtype.name, info.shape)
     else:
       value = f.dequantize(info.name)
+    f.release(info.name)  # its pages, read: a view faults them in again
     heads = {"q_proj.weight": hparams.heads, "k_proj.weight": hparams.kv_heads}
     for suffix, n in heads.items():
       if permuted and name.endswith(suffix):

@@ -102,6 +102,7 @@ class GGUFFile:
   metadata: Mapping[str, Any]
   tensors: Mapping[str, TensorInfo]
   _data: np.ndarray  # uint8 memory map of the whole file
+  _map: Any = None  # the mmap under _data (None: bytes)
 
   def raw(self, name: str) -> np.ndarray:
     """A tensor's bytes as the `gguf` package's dequantizers take them:
@@ -124,6 +125,19 @@ class GGUFFile:
     block, size = GGML_QUANT_SIZES[info.qtype]
     *outer, inner = info.shape
     return data.reshape(*outer, inner // block * size)
+
+  def release(self, name: str) -> None:
+    """Drops a tensor's pages from this process's resident memory, once
+    what was read from them is copied: a reader that reads tensor after
+    tensor then holds one tensor's pages, not the whole file's. The bytes
+    stay readable (a later read faults them in again from the file)."""
+    if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+      return
+    info = self.tensors[name]
+    start = info.offset - info.offset % mmap.PAGESIZE
+    end = min(info.offset + info.nbytes, len(self._map))
+    if end > start:
+      self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
   def dequantize(self, name: str) -> np.ndarray:
     """A tensor as float32 in NumPy order (ValueError for a type the
@@ -328,4 +342,11 @@ def _parse(path, buf, quant_sizes, qtypes) -> GGUFFile:
   if both:
     raise GGUFError(f"{path}: tensors {both[0]!r} and {both[1]!r} overlap")
   data = np.frombuffer(buf, np.uint8)
-  return GGUFFile(path, version, metadata, tensors, data)
+  return GGUFFile(
+    path,
+    version,
+    metadata,
+    tensors,
+    data,
+    buf if isinstance(buf, mmap.mmap) else None,
+  )

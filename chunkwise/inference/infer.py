@@ -26,9 +26,10 @@ from chunkwise.configs import HParams
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
 from chunkwise.inference.results import FullChunkResult
-from chunkwise.models import Weights, forward, kv_int8, sharded_forward
+from chunkwise.models import Weights, kv_int8, sharded_forward
 from chunkwise.models import shard_ops as ops
 from chunkwise.models.attention import PrefixLayer, attend
+from chunkwise.models.transformer import forward_hidden
 from chunkwise.partitioning import Plan
 
 # infer(weights, prefix caches, chunk) -> FullChunkResult
@@ -61,7 +62,7 @@ def transformer_infer(
   """Runs the Transformer over `chunk`, attending to `prefix` caches."""
   prefix = tuple(prefix)
   with kv_int8.storing(cache_dtype):
-    logits, (k, v) = forward(
+    x, (k, v), head = forward_hidden(
       hparams,
       weights,
       chunk.tokens,
@@ -75,7 +76,7 @@ def transformer_infer(
     v=kv_int8.encode(v, cache_dtype),
     lengths=chunk.lengths,
   )
-  return FullChunkResult(logits=logits, kv_cache=cache)
+  return FullChunkResult(hidden=x, head=head, kv_cache=cache)
 
 
 def sharded_infer(
@@ -112,7 +113,7 @@ def sharded_infer(
       )
     local.append(cache)
   with kv_int8.storing(cache_dtype):
-    logits, (k, v) = sharded_forward.forward(
+    x, (k, v), head = sharded_forward.forward_hidden(
       plan,
       hparams,
       weights,
@@ -126,4 +127,4 @@ def sharded_infer(
     v=kv_int8.encode(v, cache_dtype),
     lengths=chunk.lengths,
   )
-  return FullChunkResult(logits=logits, kv_cache=cache)
+  return FullChunkResult(hidden=x, head=head, kv_cache=cache)

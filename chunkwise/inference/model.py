@@ -106,6 +106,8 @@ class InferenceModel(ModelSetup):
     prefix: Sequence[ChunkResult] = (),
     top_n: int = 0,
     adapters=None,
+    *,
+    scores: bool = True,
   ) -> ChunkResult:
     """Runs `chunk` after `prefix` and scores each of its tokens.
 
@@ -116,6 +118,11 @@ class InferenceModel(ModelSetup):
       top_n: how many most likely alternatives to return per position.
       adapters: the LoRA adapter of every row (a name), or of each row (a
         name or None), or None: the base model (`with_adapters`).
+      scores: False skips the scores: only the KV cache and next-token
+        logits are computed (the logits of one position a row, not of
+        every position: a prompt before `generate`, whose scores nobody
+        reads, is then prefilled faster); `per_token_scores` are NaN and
+        `top_n` must be 0.
     Returns:
       A ChunkResult usable as a prefix of later calls (by rows of the same
       adapters). A chunk of zero columns (e.g. one half of `split_at(0)`)
@@ -123,6 +130,13 @@ class InferenceModel(ModelSetup):
     """
     h = self._hparams
     chunk, prefix, top_n = checks.check_prefill(h, chunk, prefix, top_n)
+    if not isinstance(scores, bool | np.bool_):
+      raise TypeError(f"scores={scores!r} must be True or False")
+    if not scores and top_n:
+      raise ValueError(
+        f"top_n={top_n} asks for alternatives of every position's "
+        "distribution; scores=False computes none (top_n must be 0)"
+      )
     names, ids = self._rows(adapters, chunk.batch, prefix)
     caches, prev = prefix_inputs(prefix)
     if chunk.time == 0:
@@ -140,6 +154,7 @@ class InferenceModel(ModelSetup):
       engine.prefill,
       top_n=top_n,
       bos_id=self._bos_id,
+      scores=bool(scores),
       adapters=self._adapters_for(engine, ids),
     )
     width = self._prefill_chunk or long_prefill.columns(h, chunk.batch)

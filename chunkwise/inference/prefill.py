@@ -34,12 +34,14 @@ def prefill(
   bos_id: int,
   shards: LogitsShards | None = None,
   prev_split: bool = True,
+  scores: bool = True,
 ) -> ChunkResult:
   """Forward pass over `chunk`, then scores, top-n and next-token logits.
 
   Under `shard_map`, `shards` says how this device's logits are cut and
   `prev_split` whether `prev_logits` is cut like them (see
-  `FullChunkResult.to_chunk_result`)."""
+  `FullChunkResult.to_chunk_result`); without `scores` only the
+  next-token logits are computed (the scores are NaN)."""
   full = infer(weights, tuple(caches), chunk)
   return full.to_chunk_result(
     prev_logits,
@@ -48,4 +50,5 @@ def prefill(
     bos_id=bos_id,
     shards=shards,
     prev_split=prev_split,
+    scores=scores,
   )

@@ -1,8 +1,9 @@
 """What a forward pass returns: `FullChunkResult` (internal) and `ChunkResult`.
 
-`FullChunkResult` holds every position's logits; it is large ([batch, time,
-vocab] f32) and stays inside the compiled function. `to_chunk_result` turns
-it into the `ChunkResult` users get:
+`FullChunkResult` holds what every position's logits are computed from
+(they would be large: [batch, time, vocab] f32) and stays inside the
+compiled function. `to_chunk_result` turns it into the `ChunkResult` users
+get, computing the logits a piece of positions at a time:
 
   per_token_scores[b, t] = ln p(tokens[b, t] | everything before it)
   top_ids[b, t], top_logprobs[b, t]: the n most likely tokens at position t
@@ -126,12 +127,60 @@ class ChunkResult:
     )
 
 
-@struct.dataclass(kw_only=True)
+@jax.tree_util.register_pytree_node_class
 class FullChunkResult:
-  """Every position's raw logits and the chunk's KV cache (internal)."""
+  """Every position's raw logits, or what they are computed from, and the
+  chunk's KV cache (internal).
 
-  logits: jax.Array  # f32[batch, time, vocab]: logits for the *next* token
-  kv_cache: KVCache
+  A model's `InferFn` returns `hidden` (the last layer's output, time on
+  axis 1) and its `head` (hidden positions -> f32 logits, each position on
+  its own); a toy returns its `logits` whole. `logits` is every
+  position's, computed when read; `to_chunk_result` computes them a piece
+  of positions at a time, so a long prefill never holds them all.
+  """
+
+  def __init__(
+    self,
+    *,
+    kv_cache: KVCache,
+    logits: jax.Array | None = None,
+    hidden: jax.Array | None = None,
+    head=None,
+  ):
+    if (logits is None) == (hidden is None) or (hidden is None) != (
+      head is None
+    ):
+      raise ValueError(
+        "FullChunkResult takes either logits, or hidden with its head"
+      )
+    self.kv_cache, self._logits, self.hidden, self.head = (
+      kv_cache,
+      logits,
+      hidden,
+      head,
+    )
+
+  def tree_flatten(self):
+    return (self.kv_cache, self._logits, self.hidden), self.head
+
+  @classmethod
+  def tree_unflatten(cls, head, children):
+    full = object.__new__(cls)  # children may be placeholders, unchecked
+    full.kv_cache, full._logits, full.hidden = children
+    full.head = head
+    return full
+
+  @property
+  def vocab(self) -> int:
+    """The logits' last axis (this device's part of it under `shard_map`)."""
+    if self._logits is not None:
+      return self._logits.shape[2]
+    return _vocab(self.head, self.hidden)
+
+  @property
+  def logits(self) -> jax.Array:
+    """f32[batch, time, vocab]: logits for the *next* token."""
+    return self.head(self.hidden) if self._logits is None else self._logits
 
   def to_chunk_result(
     self,
@@ -142,6 +191,7 @@ class FullChunkResult:
     bos_id: int = 0,
     shards=None,
     prev_split: bool = True,
+    scores: bool = True,
   ) -> ChunkResult:
     """Scores the chunk's tokens; see the module docstring.
 
@@ -155,11 +205,15 @@ class FullChunkResult:
         device's logits are cut (the chunk is replicated, `prev_logits` cut
         like the logits when `prev_split`, else replicated rows); the
         returned scores and top-n are then gathered to every device.
+      scores: False computes the next-token logits alone (the logits of
+        one position a row): `per_token_scores` are then NaN and top-n
+        is empty (top_n must be 0).
     """
+    if not scores and top_n:
+      raise ValueError(f"top_n={top_n} needs scores; got scores=False")
     if shards is None:
-      batch, _, vocab = self.logits.shape
       prev_logits = carried_logits(
-        prev_logits, batch, vocab=vocab, bos_id=bos_id
+        prev_logits, chunk.batch, vocab=self.vocab, bos_id=bos_id
       )
       tokens, lengths, score = chunk.tokens, chunk.lengths, score_tokens
     else:
@@ -171,30 +225,109 @@ class FullChunkResult:
     # logits, or slicing off their last row, copied every logit); the last
     # row scores a dummy token and is dropped.
     following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    scores, top_ids, top_logprobs = (
-      jnp.concatenate([first, rest[:, :-1]], axis=1)
-      for first, rest in zip(
-        score(prev_logits[:, None], tokens[:, :1], top_n),
-        score(self.logits, following, top_n),
-        strict=True,
-      )
-    )
     last = jnp.maximum(lengths - 1, 0)
-    next_logits = jnp.take_along_axis(self.logits, last[:, None, None], axis=1)[
-      :, 0
-    ]
+    if scores:
+      rest, next_logits = self._scored(following, last, top_n, score)
+      scored, top_ids, top_logprobs = (
+        jnp.concatenate([first, rest[:, :-1]], axis=1)
+        for first, rest in zip(
+          score(prev_logits[:, None], tokens[:, :1], top_n), rest, strict=True
+        )
+      )
+    else:
+      next_logits = self._at(last)
+      scored = jnp.full(tokens.shape, jnp.nan, jnp.float32)
+      top_ids = jnp.zeros((*tokens.shape, 0), jnp.int32)
+      top_logprobs = jnp.zeros((*tokens.shape, 0), jnp.float32)
     next_logits = jnp.where((lengths > 0)[:, None], next_logits, prev_logits)
     if shards is not None:
-      scores, top_ids, top_logprobs = (
-        shards.gather_rows(x) for x in (scores, top_ids, top_logprobs)
+      scored, top_ids, top_logprobs = (
+        shards.gather_rows(x) for x in (scored, top_ids, top_logprobs)
       )
     return ChunkResult(
-      per_token_scores=scores,
+      per_token_scores=scored,
       top_ids=top_ids,
       top_logprobs=top_logprobs,
       next_token_logits=next_logits,
       kv_cache=self.kv_cache,
     )
+
+  def _at(self, last: jax.Array) -> jax.Array:
+    """f32[rows, vocab]: each row's logits at position `last[row]`."""
+    if self._logits is not None:
+      return jnp.take_along_axis(self._logits, last[:, None, None], axis=1)[
+        :, 0
+      ]
+    at = last.reshape(-1, 1, *([1] * (self.hidden.ndim - 2)))
+    return self.head(jnp.take_along_axis(self.hidden, at, axis=1))[:, 0]
+
+  def _scored(self, following, last, top_n, score):
+    """(score(logits, following, top_n), the logits at `last` [rows,
+    vocab]), over pieces of `piece_length` positions in a loop when the
+    logits are not given whole: only one piece's logits are ever held."""
+    if self._logits is not None:
+      logits = self._logits
+    else:
+      rows, time = self.hidden.shape[:2]
+      piece = piece_length(rows, self.vocab)
+      if time > piece:
+        return _scored_in_pieces(
+          self.head, self.hidden, following, last, piece, top_n, score
+        )
+      logits = self.head(self.hidden)
+    at_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    return score(logits, following, top_n), at_last
+
+
+# The f32 logits one piece of a prefill may hold (`piece_length`): a
+# 512-token SmolLM2 prefill's whole logits were 96 MiB, most of its peak
+# resident memory beyond the weights.
+PIECE_BYTES = 16 << 20
+
+
+def piece_length(rows: int, vocab: int) -> int:
+  """Positions per piece of `to_chunk_result`'s scoring loop."""
+  return max(1, PIECE_BYTES // (4 * rows * vocab))
+
+
+def _scored_in_pieces(head, hidden, following, last, piece, top_n, score):
+  """`FullChunkResult._scored` a piece of positions per loop iteration:
+  the logits of each position are the same whatever piece computes them
+  (the head and the scoring treat each position on its own)."""
+  rows, time = hidden.shape[:2]
+  count = -(-time // piece)
+  pad = count * piece - time
+
+  def pieces(x):  # [rows, time, ...] -> [count, rows, piece, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(rows, count, piece, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+  def step(at_last, xs):
+    i, h, tokens = xs
+    logits = head(h)
+    at = last - i * piece
+    here = jnp.take_along_axis(
+      logits, jnp.clip(at, 0, piece - 1)[:, None, None], axis=1
+    )[:, 0]
+    inside = ((at >= 0) & (at < piece))[:, None]
+    return jnp.where(inside, here, at_last), score(logits, tokens, top_n)
+
+  at_last, scored = lax.scan(
+    step,
+    jnp.zeros((rows, _vocab(head, hidden)), jnp.float32),
+    (jnp.arange(count), pieces(hidden), pieces(following)),
+  )
+
+  def whole(x):  # [count, rows, piece, ...] -> [rows, time, ...]
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(rows, count * piece, *x.shape[3:])[:, :time]
+
+  return tuple(whole(x) for x in scored), at_last
+
+
+def _vocab(head, hidden: jax.Array) -> int:
+  return jax.eval_shape(head, hidden[:, :1]).shape[2]
 
 
 def carried_logits(

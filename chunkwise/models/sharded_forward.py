@@ -1,7 +1,8 @@
 """The whole model on one device's shards: embed, layers, unembed.
 
-  logits, (k, v) = forward(plan, hparams, weights, tokens, positions,
-                           per_layer, dtype)
+  x, (k, v), head = forward_hidden(plan, hparams, weights, tokens,
+                                   positions, per_layer, dtype)
+  logits = head(x)  # or head(x[:, t0:t1]): those positions' logits
 
 `plan.kind` picks the per-device layer code (`weight_stationary` for ws_1d
 and ws_2d, `weight_gathered` for wg). Inputs: the weights' local shards
@@ -14,6 +15,8 @@ D] split like the KV cache.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
@@ -38,7 +41,7 @@ def layers_module(plan: Plan):
   raise ValueError(f"no per-device layers for layout kind {plan.kind}")
 
 
-def forward(
+def forward_hidden(
   plan: Plan,
   hparams: HParams,
   weights: Weights,
@@ -57,4 +60,4 @@ def forward(
     return mod.layer(plan, hparams, w, x, positions, pieces, sites[i])
 
   x, kv = transformer.run_layers(step, x, weights.layers, per_layer)
-  return mod.unembed(plan, hparams, weights, x), kv
+  return x, kv, functools.partial(mod.unembed, plan, hparams, weights)

@@ -9,6 +9,7 @@ device's view of the arrays; sharded layouts add collectives around it.
     ...
   logits, (k, v) = forward(h, weights, tokens, positions, attend, per_layer)
   # logits f32[B, T, vocab]; k, v [layers, B, T, kv_heads, head_dim]
+  x, (k, v), head = forward_hidden(...)  # head(x[:, t0:t1]): those logits
 
 Numerics follow Hugging Face's Llama: RMSNorm in f32, scale applied after
 normalisation; RoPE angles `position * base**(-2i/head_dim)` in f32 with the
@@ -17,6 +18,7 @@ rotate-half pairing (i, i + head_dim/2); logits in f32.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -217,7 +219,7 @@ def unembed(hparams: HParams, weights: Weights, x: jax.Array) -> jax.Array:
   return softcap(logits, hparams.final_softcap)
 
 
-def forward(
+def forward_hidden(
   hparams: HParams,
   weights: Weights,
   tokens: jax.Array,
@@ -236,8 +238,10 @@ def forward(
       caches), or None; `attend` gets layer i's entry.
     dtype: activation dtype of the residual stream.
   Returns:
-    logits f32[B, T, vocab] and (k, v), each [layers, B, T, kv_heads,
-    head_dim], the chunk's keys and values.
+    (x, (k, v), head): the last layer's output x [B, T, d_model]; k, v,
+    each [layers, B, T, kv_heads, head_dim], the chunk's keys and values;
+    and `head`, which maps x (or any slice of its positions) to f32 logits
+    [B, t, vocab], each position on its own (`unembed`).
   """
   weights, adapters = lora.unwrap(weights)
   weights = lora.attach(weights, adapters)
@@ -253,7 +257,14 @@ def forward(
     return layer(x, w, positions, extra, layer_sites[i])
 
   x, kv = run_layers(step, x, weights.layers, per_layer)
-  return unembed(hparams, weights, x), kv
+  return x, kv, functools.partial(unembed, hparams, weights)
+
+
+def forward(*args, **kwargs) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  """`forward_hidden`, then every position's logits: (logits f32[B, T,
+  vocab], (k, v))."""
+  x, kv, head = forward_hidden(*args, **kwargs)
+  return head(x), kv
 
 
 # Layers traced once (`traced_once`); False traces each layer apart, the

@@ -157,7 +157,7 @@ class ReferenceEngine:
       )
 
     self._prefill = jax.jit(
-      traced(prefill.prefill), static_argnames=("top_n", "bos_id")
+      traced(prefill.prefill), static_argnames=("top_n", "bos_id", "scores")
     )
     self._init = jax.jit(
       traced(generate.init),
@@ -244,15 +244,17 @@ class ReferenceEngine:
     *,
     top_n,
     bos_id,
+    scores: bool = True,
     adapters=None,
     compile_only: bool = False,
   ):
     """With `compile_only`, compiles the program and returns None."""
     args = (self._weights(adapters), caches, prev, chunk)
+    static = dict(top_n=top_n, bos_id=bos_id, scores=scores)
     if compile_only:
-      self._prefill.lower(*args, top_n=top_n, bos_id=bos_id).compile()
+      self._prefill.lower(*args, **static).compile()
       return None
-    return self._prefill(*args, top_n=top_n, bos_id=bos_id)
+    return self._prefill(*args, **static)
 
   def init(self, caches, prev, adapters=None, **static):
     return self._init(self._weights(adapters), caches, prev, **static)

@@ -237,6 +237,7 @@ class ShardedEngine(MeshPrograms):
     *,
     top_n: int,
     bos_id: int,
+    scores: bool = True,
     adapters=None,
     compile_only: bool = False,
   ):
@@ -254,11 +255,13 @@ class ShardedEngine(MeshPrograms):
       bos_id=bos_id,
       shards=self._shards(plan),
       prev_split=prev_split,
+      scores=scores,
     )
 
     out_specs = resolve_tree(ChunkResult.axes(), rules)
+    key = (plan, top_n, bos_id, scores, prev is not None, adapter_key)
     program = self._program(
-      ("prefill", plan, top_n, bos_id, prev is not None, adapter_key),
+      ("prefill", *key),
       per_device,
       (weight_specs, cache_specs, prev_spec, chunk_spec),
       out_specs,
