@@ -516,6 +516,10 @@ ACT8_CASES = [
   (4, 72, 50, "int8", False, 12, False, False),  # blocks of 12
   (3, 36, 20, "int8", True, 6, False, False),  # 6: the portable loops
   (3, 96, 20, "u4", True, 16, False, True),  # n-major u4 of 16: portable
+  # 8 rows and more: x86 tiles read each strip's quads from a packed copy
+  (12, 128, 70, "u4", False, 16, True, False),  # u4 blocks of 16, a tail
+  (8, 576, 130, "int8", False, 576, False, False),  # our int8, packed
+  (10, 72, 50, "int8", False, 12, True, True),  # blocks of 12, packed
 ]
 
 

@@ -16,6 +16,8 @@
 // int32 sums and their f32 chains stay in that order for a whole tile,
 // the scales are put in it once per group and the chains back in order at
 // the tile's end (a 4 x 4, or 2 x 2, transpose of 128-bit chunks).
+// A prefill's tiles (8 rows or more) read each strip's quads from a copy
+// made once a call (`strip_quads`), a decode's from the rows themselves.
 // Products: VNNI's vpdpbusd, AVX-512's or AVX-VNNI's (unsigned x signed
 // bytes: u4 codes as they are, int8 codes + 128, the block's 128 x sum(q)
 // taken back in int32), else vpmaddubsw + vpmaddwd (int8 codes as |w|
@@ -142,6 +144,23 @@ CW_INLINE int32_t quad_bits(const int8_t* q) {  // 4 int8 as one int32
   return v;
 }
 
+// x86 prefills (at least kQuadRows rows) shuffle each strip's weights into
+// the tiles' quads once (`strip_quads`, a thread's copy in L2), and every
+// row tile reads them from there; a decode's one row reads the weights
+// where they are. The same quads either way: the same bits.
+constexpr i64 kQuadRows = 8;
+inline bool pack_strips(const Problem& p) { return p.M >= kQuadRows; }
+
+// `pack(out)` fills a thread's copy of K / 4 x 4 vectors Q (64-byte
+// aligned), which it returns.
+template <class Q, class Pack>
+const Q* strip_quads(const Problem& p, Pack pack) {
+  thread_local LineBuffer<int8_t> buf;
+  Q* out = reinterpret_cast<Q*>(buf.get(static_cast<size_t>(p.K) * sizeof(Q)));
+  pack(out);
+  return out;
+}
+
 #if defined(CW_ISA_AVX512)
 // ---- AVX-512 -------------------------------------------------------------------
 
@@ -194,14 +213,65 @@ CW_INLINE void load_permuted(const uint16_t* p, i64 cols, __m512* v) {
   chunks4x4(v);
 }
 
+// Inputs k .. k + 3 of columns [n, n + 64) (those past `bm` zero) as the
+// tiles' quads: byte rows k / 2 and k / 2 + 1 (u4) or rows k .. k + 3
+// (int8, + 128 under VNNI) interleaved within each 128-bit lane.
+template <bool U4>
+CW_INLINE void kmajor_quads(const Problem& p, const int8_t* w, i64 k, i64 n, __mmask64 bm,
+                            bool ahead, __m512i* wq) {
+  const __m512i nib = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(-128);
+  const i64 N = p.N;
+  if (U4) {
+    const int8_t* r = w + k / 2 * N + n;
+    if (ahead) {  // these rows' next lines, for the next strip
+      prefetch(r + 64);
+      prefetch(r + N + 64);
+    }
+    const __m512i a = _mm512_maskz_loadu_epi8(bm, r), c = _mm512_maskz_loadu_epi8(bm, r + N);
+    const __m512i l = _mm512_unpacklo_epi8(a, c), h = _mm512_unpackhi_epi8(a, c);
+    const __m512i l0 = _mm512_and_si512(l, nib), l1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), nib);
+    const __m512i h0 = _mm512_and_si512(h, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(h, 4), nib);
+    wq[0] = _mm512_unpacklo_epi16(l0, l1);
+    wq[1] = _mm512_unpackhi_epi16(l0, l1);
+    wq[2] = _mm512_unpacklo_epi16(h0, h1);
+    wq[3] = _mm512_unpackhi_epi16(h0, h1);
+    return;
+  }
+  const int8_t* r = w + k * N + n;
+  if (ahead)
+    for (int i = 0; i < 4; ++i) prefetch(r + i * N + 64);
+  __m512i a[4];
+  for (int i = 0; i < 4; ++i) a[i] = _mm512_maskz_loadu_epi8(bm, r + i * N);
+  const __m512i l01 = _mm512_unpacklo_epi8(a[0], a[1]), h01 = _mm512_unpackhi_epi8(a[0], a[1]);
+  const __m512i l23 = _mm512_unpacklo_epi8(a[2], a[3]), h23 = _mm512_unpackhi_epi8(a[2], a[3]);
+  wq[0] = _mm512_unpacklo_epi16(l01, l23);
+  wq[1] = _mm512_unpackhi_epi16(l01, l23);
+  wq[2] = _mm512_unpacklo_epi16(h01, h23);
+  wq[3] = _mm512_unpackhi_epi16(h01, h23);
+  if (kBias)
+    for (int q = 0; q < 4; ++q) wq[q] = _mm512_xor_si512(wq[q], bias);
+}
+
+using Quads = __m512i;
+
+// A strip's quads, every input's, in `packed` (K / 4 x 4 vectors): a
+// prefill's row tiles then read them, not the rows and their shuffles.
+void kmajor_pack_q8(const Problem& p, const int8_t* w, i64 n, i64 cols, Quads* packed) {
+  const __mmask64 bm = cols >= 64 ? ~__mmask64{0} : (__mmask64{1} << cols) - 1;
+  for (i64 k = 0; k < p.K; k += 4)
+    p.u4() ? kmajor_quads<true>(p, w, k, n, bm, true, packed + k)
+           : kmajor_quads<false>(p, w, k, n, bm, true, packed + k);
+}
+
 // k-major: rows [m0, m0 + MR) x columns [n, n + cols) (cols <= 64; a
 // narrower tail read under a mask) of batch g, from their chains in `out`
-// and back.
+// and back; the weights' quads from `packed` (`kmajor_pack_q8`) unless
+// it is null.
 template <int MR, bool U4>
 void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols,
+                    const Quads* packed) {
   const __mmask64 bm = cols >= 64 ? ~__mmask64{0} : (__mmask64{1} << cols) - 1;
-  const __m512i nib = _mm512_set1_epi8(15), bias = _mm512_set1_epi8(-128);
   const i64 N = p.N, A = xq.A;
   __m512 chain[MR][4], sc[4];
   for (int m = 0; m < MR; ++m) load_permuted(p.orow(g, m0 + m) + n, cols, chain[m]);
@@ -226,34 +296,10 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
     for (i64 t = 0; t < A; t += 4) {
       const i64 k = k0 + t;
       __m512i wq[4];
-      if (U4) {  // byte rows k / 2 and k / 2 + 1: inputs k .. k + 3
-        const int8_t* r = w + k / 2 * N + n;
-        if ((n & 63) == 0) {  // these rows' next lines, for the next strip
-          prefetch(r + 64);
-          prefetch(r + N + 64);
-        }
-        const __m512i a = _mm512_maskz_loadu_epi8(bm, r), c = _mm512_maskz_loadu_epi8(bm, r + N);
-        const __m512i l = _mm512_unpacklo_epi8(a, c), h = _mm512_unpackhi_epi8(a, c);
-        const __m512i l0 = _mm512_and_si512(l, nib), l1 = _mm512_and_si512(_mm512_srli_epi16(l, 4), nib);
-        const __m512i h0 = _mm512_and_si512(h, nib), h1 = _mm512_and_si512(_mm512_srli_epi16(h, 4), nib);
-        wq[0] = _mm512_unpacklo_epi16(l0, l1);
-        wq[1] = _mm512_unpackhi_epi16(l0, l1);
-        wq[2] = _mm512_unpacklo_epi16(h0, h1);
-        wq[3] = _mm512_unpackhi_epi16(h0, h1);
+      if (packed != nullptr) {
+        for (int q = 0; q < 4; ++q) wq[q] = _mm512_load_si512(packed + k + q);
       } else {
-        const int8_t* r = w + k * N + n;
-        if ((n & 63) == 0)
-          for (int i = 0; i < 4; ++i) prefetch(r + i * N + 64);
-        __m512i a[4];
-        for (int i = 0; i < 4; ++i) a[i] = _mm512_maskz_loadu_epi8(bm, r + i * N);
-        const __m512i l01 = _mm512_unpacklo_epi8(a[0], a[1]), h01 = _mm512_unpackhi_epi8(a[0], a[1]);
-        const __m512i l23 = _mm512_unpacklo_epi8(a[2], a[3]), h23 = _mm512_unpackhi_epi8(a[2], a[3]);
-        wq[0] = _mm512_unpacklo_epi16(l01, l23);
-        wq[1] = _mm512_unpackhi_epi16(l01, l23);
-        wq[2] = _mm512_unpacklo_epi16(h01, h23);
-        wq[3] = _mm512_unpackhi_epi16(h01, h23);
-        if (kBias)
-          for (int q = 0; q < 4; ++q) wq[q] = _mm512_xor_si512(wq[q], bias);
+        kmajor_quads<U4>(p, w, k, n, bm, (n & 63) == 0, wq);
       }
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(quad_bits(xb[m] + t));
@@ -295,9 +341,10 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
 
 template <int MR>
 void kmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
-  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols);
-  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols,
+                    const Quads* packed) {
+  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols, packed);
+  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols, packed);
 }
 
 // k-major: columns [n0, n1) of batch g, every row: strips of 64 columns,
@@ -306,14 +353,17 @@ void kmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
   const Scales s{p.scale(g), p.s16}, o{p.offset(g), p.o16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  const Quads* packed = nullptr;
   for (i64 n = n0; n < n1; n += 64) {
     const i64 cols = std::min<i64>(64, n1 - n);
+    if (pack_strips(p))
+      packed = strip_quads<Quads>(p, [&](Quads* out) { kmajor_pack_q8(p, w, n, cols, out); });
     i64 m = 0;
-    for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, n, cols);
+    for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, n, cols, packed);
     switch (p.M - m) {
-      case 3: kmajor_rows_q8<3>(p, xq, g, w, s, o, m, n, cols); break;
-      case 2: kmajor_rows_q8<2>(p, xq, g, w, s, o, m, n, cols); break;
-      case 1: kmajor_rows_q8<1>(p, xq, g, w, s, o, m, n, cols); break;
+      case 3: kmajor_rows_q8<3>(p, xq, g, w, s, o, m, n, cols, packed); break;
+      case 2: kmajor_rows_q8<2>(p, xq, g, w, s, o, m, n, cols, packed); break;
+      case 1: kmajor_rows_q8<1>(p, xq, g, w, s, o, m, n, cols, packed); break;
       default: break;
     }
   }
@@ -515,12 +565,62 @@ CW_INLINE void load_rows(const int8_t* r, i64 stride, int rows, i64 cols, __m256
   }
 }
 
+// Inputs k .. k + 3 of columns [n, n + cols) (cols <= 32; the rest zero)
+// as the tiles' quads: byte rows k / 2 and k / 2 + 1 (u4) or rows k ..
+// k + 3 (int8, + 128 under AVX-VNNI) interleaved within each 128-bit lane.
+template <bool U4>
+CW_INLINE void kmajor_quads(const Problem& p, const int8_t* w, i64 k, i64 n, i64 cols, bool ahead,
+                            __m256i* wq) {
+  const __m256i nib = _mm256_set1_epi8(15);
+  const i64 N = p.N;
+  if (U4) {
+    __m256i a[2];
+    const int8_t* r = w + k / 2 * N + n;
+    if (ahead) {  // these rows' next lines, for the next strip
+      prefetch(r + 64);
+      prefetch(r + N + 64);
+    }
+    load_rows(r, N, 2, cols, a);
+    const __m256i l = _mm256_unpacklo_epi8(a[0], a[1]), h = _mm256_unpackhi_epi8(a[0], a[1]);
+    const __m256i l0 = _mm256_and_si256(l, nib), l1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), nib);
+    const __m256i h0 = _mm256_and_si256(h, nib), h1 = _mm256_and_si256(_mm256_srli_epi16(h, 4), nib);
+    wq[0] = _mm256_unpacklo_epi16(l0, l1);
+    wq[1] = _mm256_unpackhi_epi16(l0, l1);
+    wq[2] = _mm256_unpacklo_epi16(h0, h1);
+    wq[3] = _mm256_unpackhi_epi16(h0, h1);
+    return;
+  }
+  __m256i a[4];
+  const int8_t* r = w + k * N + n;
+  if (ahead)
+    for (int i = 0; i < 4; ++i) prefetch(r + i * N + 64);
+  load_rows(r, N, 4, cols, a);
+  const __m256i l01 = _mm256_unpacklo_epi8(a[0], a[1]), h01 = _mm256_unpackhi_epi8(a[0], a[1]);
+  const __m256i l23 = _mm256_unpacklo_epi8(a[2], a[3]), h23 = _mm256_unpackhi_epi8(a[2], a[3]);
+  wq[0] = _mm256_unpacklo_epi16(l01, l23);
+  wq[1] = _mm256_unpackhi_epi16(l01, l23);
+  wq[2] = _mm256_unpacklo_epi16(h01, h23);
+  wq[3] = _mm256_unpackhi_epi16(h01, h23);
+  if (kBias)
+    for (int q = 0; q < 4; ++q) wq[q] = _mm256_xor_si256(wq[q], _mm256_set1_epi8(-128));
+}
+
+using Quads = __m256i;
+
+// A strip's quads, every input's, in `packed` (K / 4 x 4 vectors).
+void kmajor_pack_q8(const Problem& p, const int8_t* w, i64 n, i64 cols, Quads* packed) {
+  for (i64 k = 0; k < p.K; k += 4)
+    p.u4() ? kmajor_quads<true>(p, w, k, n, cols, true, packed + k)
+           : kmajor_quads<false>(p, w, k, n, cols, true, packed + k);
+}
+
 // k-major: rows [m0, m0 + MR) x columns [n, n + cols) (cols <= 32) of
-// batch g, from their chains in `out` and back.
+// batch g, from their chains in `out` and back; the weights' quads from
+// `packed` (`kmajor_pack_q8`) unless it is null.
 template <int MR, bool U4>
 void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
-  const __m256i nib = _mm256_set1_epi8(15);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols,
+                    const Quads* packed) {
   const i64 N = p.N, A = xq.A;
   __m256 chain[MR][4], sc[4];
   for (int m = 0; m < MR; ++m) {
@@ -550,37 +650,13 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
     for (i64 t = 0; t < A; t += 4) {
       const i64 k = k0 + t;
       __m256i wq[4], wabs[4];
-      if (U4) {  // byte rows k / 2 and k / 2 + 1: inputs k .. k + 3
-        __m256i a[2];
-        const int8_t* r = w + k / 2 * N + n;
-        if ((n & 63) == 0) {  // these rows' next lines, for the next strip
-          prefetch(r + 64);
-          prefetch(r + N + 64);
-        }
-        load_rows(r, N, 2, cols, a);
-        const __m256i l = _mm256_unpacklo_epi8(a[0], a[1]), h = _mm256_unpackhi_epi8(a[0], a[1]);
-        const __m256i l0 = _mm256_and_si256(l, nib), l1 = _mm256_and_si256(_mm256_srli_epi16(l, 4), nib);
-        const __m256i h0 = _mm256_and_si256(h, nib), h1 = _mm256_and_si256(_mm256_srli_epi16(h, 4), nib);
-        wq[0] = _mm256_unpacklo_epi16(l0, l1);
-        wq[1] = _mm256_unpackhi_epi16(l0, l1);
-        wq[2] = _mm256_unpacklo_epi16(h0, h1);
-        wq[3] = _mm256_unpackhi_epi16(h0, h1);
+      if (packed != nullptr) {
+        for (int q = 0; q < 4; ++q) wq[q] = _mm256_load_si256(packed + k + q);
       } else {
-        __m256i a[4];
-        const int8_t* r = w + k * N + n;
-        if ((n & 63) == 0)
-          for (int i = 0; i < 4; ++i) prefetch(r + i * N + 64);
-        load_rows(r, N, 4, cols, a);
-        const __m256i l01 = _mm256_unpacklo_epi8(a[0], a[1]), h01 = _mm256_unpackhi_epi8(a[0], a[1]);
-        const __m256i l23 = _mm256_unpacklo_epi8(a[2], a[3]), h23 = _mm256_unpackhi_epi8(a[2], a[3]);
-        wq[0] = _mm256_unpacklo_epi16(l01, l23);
-        wq[1] = _mm256_unpackhi_epi16(l01, l23);
-        wq[2] = _mm256_unpacklo_epi16(h01, h23);
-        wq[3] = _mm256_unpackhi_epi16(h01, h23);
-        for (int q = 0; q < 4; ++q)
-          if (kBias) wq[q] = _mm256_xor_si256(wq[q], _mm256_set1_epi8(-128));
-          else wabs[q] = _mm256_abs_epi8(wq[q]);
+        kmajor_quads<U4>(p, w, k, n, cols, (n & 63) == 0, wq);
       }
+      if (!U4 && !kBias)
+        for (int q = 0; q < 4; ++q) wabs[q] = _mm256_abs_epi8(wq[q]);
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = _mm256_set1_epi32(quad_bits(xb[m] + t));
         if (U4 && !kBias && A <= 32) {  // int16 pair sums, widened once a block (above)
@@ -631,9 +707,10 @@ void kmajor_tile_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t
 
 template <int MR>
 void kmajor_rows_q8(const Problem& p, const QuantizedX8& xq, i64 g, const int8_t* w,
-                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols) {
-  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols);
-  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols);
+                    const Scales& s, const Scales& o, i64 m0, i64 n, i64 cols,
+                    const Quads* packed) {
+  if (p.u4()) kmajor_tile_q8<MR, true>(p, xq, g, w, s, o, m0, n, cols, packed);
+  else kmajor_tile_q8<MR, false>(p, xq, g, w, s, o, m0, n, cols, packed);
 }
 
 // k-major: columns [n0, n1) of batch g, every row: strips of 64 columns
@@ -642,13 +719,25 @@ void kmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
   const int8_t* w = p.weight<int8_t>(g);
   const Scales s{p.scale(g), p.s16}, o{p.offset(g), p.o16};
   for (i64 m = 0; m < p.M; ++m) int8_start(p, g, m, n0, n1);
+  if (pack_strips(p)) {  // a strip of 32 columns a copy (48 KiB at K = 1536)
+    for (i64 c = n0; c < n1; c += 32) {
+      const i64 cols = std::min<i64>(32, n1 - c);
+      const Quads* packed =
+          strip_quads<Quads>(p, [&](Quads* out) { kmajor_pack_q8(p, w, c, cols, out); });
+      i64 m = 0;
+      for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, c, cols, packed);
+      if (m < p.M) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, cols, packed);
+    }
+    return;
+  }
   for (i64 n = n0; n < n1; n += 64) {
     const i64 e = std::min(n1, n + 64);
     i64 m = 0;
     for (; m + kMR8a <= p.M; m += kMR8a)
-      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c));
+      for (i64 c = n; c < e; c += 32)
+        kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c), nullptr);
     if (m < p.M)
-      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c));
+      for (i64 c = n; c < e; c += 32) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, std::min<i64>(32, e - c), nullptr);
   }
 }
 
