@@ -725,8 +725,9 @@ void kmajor_q8(const Problem& p, const QuantizedX8& xq, i64 g, i64 n0, i64 n1) {
       const Quads* packed =
           strip_quads<Quads>(p, [&](Quads* out) { kmajor_pack_q8(p, w, c, cols, out); });
       i64 m = 0;
-      for (; m + kMR8a <= p.M; m += kMR8a) kmajor_rows_q8<kMR8a>(p, xq, g, w, s, o, m, c, cols, packed);
-      if (m < p.M) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, cols, packed);
+      // 3 rows a tile: the quads come from L1, so registers go to sums
+      for (; m + 3 <= p.M; m += 3) kmajor_rows_q8<3>(p, xq, g, w, s, o, m, c, cols, packed);
+      for (; m < p.M; ++m) kmajor_rows_q8<1>(p, xq, g, w, s, o, m, c, cols, packed);
     }
     return;
   }
