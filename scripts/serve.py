@@ -42,6 +42,7 @@ from chunkwise import compile_cache, jobs, serving
 from chunkwise.checkpoints.chat_template import ChatTemplate
 from chunkwise.constraints import worker
 from chunkwise.jobs import cli, model_flags, sampling_flags
+from chunkwise.serving import response_store
 
 MODEL = model_flags.ModelFlags()
 HOSTS = model_flags.MultiHostFlags()
@@ -227,6 +228,26 @@ _CHAT_TEMPLATE = flags.DEFINE_string(
   "transformers renders it, sandboxed). Tool calls take the format it "
   "asks for (docs/serving.md#tools).",
 )
+_STATE_DIR = flags.DEFINE_string(
+  "state_dir",
+  None,
+  "Directory of the server's state: the Responses API's stored responses "
+  "(responses.sqlite3; default: $CHUNKWISE_STATE_DIR, else "
+  "~/.cache/chunkwise/state); '' keeps none (store is then ignored and "
+  "previous_response_id refused).",
+)
+_RESPONSES_MAX_MB = flags.DEFINE_float(
+  "responses_max_mb",
+  256.0,
+  "Most megabytes of stored responses; past it the oldest are deleted.",
+  lower_bound=0.001,
+)
+_RESPONSES_MAX_DAYS = flags.DEFINE_float(
+  "responses_max_days",
+  30.0,
+  "Stored responses older than this many days are deleted.",
+  lower_bound=0.0001,
+)
 _MODEL_ID = flags.DEFINE_string(
   "model_id", None, "The base model's name in the APIs (default: --model)."
 )
@@ -250,6 +271,20 @@ def main(argv):
       ChatTemplate(chat_template, _CHAT_TEMPLATE.value).check()
     except (OSError, UnicodeDecodeError, ValueError) as e:
       cli.fail(f"--chat_template={_CHAT_TEMPLATE.value}: {e}")
+  store = None
+  state_dir = _STATE_DIR.value
+  if state_dir is None:
+    state_dir = response_store.default_dir()
+  if state_dir:  # opened before any model is loaded: a bad one fails fast
+    try:
+      store = response_store.ResponseStore(
+        state_dir,
+        max_mb=_RESPONSES_MAX_MB.value,
+        max_days=_RESPONSES_MAX_DAYS.value,
+      )
+    except ValueError as e:
+      cli.fail(f"--state_dir={state_dir}: {e}")
+    logging.info("stored responses: %s", store.path)
   try:
     process, _ = jobs.start_processes(HOSTS.config())
     model = jobs.load_served(MODEL.config())
@@ -299,6 +334,7 @@ def main(argv):
     compile_budget_s=_COMPILE_BUDGET.value,
     chat_template=chat_template,
     chat_template_source=_CHAT_TEMPLATE.value or "--chat_template",
+    responses_store=store,
   )
 
   def ready(port):

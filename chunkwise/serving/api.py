@@ -130,6 +130,9 @@ class Context:
   # A chat template (Jinja text) in place of the model's own (--chat_template)
   chat_template: str | None = None
   chat_template_source: str = "--chat_template"
+  # Stored Responses API responses (`response_store.ResponseStore`; None:
+  # nothing kept, previous_response_id refused)
+  responses_store: Any = None
 
   def __post_init__(self):
     self._bytes = token_bytes(self.model.vocab)

@@ -45,6 +45,7 @@ from chunkwise.serving import (
 )
 from chunkwise.serving.admission import Admission
 from chunkwise.serving.api import ApiError, Context, dumps
+from chunkwise.serving.faces import responses as faces_responses
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
   ERROR,
@@ -375,6 +376,66 @@ class Server:
       lambda: _json_response(openai_api.chat(call, self.ctx, streams))
     )
 
+  # -- Responses API (faces/responses.py) -----------------------------------
+
+  async def responses(self, request: web.Request):
+    body = await self.admit.body(request, _status(request))
+    budget = self.admit.budget()
+    store = self.ctx.responses_store
+    turn = await self.admit.parse(
+      lambda b, ctx: faces_responses.parse(b, ctx, store), body, budget, 400
+    )
+    streams = await self._start_all(turn.call, budget)
+    if turn.stream:
+      return await sse.responses_events(request, turn, streams, self.ctx)
+    await asyncio.gather(*(self._finish(s) for s in streams.values()))
+    self._check_failed(streams)
+
+    def build():
+      chat = openai_api.chat(turn.call, self.ctx, streams)
+      out = faces_responses.response(turn, chat)
+      faces_responses.keep(turn, out, store)
+      return _json_response(out)
+
+    return await self.admit.work(build)
+
+  def _stored(self, request: web.Request):
+    store = self.ctx.responses_store
+    rid = request.match_info["rid"]
+    if store is None:
+      raise ApiError(404, "this server keeps no responses", api.NOT_FOUND)
+    return store, rid
+
+  async def response_get(self, request: web.Request):
+    store, rid = self._stored(request)
+    out = await self.admit.work(lambda: store.get(rid))
+    if out is None:
+      raise ApiError(404, f"no stored response {rid!r:.80}", api.NOT_FOUND)
+    return _json_response(out)
+
+  async def response_input_items(self, request: web.Request):
+    store, rid = self._stored(request)
+    items = await self.admit.work(lambda: store.input_items(rid))
+    if items is None:
+      raise ApiError(404, f"no stored response {rid!r:.80}", api.NOT_FOUND)
+    if request.query.get("order", "desc") == "desc":
+      items = items[::-1]
+    return _json_response(
+      {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+      }
+    )
+
+  async def response_delete(self, request: web.Request):
+    store, rid = self._stored(request)
+    if not await self.admit.work(lambda: store.delete(rid)):
+      raise ApiError(404, f"no stored response {rid!r:.80}", api.NOT_FOUND)
+    return _json_response({"id": rid, "object": "response", "deleted": True})
+
   async def _start_all(self, call, budget) -> dict[int, TokenStream]:
     choices = [c for c in call.choices if c.generation is not None]
     self.admit.check_room(len(choices))
@@ -416,6 +477,10 @@ class Server:
         web.post("/generate_stream", self.native_stream),
         web.post("/v1/completions", self.completions),
         web.post("/v1/chat/completions", self.chat),
+        web.post("/v1/responses", self.responses),
+        web.get("/v1/responses/{rid}", self.response_get),
+        web.get("/v1/responses/{rid}/input_items", self.response_input_items),
+        web.delete("/v1/responses/{rid}", self.response_delete),
         *explore.Explorer().routes(),
       ]
     )

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from chunkwise.serving import api, native, openai_api, tool_calls
 from chunkwise.serving.api import Context, dumps
-from chunkwise.serving.stream import ERROR, TokenStream
+from chunkwise.serving.stream import ERROR, LENGTH, TokenStream
 
 _SSE_HEADERS = {
   "Content-Type": "text/event-stream",
@@ -106,6 +106,31 @@ async def openai_events(
   response = await open_sse(request, ctx.write_timeout_s)
   rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
   created = int(time.time())
+  try:
+    async for chunk in openai_chunks(call, streams, ctx, chat, rid, created):
+      await send(response, chunk)
+    if call.include_usage:
+      generated = sum(len(s.tokens) for s in streams.values())
+      obj = "chat.completion.chunk" if chat else "text_completion"
+      await send(
+        response, openai_api.usage_chunk(call, rid, created, obj, generated)
+      )
+    await write(response, b"data: [DONE]\n\n")
+  except (asyncio.CancelledError, ConnectionResetError):
+    for s in streams.values():
+      s.cancel()
+    raise
+  await close(response)
+  return response
+
+
+async def openai_chunks(
+  call, streams: dict[int, TokenStream], ctx: Context, chat: bool, rid, created
+):
+  """The chunks of an OpenAI stream (chat or completion objects, or an
+  error object for a choice that failed), as each choice's text is safe
+  to show; what every OpenAI-shaped stream (the Responses API's too) is
+  written from. Closing it early stops its pumps, not the streams."""
   queue: asyncio.Queue = asyncio.Queue()
 
   async def pump(index: int, s: TokenStream):
@@ -133,35 +158,29 @@ async def openai_events(
   try:
     if chat:
       for i in sorted(streams):
-        await send(
-          response,
-          openai_api.chat_chunk(
-            call,
-            rid,
-            created,
-            i,
-            # with tools: null until the answer is text (else calls)
-            {"role": "assistant", "content": None if calls else ""},
-            None,
-            None,
-          ),
+        yield openai_api.chat_chunk(
+          call,
+          rid,
+          created,
+          i,
+          # with tools: null until the answer is text (else calls)
+          {"role": "assistant", "content": None if calls else ""},
+          None,
+          None,
         )
     while open_:
       index, s, final = await queue.get()
       if index not in open_:
         continue
       if final and s.finish_reason == ERROR:
-        await send(
-          response,
-          {
-            "error": {
-              "message": api.scrub(f"generation failed: {s.error}"),
-              "type": "InternalServerError",
-              "param": None,
-              "code": 500,
-            }
-          },
-        )
+        yield {
+          "error": {
+            "message": api.scrub(f"generation failed: {s.error}"),
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+          }
+        }
         open_.discard(index)
         continue
       if index in calls:  # tools: content or calls, as they come
@@ -196,16 +215,15 @@ async def openai_events(
         )
       if not chat:
         if text or finish or logprobs:
-          chunk = openai_api.completion_chunk(
+          yield openai_api.completion_chunk(
             call, rid, created, index, text, finish, logprobs
           )
-          await send(response, chunk)
       else:
         if not deltas and (finish or logprobs):
           deltas = [{}]
         last = len(deltas) - 1
         for k, delta in enumerate(deltas):
-          chunk = openai_api.chat_chunk(
+          yield openai_api.chat_chunk(
             call,
             rid,
             created,
@@ -214,23 +232,63 @@ async def openai_events(
             finish if k >= last else None,
             logprobs if k == 0 else None,
           )
-          await send(response, chunk)
       if final:
         open_.discard(index)
-    if call.include_usage:
-      generated = sum(len(s.tokens) for s in streams.values())
-      obj = "chat.completion.chunk" if chat else "text_completion"
-      await send(
-        response, openai_api.usage_chunk(call, rid, created, obj, generated)
-      )
-    await write(response, b"data: [DONE]\n\n")
-  except (asyncio.CancelledError, ConnectionResetError):
-    for s in streams.values():
-      s.cancel()
-    raise
   finally:
     for t in tasks:
       t.cancel()
+
+
+async def responses_events(
+  request, turn, streams: dict[int, TokenStream], ctx: Context
+) -> web.StreamResponse:
+  """Streams a Responses API turn: `event: <type>` and its data, from the
+  chat chunks of the same request (`faces.responses.Events`); the whole
+  response is stored (when asked) before `response.completed` is sent."""
+  from chunkwise.serving.faces import responses
+
+  response = await open_sse(request, ctx.write_timeout_s)
+  events = responses.Events(turn)
+  rid, created = turn.id, turn.created_at
+  (s,) = streams.values()
+
+  async def emit(batch):
+    for e in batch:
+      await write(
+        response,
+        b"event: " + e["type"].encode() + b"\ndata: " + dumps(e) + b"\n\n",
+      )
+
+  try:
+    await emit(events.start())
+    try:
+      async for chunk in openai_chunks(
+        turn.call, streams, ctx, True, rid, created
+      ):
+        await emit(events.chunk(chunk))
+    except RuntimeError as e:  # the generation failed
+      await emit(
+        [
+          {
+            "type": "error",
+            "sequence_number": events.seq,
+            "code": "server_error",
+            "message": api.scrub(str(e)),
+            "param": None,
+          }
+        ]
+      )
+      await close(response)
+      return response
+    usage = responses.usage_of(turn, len(s.tokens))
+    final, body = events.finish(s.finish_reason == LENGTH, usage)
+    await asyncio.get_running_loop().run_in_executor(
+      None, responses.keep, turn, body, ctx.responses_store
+    )
+    await emit(final)
+  except (asyncio.CancelledError, ConnectionResetError):
+    s.cancel()
+    raise
   await close(response)
   return response
 
