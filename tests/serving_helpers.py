@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -25,6 +26,10 @@ class Server:
 
   def __init__(self, *flags: str, timeout: float = 240.0, env=None):
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+    if not any(f.startswith("--state_dir") for f in flags):
+      # stored responses in a directory of the test's, not ~/.cache
+      self._state = tempfile.TemporaryDirectory(prefix="cw-state-")
+      env.setdefault("CHUNKWISE_STATE_DIR", self._state.name)
     self.proc = subprocess.Popen(
       [sys.executable, str(ROOT / "scripts" / "serve.py"), "--port=0", *flags],
       stdout=subprocess.PIPE,
@@ -119,3 +124,42 @@ def running(*flags: str, env=None):
   finally:
     code = server.stop()
     assert code == 0, f"the server exited {code}:\n{server.log()[-3000:]}"
+
+
+def run_weather_agent(client, model_class: str, model: str) -> None:
+  """`openai-agents` runs one agent with one function tool against the
+  server (`client`'s) to completion, through `agents.<model_class>`
+  (OpenAIChatCompletionsModel, or OpenAIResponsesModel: its default)."""
+  import agents
+  import openai
+
+  agents.set_tracing_disabled(True)
+  calls = []
+
+  @agents.function_tool
+  def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    calls.append(city)
+    return f"18 degrees and sunny in {city}"
+
+  agent = agents.Agent(
+    name="weather",
+    instructions="Answer with the weather tool.",
+    tools=[get_weather],
+    model=getattr(agents, model_class)(
+      model=model,
+      openai_client=openai.AsyncOpenAI(
+        base_url=str(client.base_url), api_key="-", max_retries=0
+      ),
+    ),
+    model_settings=agents.ModelSettings(
+      tool_choice="required",
+      parallel_tool_calls=False,
+      temperature=0,
+      max_tokens=80,
+    ),
+    tool_use_behavior="stop_on_first_tool",
+  )
+  result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+  assert len(calls) == 1
+  assert result.final_output == f"18 degrees and sunny in {calls[0]}"

@@ -136,6 +136,37 @@ def test_counts_past_their_caps_are_400s_naming_the_flag(client):
   )
 
 
+def test_the_responses_route_has_the_same_caps(server, client):
+  """/v1/responses becomes a chat request: its input items (and a stored
+  conversation's) count as messages, its tools and text.format as tools
+  and schemas, before any work; its stored-response routes need the key."""
+  create = client.responses.create
+  user = {"role": "user", "content": "hi"}
+  _refused(
+    lambda: create(model=MODEL, input=[user] * 6, max_output_tokens=1),
+    400,
+    "6 `messages`",
+    "--max_messages",
+  )
+  flat = [dict(_tool(n)["function"], type="function") for n in "abc"]
+  _refused(
+    lambda: create(model=MODEL, input="hi", tools=flat, max_output_tokens=1),
+    400,
+    "3 `tools`",
+    "--max_tools",
+  )
+  big = {"type": "object", "description": "y" * 2000}
+  fmt = {"format": {"type": "json_schema", "name": "x", "schema": big}}
+  _refused(
+    lambda: create(model=MODEL, input="hi", text=fmt, max_output_tokens=1),
+    400,
+    "--max_schema_bytes",
+  )
+  for path in ("/v1/responses/resp_x", "/v1/responses/resp_x/input_items"):
+    assert server.get(path)[0] == 401
+    assert server.get(path, {"Authorization": f"Bearer {KEY}"})[0] == 404
+
+
 def test_the_native_routes_cap_stops_and_schemas(server):
   tgi = text_generation.Client(
     server.url, headers={"Authorization": f"Bearer {KEY}"}

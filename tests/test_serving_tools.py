@@ -11,7 +11,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving_helpers import running
+from tests.serving_helpers import run_weather_agent, running
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -254,38 +254,7 @@ def test_bad_tool_requests_are_400s(client, kw, match):
 def test_an_openai_agents_run_completes(client):
   """`openai-agents` (its chat-completions model) runs one agent with one
   function tool against the server to completion."""
-  import agents
-
-  agents.set_tracing_disabled(True)
-  calls = []
-
-  @agents.function_tool
-  def get_weather(city: str) -> str:
-    """The current weather in a city."""
-    calls.append(city)
-    return f"18 degrees and sunny in {city}"
-
-  agent = agents.Agent(
-    name="weather",
-    instructions="Answer with the weather tool.",
-    tools=[get_weather],
-    model=agents.OpenAIChatCompletionsModel(
-      model=MODEL,
-      openai_client=openai.AsyncOpenAI(
-        base_url=str(client.base_url), api_key="-", max_retries=0
-      ),
-    ),
-    model_settings=agents.ModelSettings(
-      tool_choice="required",
-      parallel_tool_calls=False,
-      temperature=0,
-      max_tokens=80,
-    ),
-    tool_use_behavior="stop_on_first_tool",
-  )
-  result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
-  assert len(calls) == 1
-  assert result.final_output == f"18 degrees and sunny in {calls[0]}"
+  run_weather_agent(client, "OpenAIChatCompletionsModel", MODEL)
 
 
 def test_tgis_own_client_calls_tools(client):

@@ -5,7 +5,8 @@
 
 Request bodies are the JSON schemas of the pydantic models the routes
 parse with (`native.Body`, `openai_requests.CompletionBody` /
-`ChatBody`), as pydantic writes them (`model_json_schema`), under
+`ChatBody`, `faces.responses.ResponsesBody`), as pydantic writes them
+(`model_json_schema`), under
 `#/components/schemas`: nothing here restates a field. The fields
 declare the fixed bounds their route enforces with messages of its own
 (`api.documented`); declared types can still be looser than what a
@@ -36,6 +37,7 @@ from pydantic import BaseModel, json_schema
 
 import chunkwise
 from chunkwise.serving import api, native, openai_requests
+from chunkwise.serving.faces import responses
 
 _REF = "#/components/schemas/{model}"
 
@@ -188,6 +190,40 @@ OPERATIONS = (
     {**_OBJECT, **_SSE},
     _OPENAI,
     openai_requests.ChatBody,
+    tag="openai",
+  ),
+  Operation(
+    "post",
+    "/v1/responses",
+    "Responses (OpenAI's Responses API); an SSE stream of its events when "
+    "`stream` is true",
+    {**_OBJECT, **_SSE},
+    _OPENAI,
+    responses.ResponsesBody,
+    tag="openai",
+  ),
+  Operation(
+    "get",
+    "/v1/responses/{rid}",
+    "A stored response (OpenAI)",
+    _OBJECT,
+    (404,),
+    tag="openai",
+  ),
+  Operation(
+    "get",
+    "/v1/responses/{rid}/input_items",
+    "A stored response's input items (OpenAI)",
+    _OBJECT,
+    (404,),
+    tag="openai",
+  ),
+  Operation(
+    "delete",
+    "/v1/responses/{rid}",
+    "Deletes a stored response (OpenAI)",
+    _OBJECT,
+    (404,),
     tag="openai",
   ),
   Operation(

@@ -88,6 +88,8 @@ def _bad(message: str) -> ApiError:
 
 def _check_extra(b: ResponsesBody) -> None:
   for name, value in (b.model_extra or {}).items():
+    if value is None:
+      continue  # (clients send unset fields as null)
     if name not in _HARMLESS:
       raise _bad(f"{name} is not supported by this server")
     if name == "truncation" and value not in (None, "disabled"):
