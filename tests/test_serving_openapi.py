@@ -104,15 +104,14 @@ def test_document_is_openapi_31_with_every_route(server):
 
 def _error(path: str, body: bytes) -> str:
   """The message of an error body in the shape of `path`'s API."""
-  v1 = path.startswith("/v1/")
-  model = openapi.OpenAIError if v1 else openapi.TgiError
+  model = openapi._error_model(path)
   try:
     error = model.model_validate_json(body).error
   except pydantic.ValidationError as e:
     raise AssertionError(
       f"not a {model.__name__}: {e}\n{body[:500]!r}"
     ) from None
-  return error.message if v1 else error
+  return error if model is openapi.TgiError else error.message
 
 
 def test_unpaired_surrogates_are_refused(server):
@@ -175,7 +174,7 @@ MESSAGES = st.lists(
   min_size=1,
   max_size=3,
 )
-REQUIRED = {"inputs", "model", "prompt", "messages"}
+REQUIRED = {"inputs", "model", "prompt", "messages", "input", "max_tokens"}
 
 
 def _few(fields) -> st.SearchStrategy:

@@ -40,6 +40,8 @@ from chunkwise.serving.stream import Closed, Generation, Overloaded, TokenStream
 # A body field whose reading may compile something (OpenAI's and vLLM's;
 # TGI's grammar is in "parameters").
 _COMPILING = ("tools", "functions", "response_format", "structured_outputs")
+# the Responses API's `text.format` and the Messages API's `output_config`
+_COMPILING += ("text", "output_config")
 
 
 def _may_compile(body: dict) -> bool:

@@ -45,6 +45,7 @@ from chunkwise.serving import (
 )
 from chunkwise.serving.admission import Admission
 from chunkwise.serving.api import ApiError, Context, dumps
+from chunkwise.serving.faces import messages as faces_messages
 from chunkwise.serving.faces import responses as faces_responses
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
@@ -67,6 +68,8 @@ _SSE_HEADERS = {
 
 def error_body(path: str, status: int, message: str, kind: str) -> dict:
   """An error in the shape of the API that `path` belongs to."""
+  if faces_messages.route(path):
+    return faces_messages.error_body(status, message)
   if api.openai_route(path):
     names = {
       400: "BadRequestError",
@@ -190,14 +193,18 @@ class Server:
         counted = True
       public = origin.public(request, self.public_openapi)
       if self.api_key is not None and not public:
-        given = request.headers.get("Authorization", "")
+        # `Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`
         # (bytes that are not UTF-8 compare as replaced, never a 500)
+        given = request.headers.get("Authorization", "")
+        keyed = request.headers.get("x-api-key")
+        if keyed is not None:
+          given = f"Bearer {keyed}"
         if not hmac.compare_digest(
           given.encode("utf-8", "replace"), f"Bearer {self.api_key}".encode()
         ):
           raise ApiError(
             401,
-            "a valid API key is needed (Authorization: Bearer)",
+            "a valid API key is needed (Authorization: Bearer, or x-api-key)",
             api.UNAUTHORIZED,
           )
       if request.method == "POST":
@@ -399,6 +406,31 @@ class Server:
 
     return await self.admit.work(build)
 
+  # -- Messages API (faces/messages.py) ------------------------------------
+
+  async def messages(self, request: web.Request):
+    body = await self.admit.body(request, 400)
+    budget = self.admit.budget()
+    turn = await self.admit.parse(faces_messages.parse, body, budget, 400)
+    streams = await self._start_all(turn.call, budget)
+    if turn.stream:
+      return await sse.messages_events(request, turn, streams, self.ctx)
+    await asyncio.gather(*(self._finish(s) for s in streams.values()))
+    self._check_failed(streams)
+    (s,) = streams.values()
+
+    def build():
+      chat = openai_api.chat(turn.call, self.ctx, streams)
+      return _json_response(faces_messages.message(turn, chat, s))
+
+    return await self.admit.work(build)
+
+  async def count_tokens(self, request: web.Request):
+    body = await self.admit.body(request, 400)
+    budget = self.admit.budget()
+    out = await self.admit.parse(faces_messages.count_tokens, body, budget, 400)
+    return _json_response(out)
+
   def _stored(self, request: web.Request):
     store = self.ctx.responses_store
     rid = request.match_info["rid"]
@@ -481,6 +513,8 @@ class Server:
         web.get("/v1/responses/{rid}", self.response_get),
         web.get("/v1/responses/{rid}/input_items", self.response_input_items),
         web.delete("/v1/responses/{rid}", self.response_delete),
+        web.post("/v1/messages", self.messages),
+        web.post("/v1/messages/count_tokens", self.count_tokens),
         *explore.Explorer().routes(),
       ]
     )

@@ -5,15 +5,17 @@
 
 Request bodies are the JSON schemas of the pydantic models the routes
 parse with (`native.Body`, `openai_requests.CompletionBody` /
-`ChatBody`, `faces.responses.ResponsesBody`), as pydantic writes them
+`ChatBody`, `faces.responses.ResponsesBody`, `faces.messages.MessagesBody`
+/ `CountTokensBody`), as pydantic writes them
 (`model_json_schema`), under
 `#/components/schemas`: nothing here restates a field. The fields
 declare the fixed bounds their route enforces with messages of its own
 (`api.documented`); declared types can still be looser than what a
 route accepts (`messages` is a list of objects, the flags' limits are
 not in it): the route answers the rest with an error in its API's shape
-(`TgiError` off `/v1/`, `OpenAIError` on it, as `http.error_body`
-writes them), which every operation documents per status.
+(`TgiError` off `/v1/`, `OpenAIError` on it, `AnthropicError` on
+`/v1/messages`, as `http.error_body` writes them), which every operation
+documents per status.
 `models` (the served names) become the examples of the OpenAI bodies'
 `model`; with `auth`, every operation but the health checks and the
 explorer's files (and this document, with `public_openapi`) needs
@@ -37,7 +39,7 @@ from pydantic import BaseModel, json_schema
 
 import chunkwise
 from chunkwise.serving import api, native, openai_requests
-from chunkwise.serving.faces import responses
+from chunkwise.serving.faces import messages, responses
 
 _REF = "#/components/schemas/{model}"
 
@@ -69,6 +71,18 @@ class OpenAIError(BaseModel):
   """An error on the OpenAI routes (`/v1/...`)."""
 
   error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+  type: Literal[tuple(sorted({*messages.ERROR_TYPES.values(), "api_error"}))]
+  message: str
+
+
+class AnthropicError(BaseModel):
+  """An error on the Messages routes (`/v1/messages...`)."""
+
+  type: Literal["error"]
+  error: AnthropicErrorDetail
 
 
 _STATUS = {
@@ -227,6 +241,25 @@ OPERATIONS = (
     tag="openai",
   ),
   Operation(
+    "post",
+    "/v1/messages",
+    "Messages (Anthropic's Messages API); an SSE stream of its events when "
+    "`stream` is true",
+    {**_OBJECT, **_SSE},
+    _OPENAI,
+    messages.MessagesBody,
+    tag="anthropic",
+  ),
+  Operation(
+    "post",
+    "/v1/messages/count_tokens",
+    "The input tokens of a Messages request (Anthropic)",
+    _OBJECT,
+    _OPENAI,
+    messages.CountTokensBody,
+    tag="anthropic",
+  ),
+  Operation(
     "get",
     "/explore",
     "The token explorer page",
@@ -261,13 +294,15 @@ ROUTES = frozenset((op.method.upper(), op.path) for op in OPERATIONS)
 
 def _error_model(path: str) -> type[BaseModel]:
   # as `http.error_body` chooses
+  if messages.route(path):
+    return AnthropicError
   return OpenAIError if api.openai_route(path) else TgiError
 
 
 def _schemas() -> tuple[dict, dict]:
   """(model -> {"$ref"}, components' schemas) of the bodies and errors."""
   models = {op.body for op in OPERATIONS if op.body is not None}
-  models |= {TgiError, OpenAIError}
+  models |= {TgiError, OpenAIError, AnthropicError}
   refs, top = json_schema.models_json_schema(
     [(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
     ref_template=_REF,

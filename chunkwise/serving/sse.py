@@ -253,11 +253,7 @@ async def responses_events(
   (s,) = streams.values()
 
   async def emit(batch):
-    for e in batch:
-      await write(
-        response,
-        b"event: " + e["type"].encode() + b"\ndata: " + dumps(e) + b"\n\n",
-      )
+    await send_events(response, batch)
 
   try:
     await emit(events.start())
@@ -286,6 +282,46 @@ async def responses_events(
       None, responses.keep, turn, body, ctx.responses_store
     )
     await emit(final)
+  except (asyncio.CancelledError, ConnectionResetError):
+    s.cancel()
+    raise
+  await close(response)
+  return response
+
+
+async def send_events(response: web.StreamResponse, batch) -> None:
+  """Named events: `event: <its type>` and its data (the Responses and
+  Messages APIs' streams)."""
+  for e in batch:
+    await write(
+      response,
+      b"event: " + e["type"].encode() + b"\ndata: " + dumps(e) + b"\n\n",
+    )
+
+
+async def messages_events(
+  request, turn, streams: dict[int, TokenStream], ctx: Context
+) -> web.StreamResponse:
+  """Streams a Messages API turn (`faces.messages.Events`), from the chat
+  chunks of the same request; an `error` event if it fails."""
+  from chunkwise.serving.faces import messages
+
+  response = await open_sse(request, ctx.write_timeout_s)
+  events = messages.Events(turn)
+  (s,) = streams.values()
+  try:
+    await send_events(response, events.start())
+    try:
+      async for chunk in openai_chunks(
+        turn.call, streams, ctx, True, turn.id, 0
+      ):
+        await send_events(response, events.chunk(chunk))
+    except RuntimeError as e:  # the generation failed
+      body = messages.error_body(500, api.scrub(str(e)))
+      await send_events(response, [body])
+      await close(response)
+      return response
+    await send_events(response, events.finish(s))
   except (asyncio.CancelledError, ConnectionResetError):
     s.cancel()
     raise

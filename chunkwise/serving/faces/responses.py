@@ -275,6 +275,10 @@ def parse(raw: Any, ctx: Context, store) -> Turn:
   the field; 404 for an unknown previous_response_id)."""
   b = openai_requests._validate(ResponsesBody, raw)
   _check_extra(b)
+  if b.max_output_tokens is not None and b.max_output_tokens < 1:
+    raise _bad(
+      f"max_output_tokens must be at least 1, got {b.max_output_tokens}"
+    )
   include = b.include or []
   unknown = [x for x in include if x != LOGPROBS]
   if unknown:
