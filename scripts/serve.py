@@ -233,6 +233,7 @@ _STATE_DIR = flags.DEFINE_string(
   None,
   "Directory of the server's state: the Responses API's stored responses "
   "(responses.sqlite3; default: $CHUNKWISE_STATE_DIR, else "
+  "$XDG_STATE_HOME/chunkwise, else $XDG_CACHE_HOME/chunkwise/state, else "
   "~/.cache/chunkwise/state); '' keeps none (store is then ignored and "
   "previous_response_id refused).",
 )

@@ -654,7 +654,8 @@ def test_the_event_loop_is_not_held_by_large_bodies_or_stops(server):
     ("[{" * 1_000_000, 200),  # brackets in a string: text, not counted
     ([[]] * cap, 400),  # past the cap: counted, not parsed
   ):
-    body = json.dumps({**warm, "max_tokens": 1, "x": filler}).encode()
+    # (the ballast in `metadata`: a field the server takes and ignores)
+    body = json.dumps({**warm, "max_tokens": 1, "metadata": filler}).encode()
     status, out = _raw(server, body, headers)
     assert status == want, out[:300]
   assert b"at most 50000 are parsed" in out, out
@@ -803,7 +804,11 @@ class _Attacks:
 # (encoded once: building it would hold this process's GIL, and delay
 # the good client's clock, not the server)
 _HEAVY = json.dumps(
-  {"model": MODEL, "prompt": "a", "x": [[]] * (bodies.MAX_JSON_CONTAINERS - 4)}
+  {
+    "model": MODEL,
+    "prompt": "a",
+    "metadata": [[]] * (bodies.MAX_JSON_CONTAINERS - 4),
+  }
 ).encode()
 
 ALLOWED = {  # what each attack may get

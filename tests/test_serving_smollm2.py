@@ -266,3 +266,83 @@ def test_the_tgi_client_chats(server):
   )
   assert r.choices[0].message.content
   assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(model, server):
+  """/tokenize a prompt (BOS first unless add_special_tokens is false) and
+  a conversation (the prompt chat completions run), /detokenize back."""
+
+  def post(path, body):
+    status, out = server.post(path, body)
+    return status, json.loads(out)
+
+  status, out = post(
+    "/tokenize",
+    {"model": MODEL, "prompt": "Hello world", "return_token_strs": True},
+  )
+  assert status == 200
+  assert out["tokens"] == [model.bos_id, *model.vocab.encode("Hello world")]
+  assert out["count"] == len(out["tokens"]) and out["max_model_len"] == 512
+  assert "".join(out["token_strs"][1:]) == "Hello world"
+  _, bare = post(
+    "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}
+  )
+  assert bare["tokens"] == out["tokens"][1:]
+  assert post("/detokenize", {"tokens": bare["tokens"]}) == (
+    200,
+    {"prompt": "Hello world"},
+  )
+  _, chat = post("/tokenize", {"messages": MESSAGES})
+  assert chat["tokens"] == _chat_ids(model, MESSAGES)
+  done = _client(server).chat.completions.create(
+    model=MODEL, messages=MESSAGES, max_tokens=1
+  )
+  assert chat["count"] == done.usage.prompt_tokens
+  status, bad = post("/detokenize", {"tokens": [model.hparams.vocab]})
+  assert status == 400 and "not a token id" in bad["error"]["message"]
+  status, bad = post("/tokenize", {"prompt": "a", "messages": MESSAGES})
+  assert status == 400 and "one of them" in bad["error"]["message"]
+
+
+def test_every_field_is_honoured_or_refused_by_name(model, server):
+  """stop_token_ids end a completion at that token; unknown fields are 400s
+  that name them, the harmless ones (metadata, TGI's do_sample=false) are
+  taken; n > 1 streams with its usage."""
+  client = _client(server)
+  ask = dict(model=MODEL, prompt="The colours of the rainbow are", max_tokens=8)
+  whole = client.completions.create(temperature=0, **ask)
+  first = model.vocab.encode(whole.choices[0].text)[0]
+  cut = client.completions.create(
+    temperature=0, extra_body={"stop_token_ids": [first]}, **ask
+  )
+  assert cut.choices[0].finish_reason == "stop"
+  assert len(cut.choices[0].text) < len(whole.choices[0].text)
+  for extra, name in (
+    ({"foo": 1}, "foo"),
+    ({"store": True}, "store"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+  ):
+    with pytest.raises(openai.BadRequestError, match=name):
+      client.completions.create(extra_body=extra, **ask)
+  taken = client.chat.completions.create(
+    model=MODEL,
+    messages=MESSAGES,
+    max_tokens=2,
+    metadata={"who": "test"},
+    extra_body={"do_sample": False},
+  )
+  assert taken.choices[0].message.content is not None
+  chunks = list(
+    client.chat.completions.create(
+      model=MODEL,
+      messages=MESSAGES,
+      max_tokens=4,
+      n=2,
+      seed=3,
+      stream=True,
+      stream_options={"include_usage": True},
+    )
+  )
+  usage = chunks[-1].usage
+  assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+  assert 0 < usage.completion_tokens <= 8 and usage.prompt_tokens > 0

@@ -86,8 +86,9 @@ def unpaired_surrogate(value: Any) -> str | None:
 
 
 def openai_route(path: str) -> bool:
-  """Whether `path` is an OpenAI route (its errors in OpenAI's shape)."""
-  return path.startswith("/v1/")
+  """Whether `path` is an OpenAI route (its errors in OpenAI's shape):
+  under /v1/, and vLLM's /tokenize and /detokenize."""
+  return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def pydantic_message(e: pydantic.ValidationError) -> str:

@@ -47,6 +47,7 @@ from chunkwise.serving.admission import Admission
 from chunkwise.serving.api import ApiError, Context, dumps
 from chunkwise.serving.faces import messages as faces_messages
 from chunkwise.serving.faces import responses as faces_responses
+from chunkwise.serving.faces import tokens as faces_tokens
 from chunkwise.serving.metrics import Metrics
 from chunkwise.serving.stream import (
   ERROR,
@@ -431,6 +432,19 @@ class Server:
     out = await self.admit.parse(faces_messages.count_tokens, body, budget, 400)
     return _json_response(out)
 
+  # -- vLLM's /tokenize and /detokenize (faces/tokens.py) -------------------
+
+  async def tokenize(self, request: web.Request):
+    body = await self.admit.body(request, 400)
+    budget = self.admit.budget()
+    out = await self.admit.parse(faces_tokens.tokenize, body, budget, 400)
+    return _json_response(out)
+
+  async def detokenize(self, request: web.Request):
+    body = await self.admit.body(request, 400)
+    out = await self.admit.work(faces_tokens.detokenize, body, self.ctx)
+    return _json_response(out)
+
   def _stored(self, request: web.Request):
     store = self.ctx.responses_store
     rid = request.match_info["rid"]
@@ -513,6 +527,8 @@ class Server:
         web.get("/v1/responses/{rid}", self.response_get),
         web.get("/v1/responses/{rid}/input_items", self.response_input_items),
         web.delete("/v1/responses/{rid}", self.response_delete),
+        web.post("/tokenize", self.tokenize),
+        web.post("/detokenize", self.detokenize),
         web.post("/v1/messages", self.messages),
         web.post("/v1/messages/count_tokens", self.count_tokens),
         *explore.Explorer().routes(),

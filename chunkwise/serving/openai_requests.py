@@ -35,7 +35,9 @@ def _penalty() -> Any:
 
 
 class _Common(BaseModel):
-  model_config = ConfigDict(extra="ignore")
+  # unknown fields are kept to be refused by name (`_check_extra`), never
+  # silently ignored
+  model_config = ConfigDict(extra="allow")
 
   model: str
   n: int | None = api.documented(minimum=1)
@@ -63,6 +65,7 @@ class _Common(BaseModel):
   guided_choice: list[str] | None = None
   guided_whitespace_pattern: str | None = None
   adapter_source: str | None = None
+  stop_token_ids: list[int] | None = None
 
 
 class CompletionBody(_Common):
@@ -124,8 +127,35 @@ def _bad(message: str) -> ApiError:
   return ApiError(400, message)
 
 
+# Fields clients send that change nothing here (with these values):
+# OpenAI's bookkeeping, and TGI's client's `do_sample: false` (its
+# default; sampling follows `temperature`).
+_HARMLESS = {
+  "metadata": None,
+  "service_tier": None,
+  "safety_identifier": None,
+  "prompt_cache_key": None,
+  "store": False,
+  "do_sample": False,
+}
+
+
+def _check_extra(b: BaseModel) -> None:
+  """A 400 naming the first field this server does not know (or knows
+  and does not do), unless it is null or harmless (`_HARMLESS`)."""
+  for name, value in (b.model_extra or {}).items():
+    if value is None:
+      continue
+    if name in _HARMLESS and _HARMLESS[name] in (None, value):
+      continue
+    if name in _HARMLESS:
+      raise _bad(f"{name}={value!r:.40} is not supported by this server")
+    raise _bad(f"{name} is not supported by this server")
+
+
 def _sampling(b: _Common, ctx: Context) -> dict:
   """Generation fields every OpenAI route shares."""
+  _check_extra(b)
   if b.n is not None and not 1 <= b.n <= ctx.max_n:
     raise _bad(f"n must be between 1 and {ctx.max_n} (--max_n), got {b.n}")
   if b.temperature is not None and not 0 <= b.temperature <= 2:
@@ -150,6 +180,16 @@ def _sampling(b: _Common, ctx: Context) -> dict:
     raise _bad("ignore_eos is not supported by this server")
   stops = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
   stops = ctx.check_stops(stops, 400)
+  stop_ids = list(b.stop_token_ids or [])
+  vocab_size = ctx.model.hparams.vocab
+  for t in stop_ids:
+    if not 0 <= t < vocab_size:
+      raise _bad(f"stop_token_ids: {t} is not a token id (0..{vocab_size - 1})")
+  if len(stop_ids) > ctx.max_stop_sequences:
+    raise _bad(
+      f"{len(stop_ids)} stop_token_ids, over this server's "
+      f"--max_stop_sequences={ctx.max_stop_sequences}"
+    )
   return dict(
     temperature=1.0 if b.temperature is None else b.temperature,
     top_p=1.0 if b.top_p is None else b.top_p,
@@ -161,6 +201,7 @@ def _sampling(b: _Common, ctx: Context) -> dict:
     presence_penalty=b.presence_penalty or 0.0,
     frequency_penalty=b.frequency_penalty or 0.0,
     constraint=_constraint(b),
+    stop_ids=stop_ids,
   )
 
 

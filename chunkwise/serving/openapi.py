@@ -39,7 +39,7 @@ from pydantic import BaseModel, json_schema
 
 import chunkwise
 from chunkwise.serving import api, native, openai_requests
-from chunkwise.serving.faces import messages, responses
+from chunkwise.serving.faces import messages, responses, tokens
 
 _REF = "#/components/schemas/{model}"
 
@@ -238,6 +238,24 @@ OPERATIONS = (
     "Deletes a stored response (OpenAI)",
     _OBJECT,
     (404,),
+    tag="openai",
+  ),
+  Operation(
+    "post",
+    "/tokenize",
+    "A prompt's or a conversation's token ids (vLLM's)",
+    _OBJECT,
+    _OPENAI,
+    tokens.TokenizeBody,
+    tag="openai",
+  ),
+  Operation(
+    "post",
+    "/detokenize",
+    "The text of token ids (vLLM's)",
+    _OBJECT,
+    _OPENAI,
+    tokens.DetokenizeBody,
     tag="openai",
   ),
   Operation(

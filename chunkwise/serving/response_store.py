@@ -34,11 +34,16 @@ FILE = "responses.sqlite3"
 
 
 def default_dir() -> str:
-  """$CHUNKWISE_STATE_DIR, else ~/.cache/chunkwise/state."""
-  root = os.environ.get("CHUNKWISE_STATE_DIR")
-  if root:
-    return root
-  return str(pathlib.Path.home() / ".cache" / "chunkwise" / "state")
+  """$CHUNKWISE_STATE_DIR, else $XDG_STATE_HOME/chunkwise, else
+  $XDG_CACHE_HOME/chunkwise/state, else ~/.cache/chunkwise/state (beside
+  the compilation cache)."""
+  env = os.environ
+  if env.get("CHUNKWISE_STATE_DIR"):
+    return env["CHUNKWISE_STATE_DIR"]
+  if env.get("XDG_STATE_HOME"):
+    return str(pathlib.Path(env["XDG_STATE_HOME"]) / "chunkwise")
+  cache = env.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+  return str(pathlib.Path(cache) / "chunkwise" / "state")
 
 
 class ResponseStore:
