@@ -422,8 +422,8 @@ def test_the_stop_scanner_is_the_plain_search():
 def test_a_streamed_choice_holds_back_what_may_start_a_stop():
   """`Held` sends each chunk's new text but what may still begin a stop
   string, never a stop string's character, and at the end the rest."""
-  from chunkwise.serving import openai_api
   from chunkwise.serving import stream as stream_lib
+  from chunkwise.serving.faces import openai_api
 
   class Stream:  # what `Held` reads of a `TokenStream`
     def __init__(self):
@@ -465,7 +465,7 @@ def test_streamed_logprobs_follow_the_text_shown():
   was sent: a token the text has not reached (held back for a stop string,
   or read before its text) waits for a later chunk, never dropped; at the
   end, tokens past the shown text (a stop string's) are left out."""
-  from chunkwise.serving import openai_api
+  from chunkwise.serving.faces import openai_api
   from chunkwise.serving.stream import Token
 
   class Entries:  # what `CompletionLogprobs.token` is given

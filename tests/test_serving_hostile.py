@@ -536,7 +536,7 @@ def test_control_tokens_typed_in_a_message_are_text(which):
   holds the control tokens the template writes and no more, the typed
   ones spelled as text; a message without them is tokenized exactly as
   before (the whole rendered text at once)."""
-  from chunkwise.serving import openai_requests
+  from chunkwise.serving.faces import openai_requests
 
   vocab = _vocab(which)
   controls = vocab.control_texts()

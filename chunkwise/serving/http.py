@@ -36,9 +36,6 @@ from chunkwise.serving import (
   api,
   bodies,
   explore,
-  native,
-  openai_api,
-  openai_requests,
   openapi,
   origin,
   sse,
@@ -46,6 +43,7 @@ from chunkwise.serving import (
 from chunkwise.serving.admission import Admission
 from chunkwise.serving.api import ApiError, Context, dumps
 from chunkwise.serving.faces import messages as faces_messages
+from chunkwise.serving.faces import native, openai_api, openai_requests
 from chunkwise.serving.faces import responses as faces_responses
 from chunkwise.serving.faces import tokens as faces_tokens
 from chunkwise.serving.metrics import Metrics

@@ -38,8 +38,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, json_schema
 
 import chunkwise
-from chunkwise.serving import api, native, openai_requests
-from chunkwise.serving.faces import messages, responses, tokens
+from chunkwise.serving import api
+from chunkwise.serving.faces import (
+  messages,
+  native,
+  openai_requests,
+  responses,
+  tokens,
+)
 
 _REF = "#/components/schemas/{model}"
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from aiohttp import web
 
-from chunkwise.serving import api, native, openai_api, tool_calls
+from chunkwise.serving import api, tool_calls
 from chunkwise.serving.api import Context, dumps
+from chunkwise.serving.faces import native, openai_api
 from chunkwise.serving.stream import ERROR, LENGTH, TokenStream
 
 _SSE_HEADERS = {

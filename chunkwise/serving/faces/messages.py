@@ -24,9 +24,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api, openai_requests
+from chunkwise.serving import api
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.openai_requests import Call
+from chunkwise.serving.faces import openai_requests
+from chunkwise.serving.faces.openai_requests import Call
 from chunkwise.serving.stream import LENGTH, STOP_SEQUENCE, TokenStream
 
 # Fields clients send that change nothing here.

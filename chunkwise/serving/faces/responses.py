@@ -25,9 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api, openai_requests
+from chunkwise.serving import api
 from chunkwise.serving.api import ApiError, Context
-from chunkwise.serving.openai_requests import MAX_LOGPROBS, Call
+from chunkwise.serving.faces import openai_requests
+from chunkwise.serving.faces.openai_requests import MAX_LOGPROBS, Call
 
 LOGPROBS = "message.output_text.logprobs"
 # Fields clients send that change nothing here (their values checked

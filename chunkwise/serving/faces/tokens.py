@@ -15,8 +15,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from chunkwise.serving import api, openai_requests
+from chunkwise.serving import api
 from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving.faces import openai_requests
 
 ROUTES = ("/tokenize", "/detokenize")
 

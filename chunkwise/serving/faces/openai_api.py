@@ -15,7 +15,7 @@ import secrets
 import time
 
 from chunkwise.serving.api import Context
-from chunkwise.serving.openai_requests import Call
+from chunkwise.serving.faces.openai_requests import Call
 from chunkwise.serving.stream import (
   LENGTH,
   STOP_SEQUENCE,
