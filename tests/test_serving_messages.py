@@ -31,7 +31,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}  # (extra_body: anthropic 2.x has no field)
 NUMBER = {
   "type": "object",
-  "properties": {"answer": {"type": "integer"}, "why": {"type": "string"}},
+  # (bounded: a sampled answer always ends well within max_tokens)
+  "properties": {
+    "answer": {"type": "integer"},
+    "why": {"type": "string", "maxLength": 20},
+  },
   "required": ["answer", "why"],
   "additionalProperties": False,
 }
@@ -81,7 +85,7 @@ def test_structured_outputs_are_valid(client):
       client,
       messages=[{"role": "user", "content": "What is 6 times 7?"}],
       output_config={"format": {"type": "json_schema", "schema": NUMBER}},
-      max_tokens=80,
+      max_tokens=200,  # a character may be several byte tokens
       extra_body=extra,
     )
     assert m.stop_reason == "end_turn", m.content

@@ -100,7 +100,10 @@ def _check_extra(b: ResponsesBody) -> None:
     if (
       name == "reasoning"
       and value
-      and any(v is not None for v in dict(value).values())
+      and (
+        not isinstance(value, dict)
+        or any(v is not None for v in value.values())
+      )
     ):
       raise _bad("reasoning is not supported by this model")
 
