@@ -11,7 +11,11 @@ output (an activation), never of the weight. Letters in both inputs and
 the output (batch dims) are not supported. Under invariant numerics
 the product runs in `numerics.matmul`: `chunkwise.numerics` (a module
 above this one, which imports nothing) registers that as `_override` when
-it is imported.
+it is imported. A quantized `w` (an int8 `QArray` or GGUF `BlockArray`,
+which the collective matmuls pass on as they are) goes to
+`models.matmul.weight_matmul`, registered as `_quantized`: the weight read
+as stored (the CPU kernel, or the Pallas TPU kernel), never dequantized
+whole.
 
   out = contract("bthd,hde->bte", x, w)     # == jnp.einsum(...)
 """
@@ -25,6 +29,8 @@ from jax import lax
 
 # (eq, x, w) -> the product, or None for XLA's dot (set by chunkwise.numerics).
 _override = None
+# (eq, x, w) -> the product of a quantized w (set by chunkwise.models.matmul).
+_quantized = None
 
 
 @functools.cache
@@ -53,6 +59,8 @@ def contract_dims(eq: str):
 def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
   """`jnp.einsum(eq, x, w)` with the contraction in `w`'s own dim order;
   keyword arguments go to `lax.dot_general` (e.g. `precision`)."""
+  if _quantized is not None and hasattr(w, "scale"):
+    return _quantized(eq, x, w)
   if _override is not None:
     out = _override(eq, x, w)
     if out is not None:

@@ -198,18 +198,46 @@ def test_each_layout_runs_its_collectives(compiled):
     assert "collective-permute" not in program
 
 
-def test_the_paged_pool_is_read_by_the_pallas_tpu_kernel(compiled):
+def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
+  """The paged pool by JAX's paged-attention kernel; int8 and GGUF-block
+  weights (any rows) and float weights at decode's few rows through
+  `tpu_kernels.matmul`; a quantized table's rows by `take_rows`; none
+  of these in a float prefill."""
   _, _, case, _, r = compiled
-  if case.pages:
-    assert r["kernels"] == ["chunkwise_tpu_paged_attention"]
-  else:
-    assert r["kernels"] == []
+  quantized = case.weights.value not in ("bf16", "f32")
+  kernels = set(r["kernels"])
+  assert ("chunkwise_tpu_paged_attention" in kernels) == bool(case.pages)
+  assert ("chunkwise_tpu_take_rows" in kernels) == quantized
+  if not case.speculation:  # (verifying k + 1 tokens a row: 24 rows)
+    decode = case.phase is not Phase.PREFILL
+    assert ("chunkwise_tpu_matmul" in kernels) == (quantized or decode)
+  assert r["cycles"]["bounded"] > 0 or not kernels - {
+    "chunkwise_tpu_paged_attention"
+  }
+
+
+def _compiled(mesh, fn, x, w):
+  with tpu_target.compiling(mesh):
+    return jax.jit(fn).lower(x, w).compile()
 
 
 def _temp_bytes(mesh, fn, x, w) -> int:
-  with tpu_target.compiling(mesh):
-    compiled = jax.jit(fn).lower(x, w).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return _compiled(mesh, fn, x, w).memory_analysis().temp_size_in_bytes
+
+
+def _reads_in_the_kernel(mesh, eq, x, w) -> None:
+  """A k-major form runs the Pallas kernel (`tpu_kernels.matmul`), whose
+  cost the compiled call carries; an n-major one XLA's dots."""
+  from chunkwise.models import matmul
+
+  compiled = _compiled(mesh, lambda x, w: matmul.weight_matmul(eq, x, w), x, w)
+  text = compiled.as_text()
+  kmajor = eq.split(",")[1][0] == "e"
+  assert ("chunkwise_tpu_matmul" in hlo.tpu_kernels(text)) == kmajor
+  cycles = hlo.estimated_cycles(
+    text, tpu_target.hardware_of(mesh.devices.flat[0])
+  )
+  assert cycles["bounded"] == kmajor and cycles["once"] > 0
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -227,7 +255,8 @@ def test_int8_matmuls_make_no_dequantized_weight(
 ):
   """XLA:TPU does not fuse the int8 weight's scales into its dot: the
   plain twin (dequantize, then contract) holds a weight-sized buffer,
-  `weight_matmul` (a dot per scale group on TPU) none, at one row (a
+  `weight_matmul` (the Pallas kernel for k-major forms, a dot per scale
+  group for n-major ones) none, at one row (a
   batch-1 decode step, which XLA would turn into a multiply-and-reduce
   over the converted weight) as at several."""
   from jax.sharding import NamedSharding
@@ -246,6 +275,7 @@ def test_int8_matmuls_make_no_dequantized_weight(
   assert plain >= dequantized
   fn = lambda x, w: matmul.weight_matmul(eq, x, w)
   assert _temp_bytes(meshes[ONE], fn, x, w) < dequantized / 64
+  _reads_in_the_kernel(meshes[ONE], eq, x, w)
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -257,9 +287,10 @@ def test_int8_matmuls_make_no_dequantized_weight(
 def test_gguf_block_matmuls_make_no_dequantized_weight(
   meshes, eq, shape, axis, kind, rows
 ):
-  """GGUF blocks on a TPU (`matmul.by_block`): no buffer of the weight's
-  size, where the plain twin (unpack, dequantize, contract) holds at
-  least one f32 copy of it (4-bit: three)."""
+  """GGUF blocks on a TPU (the Pallas kernel, or `matmul.by_block` for
+  n-major forms): no buffer of the weight's size, where the plain twin
+  (unpack, dequantize, contract) holds at least one f32 copy of it
+  (4-bit: three)."""
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -276,6 +307,7 @@ def test_gguf_block_matmuls_make_no_dequantized_weight(
   assert plain >= f32
   fn = lambda x, w: matmul.weight_matmul(eq, x, w)
   assert _temp_bytes(meshes[ONE], fn, x, w) < f32 / 256
+  _reads_in_the_kernel(meshes[ONE], eq, x, w)
 
 
 def test_a_program_that_does_not_fit_is_a_result(meshes):
@@ -353,7 +385,7 @@ def test_vmem_prefetches_are_not_weight_copies():
       "copy(%p0)", 'copy(%p0), backend_config={"estimated_cycles":"7"}'
     )
   )
-  assert cycles == {"once": 14, "per_iteration": 0, "unknown": 0}
+  assert cycles == {"once": 14, "per_iteration": 0, "unknown": 0, "bounded": 0}
   unknown = text.replace(
     "copy(%p0)",
     'copy(%p0), backend_config={"estimated_cycles":"' + str(2**63 - 1) + '"}',

@@ -216,7 +216,26 @@ def collectives(text: str) -> list[Collective]:
   return out
 
 
-def estimated_cycles(text: str) -> dict[str, int]:
+_KERNEL_COST = re.compile(
+  r'"cost_estimate"\s*:\s*\{\s*"flops"\s*:\s*"?(\d+)"?.*?'
+  r'"bytes_accessed"\s*:\s*"?(\d+)'
+)
+
+
+def kernel_cycles(attrs: str, hardware) -> int | None:
+  """A Pallas call's bound in cycles, where XLA:TPU gives it no estimate:
+  the slower of its bytes at the chip's HBM bandwidth and its flops at its
+  peak (the `cost_estimate` the call carries), at the chip's clock; None
+  without one."""
+  m = _KERNEL_COST.search(attrs)
+  if m is None or hardware is None or not hardware.clock_hz:
+    return None
+  flops, nbytes = int(m.group(1)), int(m.group(2))
+  seconds = max(nbytes / hardware.hbm_bandwidth, flops / hardware.flops)
+  return round(seconds * hardware.clock_hz)
+
+
+def estimated_cycles(text: str, hardware=None) -> dict[str, int]:
   """XLA:TPU's own estimate of a compiled module's time, in cycles (the
   `estimated_cycles` of each top-level instruction's backend config), but
   for its collectives, whose time depends on the interconnect:
@@ -226,24 +245,35 @@ def estimated_cycles(text: str) -> dict[str, int]:
   (INT64_MAX: fusions holding a Pallas call or a mixed int8 dot), left
   out of both. All 0 for a module without the annotation (XLA:CPU's).
   The compiler sums each op's slower of compute and memory and schedules
-  nothing in parallel: read it relatively."""
+  nothing in parallel: read it relatively.
+
+  XLA:TPU gives a Pallas call (a `tpu_custom_call`) no estimate; with the
+  chip's `hardware` (`planner.hardware.Hardware`), each call that carries
+  a cost estimate counts its bound (`kernel_cycles`) instead, and
+  `bounded` how many calls were so counted (each execution once)."""
   module = parse(text)
   times = _executions(module)
-  out = dict(once=0, per_iteration=0, unknown=0)
+  out = dict(once=0, per_iteration=0, unknown=0, bounded=0)
   for comp, instrs in module.computations.items():
     if comp not in times:
       continue
     for i in instrs:
       kind = i.op.removesuffix("-start").removesuffix("-done")
       m = _CYCLES.search(i.attrs)
-      if m is None or kind in COLLECTIVE_KINDS:
+      cycles = None if m is None else int(m.group(1))
+      if i.op == "custom-call" and '"tpu_custom_call"' in i.attrs:
+        cycles = kernel_cycles(i.attrs, hardware)
+        if cycles is None:
+          continue
+        out["bounded"] += 1 if times[comp] is None else times[comp]
+      if cycles is None or kind in COLLECTIVE_KINDS:
         continue
-      if int(m.group(1)) >= _NO_ESTIMATE:
+      if cycles >= _NO_ESTIMATE:
         out["unknown"] += 1
       elif times[comp] is None:
-        out["per_iteration"] += int(m.group(1))
+        out["per_iteration"] += cycles
       else:
-        out["once"] += times[comp] * int(m.group(1))
+        out["once"] += times[comp] * cycles
   return out
 
 

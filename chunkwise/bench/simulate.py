@@ -334,9 +334,13 @@ def _on_target(report: dict, target: tpu_target.Target) -> dict:
       planner_s=predicted.get("time_s"),
       # instructions XLA:TPU gave no estimate, left out of compiler_s
       unestimated=round(cycles["unknown"]["total"]),
+      # Pallas calls counted at their bytes' and flops' bound
+      bounded=round(cycles.get("bounded", {}).get("total", 0)),
       note=(
         "compiler_s: XLA:TPU's estimated cycles (each op's slower of "
-        "compute and memory, collectives left out) at the chip's clock; "
+        "compute and memory, collectives left out; a Pallas call, which "
+        "it does not estimate, at the slower of its bytes at the HBM "
+        "bandwidth and its flops at the peak) at the chip's clock; "
         "interconnect_s: the planner's collective time; total_s: their "
         "sum (no overlap)"
       ),

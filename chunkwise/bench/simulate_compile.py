@@ -22,8 +22,10 @@ What is read, per device:
                program's collectives by shape. The generate loop runs
                until every row stops, a trip count unknown when
                compiling: its collectives are one step's;
-  cycles       XLA:TPU's estimated cycles (`hlo.estimated_cycles`), and
-               the Pallas kernels it calls (`hlo.tpu_kernels`).
+  cycles       XLA:TPU's estimated cycles (`hlo.estimated_cycles`; a
+               Pallas call, which it does not estimate, bounded by the
+               bytes and flops the call declares), and the Pallas kernels
+               it calls (`hlo.tpu_kernels`).
 A program the compiler refuses (XLA:TPU: out of HBM or VMEM) gives its
 message as `error` instead.
 """
@@ -151,7 +153,7 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
     compile_s=compiled_at - lowered_at,
     memory=memory,
     weight_copies=weight_reads.weight_copies(text, n_weights),
-    cycles=hlo.estimated_cycles(text),
+    cycles=hlo.estimated_cycles(text, tpu_target.hardware_of(device)),
     kernels=hlo.tpu_kernels(text),
     inputs=_by_kind(call.args, first_is_weights=True),
     outputs=_by_kind([call.out], first_is_weights=False),

@@ -221,6 +221,13 @@ def _ms(x) -> str:
   return "-" if x is None else f"{1e3 * x:.2f}"
 
 
+def _marks(estimate: dict) -> str:
+  """'+': some ops left out (no estimate); '~': Pallas calls bounded."""
+  return ("+" if estimate.get("unestimated") else "") + (
+    "~" if estimate.get("bounded") else ""
+  )
+
+
 def _tpu_table(reports: Sequence[dict]) -> str:
   """Per TPU report: what the compiler holds per chip (GiB), whether it
   fits the chip's HBM, and one pass's time (ms): the compiler's cycles,
@@ -231,7 +238,8 @@ def _tpu_table(reports: Sequence[dict]) -> str:
     f"{'ici ms':>8} {'sum ms':>8} {'plan ms':>8}",
     "  (GiB per chip at full depth; ms per pass: a prefill, or one decode "
     "step; xla: XLA:TPU's estimated cycles at the chip's clock, '+' where "
-    "some ops have no estimate)",
+    "some ops have no estimate, '~' where Pallas calls count at their "
+    "bytes' and flops' bound)",
   ]
   for r in reports:
     e = r["estimate"]
@@ -240,7 +248,7 @@ def _tpu_table(reports: Sequence[dict]) -> str:
       f"{_gib(r['temp_bytes']):>6} {_gib(r['code_bytes']):>6} "
       f"{_gib(r['held_bytes']):>6} {_gib(r['hbm_bytes']):>6} "
       f"{'yes' if r['fits'] else 'NO':>5} "
-      f"{_ms(e['compiler_s']) + ('+' if e.get('unestimated') else ''):>8} "
+      f"{_ms(e['compiler_s']) + _marks(e):>8} "
       f"{_ms(e['interconnect_s']):>8} {_ms(e['total_s']):>8} "
       f"{_ms(e['planner_s']):>8}"
     )

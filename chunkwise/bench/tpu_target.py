@@ -185,6 +185,22 @@ def compiling(mesh):
   return jax.set_mesh(mesh)
 
 
+# libtpu's device_kind -> the planner's chip
+_KINDS = {
+  "TPU v4": "tpu-v4",
+  "TPU v5 lite": "tpu-v5e",
+  "TPU v5": "tpu-v5p",
+  "TPU v5p": "tpu-v5p",
+  "TPU v6 lite": "tpu-v6e",
+}
+
+
+def hardware_of(device) -> hardware_lib.Hardware | None:
+  """The planner's chip of a (TPU) device, None for any other."""
+  name = _KINDS.get(getattr(device, "device_kind", None))
+  return None if name is None else hardware_lib.get(name)
+
+
 def seconds(cycles: float, target: Target) -> float:
   """`cycles` (XLA:TPU's `estimated_cycles`) at the chip's clock."""
   return cycles / hardware_lib.get(target.hardware).clock_hz

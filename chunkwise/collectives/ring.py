@@ -108,6 +108,8 @@ def join(pieces: Rhs, dim: int) -> jax.Array:
   """`split` undone (an array is returned as is)."""
   if not isinstance(pieces, tuple):
     return pieces
+  if len(pieces) == 1:  # one piece (possibly a quantized weight's)
+    return pieces[0]
   return jnp.concatenate(pieces, axis=dim)
 
 

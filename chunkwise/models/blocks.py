@@ -173,10 +173,12 @@ def check(w: BlockArray, name: str) -> None:
       )
 
 
-def take_rows(table: BlockArray, ids: jax.Array) -> jax.Array:
+def take_rows(table: BlockArray, ids: jax.Array, take=None) -> jax.Array:
   """Rows `ids` of a block-quantized table (grouped along its last axis),
-  dequantized in f32."""
-  rows = jax.tree.map(lambda a: jnp.take(a, ids, axis=0), table)
+  dequantized in f32; `take(field, ids)` reads a field's rows (default
+  `jnp.take`)."""
+  take = take or (lambda a, ids: jnp.take(a, ids, axis=0))
+  rows = jax.tree.map(lambda a: take(a, ids), table)
   moved = rows.replace(axis=table.axis + ids.ndim - 1)
   return moved.astype(jnp.float32)
 

@@ -89,11 +89,12 @@ def scatters_embed(plan: Plan) -> bool:
 
 def matmul(plan: Plan, name: str, x: jax.Array, w) -> jax.Array:
   """The fused matmul `name` (a `FUSED` entry) of one layer's weight `w`
-  (an array, or `Pieces` for the ring forms), cast to the activations'
-  dtype."""
+  (an array, or `Pieces` for the ring forms): a float weight cast to the
+  activations' dtype, a quantized one passed on as stored (each product
+  of it `weight_matmul`'s, through `contract`)."""
   f = FUSED[plan.kind][name]
   variant = plan.collectives
-  w = w.astype(x.dtype)
+  w = _as_read(w, x.dtype)
   if f.op == _RS:
     return collectives.matmul_reducescatter(
       variant,
@@ -107,6 +108,16 @@ def matmul(plan: Plan, name: str, x: jax.Array, w) -> jax.Array:
   return collectives.allgather_matmul(
     variant, f.eq, x, w, axes=ring(plan), gather=f.letter, subsplit=f.subsplit
   )
+
+
+def _as_read(w, dtype):
+  """A weight (or its Pieces) as the collective matmuls read it: floats
+  cast to `dtype`, quantized ones as they are."""
+  parts = w.parts if isinstance(w, Pieces) else None
+  first = w if parts is None else parts[0]
+  if not is_grouped(first):
+    return w.astype(dtype)
+  return w if parts is None else parts
 
 
 def needs_shuffle(kind: LayoutKind, variant: Collectives) -> bool:

@@ -29,18 +29,22 @@ f16 scales and offsets widened per block of outputs: `_blocked`), a
 dot per block on a TPU (`by_block`, below), the dequantizing twin
 elsewhere (XLA:GPU's own fusion decides there).
 
-On a TPU an int8 weight takes `grouped` instead of `plain`: XLA:TPU does
-not fuse the dequantization (int8 times its group scales) into the dot,
-so `plain` materialised a dequantized copy of the weight at every step
-(a 283 MiB f32 buffer for PaLM 540B's int8 embedding shard on v4
-4x4x4: `scripts/simulate.py --target=tpu-...`), while it does fuse a
-plain int8 -> bf16 convert. `grouped` contracts each scale group of
-the int8 values on its own (exact in bf16, f32 sums), then scales the
-per-group sums and adds them: no weight-sized buffer.
+On a TPU a quantized weight (int8 or GGUF blocks) in a k-major form
+takes the Pallas kernel `tpu_kernels.matmul`: each tile of codes read
+once, scaled group by group in VMEM, one MXU product per tile. XLA:TPU
+does not fuse the dequantization (codes times their group scales) into
+the dot, so `plain` materialised a dequantized copy of the weight at
+every step (a 283 MiB f32 buffer for PaLM 540B's int8 embedding shard
+on v4 4x4x4: `scripts/simulate.py --target=tpu-...`). The n-major forms
+(a tied table's unembedding) take `grouped` (or `by_block`): each scale
+group of the codes contracted on its own (exact in bf16, f32 sums), then
+the per-group sums scaled and added; no weight-sized buffer either, but
+one small dot per group, which made int8 decode slower than bf16.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 
@@ -48,7 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from chunkwise import cpu_kernels, numerics
+from chunkwise import contract as contract_lib
+from chunkwise import cpu_kernels, numerics, tpu_kernels
 from chunkwise.contract import contract, contract_dims
 from chunkwise.models import schedule
 from chunkwise.models.blocks import BlockArray
@@ -197,7 +202,27 @@ def _form(eq: str, x, w, max_rows: int | None = MAX_ROWS) -> bool | None:
   return nmajor
 
 
-def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
+def _on_tpu(eq: str, x, w) -> jax.Array:
+  """A matmul on a TPU: a quantized weight's k-major forms (any rows),
+  and a float weight's up to `MAX_ROWS` rows (decode, where XLA turns a
+  one-row dot into a multiply-and-reduce), through the Pallas kernel
+  (`tpu_kernels.matmul`: the weight read once, scaled in VMEM); a
+  quantized n-major form (a tied table's unembedding) through `grouped`
+  / `by_block`; the rest XLA's dot (`plain`)."""
+  nmajor = _form(eq, x, w, max_rows=None if is_grouped(w) else MAX_ROWS)
+  if nmajor is False or (nmajor and not is_grouped(w)):
+    kernel = functools.partial(tpu_kernels.matmul, nmajor=nmajor)
+    return _kernel(eq, x, w, nmajor, kernel)
+  if isinstance(w, BlockArray):
+    return by_block(eq, x, w)
+  if isinstance(w, QArray):
+    return grouped(eq, x, w)
+  return plain(eq, x, w)
+
+
+def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
+  """The CPU kernel on `eq`'s operands as [rows, K] x [K, N] (or [N, K]);
+  with `tpu` (`tpu_kernels.matmul`), that Pallas kernel instead."""
   _, rhs, _ = contract_dims(eq)
   c = len(rhs)
   shape = tuple(w.shape)  # a QArray's or BlockArray's: the weight's
@@ -220,6 +245,13 @@ def _kernel(eq: str, x, w, nmajor: bool) -> jax.Array:
   offset = None
   if isinstance(w, BlockArray) and w.offset is not None:
     offset = per_group(w.offset)
+  if tpu is not None:
+    if isinstance(w, BlockArray):
+      w2 = w.replace(values=w2, scale=scale, offset=offset, axis=0)
+    elif isinstance(w, QArray):
+      w2 = QArray(values=w2, scale=scale)
+    out = tpu(x.reshape(rows, k), w2)
+    return out.reshape(*free_x, *free_w).astype(x.dtype)
   out = cpu_kernels.matmul(
     x.reshape(rows, k),
     w2,
@@ -239,7 +271,7 @@ def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
   twin; under invariant numerics through `numerics.matmul`)."""
   nmajor = _form(eq, x, w, max_rows=None)
   on_cpu = jax.default_backend() == "cpu"
-  branches = {"tpu": lambda x, w: by_block(eq, x, w)}
+  branches = {"tpu": lambda x, w: _on_tpu(eq, x, w)}
   if nmajor is None or not on_cpu or not cpu_kernels.load():
     if numerics.invariant():
       return numerics.matmul(eq, x, w.astype(jnp.float32))
@@ -263,10 +295,13 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   on_cpu = jax.default_backend() == "cpu"
   if nmajor is not None and on_cpu and cpu_kernels.load():
     branches["cpu"] = lambda x, w: _kernel(eq, x, w, nmajor)
-  if isinstance(w, QArray):
-    branches["tpu"] = lambda x, w: grouped(eq, x, w)
+  if isinstance(w, QArray) or nmajor is not None:
+    branches["tpu"] = lambda x, w: _on_tpu(eq, x, w)
   if not branches:
     return plain(eq, x, w)
   return lax.platform_dependent(
     x, w, default=lambda x, w: plain(eq, x, w), **branches
   )
+
+
+contract_lib._quantized = weight_matmul

@@ -45,6 +45,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from chunkwise import tpu_kernels
 from chunkwise.models import blocks
 from chunkwise.models.blocks import BlockArray, expand
 from chunkwise.partitioning import axes as ax
@@ -249,13 +250,25 @@ def shape_like(
   return tuple(one(a, n) for a, n in zip(spec, shape, strict=True))
 
 
+def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
+  """Rows `ids` of a quantized table's field: on a TPU, an 8- or 16-bit
+  2-D field by `tpu_kernels.take_rows` (read in its stored tiling; XLA's
+  gather copied the whole field first), else `jnp.take`."""
+  plain = lambda a, ids: jnp.take(a, ids, axis=0)
+  if a.ndim != 2 or a.dtype.itemsize > 2:
+    return plain(a, ids)
+  return jax.lax.platform_dependent(
+    a, ids, default=plain, tpu=lambda a, ids: tpu_kernels.take_rows(a, ids)
+  )
+
+
 def take_rows(table, ids: jax.Array) -> jax.Array:
   """Rows `ids` of an embedding table (a QArray or BlockArray
   dequantizes only those). Ids must already lie inside the table."""
   if isinstance(table, BlockArray):
-    return blocks.take_rows(table, ids)
+    return blocks.take_rows(table, ids, take=_take)
   if isinstance(table, QArray):
-    rows = jnp.take(table.values, ids, axis=0).astype(jnp.float32)
+    rows = _take(table.values, ids).astype(jnp.float32)
     scale = jnp.take(table.scale, ids, axis=0)
     return rows * expand(scale, rows.shape)
   return jnp.take(table, ids, axis=0)

@@ -1,0 +1,319 @@
+"""`matmul(x, w)`: a Pallas TPU matmul that reads a weight as it is stored
+(bf16 / f32, int8 codes, or 4-bit codes two to a byte) and applies its
+per-group scales (and offsets) inside the kernel.
+
+XLA:TPU does not fuse an int8 weight's group scales into its dot: the
+plain twin (`matmul.plain`) made a dequantized copy of the weight every
+step, and `matmul.grouped` one dot per scale group, which made int8
+decode *slower* than bf16 (docs/layouts.md). Here each (k, n) tile of
+codes is read once from HBM, widened and scaled group by group into a
+VMEM tile of x's dtype, and multiplied on the MXU; the f32 sums stay in
+the output block across the k tiles (the grid's last, "arbitrary"
+axis). Nothing weight-sized is written.
+
+  y = matmul(x, w)              # x [rows, K]; w an array [K, N], an
+                                # int8 QArray or a k-major BlockArray
+  y = matmul(x, w, nmajor=True) # a float w [N, K] (a tied table)
+  y = invariant_matmul(x, w)    # rows in tiles of 8: invariant
+
+**Invariance.** Every tile is the same program whatever the batch: with
+`rows` fixed (x padded to a multiple of it) a row's outputs are computed
+by the same MXU and VPU operations in the same order whatever the other
+rows are, how many there are, and where the row sits, so its bits do
+not depend on them (`invariant_matmul`). `numerics.invariant()` programs
+on a TPU take that form; the fast form tiles by the rows there are.
+
+The kernel's reduction order is k tile after k tile, and within a tile
+the MXU's; it therefore differs from XLA's dot in the last bits
+(`tests/test_tpu_kernels.py` compares it with the dequantized weight's
+product in Pallas' TPU interpret mode, on the CPU; tests/test_tpu_compile
+compiles it for a TPU with libtpu).
+
+XLA:TPU gives a Pallas call no cycle estimate of its own; the call
+carries `cost_estimate` (its flops and the bytes it reads and writes),
+which `cost` also returns for reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+# Tile sizes: outputs per tile (lanes), inputs per tile (codes' rows).
+TILE_N = 512
+TILE_K = 512
+# Rows per tile of the invariant form (x padded up to a multiple).
+INVARIANT_ROWS = 8
+# Rows per tile of the fast form beyond which rows are tiled too.
+MAX_ROWS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+  """A k-major weight as the kernel reads it: `codes` [K / per_byte, N]
+  (float, int8, or uint8 holding two 4-bit codes along K: entry 2i low,
+  2i + 1 high), `scale` and `offset` [K / group, N] or None, `group`
+  inputs per scale."""
+
+  codes: jax.Array
+  scale: jax.Array | None
+  offset: jax.Array | None
+  group: int
+  bits: int | None  # 4 or 8 for codes, None for a float weight
+  nmajor: bool = False  # a float weight stored [N, K]
+
+  @property
+  def k(self) -> int:
+    if self.nmajor:
+      return self.codes.shape[1]
+    return self.codes.shape[0] * (2 if self.bits == 4 else 1)
+
+  @property
+  def n(self) -> int:
+    return self.codes.shape[0 if self.nmajor else 1]
+
+  @classmethod
+  def of(cls, w, nmajor: bool = False) -> Stored:
+    """A 2-D k-major weight: an array, an int8 QArray (`values`, `scale`)
+    or a BlockArray (with `bits`, `axis`) whose blocks run along axis 0;
+    with `nmajor`, a float array [N, K]. ValueError naming anything
+    else."""
+    if w.ndim != 2:
+      raise ValueError(
+        f"tpu_kernels.matmul takes 2-D weights [K, N], got {w.shape}"
+      )
+    if nmajor:
+      if hasattr(w, "scale"):
+        raise ValueError(
+          "tpu_kernels.matmul reads n-major weights in float only"
+        )
+      return cls(w, None, None, w.shape[1], None, nmajor=True)
+    if hasattr(w, "bits"):  # models.blocks.BlockArray
+      if w.axis != 0:
+        raise ValueError(
+          f"tpu_kernels.matmul takes blocks along K (axis 0), got axis {w.axis}"
+        )
+      return cls(w.values, w.scale, w.offset, w.block, w.bits)
+    if hasattr(w, "scale"):  # models.quantized.QArray
+      groups, n = w.scale.shape
+      if n != w.shape[1]:
+        raise ValueError(
+          f"tpu_kernels.matmul needs a scale per output column, got scale "
+          f"{w.scale.shape} for weight {w.shape}"
+        )
+      return cls(w.values, w.scale, None, w.shape[0] // groups, 8)
+    return cls(w, None, None, w.shape[0], None)
+
+
+def _per_tile(stored: Stored) -> bool:
+  """Whether scales (and offsets) go in blocks of a k tile's groups: 16-bit
+  ones do (Mosaic loads a row of them only at a static index, so a tile
+  holds a multiple of their 16-row tiling), 32-bit ones stay resident for
+  the whole column tile, read a row at a time at the tile's offset."""
+  return stored.scale is not None and stored.scale.dtype.itemsize < 4
+
+
+def _tiles(stored: Stored) -> tuple[int, int]:
+  """(k tile in codes' rows, n tile): the largest of at most TILE_K /
+  TILE_N that divide the weight, whole groups (16 of them for per-tile
+  scales), and keep the TPU's (8, 128) tiling (else the whole axis, which
+  Mosaic also accepts)."""
+  if stored.nmajor:  # K along lanes: 128s, else whole
+    k = stored.k
+    tk = next((t for t in range(TILE_K, 0, -128) if k % t == 0), k)
+    tn = stored.n if stored.n <= TILE_N else TILE_N
+    return tk, tn
+  rows = stored.codes.shape[0]
+  per = stored.group // (2 if stored.bits == 4 else 1)  # codes' rows/group
+  step = math.lcm(per * (16 if _per_tile(stored) else 1), 128)
+  tk = next(
+    (t for t in range(TILE_K, 0, -step) if t % step == 0 and rows % t == 0),
+    rows,
+  )
+  n = stored.n
+  # Columns that 128 does not divide (a vocabulary's shard): TILE_N wide,
+  # the last tile partial (Pallas pads its reads, masks its writes).
+  tn = next((t for t in range(TILE_N, 0, -128) if n % t == 0), min(n, TILE_N))
+  return tk, tn
+
+
+def _kernel(*refs, bits, per, tk, scaled, offset, per_tile, nmajor, out_dtype):
+  """One (m, n, k) grid point: codes tile -> VMEM tile(s) of x's dtype,
+  group by group (scales and offsets broadcast over a group's rows), one
+  MXU product per tile (two for 4-bit codes: even and odd inputs)."""
+  it = iter(refs)
+  xs = [next(it)] if bits != 4 else [next(it), next(it)]
+  codes = next(it)
+  scale = next(it) if scaled else None
+  off = next(it) if offset else None
+  out = next(it)
+  tiles = [next(it) for _ in xs] if scaled else []
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    out[...] = jnp.zeros(out.shape, out.dtype)
+
+  if scaled:
+    if per_tile:  # f16 as int16 bits: widened whole (`_f16_bits`)
+      scales = _f16_bits(scale[...])
+      offsets = _f16_bits(off[...]) if offset else None
+    for j in range(tk // per):
+      if per_tile:
+        s = scales[j : j + 1]
+        o = offsets[j : j + 1] if offset else None
+      else:
+        row = pl.ds(k * (tk // per) + j, 1)
+        s = scale[row, :]
+        o = off[row, :] if offset else None
+      c = codes[j * per : (j + 1) * per, :]
+      halves = [c] if bits != 4 else _nibbles(c)
+      for tile, h in zip(tiles, halves, strict=True):
+        w = h.astype(jnp.float32) * s
+        if o is not None:
+          w = w + o
+        tile[j * per : (j + 1) * per, :] = w.astype(tile.dtype)
+    weights = [t[...] for t in tiles]
+  else:
+    weights = [codes[...].astype(xs[0].dtype)]
+  acc = out[...]
+  dims = (((1,), (1 if nmajor else 0,)), ((), ()))
+  for x, w in zip(xs, weights, strict=True):
+    acc = acc + jax.lax.dot_general(
+      x[...], w, dims, preferred_element_type=jnp.float32
+    )
+  out[...] = acc.astype(out_dtype)
+
+
+def _f16_bits(bits):
+  """f32 values of f16 numbers given as their int16 bits (Mosaic loads no
+  f16 on a v5e): the exponent and mantissa moved into f32's places, times
+  2**112 for the exponents' bias (exact for normal and subnormal f16)."""
+  wide = bits.astype(jnp.int32)
+  magnitude = jax.lax.bitcast_convert_type((wide & 0x7FFF) << 13, jnp.float32)
+  magnitude = magnitude * jnp.float32(2.0**112)
+  return jnp.where(wide < 0, -magnitude, magnitude)
+
+
+def _nibbles(c):
+  """A uint8 tile's low and high 4-bit codes (inputs 2i and 2i + 1)."""
+  wide = c.astype(jnp.int32)
+  return [wide & 15, wide >> 4]
+
+
+def matmul(
+  x: jax.Array,
+  w,
+  *,
+  nmajor: bool = False,
+  rows: int | None = None,
+  interpret: bool = False,
+) -> jax.Array:
+  """x [M, K] times the k-major weight w ([K, N] array, QArray or
+  BlockArray; with `nmajor` a float [N, K]), f32 [M, N]. `rows`: rows
+  per tile (x padded to a multiple of it, the invariant form); default
+  min(M, MAX_ROWS) rounded up to 8. `interpret`: Pallas' TPU interpret
+  mode (any backend)."""
+  if not (nmajor or hasattr(w, "scale")) and w.ndim == 2:
+    k, n = w.shape
+    if n % 128 and not k % 128:
+      # A TPU lays such an array out column-major (its minor dim the one
+      # 128 divides): read as [N, K], the transpose is free.
+      return matmul(x, w.T, nmajor=True, rows=rows, interpret=interpret)
+  stored = Stored.of(w, nmajor)
+  if x.ndim != 2 or x.shape[1] != stored.k:
+    raise ValueError(
+      f"x {x.shape} must be [rows, {stored.k}] for weight "
+      f"[{stored.k}, {stored.n}]"
+    )
+  m = x.shape[0]
+  tm = rows or min(MAX_ROWS, -(-m // 8) * 8)
+  padded = -(-m // tm) * tm
+  if padded != m:
+    x = jnp.pad(x, ((0, padded - m), (0, 0)))
+  tk, tn = _tiles(stored)
+  per = stored.group // (2 if stored.bits == 4 else 1)
+  scaled = stored.scale is not None
+  # 4-bit: inputs 2i with the low nibbles, 2i + 1 with the high ones
+  xs = [x[:, 0::2], x[:, 1::2]] if stored.bits == 4 else [x]
+  x_spec = pl.BlockSpec((tm, tk), lambda i, j, k: (i, k))
+  if nmajor:
+    w_spec = pl.BlockSpec((tn, tk), lambda i, j, k: (j, k))
+  else:
+    w_spec = pl.BlockSpec((tk, tn), lambda i, j, k: (k, j))
+  in_specs = [x_spec] * len(xs) + [w_spec]
+  operands = [*xs, stored.codes]
+  per_tile = _per_tile(stored)
+  for extra in (stored.scale, stored.offset):
+    if extra is None:
+      continue
+    if per_tile:  # the k tile's groups
+      spec = pl.BlockSpec((tk // per, tn), lambda i, j, k: (k, j))
+    else:  # every group of the column tile, kept resident
+      spec = pl.BlockSpec((extra.shape[0], tn), lambda i, j, k: (0, j))
+    in_specs.append(spec)
+    if extra.dtype == jnp.float16:
+      extra = jax.lax.bitcast_convert_type(extra, jnp.int16)
+    operands.append(extra)
+  grid = (
+    padded // tm,
+    pl.cdiv(stored.n, tn),
+    stored.k // (tk * (2 if stored.bits == 4 else 1)),
+  )
+  out = pl.pallas_call(
+    functools.partial(
+      _kernel,
+      bits=stored.bits,
+      per=per,
+      tk=tk,
+      scaled=scaled,
+      offset=stored.offset is not None,
+      per_tile=per_tile,
+      nmajor=nmajor,
+      out_dtype=jnp.float32,
+    ),
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=pl.BlockSpec((tm, tn), lambda i, j, k: (i, j)),
+    out_shape=jax.ShapeDtypeStruct((padded, stored.n), jnp.float32),
+    scratch_shapes=[pltpu.VMEM((tk, tn), x.dtype) for _ in xs]
+    if scaled
+    else [],
+    compiler_params=pltpu.CompilerParams(
+      dimension_semantics=("parallel", "parallel", "arbitrary")
+    ),
+    cost_estimate=cost(padded, stored, x.dtype),
+    interpret=pltpu.InterpretParams() if interpret else False,
+    name="chunkwise_tpu_matmul",
+  )(*operands)
+  return out[:m]
+
+
+def invariant_matmul(
+  x, w, *, nmajor: bool = False, interpret: bool = False
+) -> jax.Array:
+  """`matmul` in tiles of `INVARIANT_ROWS` rows: a row's bits do not
+  depend on the batch."""
+  return matmul(x, w, nmajor=nmajor, rows=INVARIANT_ROWS, interpret=interpret)
+
+
+def cost(m: int, stored: Stored, dtype):
+  """The call's flops and the bytes it reads (codes, scales, offsets, x
+  once per column tile) and writes (f32 outputs)."""
+  _, tn = _tiles(stored)
+  nbytes = sum(
+    a.size * a.dtype.itemsize
+    for a in (stored.codes, stored.scale, stored.offset)
+    if a is not None
+  )
+  nbytes += m * stored.k * jnp.dtype(dtype).itemsize * -(-stored.n // tn)
+  nbytes += m * stored.n * 4
+  return pl.CostEstimate(
+    flops=2 * m * stored.k * stored.n, transcendentals=0, bytes_accessed=nbytes
+  )

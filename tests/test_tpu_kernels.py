@@ -1,0 +1,186 @@
+"""The Pallas TPU kernels (`chunkwise.tpu_kernels`) run in Pallas' TPU
+interpret mode on the CPU: `matmul` (weights read as stored: float, int8
+codes with group scales, GGUF blocks of 4- and 8-bit codes with scales
+and offsets) against the dequantized weight's f32 product, and its
+invariant form bit for bit across batch sizes and a row's place in the
+batch; `take_rows` against `jnp.take`; `invariant_attend` against
+softmax attention, and bit for bit across batches, chunk splits and
+cache lengths. Compiled for a TPU with libtpu: tests/test_tpu_compile.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chunkwise import tpu_kernels
+from chunkwise.models import quantized
+from chunkwise.models.blocks import BlockArray
+from chunkwise.tpu_kernels import tiled_matmul
+
+K, N = 512, 384
+
+
+def _blocks(kind, bits, block, offset, seed=0) -> BlockArray:
+  rng = np.random.default_rng(seed)
+  if bits == 4:
+    values = rng.integers(0, 256, (K // 2, N), dtype=np.uint8)
+  else:
+    values = rng.integers(-128, 128, (K, N), dtype=np.int8)
+  groups = (K // block, N)
+  scale = rng.uniform(0.001, 0.01, groups).astype(np.float16)
+  off = rng.uniform(-0.05, 0.05, groups).astype(np.float16) if offset else None
+  return BlockArray(
+    values=jnp.asarray(values),
+    scale=jnp.asarray(scale),
+    offset=None if off is None else jnp.asarray(off),
+    axis=0,
+    bits=bits,
+    kind=kind,
+  )
+
+
+def _weights():
+  w = jax.random.normal(jax.random.PRNGKey(0), (K, N), jnp.float32) * 0.05
+  return {
+    "f32": w,
+    "bf16": w.astype(jnp.bfloat16),
+    "int8/128": quantized.quantize(w, (0,), 128),
+    "int8/32": quantized.quantize(w, (0,), 32),
+    "Q4_1": _blocks("Q4_1", 4, 32, True),
+    "Q4_0": _blocks("Q4_0", 4, 32, True, seed=1),
+    "Q8_0": _blocks("Q8_0", 8, 32, False),
+    "Q6_K": _blocks("Q6_K", 8, 16, False),
+  }
+
+
+WEIGHTS = _weights()
+
+
+def _x(rows, dtype, seed=1):
+  return jax.random.normal(jax.random.PRNGKey(seed), (rows, K)).astype(dtype)
+
+
+@pytest.mark.parametrize("name", list(WEIGHTS))
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_matmul_reads_weights_as_stored(name, rows):
+  w = WEIGHTS[name]
+  dtype = jnp.float32 if name == "f32" else jnp.bfloat16
+  x = _x(rows, dtype)
+  got = tpu_kernels.matmul(x, w, interpret=True)
+  dense = w.astype(jnp.float32) if not isinstance(w, jax.Array) else w
+  # The kernel widens codes to x's dtype, as the plain twin casts them.
+  want = jnp.dot(
+    x.astype(jnp.float32),
+    dense.astype(dtype).astype(jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  assert got.shape == (rows, N) and got.dtype == jnp.float32
+  scale = float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(got, want, atol=2e-5 * scale * (K**0.5), rtol=0)
+
+
+def test_columns_that_128_does_not_divide_take_a_partial_tile():
+  """A vocabulary shard (32064 of Llama-3.1's 128256 on 4 chips): tiles
+  of TILE_N columns, the last one partial."""
+  n = tiled_matmul.TILE_N + 88
+  w = jax.random.normal(jax.random.PRNGKey(3), (K, n)) * 0.05
+  q = quantized.quantize(w, (0,), 128)
+  x = _x(2, jnp.float32)
+  got = tpu_kernels.matmul(x, q, interpret=True)
+  want = jnp.dot(x, q.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8/128", "Q4_1"])
+def test_invariant_rows_do_not_depend_on_the_batch(name):
+  w = WEIGHTS[name]
+  x = _x(32, jnp.bfloat16, seed=2)
+  whole = tpu_kernels.invariant_matmul(x, w, interpret=True)
+  for rows in (1, 8):
+    part = tpu_kernels.invariant_matmul(x[:rows], w, interpret=True)
+    np.testing.assert_array_equal(part, whole[:rows])
+  # A row's place in the batch and its neighbours change nothing either.
+  moved = jnp.concatenate([_x(3, jnp.bfloat16, seed=9), x[5:6]])
+  np.testing.assert_array_equal(
+    tpu_kernels.invariant_matmul(moved, w, interpret=True)[3], whole[5]
+  )
+
+
+def test_bad_operands_are_named():
+  with pytest.raises(ValueError, match=r"x \(3, 100\) must be \[rows, 512\]"):
+    tpu_kernels.matmul(jnp.zeros((3, 100)), WEIGHTS["f32"], interpret=True)
+  with pytest.raises(ValueError, match="2-D weights"):
+    tpu_kernels.matmul(jnp.zeros((3, K)), jnp.zeros((K, 2, N)), interpret=True)
+  with pytest.raises(ValueError, match="blocks along K"):
+    tpu_kernels.Stored.of(WEIGHTS["Q8_0"].replace(axis=1))
+
+
+def test_cost_counts_the_bytes_the_kernel_reads():
+  """The bound reported beside kernels XLA:TPU gives no estimate:
+  int8 reads half of bf16's weight bytes, 4-bit codes a quarter plus
+  their f16 scales and offsets."""
+  b16, i8, q4 = (
+    tpu_kernels.cost(8, tpu_kernels.Stored.of(WEIGHTS[n]), jnp.bfloat16)
+    for n in ("bf16", "int8/128", "Q4_1")
+  )
+  assert b16.flops == i8.flops == 2 * 8 * K * N
+  x_and_out = 8 * K * 2 + 8 * N * 4  # one column tile of 384
+  assert b16.bytes_accessed == K * N * 2 + x_and_out
+  assert i8.bytes_accessed == K * N + (K // 128) * N * 4 + x_and_out
+  assert q4.bytes_accessed == K * N // 2 + 2 * (K // 32) * N * 2 + x_and_out
+
+
+@pytest.mark.parametrize(
+  "dtype", [jnp.int8, jnp.uint8, jnp.float16, jnp.bfloat16, jnp.float32]
+)
+def test_take_rows_reads_the_rows_asked_for(dtype):
+  """`tpu_kernels.take_rows` (the quantized tables' rows on a TPU) is
+  `jnp.take`, bit for bit: ids in any order, repeated, at tile edges, in
+  the table's last partial tile."""
+  table = jax.random.randint(jax.random.PRNGKey(4), (70, 256), -128, 128)
+  table = table.astype(jnp.int8).astype(dtype)
+  ids = jnp.array([[0, 31, 32, 69], [5, 5, 64, 8]], jnp.int32)
+  got = tpu_kernels.take_rows(table, ids, interpret=True)
+  np.testing.assert_array_equal(got, jnp.take(table, ids, axis=0))
+  with pytest.raises(ValueError, match="2-D table"):
+    tpu_kernels.take_rows(table[None], ids, interpret=True)
+
+
+def _attention_inputs(b, t, s, seed=0, heads=4, kv_heads=2, d=128):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(keys[0], (b, heads, t, d)) / d**0.5
+  k = jax.random.normal(keys[1], (b, kv_heads, s, d))
+  v = jax.random.normal(keys[2], (b, kv_heads, s, d))
+  return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+
+
+def test_invariant_attention_matches_softmax_attention():
+  from chunkwise.tpu_kernels import attention
+
+  q, k, v = _attention_inputs(2, 5, 200)
+  positions = jnp.array([[3, 4, 5, 6, 7], [150, 160, 170, 180, 199]])
+  got = tpu_kernels.invariant_attend(q, k, v, positions, interpret=True)
+  want = attention.reference(q, k, v, positions)
+  np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+  # Keys past a row's position change nothing: not read, or weight 0.
+  k2 = k.at[0, :, 8:].set(100.0)
+  again = tpu_kernels.invariant_attend(q, k2, v, positions, interpret=True)
+  np.testing.assert_array_equal(again[0], got[0])
+
+
+def test_invariant_attention_rows_do_not_depend_on_batch_chunks_or_cache():
+  """A query row's bits: the same in a batch of 3 as alone, computed in a
+  chunk of 5 as one at a time (decode), and over a longer cache."""
+  q, k, v = _attention_inputs(3, 5, 300, seed=1)
+  positions = jnp.array([[200 + i for i in range(5)]] * 3) - jnp.array(
+    [[0], [50], [100]]
+  )
+  run = lambda *a: tpu_kernels.invariant_attend(*a, interpret=True)
+  whole = run(q, k, v, positions)
+  alone = run(q[1:2], k[1:2], v[1:2], positions[1:2])
+  np.testing.assert_array_equal(alone[0], whole[1])
+  for i in range(5):  # decode: one query at a time
+    step = run(q[:, :, i : i + 1], k, v, positions[:, i : i + 1])
+    np.testing.assert_array_equal(step[:, :, 0], whole[:, :, i])
+  longer = [jnp.pad(a, ((0, 0), (0, 0), (0, 200), (0, 0))) for a in (k, v)]
+  np.testing.assert_array_equal(run(q, *longer, positions), whole)
