@@ -1,7 +1,7 @@
 """Compiles a model's prefill and generate programs for a pod-sized mesh of
 fake host CPU devices, from abstract weights (nothing is allocated at
 model size), and reports memory and collectives per device beside the
-analytic planner's estimate (`chunkwise.bench.simulate`).
+analytic planner's estimate (`chunkwise.simulation.simulate`).
 
   python scripts/simulate.py --model=palm-540b --devices=64 --mesh=4x4x4 \\
       --layouts=ws_2d/yzx/xla --phases=generate --batch=64 --weights=int8 \\
@@ -148,11 +148,12 @@ def main(argv: Sequence[str]) -> None:
   import jax.numpy as jnp
 
   from chunkwise import configs
-  from chunkwise.bench import figures, report, simulate
-  from chunkwise.bench.simulate_report import table
-  from chunkwise.bench.simulate_trace import WeightFormat
-  from chunkwise.bench.tpu_target import Target
+  from chunkwise.bench import figures, report
   from chunkwise.partitioning import Layout, parse_mesh
+  from chunkwise.simulation import simulate
+  from chunkwise.simulation.programs import WeightFormat
+  from chunkwise.simulation.report import table
+  from chunkwise.simulation.tpu_target import Target
 
   try:
     target = (

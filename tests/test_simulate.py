@@ -1,4 +1,4 @@
-"""Compile-only simulation (`chunkwise.bench.simulate`): the engine's own
+"""Compile-only simulation (`chunkwise.simulation.simulate`): the engine's own
 programs, compiled from abstract weights on the 8 host devices, give
 argument bytes equal to the weights' shards, collectives that grow by
 whole layers, and allocate nothing; the HLO readers count collectives
@@ -20,13 +20,13 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import chunkwise as cw
-from chunkwise.bench import hlo, weight_reads
-from chunkwise.bench import simulate as sim
-from chunkwise.bench import simulate_report as sim_report
-from chunkwise.bench import simulate_trace as sim_trace
 from chunkwise.models import QArray, Weights
 from chunkwise.partitioning import Layout, make_mesh
 from chunkwise.partitioning.placement import shardings_for
+from chunkwise.simulation import hlo, weight_reads
+from chunkwise.simulation import programs as sim_trace
+from chunkwise.simulation import report as sim_report
+from chunkwise.simulation import simulate as sim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # PaLM 8B's widths, compiled at 2 and 4 layers (scaled to its 32).

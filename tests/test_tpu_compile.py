@@ -1,5 +1,5 @@
 """The engine's programs compiled by XLA:TPU on this CPU (libtpu, no TPU:
-`chunkwise.bench.tpu_target`), for a v5e 2x2 slice and a 3-axis v4
+`chunkwise.simulation.tpu_target`), for a v5e 2x2 slice and a 3-axis v4
 2x2x2 one: every layout and collective variant, f32 / bf16 / int8
 weights, int8 K/V, the slot loop with LoRA and with speculative
 verification, and a paged pool read by JAX's Pallas TPU kernel. Each
@@ -21,19 +21,19 @@ import jax.numpy as jnp
 import pytest
 
 import chunkwise as cw
-from chunkwise.bench import hlo, tpu_target, weight_reads
-from chunkwise.bench import simulate as sim
-from chunkwise.bench import simulate_report as sim_report
-from chunkwise.bench.simulate_compile import compile_depth
-from chunkwise.bench.simulate_trace import (
+from chunkwise.inference.speculation import Speculation
+from chunkwise.models import blocks
+from chunkwise.partitioning import Layout
+from chunkwise.simulation import hlo, tpu_target, weight_reads
+from chunkwise.simulation import report as sim_report
+from chunkwise.simulation import simulate as sim
+from chunkwise.simulation.compiled import compile_depth
+from chunkwise.simulation.programs import (
   Case,
   Phase,
   WeightFormat,
   abstract_weights,
 )
-from chunkwise.inference.speculation import Speculation
-from chunkwise.models import blocks
-from chunkwise.partitioning import Layout
 
 pytestmark = pytest.mark.skipif(
   not tpu_target.available(), reason="needs libtpu: the 'tpu' extra"

@@ -1,7 +1,7 @@
 """Decode and prefill read every weight once, in place (DESIGN §6): the
 compiled programs of every layout and collective variant hold no copy,
 slice or dequantized twin of a weight outside a matmul. Checked on the
-optimized HLO (`chunkwise.bench.weight_reads`), whose checker is itself
+optimized HLO (`chunkwise.simulation.weight_reads`), whose checker is itself
 checked on programs that do copy."""
 
 import re
@@ -13,8 +13,8 @@ import pytest
 from jax import lax
 
 import chunkwise as cw
-from chunkwise.bench import hlo, weight_reads
 from chunkwise.partitioning import make_mesh
+from chunkwise.simulation import hlo, weight_reads
 
 # Every layout and collective variant: the ring forms read their weight
 # pieces (`fused.Pieces`) in place.

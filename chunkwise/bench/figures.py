@@ -1,4 +1,4 @@
-"""Figures of simulation reports (`bench.simulate`) and of the planner's
+"""Figures of simulation reports (`chunkwise.simulation`) and of the planner's
 latency-vs-cost curves (`planner.pareto`); matplotlib is imported only
 when one is drawn.
 

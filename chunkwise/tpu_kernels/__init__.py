@@ -1,5 +1,5 @@
 """Pallas TPU kernels, compiled by Mosaic for a TPU (on a TPU host, or
-ahead of time with libtpu: `chunkwise.bench.tpu_target`) and run in
+ahead of time with libtpu: `chunkwise.simulation.tpu_target`) and run in
 Pallas' TPU interpret mode anywhere else (the tests, on the CPU).
 
 `matmul` reads a weight as it is stored (bf16 / f32, int8 codes with

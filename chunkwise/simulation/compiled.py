@@ -1,5 +1,5 @@
 """One simulated program, compiled: the phase's program, traced on
-abstract inputs (`simulate_trace`), lowered and compiled for a mesh of
+abstract inputs (`programs`), lowered and compiled for a mesh of
 fake host devices or a TPU slice's (`tpu_target`), and what the compiled
 program holds and sends per device (`compile_depth`). `simulate` calls it
 at a few depths and scales the figures to the model's.
@@ -39,8 +39,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from chunkwise.bench import hlo, tpu_target, weight_reads
-from chunkwise.bench.simulate_trace import trace
+from chunkwise.simulation import hlo, tpu_target, weight_reads
+from chunkwise.simulation.programs import trace
 
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 INPUT_KINDS = ("weights", "kv_cache", "other")

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from chunkwise.bench import hlo
-from chunkwise.bench.simulate_trace import Case, Phase
+from chunkwise.simulation import hlo
+from chunkwise.simulation.programs import Case, Phase
 
 GiB = 1 << 30
 

@@ -14,9 +14,9 @@ a mesh of fake host devices from abstract weights, and read back.
 
 The program of each case is traced and compiled from abstract weights,
 allocating nothing at model size, and its memory and collectives read
-back (`simulate_compile`); beside them, where `chunkwise.planner` is
+back (`compiled`); beside them, where `chunkwise.planner` is
 present, its estimate of the same configuration and the relative
-differences (`simulate_report`, which also prints the `table`).
+differences (`report`, which also prints the `table`).
 
 Depth: compiling a layer costs time, so a program is compiled at a few
 depths (2 and 4 layers by default) and every figure v is fitted as
@@ -42,21 +42,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from chunkwise.bench import hlo, tpu_target
-from chunkwise.bench.simulate_compile import (
+from chunkwise.configs import HParams
+from chunkwise.partitioning import Layout
+from chunkwise.partitioning.plan import check
+from chunkwise.simulation import hlo, tpu_target
+from chunkwise.simulation.compiled import (
   INPUT_KINDS,
   METRICS,
   compile_depth,
 )
-from chunkwise.bench.simulate_report import compare, predict
-from chunkwise.bench.simulate_trace import (  # noqa: F401 (the cases)
+from chunkwise.simulation.programs import (  # noqa: F401 (the cases)
   Case,
   Phase,
   WeightFormat,
 )
-from chunkwise.configs import HParams
-from chunkwise.partitioning import Layout
-from chunkwise.partitioning.plan import check
+from chunkwise.simulation.report import compare, predict
 
 
 def fit_to_mesh(

@@ -24,7 +24,7 @@ import re
 
 import jax
 
-from chunkwise.bench.hlo import Instr, Module, parse, shape_bytes
+from chunkwise.simulation.hlo import Instr, Module, parse, shape_bytes
 
 # Collectives move weight shards between devices on purpose (the
 # weight-gathered layout streams them); their outputs are not weights.
