@@ -10,6 +10,7 @@ analytic planner's estimate (`chunkwise.simulation.simulate`).
       --generate_layout=ws_2d/yzx --batch=512 --prefill_len=2048
   python scripts/simulate.py --target=tpu-v5e:2x2 --model=llama-3.1-8b \\
       --layouts=ws_2d/yz --phases=generate --batch=32 --context=8192
+  python scripts/simulate.py --target=tpu-v5e:2x2 --kernels
 
 --target=tpu-<generation>:<topology> (v4, v5e, v5p, v6e; --slices for a
 multi-slice mesh, x spanning the slices) compiles with XLA:TPU for that
@@ -56,6 +57,13 @@ _TARGET = flags.DEFINE_string(
   "cpu",
   "cpu (fake host devices) or tpu-<generation>:<topology>, e.g. "
   "tpu-v5e:2x2, compiled by XLA:TPU without a TPU.",
+)
+_KERNELS = flags.DEFINE_bool(
+  "kernels",
+  False,
+  "Instead of a model: the Pallas TPU kernels (tpu_kernels) beside XLA's "
+  "ops on one chip of --target, estimated "
+  "(chunkwise.simulation.kernels), as a markdown table.",
 )
 _SLICES = flags.DEFINE_integer(
   "slices", 1, "TPU slices (x spans them over the data-centre network).", 1
@@ -161,6 +169,14 @@ def main(argv: Sequence[str]) -> None:
       if _TARGET.value == "cpu"
       else Target.parse(_TARGET.value, _SLICES.value)
     )
+    if _KERNELS.value:
+      if target is None:
+        raise ValueError("--kernels needs a --target=tpu-...")
+      from chunkwise.simulation import kernels
+
+      print(f"one chip of {target}")
+      print(kernels.kernel_table(kernels.kernel_costs(target)))
+      return
     mesh = None if _MESH.value is None else parse_mesh(_MESH.value)
     if target is None:
       mesh = mesh or (4, 4, 4)

@@ -426,3 +426,42 @@ def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
   e = report["estimate"]
   assert e["compiler_s"] > 0 and e["interconnect_s"] > 0
   assert e["total_s"] == pytest.approx(e["compiler_s"] + e["interconnect_s"])
+
+
+def test_the_pallas_kernels_compile_and_are_estimated():
+  """`tpu_kernels` compiled by Mosaic for a v5e chip beside XLA's twins
+  (`simulation.kernels`): each Pallas call counts at its bytes' and
+  flops' bound; int8 codes read in the kernel beat bf16 weights; the
+  invariant forms stay within 1.3x of the fast kernel (matmul) and below
+  XLA's softmax attention."""
+  from chunkwise.simulation import kernels
+
+  # One v5e chip's share of a Llama-3.1-8B MLP weight (4096 x 3584).
+  rows = kernels.kernel_costs(
+    tpu_target.Target.parse(ONE), context=2048, rows=(1, 8)
+  )
+  by = {
+    (r["op"].split()[0], r["op"].split()[1], r["form"], r["rows"]): r
+    for r in rows
+  }
+  assert all(r["bounded"] for r in rows if "kernel" in r["form"])
+  for b in (1, 8):
+    int8, bf16 = (
+      by["matmul", d, "kernel", b]["seconds"] for d in ("int8", "bf16")
+    )
+    assert int8 < bf16
+    for d in ("int8", "bf16"):
+      fast = by["matmul", d, "kernel", b]["seconds"]
+      assert by["matmul", d, "invariant kernel", b]["seconds"] <= 1.3 * fast
+    attention = [
+      r for r in rows if r["op"].startswith("attention") and r["rows"] == b
+    ]
+    xla, kernel = (
+      next(r for r in attention if r["form"] == f)
+      for f in ("XLA", "invariant kernel")
+    )
+    assert kernel["seconds"] < xla["seconds"]
+  assert (
+    "| matmul int8 4096x3584 | 8 | invariant kernel |"
+    in kernels.kernel_table(rows)
+  )

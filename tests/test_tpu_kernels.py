@@ -94,16 +94,31 @@ def test_columns_that_128_does_not_divide_take_a_partial_tile():
 @pytest.mark.parametrize("name", ["bf16", "int8/128", "Q4_1"])
 def test_invariant_rows_do_not_depend_on_the_batch(name):
   w = WEIGHTS[name]
-  x = _x(32, jnp.bfloat16, seed=2)
+  x = _x(200, jnp.bfloat16, seed=2)  # two tiles of 128 rows
   whole = tpu_kernels.invariant_matmul(x, w, interpret=True)
-  for rows in (1, 8):
+  for rows in (1, 8, 32):
     part = tpu_kernels.invariant_matmul(x[:rows], w, interpret=True)
     np.testing.assert_array_equal(part, whole[:rows])
   # A row's place in the batch and its neighbours change nothing either.
-  moved = jnp.concatenate([_x(3, jnp.bfloat16, seed=9), x[5:6]])
+  moved = jnp.concatenate([_x(3, jnp.bfloat16, seed=9), x[150:151]])
   np.testing.assert_array_equal(
-    tpu_kernels.invariant_matmul(moved, w, interpret=True)[3], whole[5]
+    tpu_kernels.invariant_matmul(moved, w, interpret=True)[3], whole[150]
   )
+
+
+def test_a_float_table_is_read_n_major():
+  """A tied table [N, K] unembeds without a transpose; so does a float
+  [K, N] whose N 128 does not divide (a TPU stores it column-major)."""
+  table = jax.random.normal(jax.random.PRNGKey(5), (300, K)) * 0.05
+  x = _x(3, jnp.float32)
+  want = jnp.dot(x, table.T, precision=jax.lax.Precision.HIGHEST)
+  got = tpu_kernels.matmul(x, table, nmajor=True, interpret=True)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+  np.testing.assert_array_equal(
+    tpu_kernels.matmul(x, table.T, interpret=True), got
+  )
+  with pytest.raises(ValueError, match="n-major weights in float only"):
+    tpu_kernels.matmul(x, WEIGHTS["int8/128"], nmajor=True, interpret=True)
 
 
 def test_bad_operands_are_named():

@@ -250,8 +250,8 @@ def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
       w2 = w.replace(values=w2, scale=scale, offset=offset, axis=0)
     elif isinstance(w, QArray):
       w2 = QArray(values=w2, scale=scale)
-    out = tpu(x.reshape(rows, k), w2)
-    return out.reshape(*free_x, *free_w).astype(x.dtype)
+    out = tpu(x.reshape(rows, k), w2, out_dtype=x.dtype)
+    return out.reshape(*free_x, *free_w)
   out = cpu_kernels.matmul(
     x.reshape(rows, k),
     w2,

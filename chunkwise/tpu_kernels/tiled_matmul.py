@@ -14,7 +14,7 @@ axis). Nothing weight-sized is written.
   y = matmul(x, w)              # x [rows, K]; w an array [K, N], an
                                 # int8 QArray or a k-major BlockArray
   y = matmul(x, w, nmajor=True) # a float w [N, K] (a tied table)
-  y = invariant_matmul(x, w)    # rows in tiles of 8: invariant
+  y = invariant_matmul(x, w)    # rows in tiles of 128: invariant
 
 **Invariance.** Every tile is the same program whatever the batch: with
 `rows` fixed (x padded to a multiple of it) a row's outputs are computed
@@ -48,10 +48,15 @@ from jax.experimental.pallas import tpu as pltpu
 # Tile sizes: outputs per tile (lanes), inputs per tile (codes' rows).
 TILE_N = 512
 TILE_K = 512
-# Rows per tile of the invariant form (x padded up to a multiple).
-INVARIANT_ROWS = 8
+# Rows per tile of the invariant form (x padded up to a multiple): up to
+# 128 rows the weight is read once (as the fast form's), and at decode's
+# bytes per flop a v5e's MXU streams 128 rows in about the time its HBM
+# delivers the weight tile (`cost`).
+INVARIANT_ROWS = 128
 # Rows per tile of the fast form beyond which rows are tiled too.
 MAX_ROWS = 256
+# Bytes of x's rows up to which they stay whole in VMEM.
+_WHOLE_X_BYTES = 2 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +148,9 @@ def _tiles(stored: Stored) -> tuple[int, int]:
   return tk, tn
 
 
-def _kernel(*refs, bits, per, tk, scaled, offset, per_tile, nmajor, out_dtype):
+def _kernel(
+  *refs, bits, per, tk, scaled, offset, per_tile, nmajor, x_tile, out_dtype
+):
   """One (m, n, k) grid point: codes tile -> VMEM tile(s) of x's dtype,
   group by group (scales and offsets broadcast over a group's rows), one
   MXU product per tile (two for 4-bit codes: even and odd inputs)."""
@@ -154,11 +161,12 @@ def _kernel(*refs, bits, per, tk, scaled, offset, per_tile, nmajor, out_dtype):
   off = next(it) if offset else None
   out = next(it)
   tiles = [next(it) for _ in xs] if scaled else []
+  sums = next(it)  # f32 [tm, tn], carried across the k tiles
   k = pl.program_id(2)
 
   @pl.when(k == 0)
   def _():
-    out[...] = jnp.zeros(out.shape, out.dtype)
+    sums[...] = jnp.zeros(sums.shape, jnp.float32)
 
   if scaled:
     if per_tile:  # f16 as int16 bits: widened whole (`_f16_bits`)
@@ -182,13 +190,21 @@ def _kernel(*refs, bits, per, tk, scaled, offset, per_tile, nmajor, out_dtype):
     weights = [t[...] for t in tiles]
   else:
     weights = [codes[...].astype(xs[0].dtype)]
-  acc = out[...]
+  acc = sums[...]
   dims = (((1,), (1 if nmajor else 0,)), ((), ()))
   for x, w in zip(xs, weights, strict=True):
+    if x_tile is None:  # x's k tile
+      rows = x[...]
+    else:  # x's whole rows: this k tile's columns
+      rows = x[:, pl.ds(pl.multiple_of(k * x_tile, x_tile), x_tile)]
     acc = acc + jax.lax.dot_general(
-      x[...], w, dims, preferred_element_type=jnp.float32
+      rows, w, dims, preferred_element_type=jnp.float32
     )
-  out[...] = acc.astype(out_dtype)
+  sums[...] = acc
+
+  @pl.when(k == pl.num_programs(2) - 1)
+  def _():
+    out[...] = acc.astype(out_dtype)
 
 
 def _f16_bits(bits):
@@ -213,10 +229,12 @@ def matmul(
   *,
   nmajor: bool = False,
   rows: int | None = None,
+  out_dtype=jnp.float32,
   interpret: bool = False,
 ) -> jax.Array:
   """x [M, K] times the k-major weight w ([K, N] array, QArray or
-  BlockArray; with `nmajor` a float [N, K]), f32 [M, N]. `rows`: rows
+  BlockArray; with `nmajor` a float [N, K]), [M, N] of `out_dtype` (f32
+  sums, rounded once at the end). `rows`: rows
   per tile (x padded to a multiple of it, the invariant form); default
   min(M, MAX_ROWS) rounded up to 8. `interpret`: Pallas' TPU interpret
   mode (any backend)."""
@@ -225,7 +243,9 @@ def matmul(
     if n % 128 and not k % 128:
       # A TPU lays such an array out column-major (its minor dim the one
       # 128 divides): read as [N, K], the transpose is free.
-      return matmul(x, w.T, nmajor=True, rows=rows, interpret=interpret)
+      return matmul(
+        x, w.T, nmajor=True, rows=rows, out_dtype=out_dtype, interpret=interpret
+      )
   stored = Stored.of(w, nmajor)
   if x.ndim != 2 or x.shape[1] != stored.k:
     raise ValueError(
@@ -234,15 +254,26 @@ def matmul(
     )
   m = x.shape[0]
   tm = rows or min(MAX_ROWS, -(-m // 8) * 8)
+  # Rows that tm does not divide: the last row tile partial (Pallas pads
+  # its reads and masks its writes; a row's sums never mix with another's,
+  # so the padding reaches no row that is kept). No copy of x.
   padded = -(-m // tm) * tm
-  if padded != m:
-    x = jnp.pad(x, ((0, padded - m), (0, 0)))
   tk, tn = _tiles(stored)
   per = stored.group // (2 if stored.bits == 4 else 1)
   scaled = stored.scale is not None
   # 4-bit: inputs 2i with the low nibbles, 2i + 1 with the high ones
   xs = [x[:, 0::2], x[:, 1::2]] if stored.bits == 4 else [x]
-  x_spec = pl.BlockSpec((tm, tk), lambda i, j, k: (i, k))
+  # x's whole rows stay in VMEM (read once, not once per column tile)
+  # where they fit; else tiles of tk.
+  whole_x = (
+    tm * stored.k * x.dtype.itemsize <= _WHOLE_X_BYTES
+    and tk != xs[0].shape[1]  # (one k tile: its tile is the whole row)
+    and not tk % 128  # Mosaic slices lanes at 128s
+  )
+  if whole_x:
+    x_spec = pl.BlockSpec((tm, xs[0].shape[1]), lambda i, j, k: (i, 0))
+  else:
+    x_spec = pl.BlockSpec((tm, tk), lambda i, j, k: (i, k))
   if nmajor:
     w_spec = pl.BlockSpec((tn, tk), lambda i, j, k: (j, k))
   else:
@@ -276,44 +307,58 @@ def matmul(
       offset=stored.offset is not None,
       per_tile=per_tile,
       nmajor=nmajor,
-      out_dtype=jnp.float32,
+      x_tile=tk if whole_x else None,
+      out_dtype=out_dtype,
     ),
     grid=grid,
     in_specs=in_specs,
     out_specs=pl.BlockSpec((tm, tn), lambda i, j, k: (i, j)),
-    out_shape=jax.ShapeDtypeStruct((padded, stored.n), jnp.float32),
-    scratch_shapes=[pltpu.VMEM((tk, tn), x.dtype) for _ in xs]
-    if scaled
-    else [],
+    out_shape=jax.ShapeDtypeStruct((m, stored.n), out_dtype),
+    scratch_shapes=[
+      *(pltpu.VMEM((tk, tn), x.dtype) for _ in (xs if scaled else ())),
+      pltpu.VMEM((tm, tn), jnp.float32),
+    ],
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "arbitrary")
     ),
-    cost_estimate=cost(padded, stored, x.dtype),
+    cost_estimate=cost(padded, stored, x.dtype, tm, out_dtype),
     interpret=pltpu.InterpretParams() if interpret else False,
     name="chunkwise_tpu_matmul",
   )(*operands)
-  return out[:m]
+  return out
 
 
 def invariant_matmul(
-  x, w, *, nmajor: bool = False, interpret: bool = False
+  x, w, *, nmajor: bool = False, out_dtype=jnp.float32, interpret=False
 ) -> jax.Array:
   """`matmul` in tiles of `INVARIANT_ROWS` rows: a row's bits do not
   depend on the batch."""
-  return matmul(x, w, nmajor=nmajor, rows=INVARIANT_ROWS, interpret=interpret)
+  return matmul(
+    x,
+    w,
+    nmajor=nmajor,
+    rows=INVARIANT_ROWS,
+    out_dtype=out_dtype,
+    interpret=interpret,
+  )
 
 
-def cost(m: int, stored: Stored, dtype):
-  """The call's flops and the bytes it reads (codes, scales, offsets, x
-  once per column tile) and writes (f32 outputs)."""
+def cost(m: int, stored: Stored, dtype, tm=None, out_dtype=jnp.float32):
+  """The call's flops and the bytes it reads (codes, scales, offsets; x
+  once, or once per column tile where tiles of `tm` of its rows do not
+  stay whole in VMEM) and writes (outputs of `out_dtype`)."""
   _, tn = _tiles(stored)
   nbytes = sum(
     a.size * a.dtype.itemsize
     for a in (stored.codes, stored.scale, stored.offset)
     if a is not None
   )
-  nbytes += m * stored.k * jnp.dtype(dtype).itemsize * -(-stored.n // tn)
-  nbytes += m * stored.n * 4
+  x_bytes = m * stored.k * jnp.dtype(dtype).itemsize
+  tm = tm or min(m, MAX_ROWS)
+  if tm * stored.k * jnp.dtype(dtype).itemsize > _WHOLE_X_BYTES:
+    x_bytes *= -(-stored.n // tn)  # once per column tile
+  nbytes += x_bytes
+  nbytes += m * stored.n * jnp.dtype(out_dtype).itemsize
   return pl.CostEstimate(
     flops=2 * m * stored.k * stored.n, transcendentals=0, bytes_accessed=nbytes
   )
