@@ -117,6 +117,12 @@ def traced(fn, numerics: str, platform: str | None = None):
   return wrapped
 
 
+def platform() -> str | None:
+  """The platform the program being traced runs on, where its engine
+  knows it (`traced`); None: any (branches for each are traced)."""
+  return _PLATFORM.get()
+
+
 def invariant() -> bool:
   """Whether the code being traced keeps rows invariant (on the CPU)."""
   return _CURRENT.get() in _INVARIANT and _kernels()

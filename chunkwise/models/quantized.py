@@ -45,7 +45,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from chunkwise import tpu_kernels
+from chunkwise import numerics, tpu_kernels
 from chunkwise.models import blocks
 from chunkwise.models.blocks import BlockArray, expand
 from chunkwise.partitioning import axes as ax
@@ -256,6 +256,8 @@ def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
   gather copied the whole field first), else `jnp.take`."""
   plain = lambda a, ids: jnp.take(a, ids, axis=0)
   if a.ndim != 2 or a.dtype.itemsize > 2:
+    return plain(a, ids)
+  if numerics.platform() not in (None, "tpu"):  # a CPU engine's program
     return plain(a, ids)
   return jax.lax.platform_dependent(
     a, ids, default=plain, tpu=lambda a, ids: tpu_kernels.take_rows(a, ids)
