@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +56,17 @@ class ApiError(Exception):
   def __init__(self, status: int, message: str, kind: str = VALIDATION):
     super().__init__(message)
     self.status, self.message, self.kind = status, message, kind
+
+
+def bad_request(message: str) -> ApiError:
+  """A 400 with `message` (each face's own shape wraps it)."""
+  return ApiError(400, message)
+
+
+def new_id(prefix: str, sep: str = "-") -> str:
+  """A fresh object id: "chatcmpl-…" (OpenAI's chat), "resp_…" (with
+  sep="_": Responses, Messages)."""
+  return f"{prefix}{sep}{secrets.token_hex(12)}"
 
 
 def documented(default: Any = None, **schema: Any) -> Any:

@@ -105,7 +105,7 @@ async def openai_events(
   (a stop string is never shown in part), the usage chunk if asked, then
   [DONE]."""
   response = await open_sse(request, ctx.write_timeout_s)
-  rid = openai_api.new_id("chatcmpl" if chat else "cmpl")
+  rid = api.new_id("chatcmpl" if chat else "cmpl")
   created = int(time.time())
   try:
     async for chunk in openai_chunks(call, streams, ctx, chat, rid, created):

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import secrets
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from chunkwise.serving import api
-from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving.api import Context
 from chunkwise.serving.faces import openai_requests
 from chunkwise.serving.faces.openai_requests import Call
 from chunkwise.serving.stream import LENGTH, STOP_SEQUENCE, TokenStream
@@ -103,18 +102,12 @@ class Turn:
     return self.call.stream
 
 
-def new_id(prefix: str) -> str:
-  return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def _bad(message: str) -> ApiError:
-  return ApiError(400, message)
+_bad = api.bad_request
 
 
 def _check_extra(b: BaseModel) -> None:
-  for name, value in (b.model_extra or {}).items():
-    if value is not None and name not in _HARMLESS:
-      raise _bad(f"{name} is not supported by this server")
+  """The field policy (`openai_requests.check_extra`), and thinking off."""
+  openai_requests.check_extra(b, dict.fromkeys(_HARMLESS))
   thinking = getattr(b, "thinking", None)
   if thinking and thinking.get("type") not in (None, "disabled"):
     raise _bad("thinking is not supported by this model")
@@ -301,7 +294,7 @@ def parse(raw: Any, ctx: Context) -> Turn:
   call = openai_requests.parse_chat(
     {k: v for k, v in body.items() if v is not None}, ctx
   )
-  return Turn(id=new_id("msg"), model=b.model, call=call)
+  return Turn(id=api.new_id("msg", "_"), model=b.model, call=call)
 
 
 def count_tokens(raw: Any, ctx: Context) -> dict:
@@ -432,7 +425,7 @@ class Events:
       if k not in self.calls:
         block = {
           "type": "tool_use",
-          "id": call.get("id") or new_id("toolu"),
+          "id": call.get("id") or api.new_id("toolu", "_"),
           "name": f.get("name", ""),
           "input": {},
         }

@@ -11,9 +11,9 @@ shows the start of one before it is known not to be a stop (`Held`).
 
 from __future__ import annotations
 
-import secrets
 import time
 
+from chunkwise.serving import api
 from chunkwise.serving.api import Context
 from chunkwise.serving.faces.openai_requests import Call
 from chunkwise.serving.stream import (
@@ -24,10 +24,6 @@ from chunkwise.serving.stream import (
   finite,
 )
 from chunkwise.serving.text import Detokenizer, StopScanner
-
-
-def new_id(prefix: str) -> str:
-  return f"{prefix}-{secrets.token_hex(12)}"
 
 
 def reason(s: TokenStream) -> str:
@@ -143,7 +139,7 @@ def completion(
     )
   prompt_tokens = sum(len(p) for p in call.prompts)
   return {
-    "id": new_id("cmpl"),
+    "id": api.new_id("cmpl"),
     "object": "text_completion",
     "created": int(time.time()),
     "model": call.model,
@@ -241,7 +237,7 @@ def chat(call: Call, ctx: Context, streams: dict[int, TokenStream]) -> dict:
       }
     )
   return {
-    "id": new_id("chatcmpl"),
+    "id": api.new_id("chatcmpl"),
     "object": "chat.completion",
     "created": int(time.time()),
     "model": call.model,

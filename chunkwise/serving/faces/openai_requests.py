@@ -123,8 +123,7 @@ def _validate(model: type[BaseModel], raw: Any) -> BaseModel:
     raise ApiError(400, api.pydantic_message(e)) from None
 
 
-def _bad(message: str) -> ApiError:
-  return ApiError(400, message)
+_bad = api.bad_request
 
 
 # Fields clients send that change nothing here (with these values):
@@ -140,22 +139,23 @@ _HARMLESS = {
 }
 
 
-def _check_extra(b: BaseModel) -> None:
-  """A 400 naming the first field this server does not know (or knows
-  and does not do), unless it is null or harmless (`_HARMLESS`)."""
+def check_extra(b: BaseModel, harmless: dict = _HARMLESS) -> None:
+  """A 400 naming the first field of `b` this server does not know (or
+  knows and does not do), unless it is null or `harmless`: a name with
+  the one value that changes nothing here, or with None (any value: the
+  face checks it). Every face's unknown-field policy (docs/serving.md)."""
   for name, value in (b.model_extra or {}).items():
-    if value is None:
+    if value is None:  # (clients send unset fields as null)
       continue
-    if name in _HARMLESS and _HARMLESS[name] in (None, value):
-      continue
-    if name in _HARMLESS:
+    if name not in harmless:
+      raise _bad(f"{name} is not supported by this server")
+    if harmless[name] not in (None, value):
       raise _bad(f"{name}={value!r:.40} is not supported by this server")
-    raise _bad(f"{name} is not supported by this server")
 
 
 def _sampling(b: _Common, ctx: Context) -> dict:
   """Generation fields every OpenAI route shares."""
-  _check_extra(b)
+  check_extra(b)
   if b.n is not None and not 1 <= b.n <= ctx.max_n:
     raise _bad(f"n must be between 1 and {ctx.max_n} (--max_n), got {b.n}")
   if b.temperature is not None and not 0 <= b.temperature <= 2:

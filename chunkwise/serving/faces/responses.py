@@ -19,7 +19,6 @@ log-probs with `include: ["message.output_text.logprobs"]`), or
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import time
 from typing import Any
 
@@ -79,20 +78,14 @@ class Turn:
     return self.call.stream
 
 
-def new_id(prefix: str) -> str:
-  return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def _bad(message: str) -> ApiError:
-  return ApiError(400, message)
+_bad = api.bad_request
 
 
 def _check_extra(b: ResponsesBody) -> None:
+  """The field policy (`openai_requests.check_extra`), then the values of
+  the harmless fields that are harmless only unset."""
+  openai_requests.check_extra(b, dict.fromkeys(_HARMLESS))
   for name, value in (b.model_extra or {}).items():
-    if value is None:
-      continue  # (clients send unset fields as null)
-    if name not in _HARMLESS:
-      raise _bad(f"{name} is not supported by this server")
     if name == "truncation" and value not in (None, "disabled"):
       raise _bad(f"truncation={value!r:.40} is not supported (only 'disabled')")
     if name == "background" and value:
@@ -128,7 +121,7 @@ def _input_items(given: str | list[dict]) -> list[dict]:
         f"input[{i}].type must be 'message', 'function_call' or "
         f"'function_call_output', got {kind!r:.40}"
       )
-    items.append(_listed(item, kind, item.get("id") or new_id(prefix), i))
+    items.append(_listed(item, kind, item.get("id") or api.new_id(prefix), i))
   return items
 
 
@@ -326,7 +319,7 @@ def parse(raw: Any, ctx: Context, store) -> Turn:
     {k: v for k, v in chat.items() if v is not None}, ctx
   )
   return Turn(
-    id=new_id("resp"),
+    id=api.new_id("resp", "_"),
     created_at=int(time.time()),
     body=b,
     call=call,
@@ -366,7 +359,7 @@ def message_item(text: str, logprobs: list[dict] | None, status: str) -> dict:
   if logprobs is not None:
     part["logprobs"] = logprobs
   return {
-    "id": new_id("msg"),
+    "id": api.new_id("msg", "_"),
     "type": "message",
     "role": "assistant",
     "status": status,
@@ -376,7 +369,7 @@ def message_item(text: str, logprobs: list[dict] | None, status: str) -> dict:
 
 def call_item(call: dict, status: str = "completed") -> dict:
   return {
-    "id": new_id("fc"),
+    "id": api.new_id("fc", "_"),
     "type": "function_call",
     "call_id": call["id"],
     "name": call["function"]["name"],
@@ -552,9 +545,9 @@ class Events:
     if k not in self.calls:
       f = call.get("function") or {}
       item = {
-        "id": new_id("fc"),
+        "id": api.new_id("fc", "_"),
         "type": "function_call",
-        "call_id": call.get("id") or new_id("call"),
+        "call_id": call.get("id") or api.new_id("call", "_"),
         "name": f.get("name", ""),
         "arguments": "",
         "status": "in_progress",

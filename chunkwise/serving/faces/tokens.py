@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from chunkwise.serving import api
-from chunkwise.serving.api import ApiError, Context
+from chunkwise.serving.api import Context
 from chunkwise.serving.faces import openai_requests
 
 ROUTES = ("/tokenize", "/detokenize")
@@ -41,8 +41,7 @@ class DetokenizeBody(BaseModel):
   tokens: list[int] = api.documented(..., examples=[[1, 2, 3]])
 
 
-def _bad(message: str) -> ApiError:
-  return ApiError(400, message)
+_bad = api.bad_request
 
 
 def _model(name: str | None, ctx: Context) -> None:
