@@ -7,7 +7,8 @@ group scales, GGUF blocks of 4- or 8-bit codes with f16 scales and
 offsets) and scales it tile by tile in VMEM: the TPU's decode matmuls
 and every quantized matmul (`models.matmul`). `invariant_matmul` is the
 same in tiles of fixed rows, whose rows' bits do not depend on the
-batch: invariant numerics on a TPU (`chunkwise.numerics`). `take_rows`
+batch (for invariant numerics on a TPU; the engines do not call it
+yet: docs/numerics.md). `take_rows`
 reads a quantized table's rows in their stored tiling (the embedding
 lookup). `invariant_attend` is causal attention in tiles of fixed shape
 over a heads-major cache: a query row's bits do not depend on the batch,

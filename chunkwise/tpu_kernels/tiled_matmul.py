@@ -8,8 +8,8 @@ step, and `matmul.grouped` one dot per scale group, which made int8
 decode *slower* than bf16 (docs/layouts.md). Here each (k, n) tile of
 codes is read once from HBM, widened and scaled group by group into a
 VMEM tile of x's dtype, and multiplied on the MXU; the f32 sums stay in
-the output block across the k tiles (the grid's last, "arbitrary"
-axis). Nothing weight-sized is written.
+VMEM across the k tiles (the grid's last, "arbitrary" axis) and are
+rounded to the output's dtype once. Nothing weight-sized is written.
 
   y = matmul(x, w)              # x [rows, K]; w an array [K, N], an
                                 # int8 QArray or a k-major BlockArray
@@ -17,11 +17,12 @@ axis). Nothing weight-sized is written.
   y = invariant_matmul(x, w)    # rows in tiles of 128: invariant
 
 **Invariance.** Every tile is the same program whatever the batch: with
-`rows` fixed (x padded to a multiple of it) a row's outputs are computed
-by the same MXU and VPU operations in the same order whatever the other
+`rows` fixed (the last row tile partial) a row's outputs are computed by
+the same MXU and VPU operations in the same order whatever the other
 rows are, how many there are, and where the row sits, so its bits do
-not depend on them (`invariant_matmul`). `numerics.invariant()` programs
-on a TPU take that form; the fast form tiles by the rows there are.
+not depend on them (`invariant_matmul`); the fast form tiles by the
+rows there are. The engines do not call the invariant form yet
+(`numerics.invariant()` means the CPU kernels: docs/numerics.md).
 
 The kernel's reduction order is k tile after k tile, and within a tile
 the MXU's; it therefore differs from XLA's dot in the last bits
@@ -48,7 +49,7 @@ from jax.experimental.pallas import tpu as pltpu
 # Tile sizes: outputs per tile (lanes), inputs per tile (codes' rows).
 TILE_N = 512
 TILE_K = 512
-# Rows per tile of the invariant form (x padded up to a multiple): up to
+# Rows per tile of the invariant form: up to
 # 128 rows the weight is read once (as the fast form's), and at decode's
 # bytes per flop a v5e's MXU streams 128 rows in about the time its HBM
 # delivers the weight tile (`cost`).
@@ -235,7 +236,7 @@ def matmul(
   """x [M, K] times the k-major weight w ([K, N] array, QArray or
   BlockArray; with `nmajor` a float [N, K]), [M, N] of `out_dtype` (f32
   sums, rounded once at the end). `rows`: rows
-  per tile (x padded to a multiple of it, the invariant form); default
+  per tile (the last tile partial; fixed: the invariant form); default
   min(M, MAX_ROWS) rounded up to 8. `interpret`: Pallas' TPU interpret
   mode (any backend)."""
   if not (nmajor or hasattr(w, "scale")) and w.ndim == 2:
