@@ -3,10 +3,11 @@
 A package may import only packages above it:
 configs -> collectives, processors -> partitioning, constraints -> models
 -> inference -> checkpoints -> jobs, serving -> bench (which measures
-all of them: the scoring job's batches among them); checkpoints, jobs and
+all of them: the scoring job's batches among them) -> simulation (which
+compiles them for meshes and TPU slices); checkpoints, jobs and
 serving use only the names `chunkwise.inference` exports. The
 single-module helpers (contract, untrusted, precision, compile_cache,
-numerics, memory, cpu_kernels) import nothing
+numerics, memory, cpu_kernels, tpu_kernels) import nothing
 above the floor they serve; `contract` (activation times weight in the
 weight's own order) imports nothing at all, like `configs`.
 """
@@ -26,6 +27,7 @@ FLOORS = {
   "collectives": 1,
   "processors": 1,
   "cpu_kernels": 1,
+  "tpu_kernels": 1,  # Pallas kernels; import nothing of ours
   "untrusted": 1,
   "precision": 1,
   "compile_cache": 1,  # JAX's persistent cache; imports nothing of ours
@@ -40,6 +42,7 @@ FLOORS = {
   "jobs": 7,
   "serving": 7,  # beside jobs: neither imports the other
   "bench": 8,  # measures everything below, the jobs included
+  "simulation": 9,  # compiles everything below (bench's random adapters)
 }
 PUBLIC_ONLY = ("checkpoints", "jobs", "serving")
 
