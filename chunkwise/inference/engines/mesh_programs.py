@@ -32,7 +32,8 @@ from chunkwise.precision import with_precision
 #  2. the CPU matmul kernel is a `jax.ffi` call whose result carries no
 #     varying-axes type, so its `platform_dependent` switch with XLA's dot
 #     (whose result does) fails the check ("switch branches must have
-#     equal output types").
+#     equal output types"); so does a Pallas TPU kernel's call
+#     (`tpu_kernels`: its out shape names no `manual_axis_type`).
 # The collective matmuls alone run with the check on (test_collectives.py).
 CHECK_VMA = False
 
