@@ -117,10 +117,11 @@ def traced(fn, numerics: str, platform: str | None = None):
   return wrapped
 
 
-def platform() -> str | None:
-  """The platform the program being traced runs on, where its engine
-  knows it (`traced`); None: any (branches for each are traced)."""
-  return _PLATFORM.get()
+def may_run(platform: str) -> bool:
+  """Whether the program being traced may run on `platform`: its engine
+  named that platform or none (`traced`). A branch for a platform is
+  traced only then (a CPU engine's programs trace no Pallas TPU kernel)."""
+  return _PLATFORM.get() in (None, platform)
 
 
 def invariant() -> bool:

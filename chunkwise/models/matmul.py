@@ -270,9 +270,9 @@ def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
   not fit the kernel, the codes are dequantized inside the jit (the plain
   twin; under invariant numerics through `numerics.matmul`)."""
   nmajor = _form(eq, x, w, max_rows=None)
-  on_cpu = jax.default_backend() == "cpu" and _may_run("cpu")
+  on_cpu = jax.default_backend() == "cpu" and numerics.may_run("cpu")
   branches = {}
-  if _may_run("tpu"):
+  if numerics.may_run("tpu"):
     branches["tpu"] = lambda x, w: _on_tpu(eq, x, w)
   if nmajor is None or not on_cpu or not cpu_kernels.load():
     if numerics.invariant():
@@ -282,13 +282,6 @@ def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
   return lax.platform_dependent(
     x, w, default=lambda x, w: plain(eq, x, w), **branches
   )
-
-
-def _may_run(platform: str) -> bool:
-  """Whether the program being traced may run on `platform`: a branch
-  for it is traced only then (`numerics.platform`: a CPU engine's
-  programs trace no Pallas TPU kernel)."""
-  return numerics.platform() in (None, platform)
 
 
 def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
@@ -301,10 +294,10 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   nmajor = _form(eq, x, w)
   branches = {}
   # Only a CPU-backed process builds the kernel (none on a GPU host).
-  on_cpu = jax.default_backend() == "cpu" and _may_run("cpu")
+  on_cpu = jax.default_backend() == "cpu" and numerics.may_run("cpu")
   if nmajor is not None and on_cpu and cpu_kernels.load():
     branches["cpu"] = lambda x, w: _kernel(eq, x, w, nmajor)
-  if (isinstance(w, QArray) or nmajor is not None) and _may_run("tpu"):
+  if (isinstance(w, QArray) or nmajor is not None) and numerics.may_run("tpu"):
     branches["tpu"] = lambda x, w: _on_tpu(eq, x, w)
   if not branches:
     return plain(eq, x, w)

@@ -257,7 +257,7 @@ def _take(a: jax.Array, ids: jax.Array) -> jax.Array:
   plain = lambda a, ids: jnp.take(a, ids, axis=0)
   if a.ndim != 2 or a.dtype.itemsize > 2:
     return plain(a, ids)
-  if numerics.platform() not in (None, "tpu"):  # a CPU engine's program
+  if not numerics.may_run("tpu"):  # a CPU engine's program
     return plain(a, ids)
   return jax.lax.platform_dependent(
     a, ids, default=plain, tpu=lambda a, ids: tpu_kernels.take_rows(a, ids)
