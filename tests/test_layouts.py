@@ -6,12 +6,13 @@ is the layout without them (`_distinct`)."""
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.partitioning import make_mesh
+from chunkwise.partitioning import formats, make_mesh
 
 # 2x1x4 adds no ring the others lack (x of 2 as 2x2x2, z of 4 as 1x2x4).
 MESHES = [(1, 1, 8), (8, 1, 1), (2, 2, 2), (1, 2, 4)]
@@ -221,3 +222,49 @@ def test_collectives_parallel_block(layout, variant):
     layout=_with(layout, variant),
   )
   _assert_same(_scenario(model), _reference("tiny-parallel"))
+
+
+def _many(model, prefix):
+  """Five requests after `prefix` through the slot loop's 4 slots."""
+  requests = [
+    cw.Request(
+      tokens=[3 + i, 7, 11 + i],
+      sample_id=i,
+      steps=5,
+      sampling=cw.Sampling(temperature=0.8, seed=1),
+    )
+    for i in range(5)
+  ]
+  got = model.generate_many(requests, slots=4, prefix=[prefix], top_n=2)
+  return sorted((r.index, r.tokens, r.per_token_scores) for r in got)
+
+
+@pytest.mark.slow
+def test_kv_stored_as_a_tpu_reads_it_gives_the_same_bits(monkeypatch):
+  """`partitioning.formats` stores K/V caches and the decode loops'
+  buffers in other orders on a TPU (XLA:TPU copied them otherwise). The
+  same placements and programs on this CPU (its platform added to
+  `formats.STORING`) give the row-major ones' very bits: prefill, a
+  prefill after a prefix, generate and the slot loop."""
+  h = cw.configs.get("tiny")  # 2 K/V heads: ws_2d/yz holds both
+  weights = cw.InferenceModel.random(h, seed=0).weights
+
+  def run():
+    model = cw.InferenceModel(
+      h,
+      weights,
+      cw.ByteVocabulary(),
+      mesh=make_mesh((2, 2, 2)),
+      layout="ws_2d/yz",
+    )
+    out = _scenario(model)
+    return out, _many(model, out[0])
+
+  want = run()
+  monkeypatch.setattr(formats, "STORING", formats.STORING | {"cpu"})
+  got = run()
+  k = got[0][0].kv_cache.k
+  assert k.format.layout.major_to_minor == (0, 1, 3, 4, 2)
+  assert want[0][0].kv_cache.k.format.layout.major_to_minor == (0, 1, 2, 3, 4)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

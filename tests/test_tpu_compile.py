@@ -393,6 +393,68 @@ def test_vmem_prefetches_are_not_weight_copies():
   assert hlo.estimated_cycles(unknown)["unknown"] == 2
 
 
+def test_kv_copies_are_relayouts_in_any_memory():
+  """A K/V cache copied whole into VMEM in its own layout is a prefetch;
+  in another layout (or in HBM) it is laid out again, and found."""
+  own = "{4,3,2,1,0:T(8,128)(2,1)}"
+  text = "\n".join(
+    [
+      "HloModule m",
+      "ENTRY %main (p0: bf16[2,8,512,4,128], p1: bf16[8,1,512,128]) -> "
+      "bf16[2,8,512,4,128] {",
+      f"  %p0 = bf16[2,8,512,4,128]{own} parameter(0)",
+      "  %p1 = bf16[8,1,512,128]{3,2,1,0:T(8,128)(2,1)} parameter(1)",
+      "  %same = bf16[2,8,512,4,128]{4,3,2,1,0:T(8,128)(2,1)S(1)} copy(%p0)",
+      # a dimension of size 1 goes anywhere: no byte moves
+      "  %one = bf16[8,1,512,128]{3,2,0,1:T(8,128)(2,1)S(1)} copy(%p1)",
+      "  %vmem = bf16[2,8,512,4,128]{2,4,1,3,0:T(8,128)(2,1)S(1)} copy(%p0)",
+      "  ROOT %hbm = bf16[2,8,512,4,128]{2,4,1,3,0:T(8,128)(2,1)} copy(%p0)",
+      "}",
+    ]
+  )
+  found = weight_reads.input_copies(text, [0, 1], what="K/V", staging=False)
+  assert [f.split("=")[0].split("%")[1].strip() for f in found] == [
+    "hbm",
+    "vmem",
+  ]
+  assert all("from K/V parameter 0" in f for f in found)
+  # as weights (staging allowed), only the copy in HBM
+  assert len(weight_reads.input_copies(text, [0, 1])) == 1
+
+
+# A context longer than VMEM holds (v5e: 128 MiB): XLA:TPU cannot stage a
+# cache there whole, so one in an order it does not read is copied in HBM.
+LONG = dict(length=32768, steps=1024)
+
+
+@pytest.mark.parametrize("phase", [Phase.GENERATE, Phase.SLOTS])
+def test_kv_caches_are_read_where_they_are(meshes, phase):
+  """Decode reads a prefix's K/V cache and its own buffers where they are
+  (`partitioning.formats` stores them in the orders XLA:TPU reads): no
+  copy or relayout of any, and scratch far below their size. Stored
+  row-major, the prefix cache was copied at every call (294 MiB here)."""
+  length = LONG["length"] - (LONG["steps"] if phase is Phase.SLOTS else 0)
+  case = Case(
+    phase=phase,
+    layout=Layout.parse("ws_2d/yz"),
+    batch=8,
+    length=length,
+    steps=LONG["steps"],
+    weights=WeightFormat("bf16"),
+  )
+  r = compile_depth(
+    H,
+    meshes[V5E],
+    case,
+    cache_dtype=jnp.dtype("bfloat16"),
+    compute_dtype=jnp.bfloat16,
+  )
+  assert r["kv_copies"] == []
+  kv = r["inputs"]["kv_cache"]
+  assert kv > 64 << 20
+  assert r["memory"]["temp"] < kv / 8
+
+
 def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
   out = tmp_path / "sim.json"
   run = subprocess.run(

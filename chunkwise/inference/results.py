@@ -293,14 +293,17 @@ def piece_length(rows: int, vocab: int) -> int:
 def _scored_in_pieces(head, hidden, following, last, piece, top_n, score):
   """`FullChunkResult._scored` a piece of positions per loop iteration:
   the logits of each position are the same whatever piece computes them
-  (the head and the scoring treat each position on its own)."""
-  rows, time = hidden.shape[:2]
+  (the head and the scoring treat each position on its own). Under
+  `shard_map` the head may give its logits other rows than the hidden
+  states' (a layout that splits the logits' rows and not the
+  residual's): `following` and `last` have the logits' rows."""
+  time = hidden.shape[1]
   count = -(-time // piece)
   pad = count * piece - time
 
   def pieces(x):  # [rows, time, ...] -> [count, rows, piece, ...]
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(rows, count, piece, *x.shape[2:])
+    x = x.reshape(x.shape[0], count, piece, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
   def step(at_last, xs):
@@ -313,15 +316,16 @@ def _scored_in_pieces(head, hidden, following, last, piece, top_n, score):
     inside = ((at >= 0) & (at < piece))[:, None]
     return jnp.where(inside, here, at_last), score(logits, tokens, top_n)
 
+  rows, _, vocab = jax.eval_shape(head, hidden[:, :1]).shape
   at_last, scored = lax.scan(
     step,
-    jnp.zeros((rows, _vocab(head, hidden)), jnp.float32),
+    jnp.zeros((rows, vocab), jnp.float32),
     (jnp.arange(count), pieces(hidden), pieces(following)),
   )
 
   def whole(x):  # [count, rows, piece, ...] -> [rows, time, ...]
     x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(rows, count * piece, *x.shape[3:])[:, :time]
+    return x.reshape(x.shape[0], count * piece, *x.shape[3:])[:, :time]
 
   return tuple(whole(x) for x in scored), at_last
 

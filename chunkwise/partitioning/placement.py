@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,11 +42,13 @@ def shardings_for(
   return named(mesh, resolve_tree(axes, plan.rules()))
 
 
-def put(x, sharding: NamedSharding) -> jax.Array:
-  """Places `x` with `sharding`, from the host or from another sharding
-  (also across processes: host values must be equal on every process)."""
+def put(x, sharding: NamedSharding | Format) -> jax.Array:
+  """Places `x` with `sharding` (or a `Format`: a layout and sharding),
+  from the host or from another sharding (also across processes: host
+  values must be equal on every process)."""
+  where = sharding.sharding if isinstance(sharding, Format) else sharding
   if isinstance(x, jax.Array) and (
-    not x.is_fully_addressable or sharding.is_fully_addressable
+    not x.is_fully_addressable or where.is_fully_addressable
   ):
     return jax.device_put(x, sharding)
   host = np.asarray(x)

@@ -216,16 +216,6 @@ def estimate(
   activation_bytes = (
     ab * T * (2 * m.E + m.in_width) / n + 4 * logit_rows * m.V / n
   )
-  if (
-    s.layout is not None
-    and phase is Phase.GENERATE
-    and hw.topology is hw_lib.Topology.TORUS
-  ):
-    # XLA:TPU's batched dots read K and V with (row, head) leading; a
-    # chunkwise cache is [layers, rows, time, heads, head_dim], so its
-    # decode programs hold one relaid-out copy of the K/V they read
-    # (measured by scripts/simulate.py --target=tpu-...; docs/planner.md).
-    activation_bytes += kv_bytes
   gathered = 2 * m.largest_matrix * wb * N / n if s.family.gathered else 0.0
   if s.family.gathered and s.layout is not None:
     # chunkwise's weight-gathered layout gathers the whole embedding

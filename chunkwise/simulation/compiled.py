@@ -10,7 +10,9 @@ What is read, per device:
                code (XLA:CPU reports 0); and the compiler's copies of whole
                weights (`weight_reads.weight_copy_sizes`: XLA:CPU's f32
                twins of bf16 / int8 weights for its dots), their sum and
-               largest;
+               largest; `weight_copies` and `kv_copies` list the
+               instructions that copy a weight or lay a K/V cache out
+               again;
   inputs       the abstract arguments' shard bytes by kind (weights, K/V
                caches, other), whose sum is the compiled argument size
                (XLA:TPU pads small arrays to its tiles);
@@ -59,6 +61,21 @@ def _shard_bytes(x) -> int:
   return math.prod(shape) * jnp.dtype(x.dtype).itemsize
 
 
+def _is_kv(path) -> bool:
+  """Whether a leaf's path names a K/V cache's array (a `k` or `v`
+  field)."""
+  return bool({getattr(key, "name", None) for key in path} & {"k", "v"})
+
+
+def _kv_params(args: Sequence) -> list[int]:
+  """Parameter numbers of the K/V caches among a program's `args` (those
+  past the weights, its first argument)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+  return [
+    i for i, (path, _) in enumerate(leaves) if path[0].idx and _is_kv(path)
+  ]
+
+
 def _by_kind(trees: Sequence, first_is_weights: bool) -> dict[str, int]:
   """Per-device bytes of `trees` (placed abstract values): weights (the
   first tree, when `first_is_weights`), K/V caches (any `k` or `v`
@@ -66,10 +83,9 @@ def _by_kind(trees: Sequence, first_is_weights: bool) -> dict[str, int]:
   out = dict.fromkeys(INPUT_KINDS, 0)
   for i, tree in enumerate(trees):
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      names = {getattr(key, "name", None) for key in path}
       if first_is_weights and i == 0:
         kind = "weights"
-      elif names & {"k", "v"}:
+      elif _is_kv(path):
         kind = "kv_cache"
       else:
         kind = "other"
@@ -153,6 +169,11 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
     compile_s=compiled_at - lowered_at,
     memory=memory,
     weight_copies=weight_reads.weight_copies(text, n_weights),
+    # K/V laid out again: a copy of a cache, in HBM or into VMEM in
+    # another layout (`partitioning.formats` stores them as read)
+    kv_copies=weight_reads.input_copies(
+      text, _kv_params(call.args), what="K/V", staging=False
+    ),
     cycles=hlo.estimated_cycles(text, tpu_target.hardware_of(device)),
     kernels=hlo.tpu_kernels(text),
     inputs=_by_kind(call.args, first_is_weights=True),

@@ -63,12 +63,27 @@ def weight_copies(
   inside fusions). Returns one line per offender, naming the computation,
   the instruction, its op and shape, and the weight's parameter number;
   empty when every weight is read in place."""
+  return input_copies(text, range(n_weights), min_elements=min_elements)
+
+
+def input_copies(
+  text: str,
+  numbers,
+  *,
+  min_elements: int = 1024,
+  what: str = "weight",
+  staging: bool = True,
+) -> list[str]:
+  """`weight_copies` of the parameters numbered `numbers` (any inputs
+  read in place: a prefix's K/V cache too), each line naming `what`.
+  `staging=False`: a copy into VMEM counts too where it changes the
+  input's layout (a K/V cache small enough to fit there is copied in
+  whole: in its own layout that is a prefetch, in another a relayout)."""
+  found = _weight_copies(parse(text), numbers, min_elements, staging=staging)
   return sorted(
     f"{comp}: %{user.name} = {user.op} {user.shape.split('{')[0]} "
-    f"from weight parameter {weight}"
-    for comp, user, weight in _weight_copies(
-      parse(text), n_weights, min_elements
-    )
+    f"from {what} parameter {number}"
+    for comp, user, number in found
   )
 
 
@@ -81,21 +96,27 @@ def weight_copy_sizes(
   int8 weights, which its loop-invariant code motion hoists out of the
   decode loop and keeps for the whole run)."""
   module = parse(text)
-  found = _weight_copies(module, n_weights, min_elements, strict=True)
+  found = _weight_copies(module, range(n_weights), min_elements, strict=True)
   return sorted((shape_bytes(user.shape) for _, user, _ in found), reverse=True)
 
 
 def _weight_copies(
-  module: Module, n_weights: int, min_elements: int, strict: bool = False
+  module: Module,
+  numbers,
+  min_elements: int,
+  strict: bool = False,
+  staging: bool = True,
 ):
-  """{(computation, instruction, weight number)} of `weight_copies`."""
+  """{(computation, instruction, parameter number)} of `input_copies`."""
   tracked: _Tracked = {}
   sizes: dict[int, int] = {}
-  for number in range(n_weights):
+  orders: dict[int, tuple[int, ...] | None] = {}
+  for number in numbers:
     p = module.param(module.entry, number)
     if p is not None and p.elements >= min_elements:
       tracked[(module.entry, p.name)] = {(): number}
       sizes[number] = p.elements
+      orders[number] = None if staging else _order(p.shape)
   found = set()
   work = list(tracked)
   while work:
@@ -110,7 +131,7 @@ def _weight_copies(
       weight = paths.get(())
       strict_slots = slots if strict else None
       if weight is not None and _copies(
-        module, comp, user, sizes[weight], strict_slots
+        module, comp, user, sizes[weight], strict_slots, orders[weight]
       ):
         found.add((comp, user, weight))
   return found
@@ -145,19 +166,27 @@ def _forward(module: Module, comp: str, user: Instr, slots, paths):
 
 
 def _copies(
-  module: Module, comp: str, user: Instr, weight_elements: int, slots=None
+  module: Module,
+  comp: str,
+  user: Instr,
+  weight_elements: int,
+  slots=None,
+  order: tuple[int, ...] | None = None,
 ) -> bool:
   """Whether `user`, reading a whole weight, writes a copy of it. A fusion
   that holds a matmul or a lookup reads in place; given the weight's
   operand `slots`, only where the fusion hands the weight to one directly
   (else a fusion that dequantizes a weight and gathers its scales, as
   XLA:CPU's int8 dots do, would pass). A slice or copy into a faster
-  memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging."""
+  memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging,
+  unless `order` (the input's minor-to-major) is given and it changes."""
   if user.op in ("bitcast", "get-tuple-element", "tuple", "while", "call"):
     return False
-  if _staged(module, comp, user):
+  if _staged(module, comp, user) and order in (None, _order(user.shape)):
     return False
   if user.op in _IN_PLACE or user.op in _COLLECTIVES:
+    return False
+  if user.op == "dynamic-update-slice":  # written in place (a K/V buffer)
     return False
   if user.op == "fusion":
     callee = user.attr("calls")
@@ -168,6 +197,16 @@ def _copies(
     elif all(_fused_in_place(module, callee, s) for s in slots):
       return False
   return user.elements >= weight_elements * _COPY_SHARE
+
+
+def _order(shape: str) -> tuple[int, ...] | None:
+  """The minor-to-major order of a shape's (first) array, without its
+  dimensions of size 1 (where they go moves no byte)."""
+  m = re.search(r"\[([\d,]*)\]\{([\d,]*)", shape)
+  if m is None:
+    return None
+  dims = [int(d) for d in m.group(1).split(",") if d]
+  return tuple(int(d) for d in m.group(2).split(",") if d and dims[int(d)] != 1)
 
 
 def _staged(module: Module, comp: str, user: Instr) -> bool:

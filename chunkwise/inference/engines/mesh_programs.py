@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from chunkwise import numerics as numerics_lib
-from chunkwise.partitioning import resolve_tree
+from chunkwise.partitioning import formats, resolve_tree
 from chunkwise.partitioning.placement import put
 from chunkwise.precision import with_precision
 
@@ -52,31 +52,65 @@ class MeshPrograms:
     self._platform = mesh.devices.flat[0].platform
     self._abstract = abstract
     self._programs: dict = {}
+    # id(program) -> its outputs' shardings and formats, where it declares
+    # some (`_program`'s out_logical)
+    self._out_formats: dict = {}
 
   def _place(self, tree, logical, rules):
-    """`tree` placed with the shardings its `logical` specs resolve to;
-    returns (placed tree, mesh specs)."""
+    """`tree` placed with the shardings its `logical` specs resolve to, in
+    the order the platform stores each leaf (`formats`); returns (placed
+    tree, mesh specs)."""
     specs = resolve_tree(logical, rules)
-    return jax.tree.map(self._put, tree, specs), specs
+    return jax.tree.map(
+      self._put_as, tree, self._formats(specs, logical)
+    ), specs
+
+  def _formats(self, specs, logical):
+    """Per leaf of mesh `specs`, its sharding, or its `Format` where this
+    platform stores it in another order (`formats.shardings`)."""
+    kv_heads = self.hparams.kv_heads  # set by the engine
+    return formats.shardings(
+      self.mesh, specs, logical, self._platform, kv_heads
+    )
 
   def _put(self, x, spec: P):
-    """`x` placed with mesh `spec`; an abstract `x` (a ShapeDtypeStruct)
-    becomes one that carries the sharding, and nothing is allocated."""
-    sharding = NamedSharding(self.mesh, spec)
+    """`x` placed with mesh `spec`."""
+    return self._put_as(x, NamedSharding(self.mesh, spec))
+
+  def _put_as(self, x, sharding):
+    """`x` placed with a `NamedSharding` or a `Format`; an abstract `x` (a
+    ShapeDtypeStruct) becomes one that carries it, and nothing is
+    allocated."""
     if isinstance(x, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return put(x, sharding)
 
   def _call(self, program, args: tuple, out_specs):
     """`program(*args)`; with abstract weights, the outputs' shapes placed
-    by `out_specs`, and nothing runs (see the module docstring)."""
+    by `out_specs` (in the formats the program declares), and nothing
+    runs (see the module docstring)."""
     if not self._abstract:
       return program(*args)
-    return jax.tree.map(self._put, jax.eval_shape(program, *args), out_specs)
+    out = jax.eval_shape(program, *args)
+    formats_of = self._out_formats.get(id(program))
+    if formats_of is not None:
+      return jax.tree.map(self._put_as, out, formats_of)
+    return jax.tree.map(self._put, out, out_specs)
 
-  def _program(self, key, per_device, in_specs, out_specs, **jit_options):
-    """The jitted `shard_map` of `per_device`, built once per `key`."""
+  def _program(
+    self, key, per_device, in_specs, out_specs, out_logical=None, **jit_options
+  ):
+    """The jitted `shard_map` of `per_device`, built once per `key`. With
+    `out_logical` (the outputs' logical specs), outputs the platform
+    stores in another order (`formats`) are made in it."""
     if key not in self._programs:
+      outs = None
+      if out_logical is not None:
+        outs = self._formats(out_specs, out_logical)
+        if formats.any_stored(outs):
+          jit_options["out_shardings"] = outs
+        else:
+          outs = None
       self._programs[key] = jax.jit(
         jax.shard_map(
           with_precision(
@@ -90,4 +124,6 @@ class MeshPrograms:
         ),
         **jit_options,
       )
+      if outs is not None:
+        self._out_formats[id(self._programs[key])] = outs
     return self._programs[key]

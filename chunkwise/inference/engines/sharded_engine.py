@@ -265,6 +265,7 @@ class ShardedEngine(MeshPrograms):
       per_device,
       (weight_specs, cache_specs, prev_spec, chunk_spec),
       out_specs,
+      out_logical=ChunkResult.axes(),
     )
     if compile_only:
       program.lower(weights, caches, prev, chunk).compile()
@@ -290,14 +291,14 @@ class ShardedEngine(MeshPrograms):
       shards=self._shards(plan),
       prev_split=prev_split,
     )
-    out_specs = resolve_tree(
-      generate.LoopState.axes(self.hparams.layers), plan.rules()
-    )
+    out_logical = generate.LoopState.axes(self.hparams.layers)
+    out_specs = resolve_tree(out_logical, plan.rules())
     program = self._program(
       ("init", plan, steps, top_n, bos_id, prev is not None, adapter_key),
       per_device,
       (weight_specs, cache_specs, prev_spec),
       out_specs,
+      out_logical=out_logical,
     )
     return self._call(program, (weights, caches, prev), out_specs)
 
@@ -359,14 +360,14 @@ class ShardedEngine(MeshPrograms):
       vocab=vocab,
       shards=self._shards(plan),
     )
-    out_specs = resolve_tree(
-      slots_lib.SlotState.axes(self.hparams.layers), plan.rules()
-    )
+    out_logical = slots_lib.SlotState.axes(self.hparams.layers)
+    out_specs = resolve_tree(out_logical, plan.rules())
     program = self._program(
       ("slot_init", plan, capacity, steps, top_n, adapter_key),
       per_device,
       (weight_specs, cache_specs),
       out_specs,
+      out_logical=out_logical,
     )
     return self._call(program, (weights, caches), out_specs)
 
@@ -461,6 +462,7 @@ class ShardedEngine(MeshPrograms):
         *([] if draft is None else [draft[1]]),
       ),
       state_spec,
+      out_logical=state_axes,
       donate_argnums=(2,),
     )
     args = (weights, caches, state, inputs, *scalars)

@@ -1,0 +1,101 @@
+"""Formats: the order a platform stores an array's elements in, where it is
+not the array's own (row-major) order. The array and every value read
+from it are the same; only its bytes in memory move.
+
+  shardings = formats.shardings(mesh, specs, logical, platform, kv_heads)
+
+gives each leaf its `NamedSharding`, or a `Format` (layout and sharding)
+where `platform` stores the leaf (known by its logical axes and its field
+name) in another order. An engine places its inputs and declares its
+programs' outputs with them (`MeshPrograms`); `jax.jit` compiles a
+program for the layouts its arguments have.
+
+On a TPU the K/V caches are stored as XLA:TPU's attention reads and the
+decode loop writes them:
+  `KVCache.k` [layers, batch, time, kv_heads, head_dim]
+      stored [layers, batch, kv_heads, head_dim, time]: each head's keys
+      are the [head_dim, time] matrix its queries' logits multiply;
+  `KVCache.v` stored [layers, batch, kv_heads, time, head_dim];
+  a decode loop's buffers (`LayerKV`, [batch, kv_heads, time, head_dim])
+      stored [batch, time, kv_heads, head_dim] where a device holds
+      several heads: a step writes one time slot of every head, a tile
+      of XLA:TPU's.
+In the row-major order XLA:TPU copied every prefix cache into its order
+at each call (a K/V-sized temporary: 294 MiB at 2 layers, 32k columns,
+`tests/test_tpu_compile.py`'s model), and the decode loop's buffers in
+and out of the loop. Elsewhere (the CPU) arrays keep the row-major
+order, which its attention reads in place.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from chunkwise.partitioning import axes as ax
+
+# Platforms whose programs store K/V in the orders above (tests add "cpu"
+# to run the same placements and programs on this machine).
+STORING = {"tpu"}
+
+_TIME_MAJOR = (ax.CACHE_TIME, ax.CACHE_HEADS, ax.HEAD_DIM)
+_HEADS_MAJOR = (ax.CACHE_HEADS, ax.CACHE_TIME, ax.HEAD_DIM)
+
+
+def stored_order(
+  name: str | None, logical: P, platform: str, local_heads: int = 1
+) -> tuple[int, ...] | None:
+  """The order (major to minor) `platform` stores an array in, given its
+  field `name` ("k", "v"), its `logical` axes and the K/V heads each
+  device holds; None: row-major."""
+  if platform not in STORING or name not in ("k", "v"):
+    return None
+  names = tuple(logical)
+  n = len(names)
+  lead = tuple(range(n - 3))
+  if names[-3:] == _TIME_MAJOR:  # a KVCache's
+    time, heads, dim = n - 3, n - 2, n - 1
+    return lead + ((heads, dim, time) if name == "k" else (heads, time, dim))
+  if names[-3:] == _HEADS_MAJOR and local_heads > 1:
+    # A LayerKV's, (heads, time) swapped; one head per device is already
+    # time-major, and a tile of (1, head_dim) rows would be half padding.
+    return (*lead, n - 2, n - 3, n - 1)
+  return None
+
+
+def _field(path) -> str | None:
+  """The name of the innermost dataclass field on a tree path."""
+  return next(
+    (k.name for k in reversed(path) if isinstance(k, jax.tree_util.GetAttrKey)),
+    None,
+  )
+
+
+def shardings(mesh, specs, logical, platform: str, kv_heads: int):
+  """Per leaf of mesh `specs` (resolved from the tree of `logical` specs,
+  which names its fields), its `NamedSharding` on `mesh`, or a `Format`
+  where `platform` stores it in another order (`stored_order`; the model
+  has `kv_heads` K/V heads)."""
+
+  def one(path, spec: P, axes: P):
+    sharding = NamedSharding(mesh, spec)
+    heads = kv_heads
+    if ax.CACHE_HEADS in tuple(axes):
+      split = spec[tuple(axes).index(ax.CACHE_HEADS)] or ()
+      for a in (split,) if isinstance(split, str) else split:
+        heads //= mesh.shape[a]
+    order = stored_order(_field(path), axes, platform, heads)
+    if order is None:
+      return sharding
+    return Format(Layout(major_to_minor=order), sharding)
+
+  return jax.tree_util.tree_map_with_path(
+    one, specs, logical, is_leaf=lambda s: isinstance(s, P)
+  )
+
+
+def any_stored(tree) -> bool:
+  """Whether a tree of `shardings` holds a `Format`."""
+  return any(isinstance(s, Format) for s in jax.tree.leaves(tree))
