@@ -256,6 +256,9 @@ def test_random_presets_of_any_size_are_described_and_checked_for_fit():
 
 
 @pytest.mark.slow
+# Every section of the script at once (3.5 min on 2 Zen 3 cores): --long;
+# test_benchmark_times_int8_weights_beside_float32 runs it in CI.
+@pytest.mark.long
 def test_benchmark_smoke_on_the_tiny_preset(tmp_path):
   out, png = tmp_path / "b.json", tmp_path / "b.png"
   result = _run(

@@ -427,7 +427,9 @@ def test_kv_copies_are_relayouts_in_any_memory():
 LONG = dict(length=32768, steps=1024)
 
 
-@pytest.mark.parametrize("phase", [Phase.GENERATE, Phase.SLOTS])
+@pytest.mark.parametrize(
+  "phase", [Phase.GENERATE, pytest.param(Phase.SLOTS, marks=pytest.mark.long)]
+)
 def test_kv_caches_are_read_where_they_are(meshes, phase):
   """Decode reads a prefix's K/V cache and its own buffers where they are
   (`partitioning.formats` stores them in the orders XLA:TPU reads): no

@@ -136,7 +136,10 @@ def _tiles(stored: Stored) -> tuple[int, int]:
     tn = stored.n if stored.n <= TILE_N else TILE_N
     return tk, tn
   rows = stored.codes.shape[0]
-  per = stored.group // (2 if stored.bits == 4 else 1)  # codes' rows/group
+  # codes' rows per scale group (a float weight has no groups: its tiles
+  # need not hold whole K, whose double-buffered [K, TILE_N] tiles were
+  # 28 MiB of VMEM for a whole 14336-row weight, over v5e's 16 MiB)
+  per = stored.group // (2 if stored.bits == 4 else 1) if stored.bits else 1
   step = math.lcm(per * (16 if _per_tile(stored) else 1), 128)
   tk = next(
     (t for t in range(TILE_K, 0, -step) if t % step == 0 and rows % t == 0),
