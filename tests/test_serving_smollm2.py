@@ -35,6 +35,9 @@ def server():
     "--slots=4",
     "--max_total_tokens=512",
     "--max_top_n=5",
+    # programs compile as requests need them (warm-up's own test is
+    # tests/test_serving_warmup.py): most of this module's set-up time
+    "--warm_up=false",
   ) as s:
     yield s
 
