@@ -41,6 +41,16 @@ def index_with(
   return out
 
 
+def static_index(
+  axes: Axes, sizes: Mapping[str, int], fixed: Mapping[str, int]
+) -> int:
+  """`index_with` where `fixed` gives every axis: a Python int."""
+  out = 0
+  for a in axes:
+    out = out * sizes[a] + fixed[a]
+  return out
+
+
 def coordinates(axes: Axes, sizes: Mapping[str, int]):
   """Every coordinate combination of `axes`, in block-index order."""
   for combo in itertools.product(*(range(sizes[a]) for a in axes)):

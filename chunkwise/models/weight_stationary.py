@@ -142,13 +142,13 @@ def _blocks_in_order(plan: Plan, sizes, count: int, kv_heads: int) -> bool:
   """Whether, rows split over `plan.attn_batch`, the query heads gathered
   from the device at coordinates j are block j of every head in order
   (the query axes that split are among the attention batch's, in its
-  order), each block reading `count` of the `kv_heads` K/V heads."""
+  order), each
+  block reading `count` of the `kv_heads` K/V heads."""
   q_axes = [a for a in plan.q_axes if sizes[a] > 1]
   if not set(q_axes) <= set(plan.attn_batch):
     return False
   blocks = list(ops.coordinates(plan.attn_batch, sizes))
-  # every axis fixed: `index_with` computes a constant, not a traced value
-  order = [int(ops.index_with(q_axes, sizes, c)) for c in blocks]
+  order = [ops.static_index(q_axes, sizes, c) for c in blocks]
   return order == list(range(len(blocks))) and len(blocks) * count == kv_heads
 
 
