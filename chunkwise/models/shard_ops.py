@@ -44,7 +44,8 @@ def index_with(
 def static_index(
   axes: Axes, sizes: Mapping[str, int], fixed: Mapping[str, int]
 ) -> int:
-  """`index_with` where `fixed` gives every axis: a Python int."""
+  """`index_with` where `fixed` gives every axis, as a Python int (under
+  jit `index_with`'s jnp arithmetic is traced even on constants)."""
   out = 0
   for a in axes:
     out = out * sizes[a] + fixed[a]

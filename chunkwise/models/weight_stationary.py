@@ -142,8 +142,7 @@ def _blocks_in_order(plan: Plan, sizes, count: int, kv_heads: int) -> bool:
   """Whether, rows split over `plan.attn_batch`, the query heads gathered
   from the device at coordinates j are block j of every head in order
   (the query axes that split are among the attention batch's, in its
-  order), each
-  block reading `count` of the `kv_heads` K/V heads."""
+  order), each block reading `count` of the `kv_heads` K/V heads."""
   q_axes = [a for a in plan.q_axes if sizes[a] > 1]
   if not set(q_axes) <= set(plan.attn_batch):
     return False
