@@ -268,3 +268,25 @@ def test_kv_stored_as_a_tpu_reads_it_gives_the_same_bits(monkeypatch):
   assert want[0][0].kv_cache.k.format.layout.major_to_minor == (0, 1, 2, 3, 4)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.slow
+def test_attention_by_rows_reads_every_head_at_once():
+  """ws_2d/yz over two devices holding 4 query heads each (the tiny
+  model's group): the gathered blocks are every head in order, so one
+  attention reads them all (`weight_stationary._blocks_in_order`), and
+  gives the reference's results."""
+  from chunkwise.models import weight_stationary
+
+  h = cw.configs.get("tiny")
+  mesh = make_mesh((1, 1, 2), devices=jax.devices()[:2])
+  plan = cw.partitioning.Plan.make(
+    cw.Layout.parse("ws_2d/yz"), mesh, h, batch=8
+  )
+  sizes = weight_stationary._sizes(plan)
+  assert weight_stationary._blocks_in_order(plan, sizes, 1, h.kv_heads)
+  weights = cw.InferenceModel.random(h, seed=0).weights
+  model = cw.InferenceModel(
+    h, weights, cw.ByteVocabulary(), mesh=mesh, layout="ws_2d/yz"
+  )
+  _assert_same(_scenario(model), _reference("tiny"))
