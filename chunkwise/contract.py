@@ -31,6 +31,9 @@ from jax import lax
 _override = None
 # (eq, x, w) -> the product of a quantized w (set by chunkwise.models.matmul).
 _quantized = None
+# (eq, x, w) -> the product of an f32 w at precision "highest" on a TPU
+# (the Pallas kernel), or None (set by chunkwise.models.matmul).
+_f32 = None
 
 
 @functools.cache
@@ -63,6 +66,10 @@ def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
     return _quantized(eq, x, w)
   if _override is not None:
     out = _override(eq, x, w)
+    if out is not None:
+      return out
+  if _f32 is not None and not kwargs:
+    out = _f32(eq, x, w)
     if out is not None:
       return out
   lhs, rhs, order = contract_dims(eq)

@@ -52,6 +52,7 @@ CASES = [
   (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "bfloat16", {}),
   (V5E, Phase.PREFILL, "ws_2d/none", "bf16", "bfloat16", {}),
   (V5E, Phase.GENERATE, "ws_2d/none", "f32", "float32", {}),
+  (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
   (V5E, Phase.GENERATE, "ws_1d/none/latency", "int8", "bfloat16", {}),
   (V5E, Phase.SLOTS, "ws_2d/yz", "bf16", "bfloat16", {"adapters": 2}),
   (
@@ -65,12 +66,10 @@ CASES = [
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
   # With --long (CI's time is bounded): weight-gathered, int8 K/V, v4's
-  # 3D torus and its collectives, f32 prefill (XLA:TPU takes 30 s over
-  # it on 2 cores), int8 and Q8_0 prefill.
+  # 3D torus and its collectives, int8 and Q8_0 prefill.
   *(
     pytest.param(case, marks=pytest.mark.long)
     for case in [
-      (V5E, Phase.PREFILL, "ws_2d/none", "f32", "float32", {}),
       (V5E, Phase.GENERATE, "wg", "bf16", "bfloat16", {}),
       (V5E, Phase.GENERATE, "ws_2d/yz", "bf16", "int8", {}),
       (V4, Phase.GENERATE, "ws_2d/yzx", "bf16", "bfloat16", {}),
@@ -200,18 +199,23 @@ def test_each_layout_runs_its_collectives(compiled):
 
 def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   """The paged pool by JAX's paged-attention kernel; int8 and GGUF-block
-  weights (any rows) and float weights at decode's few rows through
-  `tpu_kernels.matmul`; a quantized table's rows by `take_rows`; none
-  of these in a float prefill."""
+  weights (any rows), f32 weights at precision "highest" (any rows: XLA's
+  six-pass f32 dot took 50 s to compile for this f32 prefill, the kernel
+  5 s) and bf16 ones at decode's few rows through `tpu_kernels.matmul`,
+  and no XLA dot of an f32 weight left; a quantized table's rows by
+  `take_rows`; none of these in a bf16 prefill."""
   _, _, case, _, r = compiled
   quantized = case.weights.value not in ("bf16", "f32")
-  kernels = set(r["kernels"])
+  f32 = case.weights.value == "f32"
+  kernels = r["kernels"]
   assert ("chunkwise_tpu_paged_attention" in kernels) == bool(case.pages)
   assert ("chunkwise_tpu_take_rows" in kernels) == quantized
   if not case.speculation:  # (verifying k + 1 tokens a row: 24 rows)
     decode = case.phase is not Phase.PREFILL
-    assert ("chunkwise_tpu_matmul" in kernels) == (quantized or decode)
-  assert r["cycles"]["bounded"] > 0 or not kernels - {
+    assert ("chunkwise_tpu_matmul" in kernels) == (quantized or decode or f32)
+  if f32 and case.phase is Phase.PREFILL:  # q, k, v, o, gate, up, down
+    assert kernels["chunkwise_tpu_matmul"] == 7 * H.layers + 1  # + logits
+  assert r["cycles"]["bounded"] > 0 or not set(kernels) - {
     "chunkwise_tpu_paged_attention"
   }
 

@@ -130,6 +130,45 @@ def test_bad_operands_are_named():
     tpu_kernels.Stored.of(WEIGHTS["Q8_0"].replace(axis=1))
 
 
+def _kernel_precisions(x, w) -> set:
+  """The precisions of the dots inside `tpu_kernels.matmul`'s kernel."""
+  call = next(
+    e
+    for e in jax.make_jaxpr(tpu_kernels.matmul)(x, w).eqns
+    if e.primitive.name == "pallas_call"
+  )
+  return {
+    e.params["precision"]
+    for e in call.params["jaxpr"].eqns
+    if e.primitive.name == "dot_general"
+  }
+
+
+def test_f32_products_at_full_precision_at_any_rows():
+  """An f32 matmul at precision "highest" (f32's default: the models'
+  prefill takes the kernel at any rows then) multiplies its tiles in
+  Mosaic's fp32 contraction and counts six MXU passes; "high" too
+  (Mosaic has no three-pass form); "default" one bf16 pass. 300 rows:
+  two row tiles, the last partial, the weight read once per tile."""
+  w = WEIGHTS["f32"]
+  x = _x(300, jnp.float32, seed=4)
+  highest = (jax.lax.Precision.HIGHEST,) * 2
+  for precision, dots, passes in [
+    ("highest", highest, 6),
+    ("high", highest, 6),
+    ("default", (jax.lax.Precision.DEFAULT,) * 2, 1),
+  ]:
+    with jax.default_matmul_precision(precision):
+      assert _kernel_precisions(x, w) == {dots}, precision
+      cost = tpu_kernels.cost(300, tpu_kernels.Stored.of(w), x.dtype)
+    assert cost.flops == 2 * 300 * K * N * passes
+    assert cost.bytes_accessed == 2 * K * N * 4 + 300 * K * 4 + 300 * N * 4
+  with jax.default_matmul_precision("highest"):
+    got = tpu_kernels.matmul(x, w, interpret=True)
+  want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cost_counts_the_bytes_the_kernel_reads():
   """The bound reported beside kernels XLA:TPU gives no estimate:
   int8 reads half of bf16's weight bytes, 4-bit codes a quarter plus

@@ -40,6 +40,12 @@ on v4 4x4x4: `scripts/simulate.py --target=tpu-...`). The n-major forms
 group of the codes contracted on its own (exact in bf16, f32 sums), then
 the per-group sums scaled and added; no weight-sized buffer either, but
 one small dot per group, which made int8 decode slower than bf16.
+An f32 weight at precision "highest" takes the kernel at any rows, from
+`weight_matmul` and from the layouts' `contract` alike (`f32_on_tpu`):
+XLA:TPU runs such a dot as six bf16 passes, and its backend's scheduling
+of them made a 2-layer f32 prefill take 50 s to compile; with the
+kernel (Mosaic's fp32 contraction of one tile) it takes 5 s, at the
+same estimated time (docs/planner.md, "Compile time").
 """
 
 from __future__ import annotations
@@ -209,7 +215,8 @@ def _on_tpu(eq: str, x, w) -> jax.Array:
   (`tpu_kernels.matmul`: the weight read once, scaled in VMEM); a
   quantized n-major form (a tied table's unembedding) through `grouped`
   / `by_block`; the rest XLA's dot (`plain`)."""
-  nmajor = _form(eq, x, w, max_rows=None if is_grouped(w) else MAX_ROWS)
+  whole = is_grouped(w) or _six_passes(x, w)
+  nmajor = _form(eq, x, w, max_rows=None if whole else MAX_ROWS)
   if nmajor is False or (nmajor and not is_grouped(w)):
     kernel = functools.partial(tpu_kernels.matmul, nmajor=nmajor)
     return _kernel(eq, x, w, nmajor, kernel)
@@ -218,6 +225,37 @@ def _on_tpu(eq: str, x, w) -> jax.Array:
   if isinstance(w, QArray):
     return grouped(eq, x, w)
   return plain(eq, x, w)
+
+
+def _six_passes(x, w) -> bool:
+  """An f32 product at precision "highest": XLA:TPU runs its dot as six
+  bf16 passes and its backend's scheduling of them is what made a 2-layer
+  f32 prefill take 46 s to compile (docs/planner.md); the Pallas kernel's
+  one tile compiles in a fraction of it (Mosaic's fp32 contraction)."""
+  return (
+    jnp.dtype(x.dtype) == jnp.float32
+    and not is_grouped(w)
+    and jnp.dtype(w.dtype) == jnp.float32
+    and jax.config.jax_default_matmul_precision == "highest"
+  )
+
+
+def f32_on_tpu(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
+  """`contract`'s product of a float weight where it is f32 at precision
+  "highest" and a TPU may run it: XLA's dot elsewhere, the Pallas kernel
+  on a TPU, whatever the rows (`_six_passes`); None otherwise (XLA's
+  dot everywhere)."""
+  if not (_six_passes(x, w) and numerics.may_run("tpu")):
+    return None
+  if _form(eq, x, w, max_rows=None) is None:
+    return None
+  return lax.platform_dependent(
+    x,
+    w,
+    # (precision given: XLA's dot, not this hook again)
+    default=lambda x, w: contract(eq, x, w, precision=lax.Precision.HIGHEST),
+    tpu=lambda x, w: _on_tpu(eq, x, w),
+  )
 
 
 def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
@@ -297,7 +335,9 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   on_cpu = jax.default_backend() == "cpu" and numerics.may_run("cpu")
   if nmajor is not None and on_cpu and cpu_kernels.load():
     branches["cpu"] = lambda x, w: _kernel(eq, x, w, nmajor)
-  if (isinstance(w, QArray) or nmajor is not None) and numerics.may_run("tpu"):
+  on_tpu = isinstance(w, QArray) or nmajor is not None
+  on_tpu = on_tpu or (_six_passes(x, w) and _form(eq, x, w, None) is not None)
+  if on_tpu and numerics.may_run("tpu"):
     branches["tpu"] = lambda x, w: _on_tpu(eq, x, w)
   if not branches:
     return plain(eq, x, w)
@@ -307,3 +347,4 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
 
 
 contract_lib._quantized = weight_matmul
+contract_lib._f32 = f32_on_tpu

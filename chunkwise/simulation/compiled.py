@@ -12,7 +12,9 @@ What is read, per device:
                twins of bf16 / int8 weights for its dots), their sum and
                largest; `weight_copies` and `kv_copies` list the
                instructions that copy a weight or lay a K/V cache out
-               again;
+               again, `weight_relayouts` those that stage a weight in
+               VMEM in another layout than it is stored (a relayout at
+               every call or step);
   inputs       the abstract arguments' shard bytes by kind (weights, K/V
                caches, other), whose sum is the compiled argument size
                (XLA:TPU pads small arrays to its tiles);
@@ -27,7 +29,7 @@ What is read, per device:
   cycles       XLA:TPU's estimated cycles (`hlo.estimated_cycles`; a
                Pallas call, which it does not estimate, bounded by the
                bytes and flops the call declares), and the Pallas kernels
-               it calls (`hlo.tpu_kernels`).
+               it calls, with their call sites (`hlo.tpu_kernels`).
 A program the compiler refuses (XLA:TPU: out of HBM or VMEM) gives its
 message as `error` instead.
 """
@@ -169,6 +171,10 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
     compile_s=compiled_at - lowered_at,
     memory=memory,
     weight_copies=weight_reads.weight_copies(text, n_weights),
+    weight_relayouts=sorted(
+      set(weight_reads.input_copies(text, range(n_weights), staging=False))
+      - set(weight_reads.weight_copies(text, n_weights))
+    ),
     # K/V laid out again: a copy of a cache, in HBM or into VMEM in
     # another layout (`partitioning.formats` stores them as read)
     kv_copies=weight_reads.input_copies(

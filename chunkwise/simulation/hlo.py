@@ -14,6 +14,7 @@ Where the weights go in a compiled program is `weight_reads`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -277,17 +278,17 @@ def estimated_cycles(text: str, hardware=None) -> dict[str, int]:
   return out
 
 
-def tpu_kernels(text: str) -> list[str]:
-  """Names of the Pallas / Mosaic kernels a compiled XLA:TPU module calls
-  (its `tpu_custom_call`s, named by the kernel's `name=`), sorted."""
-  return sorted(
-    {
-      i.name.rsplit(".", 1)[0]
-      for instrs in parse(text).computations.values()
-      for i in instrs
-      if i.op == "custom-call" and '"tpu_custom_call"' in i.attrs
-    }
+def tpu_kernels(text: str) -> dict[str, int]:
+  """The Pallas / Mosaic kernels a compiled XLA:TPU module calls (its
+  `tpu_custom_call`s, named by the kernel's `name=`), sorted by name: how
+  many call sites each has."""
+  counts = collections.Counter(
+    i.name.rsplit(".", 1)[0]
+    for instrs in parse(text).computations.values()
+    for i in instrs
+    if i.op == "custom-call" and '"tpu_custom_call"' in i.attrs
   )
+  return dict(sorted(counts.items()))
 
 
 def _group(attrs: str) -> int:

@@ -153,7 +153,17 @@ def _tiles(stored: Stored) -> tuple[int, int]:
 
 
 def _kernel(
-  *refs, bits, per, tk, scaled, offset, per_tile, nmajor, x_tile, out_dtype
+  *refs,
+  bits,
+  per,
+  tk,
+  scaled,
+  offset,
+  per_tile,
+  nmajor,
+  x_tile,
+  out_dtype,
+  precision,
 ):
   """One (m, n, k) grid point: codes tile -> VMEM tile(s) of x's dtype,
   group by group (scales and offsets broadcast over a group's rows), one
@@ -202,13 +212,27 @@ def _kernel(
     else:  # x's whole rows: this k tile's columns
       rows = x[:, pl.ds(pl.multiple_of(k * x_tile, x_tile), x_tile)]
     acc = acc + jax.lax.dot_general(
-      rows, w, dims, preferred_element_type=jnp.float32
+      rows, w, dims, precision=precision, preferred_element_type=jnp.float32
     )
   sums[...] = acc
 
   @pl.when(k == pl.num_programs(2) - 1)
   def _():
     out[...] = acc.astype(out_dtype)
+
+
+def _precision(dtype) -> jax.lax.Precision:
+  """The tiles' product: f32 at full precision (Mosaic's fp32 contraction,
+  six bf16 passes) where the matmul precision asks for more than one bf16
+  pass ("high" too: Mosaic has no three-pass form); else the MXU's one
+  pass."""
+  if jnp.dtype(dtype) == jnp.float32 and _full_f32():
+    return jax.lax.Precision.HIGHEST
+  return jax.lax.Precision.DEFAULT
+
+
+def _full_f32() -> bool:
+  return jax.config.jax_default_matmul_precision in ("high", "highest")
 
 
 def _f16_bits(bits):
@@ -313,6 +337,7 @@ def matmul(
       nmajor=nmajor,
       x_tile=tk if whole_x else None,
       out_dtype=out_dtype,
+      precision=_precision(x.dtype),
     ),
     grid=grid,
     in_specs=in_specs,
@@ -348,21 +373,28 @@ def invariant_matmul(
 
 
 def cost(m: int, stored: Stored, dtype, tm=None, out_dtype=jnp.float32):
-  """The call's flops and the bytes it reads (codes, scales, offsets; x
-  once, or once per column tile where tiles of `tm` of its rows do not
-  stay whole in VMEM) and writes (outputs of `out_dtype`)."""
+  """The call's flops and the bytes it reads (codes, scales, offsets once
+  per tile of `tm` rows; x once, or once per column tile where tiles of
+  `tm` of its rows do not stay whole in VMEM) and writes (outputs of
+  `out_dtype`)."""
   _, tn = _tiles(stored)
+  tm = tm or min(m, MAX_ROWS)
   nbytes = sum(
     a.size * a.dtype.itemsize
     for a in (stored.codes, stored.scale, stored.offset)
     if a is not None
   )
+  nbytes *= -(-m // tm)  # once per row tile
   x_bytes = m * stored.k * jnp.dtype(dtype).itemsize
-  tm = tm or min(m, MAX_ROWS)
   if tm * stored.k * jnp.dtype(dtype).itemsize > _WHOLE_X_BYTES:
     x_bytes *= -(-stored.n // tn)  # once per column tile
   nbytes += x_bytes
   nbytes += m * stored.n * jnp.dtype(out_dtype).itemsize
+  # An f32 product at full precision is six bf16 passes of the MXU
+  # (`_precision`): counted as six times the flops at its bf16 peak.
+  passes = 6 if _precision(dtype) == jax.lax.Precision.HIGHEST else 1
   return pl.CostEstimate(
-    flops=2 * m * stored.k * stored.n, transcendentals=0, bytes_accessed=nbytes
+    flops=2 * m * stored.k * stored.n * passes,
+    transcendentals=0,
+    bytes_accessed=nbytes,
   )
