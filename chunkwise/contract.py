@@ -32,7 +32,7 @@ _override = None
 # (eq, x, w) -> the product of a quantized w (set by chunkwise.models.matmul).
 _quantized = None
 # (eq, x, w) -> the product of an f32 w at precision "highest" on a TPU
-# (the Pallas kernel), or None (set by chunkwise.models.matmul).
+# (the Pallas kernel), or None for XLA's dot (set by chunkwise.models.matmul).
 _f32 = None
 
 

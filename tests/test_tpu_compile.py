@@ -132,6 +132,15 @@ def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   else:
     assert copies == []
     assert r["memory"]["weight_copies"] == 0
+  # Nor laid out again on their way into VMEM at every step: the Pallas
+  # kernel reads a few heads of q, k and v as stored ([K, H, D] tiles;
+  # reshaped, the f32 decode and the paged loop laid them out again each
+  # step). Left, once a call (the entry computation): XLA's dots' q
+  # (bf16 layouts), int8 and GGUF scales, LoRA factors.
+  relayouts = r["weight_relayouts"]
+  assert all(line.startswith("main.") for line in relayouts), relayouts
+  if case.weights.value == "f32" or case.pages:
+    assert relayouts == []
   # The arguments are the inputs' shards, small ones padded to tiles.
   padding = r["memory"]["argument"] - sum(r["inputs"].values())
   assert 0 <= padding <= 0.02 * r["memory"]["argument"]

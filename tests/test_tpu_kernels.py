@@ -125,7 +125,9 @@ def test_bad_operands_are_named():
   with pytest.raises(ValueError, match=r"x \(3, 100\) must be \[rows, 512\]"):
     tpu_kernels.matmul(jnp.zeros((3, 100)), WEIGHTS["f32"], interpret=True)
   with pytest.raises(ValueError, match="2-D weights"):
-    tpu_kernels.matmul(jnp.zeros((3, K)), jnp.zeros((K, 2, N)), interpret=True)
+    tpu_kernels.matmul(
+      jnp.zeros((3, K)), jnp.zeros((K, 2, 100)), interpret=True
+    )
   with pytest.raises(ValueError, match="blocks along K"):
     tpu_kernels.Stored.of(WEIGHTS["Q8_0"].replace(axis=1))
 
@@ -167,6 +169,30 @@ def test_f32_products_at_full_precision_at_any_rows():
     got = tpu_kernels.matmul(x, w, interpret=True)
   want = jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("heads", [4, 16])
+def test_heads_are_read_as_stored(dtype, heads):
+  """A float [K, H, D] weight (q, k, v) read in its 3-D layout, whole
+  heads a tile (8 at a time beyond 8), gives the product of its [K, H·D]
+  reshape; 300 rows: two row tiles."""
+  w = (jax.random.normal(jax.random.PRNGKey(3), (K, heads, 128)) * 0.05).astype(
+    dtype
+  )
+  x = _x(300, dtype, seed=5)
+  stored = tpu_kernels.Stored.of(w)
+  assert stored.heads == heads and stored.n == heads * 128
+  assert tiled_matmul._tiles(stored)[1] == min(heads, 8) * 128
+  got = tpu_kernels.matmul(x, w, interpret=True)
+  want = jnp.dot(
+    x.astype(jnp.float32),
+    w.reshape(K, -1).astype(jnp.float32),
+    precision=jax.lax.Precision.HIGHEST,
+  )
+  np.testing.assert_allclose(
+    got, want, atol=2e-5 * float(jnp.max(jnp.abs(want))) * K**0.5, rtol=0
+  )
 
 
 def test_cost_counts_the_bytes_the_kernel_reads():

@@ -42,10 +42,12 @@ the per-group sums scaled and added; no weight-sized buffer either, but
 one small dot per group, which made int8 decode slower than bf16.
 An f32 weight at precision "highest" takes the kernel at any rows, from
 `weight_matmul` and from the layouts' `contract` alike (`f32_on_tpu`):
-XLA:TPU runs such a dot as six bf16 passes, and its backend's scheduling
-of them made a 2-layer f32 prefill take 50 s to compile; with the
-kernel (Mosaic's fp32 contraction of one tile) it takes 5 s, at the
-same estimated time (docs/planner.md, "Compile time").
+XLA:TPU runs that dot as six bf16 passes, and its backend's scheduling
+of them made a 2-layer f32 prefill take 56 s to compile; with the kernel
+(Mosaic's fp32 contraction of one tile) 5.6 s, at the same estimated
+time (docs/planner.md, "Compile time"). A float [K, H, D] weight (q, k,
+v) is read in its stored 3-D layout (`_heads_as_stored`): reshaped to
+[K, H·D], XLA:TPU laid a few heads out again at every step.
 """
 
 from __future__ import annotations
@@ -284,7 +286,9 @@ def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
   if isinstance(w, BlockArray) and w.offset is not None:
     offset = per_group(w.offset)
   if tpu is not None:
-    if isinstance(w, BlockArray):
+    if _heads_as_stored(w, nmajor, c):
+      w2 = w  # [K, H, D]: the kernel reads whole heads in place
+    elif isinstance(w, BlockArray):
       w2 = w.replace(values=w2, scale=scale, offset=offset, axis=0)
     elif isinstance(w, QArray):
       w2 = QArray(values=w2, scale=scale)
@@ -299,6 +303,20 @@ def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
     act8=numerics.act8(),  # (cpu_kernels.matmul: int8 and 4-bit weights only)
   )
   return out.reshape(*free_x, *free_w).astype(x.dtype)
+
+
+def _heads_as_stored(w, nmajor: bool, contracted: int) -> bool:
+  """A float k-major weight [K, H, D] (q, k, v) that the Pallas kernel
+  reads in its stored 3-D layout: reshaped to [K, H·D], a TPU lays out
+  a few heads (fewer than its 8 or 16 sublanes) again at every call or
+  step (`compile_depth`'s `weight_relayouts`)."""
+  return (
+    not nmajor
+    and not is_grouped(w)
+    and contracted == 1
+    and w.ndim == 3
+    and w.shape[2] % 128 == 0
+  )
 
 
 def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:

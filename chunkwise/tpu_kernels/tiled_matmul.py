@@ -82,17 +82,29 @@ class Stored:
 
   @property
   def n(self) -> int:
+    if self.heads:
+      return self.heads * self.codes.shape[2]
     return self.codes.shape[0 if self.nmajor else 1]
+
+  @property
+  def heads(self) -> int:
+    """H of a float weight [K, H, D] read as it is stored; 0 for 2-D."""
+    return self.codes.shape[1] if self.codes.ndim == 3 else 0
 
   @classmethod
   def of(cls, w, nmajor: bool = False) -> Stored:
     """A 2-D k-major weight: an array, an int8 QArray (`values`, `scale`)
     or a BlockArray (with `bits`, `axis`) whose blocks run along axis 0;
-    with `nmajor`, a float array [N, K]. ValueError naming anything
-    else."""
+    with `nmajor`, a float array [N, K]; a float array [K, H, D] (D a
+    multiple of 128: heads of a projection, read as stored). ValueError
+    naming anything else."""
+    plain_3d = not (nmajor or hasattr(w, "scale")) and w.ndim == 3
+    if plain_3d and w.shape[2] % 128 == 0:
+      return cls(w, None, None, w.shape[0], None)
     if w.ndim != 2:
       raise ValueError(
-        f"tpu_kernels.matmul takes 2-D weights [K, N], got {w.shape}"
+        f"tpu_kernels.matmul takes 2-D weights [K, N] or float [K, H, D] "
+        f"with D a multiple of 128, got {w.shape}"
       )
     if nmajor:
       if hasattr(w, "scale"):
@@ -136,6 +148,11 @@ def _tiles(stored: Stored) -> tuple[int, int]:
     tn = stored.n if stored.n <= TILE_N else TILE_N
     return tk, tn
   rows = stored.codes.shape[0]
+  if stored.heads:  # whole heads: all of them up to 8, else 8 at a time
+    h = stored.heads
+    per_tile = h if h <= 8 or h % 8 else 8
+    tk = next((t for t in range(TILE_K, 0, -128) if rows % t == 0), rows)
+    return tk, per_tile * stored.codes.shape[2]
   # codes' rows per scale group (a float weight has no groups: its tiles
   # need not hold whole K, whose double-buffered [K, TILE_N] tiles were
   # 28 MiB of VMEM for a whole 14336-row weight, over v5e's 16 MiB)
@@ -202,15 +219,30 @@ def _kernel(
           w = w + o
         tile[j * per : (j + 1) * per, :] = w.astype(tile.dtype)
     weights = [t[...] for t in tiles]
+  elif codes.ndim == 3:  # [tk, heads, D]: a head's columns at a time
+    d = codes.shape[2]
+    rows = xs[0][...] if x_tile is None else _x_tile(xs[0], k, x_tile)
+    for h in range(codes.shape[1]):
+      cols = pl.ds(h * d, d)
+      sums[:, cols] += jax.lax.dot_general(
+        rows,
+        codes[:, h, :].astype(rows.dtype),
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+      out[...] = sums[...].astype(out_dtype)
+
+    return
   else:
     weights = [codes[...].astype(xs[0].dtype)]
   acc = sums[...]
   dims = (((1,), (1 if nmajor else 0,)), ((), ()))
   for x, w in zip(xs, weights, strict=True):
-    if x_tile is None:  # x's k tile
-      rows = x[...]
-    else:  # x's whole rows: this k tile's columns
-      rows = x[:, pl.ds(pl.multiple_of(k * x_tile, x_tile), x_tile)]
+    rows = x[...] if x_tile is None else _x_tile(x, k, x_tile)
     acc = acc + jax.lax.dot_general(
       rows, w, dims, precision=precision, preferred_element_type=jnp.float32
     )
@@ -219,6 +251,11 @@ def _kernel(
   @pl.when(k == pl.num_programs(2) - 1)
   def _():
     out[...] = acc.astype(out_dtype)
+
+
+def _x_tile(x, k, x_tile):
+  """x's whole rows in VMEM: the columns of k tile `k`."""
+  return x[:, pl.ds(pl.multiple_of(k * x_tile, x_tile), x_tile)]
 
 
 def _precision(dtype) -> jax.lax.Precision:
@@ -302,7 +339,10 @@ def matmul(
     x_spec = pl.BlockSpec((tm, xs[0].shape[1]), lambda i, j, k: (i, 0))
   else:
     x_spec = pl.BlockSpec((tm, tk), lambda i, j, k: (i, k))
-  if nmajor:
+  if stored.heads:  # whole heads of [K, H, D], as stored (no relayout)
+    d = stored.codes.shape[2]
+    w_spec = pl.BlockSpec((tk, tn // d, d), lambda i, j, k: (k, j, 0))
+  elif nmajor:
     w_spec = pl.BlockSpec((tn, tk), lambda i, j, k: (j, k))
   else:
     w_spec = pl.BlockSpec((tk, tn), lambda i, j, k: (k, j))
