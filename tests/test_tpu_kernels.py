@@ -171,28 +171,30 @@ def test_f32_products_at_full_precision_at_any_rows():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8"])
 @pytest.mark.parametrize("heads", [4, 16])
-def test_heads_are_read_as_stored(dtype, heads):
-  """A float [K, H, D] weight (q, k, v) read in its 3-D layout, whole
-  heads a tile (8 at a time beyond 8), gives the product of its [K, H·D]
-  reshape; 300 rows: two row tiles."""
-  w = (jax.random.normal(jax.random.PRNGKey(3), (K, heads, 128)) * 0.05).astype(
-    dtype
-  )
+def test_heads_are_read_as_stored(kind, heads):
+  """A [K, H, D] weight (q, k, v: float, or int8 codes with f32 scales
+  [G, H, D]) read in its 3-D layout, whole heads a tile (8 at a time
+  beyond 8), gives the product of its [K, H·D] reshape; 300 rows: two
+  row tiles."""
+  w = jax.random.normal(jax.random.PRNGKey(3), (K, heads, 128)) * 0.05
+  dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+  w = quantized.quantize(w, (0,), 128) if kind == "int8" else w.astype(dtype)
   x = _x(300, dtype, seed=5)
+  assert tiled_matmul.heads_as_stored(w)
   stored = tpu_kernels.Stored.of(w)
   assert stored.heads == heads and stored.n == heads * 128
   assert tiled_matmul._tiles(stored)[1] == min(heads, 8) * 128
   got = tpu_kernels.matmul(x, w, interpret=True)
+  dense = w.astype(jnp.float32).astype(dtype).astype(jnp.float32)
   want = jnp.dot(
     x.astype(jnp.float32),
-    w.reshape(K, -1).astype(jnp.float32),
+    dense.reshape(K, -1),
     precision=jax.lax.Precision.HIGHEST,
   )
-  np.testing.assert_allclose(
-    got, want, atol=2e-5 * float(jnp.max(jnp.abs(want))) * K**0.5, rtol=0
-  )
+  scale = float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(got, want, atol=2e-5 * scale * K**0.5, rtol=0)
 
 
 def test_cost_counts_the_bytes_the_kernel_reads():

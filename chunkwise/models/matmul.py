@@ -66,6 +66,7 @@ from chunkwise.contract import contract, contract_dims
 from chunkwise.models import schedule
 from chunkwise.models.blocks import BlockArray
 from chunkwise.models.quantized import QArray, is_grouped
+from chunkwise.tpu_kernels import tiled_matmul
 
 # Rows (product of x's free dims) up to which the kernel runs: beyond, the
 # matmul is bound by FLOPs, not bytes, and XLA's GEMM of the dequantized
@@ -306,17 +307,12 @@ def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
 
 
 def _heads_as_stored(w, nmajor: bool, contracted: int) -> bool:
-  """A float k-major weight [K, H, D] (q, k, v) that the Pallas kernel
-  reads in its stored 3-D layout: reshaped to [K, H·D], a TPU lays out
-  a few heads (fewer than its 8 or 16 sublanes) again at every call or
-  step (`compile_depth`'s `weight_relayouts`)."""
-  return (
-    not nmajor
-    and not is_grouped(w)
-    and contracted == 1
-    and w.ndim == 3
-    and w.shape[2] % 128 == 0
-  )
+  """A k-major weight [K, H, D] (q, k, v; float, or int8 with f32 scales
+  [G, H, D]) that the Pallas kernel reads in its stored 3-D layout
+  (`tiled_matmul.heads_as_stored`): reshaped to [K, H·D], a TPU laid a
+  few heads (fewer than its sublanes) out again at every step
+  (`compile_depth`'s `weight_relayouts`)."""
+  return contracted == 1 and tiled_matmul.heads_as_stored(w, nmajor)
 
 
 def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:

@@ -98,13 +98,15 @@ class Stored:
     with `nmajor`, a float array [N, K]; a float array [K, H, D] (D a
     multiple of 128: heads of a projection, read as stored). ValueError
     naming anything else."""
-    plain_3d = not (nmajor or hasattr(w, "scale")) and w.ndim == 3
-    if plain_3d and w.shape[2] % 128 == 0:
+    if heads_as_stored(w, nmajor):
+      if hasattr(w, "scale"):  # int8 [K, H, D], f32 scales [G, H, D]
+        return cls(w.values, w.scale, None, w.shape[0] // w.scale.shape[0], 8)
       return cls(w, None, None, w.shape[0], None)
     if w.ndim != 2:
       raise ValueError(
-        f"tpu_kernels.matmul takes 2-D weights [K, N] or float [K, H, D] "
-        f"with D a multiple of 128, got {w.shape}"
+        f"tpu_kernels.matmul takes 2-D weights [K, N], or [K, H, D] ones "
+        f"(float, or int8 with f32 scales [G, H, D]) with D a multiple of "
+        f"128, got {w.shape}"
       )
     if nmajor:
       if hasattr(w, "scale"):
@@ -129,6 +131,23 @@ class Stored:
     return cls(w, None, None, w.shape[0], None)
 
 
+def heads_as_stored(w, nmajor: bool = False) -> bool:
+  """Whether `matmul` reads `w` as a 3-D [K, H, D] weight (q, k, v: whole
+  heads a tile, as stored): a float array, or an int8 QArray with f32
+  scales [G, H, D], D a multiple of 128."""
+  if nmajor or w.ndim != 3 or w.shape[2] % 128 or hasattr(w, "bits"):
+    return False
+  if not hasattr(w, "scale"):
+    return True
+  scale = w.scale
+  return (
+    scale.ndim == 3
+    and tuple(scale.shape[1:]) == tuple(w.shape[1:])
+    and w.shape[0] % scale.shape[0] == 0
+    and scale.dtype.itemsize == 4
+  )
+
+
 def _per_tile(stored: Stored) -> bool:
   """Whether scales (and offsets) go in blocks of a k tile's groups: 16-bit
   ones do (Mosaic loads a row of them only at a static index, so a tile
@@ -151,7 +170,8 @@ def _tiles(stored: Stored) -> tuple[int, int]:
   if stored.heads:  # whole heads: all of them up to 8, else 8 at a time
     h = stored.heads
     per_tile = h if h <= 8 or h % 8 else 8
-    tk = next((t for t in range(TILE_K, 0, -128) if rows % t == 0), rows)
+    step = math.lcm(stored.group if stored.bits else 1, 128)
+    tk = next((t for t in range(TILE_K, 0, -step) if rows % t == 0), rows)
     return tk, per_tile * stored.codes.shape[2]
   # codes' rows per scale group (a float weight has no groups: its tiles
   # need not hold whole K, whose double-buffered [K, TILE_N] tiles were
@@ -199,6 +219,35 @@ def _kernel(
   def _():
     sums[...] = jnp.zeros(sums.shape, jnp.float32)
 
+  if codes.ndim == 3:  # [tk, heads, D]: a head's columns at a time
+    d = codes.shape[2]
+    rows = xs[0][...] if x_tile is None else _x_tile(xs[0], k, x_tile)
+    for h in range(codes.shape[1]):
+      cols = pl.ds(h * d, d)
+      if scaled:  # int8 codes, f32 scales [groups, heads, D] resident
+        tile = tiles[0]
+        for j in range(tk // per):
+          s = scale[pl.ds(k * (tk // per) + j, 1), h, :]
+          c = codes[j * per : (j + 1) * per, h, :]
+          tile[j * per : (j + 1) * per, :] = (c.astype(jnp.float32) * s).astype(
+            tile.dtype
+          )
+        w = tile[...]
+      else:
+        w = codes[:, h, :].astype(rows.dtype)
+      sums[:, cols] += jax.lax.dot_general(
+        rows,
+        w,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+      )
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+      out[...] = sums[...].astype(out_dtype)
+
+    return
   if scaled:
     if per_tile:  # f16 as int16 bits: widened whole (`_f16_bits`)
       scales = _f16_bits(scale[...])
@@ -219,24 +268,6 @@ def _kernel(
           w = w + o
         tile[j * per : (j + 1) * per, :] = w.astype(tile.dtype)
     weights = [t[...] for t in tiles]
-  elif codes.ndim == 3:  # [tk, heads, D]: a head's columns at a time
-    d = codes.shape[2]
-    rows = xs[0][...] if x_tile is None else _x_tile(xs[0], k, x_tile)
-    for h in range(codes.shape[1]):
-      cols = pl.ds(h * d, d)
-      sums[:, cols] += jax.lax.dot_general(
-        rows,
-        codes[:, h, :].astype(rows.dtype),
-        (((1,), (0,)), ((), ())),
-        precision=precision,
-        preferred_element_type=jnp.float32,
-      )
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _():
-      out[...] = sums[...].astype(out_dtype)
-
-    return
   else:
     weights = [codes[...].astype(xs[0].dtype)]
   acc = sums[...]
@@ -356,10 +387,17 @@ def matmul(
       spec = pl.BlockSpec((tk // per, tn), lambda i, j, k: (k, j))
     else:  # every group of the column tile, kept resident
       spec = pl.BlockSpec((extra.shape[0], tn), lambda i, j, k: (0, j))
+      if stored.heads:  # [groups, heads, D]: the column tile's heads
+        d = extra.shape[2]
+        spec = pl.BlockSpec(
+          (extra.shape[0], tn // d, d), lambda i, j, k: (0, j, 0)
+        )
     in_specs.append(spec)
     if extra.dtype == jnp.float16:
       extra = jax.lax.bitcast_convert_type(extra, jnp.int16)
     operands.append(extra)
+  # a dequantized tile: the column tile's, or one head's
+  tile_n = stored.codes.shape[2] if stored.heads else tn
   grid = (
     padded // tm,
     pl.cdiv(stored.n, tn),
@@ -384,7 +422,7 @@ def matmul(
     out_specs=pl.BlockSpec((tm, tn), lambda i, j, k: (i, j)),
     out_shape=jax.ShapeDtypeStruct((m, stored.n), out_dtype),
     scratch_shapes=[
-      *(pltpu.VMEM((tk, tn), x.dtype) for _ in (xs if scaled else ())),
+      *(pltpu.VMEM((tk, tile_n), x.dtype) for _ in (xs if scaled else ())),
       pltpu.VMEM((tm, tn), jnp.float32),
     ],
     compiler_params=pltpu.CompilerParams(
