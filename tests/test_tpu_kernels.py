@@ -171,17 +171,21 @@ def test_f32_products_at_full_precision_at_any_rows():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["f32", "bf16", "int8"])
+@pytest.mark.parametrize("kind", ["f32", "bf16", "int8", "int8/channel"])
 @pytest.mark.parametrize("heads", [4, 16])
 def test_heads_are_read_as_stored(kind, heads):
   """A [K, H, D] weight (q, k, v: float, or int8 codes with f32 scales
-  [G, H, D]) read in its 3-D layout, whole heads a tile (8 at a time
-  beyond 8), gives the product of its [K, H·D] reshape; 300 rows: two
-  row tiles."""
-  w = jax.random.normal(jax.random.PRNGKey(3), (K, heads, 128)) * 0.05
+  [G, H, D], in groups of 128 or one per channel) read in its 3-D layout,
+  whole heads a tile (8 at a time beyond 8), gives the product of its
+  [K, H·D] reshape; 300 rows: two row tiles."""
+  k = 2 * K if "channel" in kind else K  # a group of 2 k tiles
+  w = jax.random.normal(jax.random.PRNGKey(3), (k, heads, 128)) * 0.05
   dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
-  w = quantized.quantize(w, (0,), 128) if kind == "int8" else w.astype(dtype)
-  x = _x(300, dtype, seed=5)
+  if kind.startswith("int8"):
+    w = quantized.quantize(w, (0,), None if "channel" in kind else 128)
+  else:
+    w = w.astype(dtype)
+  x = jax.random.normal(jax.random.PRNGKey(5), (300, k)).astype(dtype)
   assert tiled_matmul.heads_as_stored(w)
   stored = tpu_kernels.Stored.of(w)
   assert stored.heads == heads and stored.n == heads * 128
@@ -190,11 +194,11 @@ def test_heads_are_read_as_stored(kind, heads):
   dense = w.astype(jnp.float32).astype(dtype).astype(jnp.float32)
   want = jnp.dot(
     x.astype(jnp.float32),
-    dense.reshape(K, -1),
+    dense.reshape(k, -1),
     precision=jax.lax.Precision.HIGHEST,
   )
   scale = float(jnp.max(jnp.abs(want)))
-  np.testing.assert_allclose(got, want, atol=2e-5 * scale * K**0.5, rtol=0)
+  np.testing.assert_allclose(got, want, atol=2e-5 * scale * k**0.5, rtol=0)
 
 
 def test_cost_counts_the_bytes_the_kernel_reads():

@@ -170,8 +170,12 @@ def _tiles(stored: Stored) -> tuple[int, int]:
   if stored.heads:  # whole heads: all of them up to 8, else 8 at a time
     h = stored.heads
     per_tile = h if h <= 8 or h % 8 else 8
+    # whole scale groups a tile (one per channel: the whole K)
     step = math.lcm(stored.group if stored.bits else 1, 128)
-    tk = next((t for t in range(TILE_K, 0, -step) if rows % t == 0), rows)
+    tk = next(
+      (t for t in range(TILE_K, 0, -128) if t % step == 0 and rows % t == 0),
+      rows,
+    )
     return tk, per_tile * stored.codes.shape[2]
   # codes' rows per scale group (a float weight has no groups: its tiles
   # need not hold whole K, whose double-buffered [K, TILE_N] tiles were
