@@ -233,7 +233,7 @@ def _on_tpu(eq: str, x, w) -> jax.Array:
 def _six_passes(x, w) -> bool:
   """An f32 product at precision "highest": XLA:TPU runs its dot as six
   bf16 passes and its backend's scheduling of them is what made a 2-layer
-  f32 prefill take 46 s to compile (docs/planner.md); the Pallas kernel's
+  f32 prefill take 46-56 s to compile (docs/planner.md); the Pallas kernel's
   one tile compiles in a fraction of it (Mosaic's fp32 contraction)."""
   return (
     jnp.dtype(x.dtype) == jnp.float32

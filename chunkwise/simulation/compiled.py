@@ -164,16 +164,17 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
   copies = weight_reads.weight_copy_sizes(text, n_weights)
   memory["weight_copies"] = sum(copies)
   memory["largest_weight_copy"] = max(copies, default=0)
+  weight_copies = weight_reads.weight_copies(text, n_weights)
   ops = hlo.collectives(text)
   program_ops = hlo.collectives(lowered.as_text(dialect="hlo"))
   return dict(
     head,
     compile_s=compiled_at - lowered_at,
     memory=memory,
-    weight_copies=weight_reads.weight_copies(text, n_weights),
+    weight_copies=weight_copies,
     weight_relayouts=sorted(
       set(weight_reads.input_copies(text, range(n_weights), staging=False))
-      - set(weight_reads.weight_copies(text, n_weights))
+      - set(weight_copies)
     ),
     # K/V laid out again: a copy of a cache, in HBM or into VMEM in
     # another layout (`partitioning.formats` stores them as read)

@@ -88,16 +88,16 @@ class Stored:
 
   @property
   def heads(self) -> int:
-    """H of a float weight [K, H, D] read as it is stored; 0 for 2-D."""
+    """H of a [K, H, D] weight read as it is stored; 0 for 2-D."""
     return self.codes.shape[1] if self.codes.ndim == 3 else 0
 
   @classmethod
   def of(cls, w, nmajor: bool = False) -> Stored:
     """A 2-D k-major weight: an array, an int8 QArray (`values`, `scale`)
     or a BlockArray (with `bits`, `axis`) whose blocks run along axis 0;
-    with `nmajor`, a float array [N, K]; a float array [K, H, D] (D a
-    multiple of 128: heads of a projection, read as stored). ValueError
-    naming anything else."""
+    with `nmajor`, a float array [N, K]; a [K, H, D] weight, float or
+    int8 with f32 scales [G, H, D] (`heads_as_stored`: heads of a
+    projection, read as stored). ValueError naming anything else."""
     if heads_as_stored(w, nmajor):
       if hasattr(w, "scale"):  # int8 [K, H, D], f32 scales [G, H, D]
         return cls(w.values, w.scale, None, w.shape[0] // w.scale.shape[0], 8)
@@ -169,14 +169,14 @@ def _tiles(stored: Stored) -> tuple[int, int]:
   rows = stored.codes.shape[0]
   if stored.heads:  # whole heads: all of them up to 8, else 8 at a time
     h = stored.heads
-    per_tile = h if h <= 8 or h % 8 else 8
+    heads_a_tile = h if h <= 8 or h % 8 else 8
     # whole scale groups a tile (one per channel: the whole K)
     step = math.lcm(stored.group if stored.bits else 1, 128)
     tk = next(
       (t for t in range(TILE_K, 0, -128) if t % step == 0 and rows % t == 0),
       rows,
     )
-    return tk, per_tile * stored.codes.shape[2]
+    return tk, heads_a_tile * stored.codes.shape[2]
   # codes' rows per scale group (a float weight has no groups: its tiles
   # need not hold whole K, whose double-buffered [K, TILE_N] tiles were
   # 28 MiB of VMEM for a whole 14336-row weight, over v5e's 16 MiB)
