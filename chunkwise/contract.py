@@ -31,9 +31,10 @@ from jax import lax
 _override = None
 # (eq, x, w) -> the product of a quantized w (set by chunkwise.models.matmul).
 _quantized = None
-# (eq, x, w) -> the product of an f32 w at precision "highest" on a TPU
-# (the Pallas kernel), or None for XLA's dot (set by chunkwise.models.matmul).
-_f32 = None
+# (eq, x, w) -> the product on a TPU through the Pallas kernel
+# (an f32 w at precision "highest", or few rows), or None for XLA's dot
+# (set by chunkwise.models.matmul).
+_tpu = None
 
 
 @functools.cache
@@ -68,8 +69,8 @@ def contract(eq: str, x: jax.Array, w: jax.Array, **kwargs) -> jax.Array:
     out = _override(eq, x, w)
     if out is not None:
       return out
-  if _f32 is not None and not kwargs:
-    out = _f32(eq, x, w)
+  if _tpu is not None and not kwargs:
+    out = _tpu(eq, x, w)
     if out is not None:
       return out
   lhs, rhs, order = contract_dims(eq)

@@ -124,6 +124,14 @@ def may_run(platform: str) -> bool:
   return _PLATFORM.get() in (None, platform)
 
 
+def runs_on(platform: str) -> bool:
+  """Whether the program being traced runs on `platform` alone: its
+  engine named it (`traced`). Code traced outside an engine (a layout's
+  collective matmul called on its own, under shard_map's varying-axes
+  check, which a Pallas call's result fails) gets False."""
+  return _PLATFORM.get() == platform
+
+
 def invariant() -> bool:
   """Whether the code being traced keeps rows invariant (on the CPU)."""
   return _CURRENT.get() in _INVARIANT and _kernels()

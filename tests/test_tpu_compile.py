@@ -135,11 +135,20 @@ def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   # Nor laid out again on their way into VMEM at every step: the Pallas
   # kernel reads a few heads of q, k and v as stored ([K, H, D] tiles;
   # reshaped, the f32 decode and the paged loop laid them out again each
-  # step). Left, once a call (the entry computation): XLA's dots' q
-  # (bf16 layouts), int8 and GGUF scales, LoRA factors.
+  # step; and a weight-stationary float decode step's products all run
+  # in the kernel). Left, once a call (the entry computation): int8 and
+  # GGUF scales, LoRA factors, q in a speculative pass (more rows than
+  # the kernel's), XLA's dots' q in a bf16 prefill, a weight-gathered
+  # layer's gathered weights.
   relayouts = r["weight_relayouts"]
   assert all(line.startswith("main.") for line in relayouts), relayouts
-  if case.weights.value == "f32" or case.pages:
+  float_decode = (
+    case.weights.value in ("bf16", "f32")
+    and case.phase is not Phase.PREFILL
+    and case.layout.kind.value != "wg"
+    and not (case.adapters or case.speculation)
+  )
+  if case.weights.value == "f32" or case.pages or float_decode:
     assert relayouts == []
   # The arguments are the inputs' shards, small ones padded to tiles.
   padding = r["memory"]["argument"] - sum(r["inputs"].values())
@@ -222,8 +231,18 @@ def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   if not case.speculation:  # (verifying k + 1 tokens a row: 24 rows)
     decode = case.phase is not Phase.PREFILL
     assert ("chunkwise_tpu_matmul" in kernels) == (quantized or decode or f32)
-  if f32 and case.phase is Phase.PREFILL:  # q, k, v, o, gate, up, down
-    assert kernels["chunkwise_tpu_matmul"] == 7 * H.layers + 1  # + logits
+  # Every product: q, k, v, o, gate, up, down and the logits. An f32
+  # prefill's (any rows), and a bf16 or f32 decode step's in a
+  # weight-stationary layout, their collective matmuls' `contract` too
+  # (a ring's product is one call per piece: more).
+  float_decode = (
+    not quantized
+    and case.phase is not Phase.PREFILL
+    and case.layout.kind.value != "wg"
+    and not (case.speculation or case.adapters or case.pages)
+  )
+  if (f32 and case.phase is Phase.PREFILL) or float_decode:
+    assert kernels["chunkwise_tpu_matmul"] >= 7 * H.layers + 1
   assert r["cycles"]["bounded"] > 0 or not set(kernels) - {
     "chunkwise_tpu_paged_attention"
   }
@@ -446,8 +465,11 @@ LONG = dict(length=32768, steps=1024)
 def test_kv_caches_are_read_where_they_are(meshes, phase):
   """Decode reads a prefix's K/V cache and its own buffers where they are
   (`partitioning.formats` stores them in the orders XLA:TPU reads): no
-  copy or relayout of any, and scratch far below their size. Stored
-  row-major, the prefix cache was copied at every call (294 MiB here)."""
+  copy or relayout of any in HBM, and scratch far below their size.
+  Stored row-major, the prefix cache was copied at every call (294 MiB
+  here). A generate loop's own buffers (1024 columns) fit in VMEM, where
+  XLA:TPU may keep them through the loop: copied in once a call (the
+  entry computation), in a sliver of the call's estimated time."""
   length = LONG["length"] - (LONG["steps"] if phase is Phase.SLOTS else 0)
   case = Case(
     phase=phase,
@@ -465,6 +487,10 @@ def test_kv_caches_are_read_where_they_are(meshes, phase):
     compute_dtype=jnp.bfloat16,
   )
   assert r["kv_copies"] == []
+  assert all(line.startswith("main.") for line in r["kv_staged"])
+  cycles = r["cycles"]
+  call = cycles["once"] + LONG["steps"] * cycles["per_iteration"]
+  assert r["kv_staged_cycles"] <= call / 100
   kv = r["inputs"]["kv_cache"]
   assert kv > 64 << 20
   assert r["memory"]["temp"] < kv / 8

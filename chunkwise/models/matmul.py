@@ -41,7 +41,7 @@ group of the codes contracted on its own (exact in bf16, f32 sums), then
 the per-group sums scaled and added; no weight-sized buffer either, but
 one small dot per group, which made int8 decode slower than bf16.
 An f32 weight at precision "highest" takes the kernel at any rows, from
-`weight_matmul` and from the layouts' `contract` alike (`f32_on_tpu`):
+`weight_matmul` and from the layouts' `contract` alike (`on_tpu`):
 XLA:TPU runs that dot as six bf16 passes, and its backend's scheduling
 of them made a 2-layer f32 prefill take 56 s to compile; with the kernel
 (Mosaic's fp32 contraction of one tile) 5.6 s, at the same estimated
@@ -243,22 +243,21 @@ def _six_passes(x, w) -> bool:
   )
 
 
-def f32_on_tpu(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
-  """`contract`'s product of a float weight where it is f32 at precision
-  "highest" and a TPU may run it: XLA's dot elsewhere, the Pallas kernel
-  on a TPU, whatever the rows (`_six_passes`); None otherwise (XLA's
-  dot everywhere)."""
-  if not (_six_passes(x, w) and numerics.may_run("tpu")):
+def on_tpu(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
+  """`contract`'s product of a float weight (the layouts' collective
+  matmuls call it on weight shards) in a program an engine runs on a TPU
+  (`numerics.runs_on`), where the kernel applies: an f32 weight at
+  precision "highest", whatever the rows (`_six_passes`), or a k-major
+  bf16 / f32 weight at up to `MAX_ROWS` rows, as `weight_matmul` takes
+  it (XLA:TPU's dot of one row is a multiply-and-reduce: Llama-3.1-8B's
+  bf16 step on v5e 2x2 estimated at 2.45x the time with it,
+  docs/planner.md). None elsewhere (XLA's dot)."""
+  if not numerics.runs_on("tpu") or is_grouped(w):
     return None
-  if _form(eq, x, w, max_rows=None) is None:
+  six = _six_passes(x, w)
+  if _form(eq, x, w, max_rows=None if six else MAX_ROWS) is not False:
     return None
-  return lax.platform_dependent(
-    x,
-    w,
-    # (precision given: XLA's dot, not this hook again)
-    default=lambda x, w: contract(eq, x, w, precision=lax.Precision.HIGHEST),
-    tpu=lambda x, w: _on_tpu(eq, x, w),
-  )
+  return _on_tpu(eq, x, w)  # (the kernel: k-major, rows within reach)
 
 
 def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
@@ -361,4 +360,4 @@ def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
 
 
 contract_lib._quantized = weight_matmul
-contract_lib._f32 = f32_on_tpu
+contract_lib._tpu = on_tpu

@@ -14,7 +14,8 @@ What is read, per device:
                instructions that copy a weight or lay a K/V cache out
                again, `weight_relayouts` those that stage a weight in
                VMEM in another layout than it is stored (a relayout at
-               every call or step);
+               every call or step), `kv_staged` a decode loop's own
+               buffers kept in VMEM through the loop (`_kv_reads`);
   inputs       the abstract arguments' shard bytes by kind (weights, K/V
                caches, other), whose sum is the compiled argument size
                (XLA:TPU pads small arrays to its tiles);
@@ -69,13 +70,39 @@ def _is_kv(path) -> bool:
   return bool({getattr(key, "name", None) for key in path} & {"k", "v"})
 
 
-def _kv_params(args: Sequence) -> list[int]:
-  """Parameter numbers of the K/V caches among a program's `args` (those
-  past the weights, its first argument)."""
+def _kv_params(args: Sequence) -> tuple[list[int], list[int]]:
+  """Parameter numbers of the K/V arrays among a program's `args` (those
+  past the weights, its first argument): (caches, the decode loop's own
+  per-layer buffers: a `LayerKV`'s `k[i]`, `v[i]`)."""
   leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
-  return [
-    i for i, (path, _) in enumerate(leaves) if path[0].idx and _is_kv(path)
-  ]
+  caches, own = [], []
+  for i, (path, _) in enumerate(leaves):
+    if path[0].idx and _is_kv(path):
+      layered = isinstance(path[-1], jax.tree_util.SequenceKey)
+      (own if layered else caches).append(i)
+  return caches, own
+
+
+def _kv_reads(text: str, args: Sequence) -> dict:
+  """`kv_copies`: K/V laid out again, a copy of a cache in HBM or into
+  VMEM in another layout (`partitioning.formats` stores them as read),
+  or a copy of a decode loop's own buffer in HBM; `kv_staged`: a loop's
+  own buffers that XLA:TPU keeps in VMEM through the loop, copied there
+  in the layout it reads them (where they fit: a short generate's), and
+  `kv_staged_cycles` the estimated cycles of those copies."""
+  caches, own = _kv_params(args)
+
+  def found(numbers, staging):
+    return weight_reads.input_copies(text, numbers, what="K/V", staging=staging)
+
+  in_hbm = found(own, staging=True)
+  staged = sorted(set(found(own, staging=False)) - set(in_hbm))
+  names = [line.split("%", 1)[1].split(" ", 1)[0] for line in staged]
+  return dict(
+    kv_copies=sorted(found(caches, staging=False) + in_hbm),
+    kv_staged=staged,
+    kv_staged_cycles=hlo.cycles_of(text, names),
+  )
 
 
 def _by_kind(trees: Sequence, first_is_weights: bool) -> dict[str, int]:
@@ -176,11 +203,7 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
       set(weight_reads.input_copies(text, range(n_weights), staging=False))
       - set(weight_copies)
     ),
-    # K/V laid out again: a copy of a cache, in HBM or into VMEM in
-    # another layout (`partitioning.formats` stores them as read)
-    kv_copies=weight_reads.input_copies(
-      text, _kv_params(call.args), what="K/V", staging=False
-    ),
+    **_kv_reads(text, call.args),
     cycles=hlo.estimated_cycles(text, tpu_target.hardware_of(device)),
     kernels=hlo.tpu_kernels(text),
     inputs=_by_kind(call.args, first_is_weights=True),

@@ -278,6 +278,19 @@ def estimated_cycles(text: str, hardware=None) -> dict[str, int]:
   return out
 
 
+def cycles_of(text: str, names) -> int:
+  """The sum of XLA:TPU's `estimated_cycles` of the instructions `names`
+  (without their %), each counted once wherever it is (0 for one the
+  compiler gave no estimate)."""
+  wanted, total = set(names), 0
+  for instrs in parse(text).computations.values():
+    for i in instrs:
+      m = _CYCLES.search(i.attrs) if i.name in wanted else None
+      if m is not None and int(m.group(1)) < _NO_ESTIMATE:
+        total += int(m.group(1))
+  return total
+
+
 def tpu_kernels(text: str) -> dict[str, int]:
   """The Pallas / Mosaic kernels a compiled XLA:TPU module calls (its
   `tpu_custom_call`s, named by the kernel's `name=`), sorted by name: how
