@@ -5,6 +5,7 @@ distinct program runs once: an attention batch sharded over axes of size 1
 is the layout without them (`_distinct`)."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -271,20 +272,25 @@ def test_kv_stored_as_a_tpu_reads_it_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.slow
-def test_attention_by_rows_reads_every_head_at_once():
+@pytest.mark.parametrize("shape", [(1, 1, 2), (1, 2, 2)])
+def test_attention_by_rows_reads_every_head_at_once(shape):
   """ws_2d/yz over two devices holding 4 query heads each (the tiny
-  model's group): the gathered blocks are every head in order, so one
-  attention reads them all (`weight_stationary._blocks_in_order`), and
-  gives the reference's results."""
+  model's group), or four holding 2 (half a group: two devices' blocks
+  read one K/V head): the gathered blocks are every head in order, so
+  one attention reads them all (`weight_stationary._blocks_in_order`;
+  windows of heads made XLA:TPU copy the prefix cache), and gives the
+  reference's results."""
   from chunkwise.models import weight_stationary
 
   h = cw.configs.get("tiny")
-  mesh = make_mesh((1, 1, 2), devices=jax.devices()[:2])
+  devices = math.prod(shape)
+  mesh = make_mesh(shape, devices=jax.devices()[:devices])
   plan = cw.partitioning.Plan.make(
     cw.Layout.parse("ws_2d/yz"), mesh, h, batch=8
   )
   sizes = weight_stationary._sizes(plan)
-  assert weight_stationary._blocks_in_order(plan, sizes, 1, h.kv_heads)
+  width = h.heads // devices
+  assert weight_stationary._blocks_in_order(plan, sizes, width, h.heads)
   weights = cw.InferenceModel.random(h, seed=0).weights
   model = cw.InferenceModel(
     h, weights, cw.ByteVocabulary(), mesh=mesh, layout="ws_2d/yz"

@@ -496,6 +496,34 @@ def test_kv_caches_are_read_where_they_are(meshes, phase):
   assert r["memory"]["temp"] < kv / 8
 
 
+def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
+  """Rows split over the 4 devices of ws_2d/yz, each gathering 4 query
+  heads of a group of 8 (two devices' blocks read one K/V head, as
+  Llama-3.1-70B's 4 of 8 on a v5e 4x4): one attention over every head,
+  and the prefix cache read where it is. A window of heads per block
+  made XLA:TPU hoist each layer's and head's window out of the decode
+  loop, a copy of the whole cache in 16 pieces (70B at 32 rows held 5.4
+  GiB more than its cache, past a v5e's 16)."""
+  h = H.replace(kv_heads=2)
+  case = Case(
+    phase=Phase.GENERATE,
+    layout=Layout.parse("ws_2d/yz"),
+    batch=8,
+    length=2048,
+    steps=8,
+    weights=WeightFormat("bf16"),
+  )
+  r = compile_depth(
+    h,
+    meshes[V5E],
+    case,
+    cache_dtype=jnp.dtype("bfloat16"),
+    compute_dtype=jnp.bfloat16,
+  )
+  assert r["kv_copies"] == []
+  assert r["memory"]["temp"] < r["inputs"]["kv_cache"]  # no copy of it
+
+
 def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
   out = tmp_path / "sim.json"
   run = subprocess.run(

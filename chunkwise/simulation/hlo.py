@@ -56,6 +56,14 @@ class Instr:
       default=0,
     )
 
+  @property
+  def total_elements(self) -> int:
+    """Elements of the result (all of a tuple's arrays)."""
+    return sum(
+      math.prod(int(d) for d in dims.split(",") if d)
+      for dims in _ARRAY.findall(self.shape)
+    )
+
   def attr(self, key: str) -> str | None:
     m = re.search(rf"\b{key}=%?([\w.\-]+)", self.attrs)
     return m.group(1) if m else None

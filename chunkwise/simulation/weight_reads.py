@@ -78,8 +78,16 @@ def input_copies(
   read in place: a prefix's K/V cache too), each line naming `what`.
   `staging=False`: a copy into VMEM counts too where it changes the
   input's layout (a K/V cache small enough to fit there is copied in
-  whole: in its own layout that is a prefetch, in another a relayout)."""
-  found = _weight_copies(parse(text), numbers, min_elements, staging=staging)
+  whole: in its own layout that is a prefetch, in another a relayout).
+  A K/V input's copy counts all the arrays a fusion writes (XLA:TPU cut
+  a prefix cache into one window per layer and head, 1/16 each)."""
+  found = _weight_copies(
+    parse(text),
+    numbers,
+    min_elements,
+    staging=staging,
+    pieces=what == "K/V",
+  )
   return sorted(
     f"{comp}: %{user.name} = {user.op} {user.shape.split('{')[0]} "
     f"from {what} parameter {number}"
@@ -106,6 +114,7 @@ def _weight_copies(
   min_elements: int,
   strict: bool = False,
   staging: bool = True,
+  pieces: bool = False,
 ):
   """{(computation, instruction, parameter number)} of `input_copies`."""
   tracked: _Tracked = {}
@@ -131,7 +140,13 @@ def _weight_copies(
       weight = paths.get(())
       strict_slots = slots if strict else None
       if weight is not None and _copies(
-        module, comp, user, sizes[weight], strict_slots, orders[weight]
+        module,
+        comp,
+        user,
+        sizes[weight],
+        strict_slots,
+        orders[weight],
+        pieces,
       ):
         found.add((comp, user, weight))
   return found
@@ -172,6 +187,7 @@ def _copies(
   weight_elements: int,
   slots=None,
   order: tuple[int, ...] | None = None,
+  pieces: bool = False,
 ) -> bool:
   """Whether `user`, reading a whole weight, writes a copy of it. A fusion
   that holds a matmul or a lookup reads in place; given the weight's
@@ -179,7 +195,8 @@ def _copies(
   (else a fusion that dequantizes a weight and gathers its scales, as
   XLA:CPU's int8 dots do, would pass). A slice or copy into a faster
   memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging,
-  unless `order` (the input's minor-to-major) is given and it changes."""
+  unless `order` (the input's minor-to-major) is given and it changes.
+  `pieces`: what a fusion writes is all of its outputs, not the largest."""
   if user.op in ("bitcast", "get-tuple-element", "tuple", "while", "call"):
     return False
   if _staged(module, comp, user) and order in (None, _order(user.shape)):
@@ -196,7 +213,8 @@ def _copies(
         return False
     elif all(_fused_in_place(module, callee, s) for s in slots):
       return False
-  return user.elements >= weight_elements * _COPY_SHARE
+  written = user.total_elements if pieces else user.elements
+  return written >= weight_elements * _COPY_SHARE
 
 
 def _order(shape: str) -> tuple[int, ...] | None:
