@@ -459,6 +459,20 @@ def test_kv_copies_are_relayouts_in_any_memory():
 LONG = dict(length=32768, steps=1024)
 
 
+def _ws_2d_bf16(h, mesh, phase: Phase, length: int, steps: int) -> dict:
+  """`compile_depth` of 8 rows in ws_2d/yz, bf16 weights and K/V."""
+  case = Case(
+    phase=phase,
+    layout=Layout.parse("ws_2d/yz"),
+    batch=8,
+    length=length,
+    steps=steps,
+    weights=WeightFormat("bf16"),
+  )
+  dtypes = dict(cache_dtype=jnp.dtype("bfloat16"), compute_dtype=jnp.bfloat16)
+  return compile_depth(h, mesh, case, **dtypes)
+
+
 @pytest.mark.parametrize(
   "phase", [Phase.GENERATE, pytest.param(Phase.SLOTS, marks=pytest.mark.long)]
 )
@@ -471,21 +485,7 @@ def test_kv_caches_are_read_where_they_are(meshes, phase):
   XLA:TPU may keep them through the loop: copied in once a call (the
   entry computation), in a sliver of the call's estimated time."""
   length = LONG["length"] - (LONG["steps"] if phase is Phase.SLOTS else 0)
-  case = Case(
-    phase=phase,
-    layout=Layout.parse("ws_2d/yz"),
-    batch=8,
-    length=length,
-    steps=LONG["steps"],
-    weights=WeightFormat("bf16"),
-  )
-  r = compile_depth(
-    H,
-    meshes[V5E],
-    case,
-    cache_dtype=jnp.dtype("bfloat16"),
-    compute_dtype=jnp.bfloat16,
-  )
+  r = _ws_2d_bf16(H, meshes[V5E], phase, length, LONG["steps"])
   assert r["kv_copies"] == []
   assert all(line.startswith("main.") for line in r["kv_staged"])
   cycles = r["cycles"]
@@ -505,21 +505,7 @@ def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
   loop, a copy of the whole cache in 16 pieces (70B at 32 rows held 5.4
   GiB more than its cache, past a v5e's 16)."""
   h = H.replace(kv_heads=2)
-  case = Case(
-    phase=Phase.GENERATE,
-    layout=Layout.parse("ws_2d/yz"),
-    batch=8,
-    length=2048,
-    steps=8,
-    weights=WeightFormat("bf16"),
-  )
-  r = compile_depth(
-    h,
-    meshes[V5E],
-    case,
-    cache_dtype=jnp.dtype("bfloat16"),
-    compute_dtype=jnp.bfloat16,
-  )
+  r = _ws_2d_bf16(h, meshes[V5E], Phase.GENERATE, length=2048, steps=8)
   assert r["kv_copies"] == []
   assert r["memory"]["temp"] < r["inputs"]["kv_cache"]  # no copy of it
 
