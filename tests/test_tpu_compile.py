@@ -157,6 +157,14 @@ def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   # XLA:TPU's own estimate of the time: the decode loops per step.
   key = "once" if case.phase is Phase.PREFILL else "per_iteration"
   assert r["cycles"][key] > 0
+  # A step's estimate by kind of op adds up to it; small ops (norms,
+  # RoPE, a few rows' softmax) each cost the compiler's floor.
+  ops = r["step_ops"]
+  assert sum(k["cycles"] for k in ops.values()) == r["cycles"]["per_iteration"]
+  if case.phase is not Phase.PREFILL:
+    assert ops["small"]["count"] > 0
+    floor = ops["small"]["cycles"] / ops["small"]["count"]
+    assert 1000 < floor < hlo.SMALL_OP_CYCLES
 
 
 def test_kv_cache_is_updated_in_place(compiled):

@@ -29,8 +29,10 @@ What is read, per device:
                compiling: its collectives are one step's;
   cycles       XLA:TPU's estimated cycles (`hlo.estimated_cycles`; a
                Pallas call, which it does not estimate, bounded by the
-               bytes and flops the call declares), and the Pallas kernels
-               it calls, with their call sites (`hlo.tpu_kernels`).
+               bytes and flops the call declares), a decode step's by
+               kind of op (`step_ops`: kernels, small ops, the rest), and
+               the Pallas kernels it calls, with their call sites
+               (`hlo.tpu_kernels`).
 A program the compiler refuses (XLA:TPU: out of HBM or VMEM) gives its
 message as `error` instead.
 """
@@ -205,6 +207,7 @@ def compile_depth(hparams, mesh, case, **dtypes) -> dict:
     ),
     **_kv_reads(text, call.args),
     cycles=hlo.estimated_cycles(text, tpu_target.hardware_of(device)),
+    step_ops=hlo.step_ops(text, tpu_target.hardware_of(device)),
     kernels=hlo.tpu_kernels(text),
     inputs=_by_kind(call.args, first_is_weights=True),
     outputs=_by_kind([call.out], first_is_weights=False),

@@ -260,9 +260,25 @@ def estimated_cycles(text: str, hardware=None) -> dict[str, int]:
   chip's `hardware` (`planner.hardware.Hardware`), each call that carries
   a cost estimate counts its bound (`kernel_cycles`) instead, and
   `bounded` how many calls were so counted (each execution once)."""
+  out = dict(once=0, per_iteration=0, unknown=0, bounded=0)
+  for _, cycles, times, kernel in _timed(text, hardware):
+    if kernel:
+      out["bounded"] += 1 if times is None else times
+    if cycles >= _NO_ESTIMATE:
+      out["unknown"] += 1
+    elif times is None:
+      out["per_iteration"] += cycles
+    else:
+      out["once"] += times * cycles
+  return out
+
+
+def _timed(text: str, hardware):
+  """(instruction, cycles, executions or None in a loop of unknown trip
+  count, whether a Pallas call's bound) of each instruction that has an
+  estimate (`estimated_cycles`), collectives left out."""
   module = parse(text)
   times = _executions(module)
-  out = dict(once=0, per_iteration=0, unknown=0, bounded=0)
   for comp, instrs in module.computations.items():
     if comp not in times:
       continue
@@ -270,19 +286,36 @@ def estimated_cycles(text: str, hardware=None) -> dict[str, int]:
       kind = i.op.removesuffix("-start").removesuffix("-done")
       m = _CYCLES.search(i.attrs)
       cycles = None if m is None else int(m.group(1))
-      if i.op == "custom-call" and '"tpu_custom_call"' in i.attrs:
+      kernel = i.op == "custom-call" and '"tpu_custom_call"' in i.attrs
+      if kernel:
         cycles = kernel_cycles(i.attrs, hardware)
-        if cycles is None:
-          continue
-        out["bounded"] += 1 if times[comp] is None else times[comp]
       if cycles is None or kind in COLLECTIVE_KINDS:
         continue
-      if cycles >= _NO_ESTIMATE:
-        out["unknown"] += 1
-      elif times[comp] is None:
-        out["per_iteration"] += cycles
-      else:
-        out["once"] += times[comp] * cycles
+      yield i, cycles, times[comp], kernel
+
+
+# XLA:TPU estimates any op at no fewer than about 1,800 cycles, however
+# few bytes it moves (1.2 µs on v5e): an op under this many is "small".
+SMALL_OP_CYCLES = 2500
+
+
+def step_ops(text: str, hardware=None) -> dict[str, dict[str, int]]:
+  """Where one decode step's estimate goes (the instructions in a loop of
+  unknown trip count, as `estimated_cycles`' `per_iteration`): per kind,
+  `count` and `cycles` of the Pallas calls (at their bounds: what their
+  bytes take), of the small ops (under `SMALL_OP_CYCLES` each: norms,
+  RoPE, residual adds, a few rows' softmax; each costs the compiler's
+  floor whatever it moves), and of the rest (attention over the cache,
+  sampling over the vocabulary)."""
+  out = {k: dict(count=0, cycles=0) for k in ("kernels", "small", "other")}
+  for _, cycles, times, kernel in _timed(text, hardware):
+    if times is not None or cycles >= _NO_ESTIMATE:
+      continue
+    kind = "kernels" if kernel else "other"
+    if not kernel and cycles < SMALL_OP_CYCLES:
+      kind = "small"
+    out[kind]["count"] += 1
+    out[kind]["cycles"] += cycles
   return out
 
 
