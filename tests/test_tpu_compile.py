@@ -115,6 +115,17 @@ def compiled(request, meshes):
   return target, mesh, case, dtypes, compile_depth(H, mesh, case, **dtypes)
 
 
+def _float_decode(case) -> bool:
+  """A bf16 or f32 decode step in a weight-stationary layout, without
+  adapters, speculation or pages: every product a kernel call."""
+  return (
+    case.weights.value in ("bf16", "f32")
+    and case.phase is not Phase.PREFILL
+    and case.layout.kind.value != "wg"
+    and not (case.adapters or case.speculation or case.pages)
+  )
+
+
 def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   target, _, case, _, r = compiled
   assert "error" not in r, r.get("error")
@@ -142,13 +153,7 @@ def test_compiles_for_the_tpu_reading_weights_in_place(compiled):
   # layer's gathered weights.
   relayouts = r["weight_relayouts"]
   assert all(line.startswith("main.") for line in relayouts), relayouts
-  float_decode = (
-    case.weights.value in ("bf16", "f32")
-    and case.phase is not Phase.PREFILL
-    and case.layout.kind.value != "wg"
-    and not (case.adapters or case.speculation)
-  )
-  if case.weights.value == "f32" or case.pages or float_decode:
+  if case.weights.value == "f32" or case.pages or _float_decode(case):
     assert relayouts == []
   # The arguments are the inputs' shards, small ones padded to tiles.
   padding = r["memory"]["argument"] - sum(r["inputs"].values())
@@ -243,13 +248,7 @@ def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   # prefill's (any rows), and a bf16 or f32 decode step's in a
   # weight-stationary layout, their collective matmuls' `contract` too
   # (a ring's product is one call per piece: more).
-  float_decode = (
-    not quantized
-    and case.phase is not Phase.PREFILL
-    and case.layout.kind.value != "wg"
-    and not (case.speculation or case.adapters or case.pages)
-  )
-  if (f32 and case.phase is Phase.PREFILL) or float_decode:
+  if (f32 and case.phase is Phase.PREFILL) or _float_decode(case):
     assert kernels["chunkwise_tpu_matmul"] >= 7 * H.layers + 1
   assert r["cycles"]["bounded"] > 0 or not set(kernels) - {
     "chunkwise_tpu_paged_attention"

@@ -321,15 +321,14 @@ def step_ops(text: str, hardware=None) -> dict[str, dict[str, int]]:
 
 def cycles_of(text: str, names) -> int:
   """The sum of XLA:TPU's `estimated_cycles` of the instructions `names`
-  (without their %), each counted once wherever it is (0 for one the
-  compiler gave no estimate)."""
-  wanted, total = set(names), 0
-  for instrs in parse(text).computations.values():
-    for i in instrs:
-      m = _CYCLES.search(i.attrs) if i.name in wanted else None
-      if m is not None and int(m.group(1)) < _NO_ESTIMATE:
-        total += int(m.group(1))
-  return total
+  (without their %), each counted once (0 for one the compiler gave no
+  estimate)."""
+  wanted = set(names)
+  return sum(
+    cycles
+    for i, cycles, _, _ in _timed(text, None)
+    if i.name in wanted and cycles < _NO_ESTIMATE
+  )
 
 
 def tpu_kernels(text: str) -> dict[str, int]:
