@@ -150,6 +150,11 @@ MATRICES = {
     "test_required_calls_are_valid_greedy_and_sampled",
   ): "cover",
   ("test_sharded_layers", "test_layer_matches_dense"): "cover",
+  (
+    "test_tpu_compile",
+    "test_gguf_block_matmuls_make_no_dequantized_weight",
+  ): "cover",
+  ("test_tpu_compile", "test_int8_matmuls_make_no_dequantized_weight"): "cover",
   ("test_weight_reads", "test_no_weight_is_copied"): "cover",
 }
 

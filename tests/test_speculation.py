@@ -505,7 +505,7 @@ def test_server_engine_and_its_metrics(tiny):
   try:
     gens = [
       g if i % 2 else dataclasses.replace(g, temperature=0.0, top_k=0)
-      for i, g in enumerate(_gens(tiny, 6, seed=3))
+      for i, g in enumerate(_gens(tiny, 4, seed=3))
     ]
     streams = [engine.submit(g) for g in gens]
     for g, s in zip(gens, streams, strict=True):
