@@ -517,6 +517,29 @@ def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
   assert r["memory"]["temp"] < r["inputs"]["kv_cache"]  # no copy of it
 
 
+def test_one_kv_head_is_read_in_place(meshes):
+  """A multiquery model's int8 k and v ([K, 1, D], PaLM's) go to the
+  Pallas kernel 2-D (`tiled_matmul.heads_as_stored`), read as stored:
+  every product a kernel call, no weight copied. (Read 3-D at PaLM 62B's
+  full shapes, XLA:TPU copied each into int8 tiles of four rows holding
+  one, 8 MiB a layer: docs/planner.md. These small shapes do not show
+  that copy either way; they check the 2-D path.)"""
+  case = Case(
+    phase=Phase.GENERATE,
+    layout=Layout.parse("ws_2d/yz"),
+    batch=8,
+    length=128,
+    steps=8,
+    weights=WeightFormat("int8"),
+  )
+  h = H.replace(kv_heads=1)
+  dtypes = dict(cache_dtype=jnp.dtype("bfloat16"), compute_dtype=jnp.bfloat16)
+  r = compile_depth(h, meshes[V5E], case, **dtypes)
+  assert r["weight_copies"] == [], r["weight_copies"]
+  assert r["memory"]["weight_copies"] == 0
+  assert r["kernels"]["chunkwise_tpu_matmul"] >= 7 * h.layers
+
+
 def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
   out = tmp_path / "sim.json"
   run = subprocess.run(

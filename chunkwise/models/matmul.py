@@ -47,7 +47,8 @@ of them made a 2-layer f32 prefill take 56 s to compile; with the kernel
 (Mosaic's fp32 contraction of one tile) 5.6 s, at the same estimated
 time (docs/planner.md, "Compile time"). A float [K, H, D] weight (q, k,
 v) is read in its stored 3-D layout (`_heads_as_stored`): reshaped to
-[K, H·D], XLA:TPU laid a few heads out again at every step.
+[K, H·D], XLA:TPU laid a few heads out again at every step. One head
+([K, 1, D]: a multiquery k or v) goes 2-D, which is free.
 """
 
 from __future__ import annotations
