@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.inference.sampling import filter_logits, sample, token_keys
+from chunkwise import numerics
+from chunkwise.inference.sampling import (
+  filter_logits,
+  in_vocab_order,
+  sample,
+  token_keys,
+)
 
 PROBS = np.array([0.05, 0.5, 0.15, 0.3], np.float32)  # ranks: 1, 3, 2, 0
 
@@ -55,6 +61,25 @@ def test_unfiltered_rows_ignore_their_neighbours_filters():
   np.testing.assert_array_equal(mixed[1], alone[0])
   assert np.isfinite(np.asarray(mixed[1])).all()
   assert np.isfinite(np.asarray(mixed[0])).sum() == 3
+
+
+def test_the_tpus_sort_puts_ranked_values_back_as_the_scatter_does():
+  """`in_vocab_order`'s TPU form (a sort of the permutation, the values
+  beside it) against its CPU twin (the inverse permutation's scatter):
+  the same values, for a mask and for floats."""
+  rng = np.random.default_rng(0)
+  order = jnp.asarray(np.stack([rng.permutation(1000) for _ in range(3)]))
+  for ranked in (
+    jnp.asarray(rng.random((3, 1000)) < 0.3),
+    jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32),
+  ):
+    plain = jax.jit(in_vocab_order)(ranked, order)
+    tpu = jax.jit(numerics.traced(in_vocab_order, "fast", "tpu"))(ranked, order)
+    np.testing.assert_array_equal(tpu, plain)
+    # and it is the vocabulary order: value of token t at t
+    want = np.zeros_like(np.asarray(ranked))
+    np.put_along_axis(want, np.asarray(order), np.asarray(ranked), axis=-1)
+    np.testing.assert_array_equal(plain, want)
 
 
 def test_top_k_ties_keep_the_lower_id():
