@@ -137,7 +137,7 @@ def heads_as_stored(w, nmajor: bool = False) -> bool:
   scales [G, H, D], D a multiple of 128, and more than one head. One
   head (a multiquery k or v) goes 2-D: [K, 1, D] to [K, D] is free in any
   layout, where a 3-D operand pads its one row of each (4, 128) int8 tile
-  to four (PaLM 62B int8 decode: 8 MiB of copies a layer, 0.6 GiB)."""
+  to four (PaLM 62B int8 decode: 8 MiB of copies a layer, 0.5 GiB)."""
   if nmajor or w.ndim != 3 or w.shape[2] % 128 or hasattr(w, "bits"):
     return False
   if w.shape[1] == 1:
