@@ -201,6 +201,32 @@ def test_heads_are_read_as_stored(kind, heads):
   np.testing.assert_allclose(got, want, atol=2e-5 * scale * k**0.5, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_one_head_is_read_as_a_2d_weight(kind):
+  """A [K, 1, D] weight (a multiquery k or v) goes to the kernel as
+  [K, D], its scales [G, D] (`heads_as_stored`: a 3-D one-head operand
+  is padded to a tile's rows), and gives its product."""
+  w = jax.random.normal(jax.random.PRNGKey(3), (K, 1, 128)) * 0.05
+  if kind == "int8":
+    w = quantized.quantize(w, (0,), 128)
+  else:
+    w = w.astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.PRNGKey(5), (8, K)).astype(jnp.bfloat16)
+  assert not tiled_matmul.heads_as_stored(w)
+  stored = tpu_kernels.Stored.of(w)
+  assert stored.heads == 0 and stored.codes.shape == (K, 128)
+  if kind == "int8":
+    assert stored.scale.shape == (K // 128, 128) and stored.group == 128
+  got = tpu_kernels.matmul(x, w, interpret=True)
+  dense = w.astype(jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+  dense = dense.reshape(K, 128)
+  want = jnp.dot(
+    x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST
+  )
+  scale = float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(got, want, atol=2e-5 * scale * K**0.5, rtol=0)
+
+
 def test_cost_counts_the_bytes_the_kernel_reads():
   """The bound reported beside kernels XLA:TPU gives no estimate:
   int8 reads half of bf16's weight bytes, 4-bit codes a quarter plus

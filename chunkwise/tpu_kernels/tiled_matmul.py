@@ -97,11 +97,16 @@ class Stored:
     or a BlockArray (with `bits`, `axis`) whose blocks run along axis 0;
     with `nmajor`, a float array [N, K]; a [K, H, D] weight, float or
     int8 with f32 scales [G, H, D] (`heads_as_stored`: heads of a
-    projection, read as stored). ValueError naming anything else."""
-    if heads_as_stored(w, nmajor):
-      if hasattr(w, "scale"):  # int8 [K, H, D], f32 scales [G, H, D]
-        return cls(w.values, w.scale, None, w.shape[0] // w.scale.shape[0], 8)
-      return cls(w, None, None, w.shape[0], None)
+    projection, read as stored; one head as [K, D]). ValueError naming
+    anything else."""
+    if _heads_form(w, nmajor):
+      scaled = hasattr(w, "scale")  # int8 [K, H, D], f32 scales [G, H, D]
+      codes, scale = (w.values, w.scale) if scaled else (w, None)
+      if not heads_as_stored(w, nmajor):  # one head: [K, D], free
+        codes = codes.reshape(codes.shape[0], -1)
+        scale = None if scale is None else scale.reshape(scale.shape[0], -1)
+      group = w.shape[0] // scale.shape[0] if scaled else w.shape[0]
+      return cls(codes, scale, None, group, 8 if scaled else None)
     if w.ndim != 2:
       raise ValueError(
         f"tpu_kernels.matmul takes 2-D weights [K, N], or [K, H, D] ones "
@@ -138,9 +143,12 @@ def heads_as_stored(w, nmajor: bool = False) -> bool:
   head (a multiquery k or v) goes 2-D: [K, 1, D] to [K, D] is free in any
   layout, where a 3-D operand pads its one row of each (4, 128) int8 tile
   to four (PaLM 62B int8 decode: 8 MiB of copies a layer, 0.5 GiB)."""
+  return _heads_form(w, nmajor) and w.shape[1] > 1
+
+
+def _heads_form(w, nmajor: bool) -> bool:
+  """A [K, H, D] weight `matmul` takes, any H (`heads_as_stored`)."""
   if nmajor or w.ndim != 3 or w.shape[2] % 128 or hasattr(w, "bits"):
-    return False
-  if w.shape[1] == 1:
     return False
   if not hasattr(w, "scale"):
     return True
