@@ -466,15 +466,17 @@ def test_kv_copies_are_relayouts_in_any_memory():
 LONG = dict(length=32768, steps=1024)
 
 
-def _ws_2d_bf16(h, mesh, phase: Phase, length: int, steps: int) -> dict:
-  """`compile_depth` of 8 rows in ws_2d/yz, bf16 weights and K/V."""
+def _ws_2d(
+  h, mesh, phase: Phase, length: int, steps: int, weights: str = "bf16"
+) -> dict:
+  """`compile_depth` of 8 rows in ws_2d/yz, `weights`, bf16 K/V."""
   case = Case(
     phase=phase,
     layout=Layout.parse("ws_2d/yz"),
     batch=8,
     length=length,
     steps=steps,
-    weights=WeightFormat("bf16"),
+    weights=WeightFormat(weights),
   )
   dtypes = dict(cache_dtype=jnp.dtype("bfloat16"), compute_dtype=jnp.bfloat16)
   return compile_depth(h, mesh, case, **dtypes)
@@ -492,7 +494,7 @@ def test_kv_caches_are_read_where_they_are(meshes, phase):
   XLA:TPU may keep them through the loop: copied in once a call (the
   entry computation), in a sliver of the call's estimated time."""
   length = LONG["length"] - (LONG["steps"] if phase is Phase.SLOTS else 0)
-  r = _ws_2d_bf16(H, meshes[V5E], phase, length, LONG["steps"])
+  r = _ws_2d(H, meshes[V5E], phase, length, LONG["steps"])
   assert r["kv_copies"] == []
   assert all(line.startswith("main.") for line in r["kv_staged"])
   cycles = r["cycles"]
@@ -512,7 +514,7 @@ def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
   loop, a copy of the whole cache in 16 pieces (70B at 32 rows held 5.4
   GiB more than its cache, past a v5e's 16)."""
   h = H.replace(kv_heads=2)
-  r = _ws_2d_bf16(h, meshes[V5E], Phase.GENERATE, length=2048, steps=8)
+  r = _ws_2d(h, meshes[V5E], Phase.GENERATE, length=2048, steps=8)
   assert r["kv_copies"] == []
   assert r["memory"]["temp"] < r["inputs"]["kv_cache"]  # no copy of it
 
@@ -524,17 +526,10 @@ def test_one_kv_head_is_read_in_place(meshes):
   full shapes, XLA:TPU copied each into int8 tiles of four rows holding
   one, 8 MiB a layer: docs/planner.md. These small shapes do not show
   that copy either way; they check the 2-D path.)"""
-  case = Case(
-    phase=Phase.GENERATE,
-    layout=Layout.parse("ws_2d/yz"),
-    batch=8,
-    length=128,
-    steps=8,
-    weights=WeightFormat("int8"),
-  )
   h = H.replace(kv_heads=1)
-  dtypes = dict(cache_dtype=jnp.dtype("bfloat16"), compute_dtype=jnp.bfloat16)
-  r = compile_depth(h, meshes[V5E], case, **dtypes)
+  r = _ws_2d(
+    h, meshes[V5E], Phase.GENERATE, length=128, steps=8, weights="int8"
+  )
   assert r["weight_copies"] == [], r["weight_copies"]
   assert r["memory"]["weight_copies"] == 0
   assert r["kernels"]["chunkwise_tpu_matmul"] >= 7 * h.layers
