@@ -15,7 +15,7 @@ import pytest
 from chunkwise import tpu_kernels
 from chunkwise.models import quantized
 from chunkwise.models.blocks import BlockArray
-from chunkwise.tpu_kernels import tiled_matmul
+from chunkwise.tpu_kernels import stored as stored_weights
 
 K, N = 512, 384
 
@@ -82,7 +82,7 @@ def test_matmul_reads_weights_as_stored(name, rows):
 def test_columns_that_128_does_not_divide_take_a_partial_tile():
   """A vocabulary shard (32064 of Llama-3.1's 128256 on 4 chips): tiles
   of TILE_N columns, the last one partial."""
-  n = tiled_matmul.TILE_N + 88
+  n = stored_weights.TILE_N + 88
   w = jax.random.normal(jax.random.PRNGKey(3), (K, n)) * 0.05
   q = quantized.quantize(w, (0,), 128)
   x = _x(2, jnp.float32)
@@ -186,10 +186,10 @@ def test_heads_are_read_as_stored(kind, heads):
   else:
     w = w.astype(dtype)
   x = jax.random.normal(jax.random.PRNGKey(5), (300, k)).astype(dtype)
-  assert tiled_matmul.heads_as_stored(w)
+  assert stored_weights.heads_as_stored(w)
   stored = tpu_kernels.Stored.of(w)
   assert stored.heads == heads and stored.n == heads * 128
-  assert tiled_matmul._tiles(stored)[1] == min(heads, 8) * 128
+  assert stored_weights.tiles(stored)[1] == min(heads, 8) * 128
   got = tpu_kernels.matmul(x, w, interpret=True)
   dense = w.astype(jnp.float32).astype(dtype).astype(jnp.float32)
   want = jnp.dot(
@@ -212,7 +212,7 @@ def test_one_head_is_read_as_a_2d_weight(kind):
   else:
     w = w.astype(jnp.bfloat16)
   x = jax.random.normal(jax.random.PRNGKey(5), (8, K)).astype(jnp.bfloat16)
-  assert not tiled_matmul.heads_as_stored(w)
+  assert not stored_weights.heads_as_stored(w)
   stored = tpu_kernels.Stored.of(w)
   assert stored.heads == 0 and stored.codes.shape == (K, 128)
   if kind == "int8":

@@ -67,7 +67,7 @@ from chunkwise.contract import contract, contract_dims
 from chunkwise.models import schedule
 from chunkwise.models.blocks import BlockArray
 from chunkwise.models.quantized import QArray, is_grouped
-from chunkwise.tpu_kernels import tiled_matmul
+from chunkwise.tpu_kernels import stored as stored_weights
 
 # Rows (product of x's free dims) up to which the kernel runs: beyond, the
 # matmul is bound by FLOPs, not bytes, and XLA's GEMM of the dequantized
@@ -309,10 +309,10 @@ def _kernel(eq: str, x, w, nmajor: bool, tpu=None) -> jax.Array:
 def _heads_as_stored(w, nmajor: bool, contracted: int) -> bool:
   """A k-major weight [K, H, D] (q, k, v; float, or int8 with f32 scales
   [G, H, D]) that the Pallas kernel reads in its stored 3-D layout
-  (`tiled_matmul.heads_as_stored`): reshaped to [K, H·D], a TPU laid a
+  (`stored_weights.heads_as_stored`): reshaped to [K, H·D], a TPU laid a
   few heads (fewer than its sublanes) out again at every step
   (`compile_depth`'s `weight_relayouts`)."""
-  return contracted == 1 and tiled_matmul.heads_as_stored(w, nmajor)
+  return contracted == 1 and stored_weights.heads_as_stored(w, nmajor)
 
 
 def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
