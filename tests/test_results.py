@@ -1,11 +1,13 @@
 """FullChunkResult.to_chunk_result and concat_results, by hand."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import chunkwise as cw
-from chunkwise.inference.results import FullChunkResult
+from chunkwise import numerics
+from chunkwise.inference.results import FullChunkResult, pick
 
 
 def test_to_chunk_result_by_hand():
@@ -87,3 +89,25 @@ def test_concat_results_errors():
     ValueError, match="top_n=0 but results\\[0\\] has top_n=1"
   ):
     cw.concat_results([a, other_n])
+
+
+def test_the_tpus_two_step_pick_equals_the_gather():
+  """`pick`'s TPU form (a row of 128 lanes gathered, then a masked max)
+  against its CPU twin (one gather): the same bits, -inf and -0.0
+  included, at every lane and row of 128, for 1-D to 3-D ids; a width
+  that 128 does not divide takes the gather on a TPU too."""
+  rng = np.random.default_rng(0)
+  for shape in ((3, 1024), (2, 5, 384), (2, 200)):
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., 7] = -np.inf
+    x[..., 9] = -0.0
+    ids = rng.integers(0, shape[-1], shape[:-1]).astype(np.int32)
+    ids.flat[0], ids.flat[-1] = 7, 9
+    x, ids = jnp.asarray(x), jnp.asarray(ids)
+    plain = jax.jit(pick)(x, ids)
+    tpu = jax.jit(numerics.traced(pick, "fast", "tpu"))(x, ids)
+    assert plain.shape == (*shape[:-1], 1)
+    np.testing.assert_array_equal(np.signbit(tpu), np.signbit(plain))
+    np.testing.assert_array_equal(tpu, plain)
+    want = np.take_along_axis(np.asarray(x), np.asarray(ids)[..., None], -1)
+    np.testing.assert_array_equal(plain, want)

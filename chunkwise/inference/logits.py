@@ -27,7 +27,7 @@ from jax import lax
 
 from chunkwise import numerics
 from chunkwise.inference.kv_cache import repeat_each
-from chunkwise.inference.results import exp_sum, score_tokens, top_k
+from chunkwise.inference.results import exp_sum, pick, score_tokens, top_k
 from chunkwise.inference.sampling import Sampling, sample, token_keys
 from chunkwise.models import shard_ops as ops
 from chunkwise.processors import StepInfo
@@ -98,9 +98,7 @@ class LogitsShards:
     width = logits.shape[-1]
     ids = jnp.clip(tokens, 0, self.vocab - 1) - self._offset()
     inside = (ids >= 0) & (ids < width)
-    mine = jnp.take_along_axis(
-      logits, jnp.clip(ids, 0, width - 1)[..., None], axis=-1
-    )
+    mine = pick(logits, jnp.clip(ids, 0, width - 1))
     mine = ((mine - top) - log_total)[..., 0]
     scores = ops.psum(jnp.where(inside, mine, 0.0), axes)
     if not top_n:
@@ -114,9 +112,9 @@ class LogitsShards:
     values, idx = top_k(logits, min(top_n, width))
     values = ops.all_gather(values, axes, axis=-1)
     idx = ops.all_gather(idx + self._offset(), axes, axis=-1)
-    best, pick = top_k(values, top_n)
+    best, chosen = top_k(values, top_n)
     best = (best - top) - log_total
-    return scores, jnp.take_along_axis(idx, pick, axis=-1), best
+    return scores, jnp.take_along_axis(idx, chosen, axis=-1), best
 
   def sample(
     self,
