@@ -86,7 +86,16 @@ def _create(client, **kw):
   )
 
 
-@pytest.mark.parametrize("seed", [None, 1, 2, 3])
+@pytest.mark.parametrize(
+  "seed",
+  [
+    None,
+    1,
+    # more seeds of the same sampled path: [1] above stays in CI
+    pytest.param(2, marks=pytest.mark.long),
+    pytest.param(3, marks=pytest.mark.long),
+  ],
+)
 def test_required_calls_are_valid_greedy_and_sampled(client, seed):
   kw = dict(temperature=0) if seed is None else dict(temperature=1, seed=seed)
   c = _create(client, tool_choice="required", max_tokens=120, **kw)
