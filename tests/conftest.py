@@ -125,7 +125,6 @@ MATRICES = {
     "test_matches_transformers_on_a_padded_batch_and_a_prefix_split",
   ): "cover",
   ("test_blocks", "test_native_every_layout"): 2,
-  ("test_constraints", "test_smollm2_64_sampled_rows_match"): 1,
   ("test_engine", "test_chained_calls_do_not_wait_for_the_previous_one"): 1,
   (
     "test_invariance",

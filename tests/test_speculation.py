@@ -315,15 +315,17 @@ def test_on_a_mesh(cpu_devices):
 def test_generate_many_with_several_slots(tiny):
   """Each request drafts from its own prompt and tokens (greedy rows of the
   random model fall into loops, which prompt lookup catches)."""
-  prompt = _prompts(6)
+  # Four requests over three slots (one waits for a slot), greedy and
+  # sampled, of three budgets.
+  prompt = _prompts(4)
   requests = [
     cw.Request(
       tokens=np.asarray(prompt.tokens)[b, : int(prompt.lengths[b])],
       sample_id=b,
-      steps=24 + b % 3,
+      steps=16 + b % 3,
       sampling=SAMPLINGS["greedy" if b % 2 else "temperature"],
     )
-    for b in range(6)
+    for b in range(4)
   ]
   plain = {r.index: r for r in tiny.generate_many(requests, slots=3, top_n=2)}
   for settings in (SPEC, DRAFT):
@@ -494,10 +496,13 @@ def test_server_engine_and_its_metrics(tiny):
   from chunkwise.serving import metrics as metrics_lib
   from tests.test_serving_engine import _alone, _gens
 
+  # Two slots of 32 columns (a prompt of at most 9 tokens, 11 new ones):
+  # its warm-up compiles every program of a speculating engine, and a
+  # small loop has fewer row counts and prompt buckets to compile.
   engine = serving.Engine(
     tiny,
-    slots=3,
-    capacity=96,
+    slots=2,
+    capacity=32,
     top_n=3,
     every=4,
     speculation=cw.Speculation(**SPEC),

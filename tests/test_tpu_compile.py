@@ -41,9 +41,17 @@ pytestmark = pytest.mark.skipif(
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Small, in the TPU's (8, 128) tiles: head_dim 128, widths of 128s, and
-# wide enough for int8 groups of 128 inputs (the planner's count).
+# wide enough for int8 groups of 128 inputs (the planner's count). One
+# layer: layers are unrolled (`transformer.run_layers`), each a copy of
+# the first's program, and XLA:TPU's compile time grows with their count.
 H = cw.configs.get("tiny").replace(
-  d_model=2048, heads=16, kv_heads=4, head_dim=128, d_ff=2048, vocab=1024
+  layers=1,
+  d_model=2048,
+  heads=16,
+  kv_heads=4,
+  head_dim=128,
+  d_ff=2048,
+  vocab=1024,
 )
 V5E, V4, ONE = "tpu-v5e:2x2", "tpu-v4:2x2x2", "tpu-v5e:1x1"
 KINDS = {V5E: "TPU v5 lite", V4: "TPU v4", ONE: "TPU v5 lite"}
@@ -283,10 +291,12 @@ def _reads_in_the_kernel(mesh, eq, x, w) -> None:
 @pytest.mark.parametrize(
   "eq, shape, scale",
   [
-    # PaLM 540B's tied int8 embedding shard unembedding on v4 4x4x4, and
-    # a k-major projection grouped along its inputs
-    ("bte,ve->btv", (16008, 4608), (16008, 36)),
+    # A k-major projection grouped along its inputs, and PaLM 540B's tied
+    # int8 embedding shard unembedding on v4 4x4x4 (36 scale groups, a dot
+    # each: three times the compile). In this order, MATRICES' "cover"
+    # runs the projection at both row counts and the unembedding at one.
     ("bte,ef->btf", (4608, 8192), (36, 8192)),
+    ("bte,ve->btv", (16008, 4608), (16008, 36)),
   ],
 )
 def test_int8_matmuls_make_no_dequantized_weight(
@@ -521,7 +531,7 @@ def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
 
 def test_one_kv_head_is_read_in_place(meshes):
   """A multiquery model's int8 k and v ([K, 1, D], PaLM's) go to the
-  Pallas kernel 2-D (`tiled_matmul.heads_as_stored`), read as stored:
+  Pallas kernel 2-D (`tpu_kernels.stored.heads_as_stored`), read as stored:
   every product a kernel call, no weight copied. (Read 3-D at PaLM 62B's
   full shapes, XLA:TPU copied each into int8 tiles of four rows holding
   one, 8 MiB a layer: docs/planner.md. These small shapes do not show

@@ -266,17 +266,29 @@ def _attention_inputs(b, t, s, seed=0, heads=4, kv_heads=2, d=128):
   return q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
 
 
+def _attend():
+  """`invariant_attend` in interpret mode, jitted: called eagerly, the
+  interpreted kernel is traced and compiled again at every call (5 s
+  each here), jitted once a shape."""
+  return jax.jit(
+    lambda q, k, v, positions: tpu_kernels.invariant_attend(
+      q, k, v, positions, interpret=True
+    )
+  )
+
+
 def test_invariant_attention_matches_softmax_attention():
   from chunkwise.tpu_kernels import attention
 
   q, k, v = _attention_inputs(2, 5, 200)
   positions = jnp.array([[3, 4, 5, 6, 7], [150, 160, 170, 180, 199]])
-  got = tpu_kernels.invariant_attend(q, k, v, positions, interpret=True)
+  run = _attend()
+  got = run(q, k, v, positions)
   want = attention.reference(q, k, v, positions)
   np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
   # Keys past a row's position change nothing: not read, or weight 0.
   k2 = k.at[0, :, 8:].set(100.0)
-  again = tpu_kernels.invariant_attend(q, k2, v, positions, interpret=True)
+  again = run(q, k2, v, positions)
   np.testing.assert_array_equal(again[0], got[0])
 
 
@@ -287,7 +299,7 @@ def test_invariant_attention_rows_do_not_depend_on_batch_chunks_or_cache():
   positions = jnp.array([[200 + i for i in range(5)]] * 3) - jnp.array(
     [[0], [50], [100]]
   )
-  run = lambda *a: tpu_kernels.invariant_attend(*a, interpret=True)
+  run = _attend()
   whole = run(q, k, v, positions)
   alone = run(q[1:2], k[1:2], v[1:2], positions[1:2])
   np.testing.assert_array_equal(alone[0], whole[1])
