@@ -545,6 +545,31 @@ def test_one_kv_head_is_read_in_place(meshes):
   assert r["kernels"]["chunkwise_tpu_matmul"] >= 7 * h.layers
 
 
+def test_quantized_codes_are_stored_as_the_kernel_reads_them(meshes):
+  """Two K/V heads a chip and a vocabulary shard that 128 does not divide
+  (Llama-3.1-8B's on v5e 2x2: [4096, 2, 128] and [4096, 32064]): left
+  to XLA:TPU, their int8 codes are stored head-major and n-major, and
+  each call copied them back into the kernel's row-major tiles (here
+  the unembedding's, [4096, 8016], 32 MiB a call, 6x the call's other
+  work outside its loop; at 8B's full shapes k and v too, in HBM).
+  Placed row-major (`partitioning.formats.weights`), no weight is
+  copied in HBM and the unembedding is read in place; what XLA:TPU may
+  still do is stage a few heads' k and v (1 MiB each) in VMEM in an
+  order of its own, once a call."""
+  h = H.replace(d_model=4096, kv_heads=8, vocab=32064)
+  r = _ws_2d(
+    h, meshes[V5E], Phase.GENERATE, length=128, steps=8, weights="int8"
+  )
+  assert r["weight_copies"] == [], r["weight_copies"]
+  table = [
+    line
+    for line in r["weight_relayouts"]
+    if re.search(r" s8\[4096,8016\] from", line)
+  ]
+  assert table == [], table
+  assert r["kernels"]["chunkwise_tpu_matmul"] >= 7 * h.layers
+
+
 def test_simulate_script_compiles_for_a_tpu_target(tmp_path):
   out = tmp_path / "sim.json"
   run = subprocess.run(

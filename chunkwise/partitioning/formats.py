@@ -25,6 +25,9 @@ XLA:TPU keeps them there through the loop, copied in heads-major once a
 call: 0.004% of the call's estimated time in `tests/test_tpu_compile.py`
 (1024 columns, `compile_depth`'s `kv_staged`); a slot loop's, as long as
 the context, stay in HBM and are read in place.
+Quantized weights' codes are stored row-major on a TPU (`weights`), the
+order the Pallas kernel reads; XLA:TPU's own choice for some shapes was
+another, which every call copied back.
 In the row-major order XLA:TPU copied every prefix cache into its order
 at each call (a K/V-sized temporary: 294 MiB at 2 layers, 32k columns,
 `tests/test_tpu_compile.py`'s model), and the decode loop's buffers in
@@ -98,6 +101,35 @@ def shardings(mesh, specs, logical, platform: str, kv_heads: int):
 
   return jax.tree_util.tree_map_with_path(
     one, specs, logical, is_leaf=lambda s: isinstance(s, P)
+  )
+
+
+def weights(mesh, specs, shapes, platform: str):
+  """Per leaf of the weights' mesh `specs` (`shapes`: the weights, or
+  their shapes), its `NamedSharding` on `mesh`, or on a TPU a `Format`
+  storing quantized codes (an int8 `QArray`'s or a GGUF `BlockArray`'s
+  `values`) row-major, as the Pallas kernel reads them, where XLA:TPU
+  would choose another order: a shard [K, N] whose N 128 does not divide
+  (it went n-major), and one [K, H, D] of a few heads (head-major).
+  Each call copied those back (Llama-3.1-8B int8 decode on v5e 2x2: its
+  unembedding shard [4096, 32064], 125 MiB, and each 2-head k and v
+  [4096, 2, 128], 2 MiB: 0.3 GiB of temporaries and 1.5 ms a call,
+  `tests/test_tpu_compile.py`). Row-major pads such a shard to whole
+  tiles (2 heads to 4 rows); other codes keep XLA:TPU's order, which
+  pads less (one head [K, 1, D] is read 2-D in it)."""
+
+  def one(path, spec: P, leaf):
+    sharding = NamedSharding(mesh, spec)
+    if platform not in STORING or _field(path) != "values":
+      return sharding
+    local = sharding.shard_shape(tuple(leaf.shape))
+    n = len(local)
+    if not ((n == 2 and local[1] % 128) or (n == 3 and 1 < local[1] < 8)):
+      return sharding
+    return Format(Layout(major_to_minor=tuple(range(n))), sharding)
+
+  return jax.tree_util.tree_map_with_path(
+    one, specs, shapes, is_leaf=lambda s: isinstance(s, P)
   )
 
 

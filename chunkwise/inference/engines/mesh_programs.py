@@ -98,19 +98,27 @@ class MeshPrograms:
     return jax.tree.map(self._put, out, out_specs)
 
   def _program(
-    self, key, per_device, in_specs, out_specs, out_logical=None, **jit_options
+    self,
+    key,
+    per_device,
+    in_specs,
+    out_specs,
+    out_logical=None,
+    out_formats=None,
+    **jit_options,
   ):
     """The jitted `shard_map` of `per_device`, built once per `key`. With
     `out_logical` (the outputs' logical specs), outputs the platform
-    stores in another order (`formats`) are made in it."""
+    stores in another order (`formats`) are made in it; `out_formats`
+    gives those shardings and formats directly (the weights')."""
     if key not in self._programs:
-      outs = None
+      outs = out_formats
       if out_logical is not None:
         outs = self._formats(out_specs, out_logical)
-        if formats.any_stored(outs):
-          jit_options["out_shardings"] = outs
-        else:
-          outs = None
+      if outs is not None and formats.any_stored(outs):
+        jit_options["out_shardings"] = outs
+      else:
+        outs = None
       self._programs[key] = jax.jit(
         jax.shard_map(
           with_precision(

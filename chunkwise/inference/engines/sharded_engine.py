@@ -54,7 +54,7 @@ from chunkwise.models import (
   quantized,
 )
 from chunkwise.models import shard_ops as ops
-from chunkwise.partitioning import Layout, Plan, resolve_tree
+from chunkwise.partitioning import Layout, Plan, formats, resolve_tree
 from chunkwise.partitioning import axes as ax
 from chunkwise.partitioning.placement import named
 
@@ -105,7 +105,11 @@ class ShardedEngine(MeshPrograms):
       specs = fused.ShuffledWeights(
         fused.shuffled_specs(plan, specs, plain), tag=weights.tag
       )
-    self.weights = jax.tree.map(self._put, weights, specs)
+    self.weights = jax.tree.map(
+      self._put_as,
+      weights,
+      formats.weights(self.mesh, specs, weights, self._platform),
+    )
     self._weight_specs = specs
     if want is not None and not shuffled:
       # Reordered and cut once here; every program then reads the pieces
@@ -113,11 +117,18 @@ class ShardedEngine(MeshPrograms):
       shuffled_specs = fused.ShuffledWeights(
         fused.shuffled_specs(plan, specs, weights), tag=want
       )
-      shuffle = self._program(
+      program = functools.partial(
+        self._program,
+        per_device=functools.partial(fused.shuffle, plan),
+        in_specs=(self._weight_specs,),
+        out_specs=shuffled_specs,
+      )
+      shapes = jax.eval_shape(program(("shuffled shapes",)), self.weights)
+      shuffle = program(
         ("shuffle",),
-        functools.partial(fused.shuffle, plan),
-        (self._weight_specs,),
-        shuffled_specs,
+        out_formats=formats.weights(
+          self.mesh, shuffled_specs, shapes, self._platform
+        ),
       )
       self.weights = self._call(shuffle, (self.weights,), shuffled_specs)
       self._weight_specs = shuffled_specs
