@@ -123,13 +123,13 @@ class ShardedEngine(MeshPrograms):
         in_specs=(self._weight_specs,),
         out_specs=shuffled_specs,
       )
-      shapes = jax.eval_shape(program(("shuffled shapes",)), self.weights)
-      shuffle = program(
-        ("shuffle",),
-        out_formats=formats.weights(
+      out_formats = None
+      if self._platform in formats.STORING:  # elsewhere: no shapes traced
+        shapes = jax.eval_shape(program(("shuffled shapes",)), self.weights)
+        out_formats = formats.weights(
           self.mesh, shuffled_specs, shapes, self._platform
-        ),
-      )
+        )
+      shuffle = program(("shuffle",), out_formats=out_formats)
       self.weights = self._call(shuffle, (self.weights,), shuffled_specs)
       self._weight_specs = shuffled_specs
 
