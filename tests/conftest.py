@@ -238,3 +238,34 @@ def tiny():
 def tiny_parallel():
   """The PaLM-style tiny preset (multiquery), f32, random weights."""
   return cw.InferenceModel.random(cw.configs.get("tiny-parallel"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_first_layers(tmp_path_factory):
+  """SmolLM2-135M's first 4 of 30 layers, saved as a chunkwise checkpoint
+  (its real tokenizer, chat template and embeddings), for the server
+  tests whose assertions do not depend on depth: the tool calls, schemas,
+  streams and APIs they check are the same code on 4 layers, and compile
+  and decode about 7 times faster. Saved once per run: the xdist workers
+  of a run share their base temporary directory's parent, under a lock.
+  The whole model serves in tests/test_serving_smollm2.py, the notebook
+  and the transformers comparisons."""
+  import dataclasses
+  import fcntl
+
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  path = base / "smollm2-135m-first-4-layers"
+  with open(base / "smollm2-first-layers.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not path.exists():
+      whole = cw.load("smollm2-135m")
+      first = cw.InferenceModel(
+        whole.hparams.replace(layers=4),
+        dataclasses.replace(whole.weights, layers=whole.weights.layers[:4]),
+        whole.vocab,
+      )
+      cw.save(first, base / "smollm2-partial", overwrite=True)
+      (base / "smollm2-partial").rename(path)
+  return path

@@ -16,6 +16,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Annotated
+
+import pydantic
 
 ROOT = pathlib.Path(__file__).parents[1]
 _READY = re.compile(r"chunkwise serving on (http://127\.0\.0\.1:\d+)")
@@ -116,6 +119,12 @@ def request(url: str, data=None, headers=None) -> tuple[int, bytes]:
     return e.code, e.read()
 
 
+def served_as(path, model_id: str) -> tuple[str, str]:
+  """Server flags that serve the checkpoint at `path` under `model_id`
+  (e.g. conftest's `smollm2_first_layers` as "smollm2-135m")."""
+  return f"--model={path}", f"--model_id={model_id}"
+
+
 @contextlib.contextmanager
 def running(*flags: str, env=None):
   server = Server(*flags, env=env)
@@ -136,8 +145,11 @@ def run_weather_agent(client, model_class: str, model: str) -> None:
   agents.set_tracing_disabled(True)
   calls = []
 
+  # (a city is short: its length is bounded, so that the call closes well
+  # within max_tokens whatever the model; conftest's 4-layer SmolLM2
+  # would otherwise spell a city until the budget closes it)
   @agents.function_tool
-  def get_weather(city: str) -> str:
+  def get_weather(city: Annotated[str, pydantic.Field(max_length=24)]) -> str:
     """The current weather in a city."""
     calls.append(city)
     return f"18 degrees and sunny in {city}"

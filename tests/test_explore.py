@@ -29,7 +29,7 @@ import text_generation
 from safetensors.numpy import save_file
 
 import chunkwise as cw
-from tests.serving_helpers import running
+from tests.serving_helpers import running, served_as
 from tests.test_jobs_adapters import PREFIX
 
 pytestmark = pytest.mark.slow
@@ -90,17 +90,17 @@ def _write_adapter(directory: pathlib.Path, h) -> str:
 
 
 @pytest.fixture(scope="module")
-def model():
-  return cw.load(MODEL)
+def model(smollm2_first_layers):
+  return cw.load(str(smollm2_first_layers))
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+def server(model, tmp_path_factory, smollm2_first_layers):
   adapter = _write_adapter(
     tmp_path_factory.mktemp("explore") / "tuned", model.hparams
   )
   with running(
-    f"--model={MODEL}",
+    *served_as(smollm2_first_layers, MODEL),
     f"--adapters=tuned={adapter}",
     "--slots=2",
     "--max_total_tokens=512",

@@ -11,7 +11,7 @@ import anthropic
 import jsonschema
 import pytest
 
-from tests.serving_helpers import running
+from tests.serving_helpers import running, served_as
 from tests.test_serving_tools import TOOLS as CHAT_TOOLS
 
 pytestmark = pytest.mark.slow
@@ -42,9 +42,9 @@ NUMBER = {
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(smollm2_first_layers):
   with running(
-    f"--model={MODEL}",
+    *served_as(smollm2_first_layers, MODEL),
     "--slots=4",
     "--max_total_tokens=1024",
     "--warm_up=false",

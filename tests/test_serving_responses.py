@@ -15,7 +15,12 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving_helpers import Server, run_weather_agent, running
+from tests.serving_helpers import (
+  Server,
+  run_weather_agent,
+  running,
+  served_as,
+)
 from tests.test_serving_tools import TOOLS as CHAT_TOOLS
 
 pytestmark = pytest.mark.slow
@@ -49,9 +54,10 @@ def _client(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(tmp_path_factory, smollm2_first_layers):
   state = tmp_path_factory.mktemp("state")
-  with running(f"--model={MODEL}", *FLAGS, f"--state_dir={state}") as s:
+  model = served_as(smollm2_first_layers, MODEL)
+  with running(*model, *FLAGS, f"--state_dir={state}") as s:
     yield _client(s.url)
 
 
@@ -264,12 +270,15 @@ def test_an_openai_agents_run_completes(client):
   run_weather_agent(client, "OpenAIResponsesModel", MODEL)
 
 
-def test_conversations_survive_a_restart_and_a_sigkill(tmp_path):
+def test_conversations_survive_a_restart_and_a_sigkill(
+  tmp_path, smollm2_first_layers
+):
   """Three turns by previous_response_id, the third after a restart: the
   second had a tool call and its output in its input. Responses
   acknowledged before a SIGKILL (others in flight) are all there after
   it, and the database is intact."""
-  flags = (f"--model={MODEL}", *FLAGS, f"--state_dir={tmp_path}")
+  model = served_as(smollm2_first_layers, MODEL)
+  flags = (*model, *FLAGS, f"--state_dir={tmp_path}")
   # Durability does not depend on an answer's length: only the tool call
   # gets the budget that closes it, the other turns a few tokens (SmolLM2
   # decodes slowly on CI's CPUs).

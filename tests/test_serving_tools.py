@@ -11,7 +11,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.serving_helpers import run_weather_agent, running
+from tests.serving_helpers import run_weather_agent, running, served_as
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -51,9 +51,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(smollm2_first_layers):
   with running(
-    f"--model={MODEL}",
+    *served_as(smollm2_first_layers, MODEL),
     "--slots=4",
     "--max_total_tokens=1024",
     "--warm_up=false",
@@ -299,12 +299,12 @@ QWEN_TEMPLATE = __file__.replace(
 
 
 @pytest.fixture(scope="module")
-def qwen_style():
+def qwen_style(smollm2_first_layers):
   """SmolLM2 served with a Qwen2.5-style template (tests/data), which
   renders the tools and past calls itself and asks for <tool_call>
   blocks: the native Hermes format, no fallback text."""
   with running(
-    f"--model={MODEL}",
+    *served_as(smollm2_first_layers, MODEL),
     "--slots=2",
     "--max_total_tokens=1024",
     "--warm_up=false",
