@@ -326,11 +326,13 @@ def smol():
 @pytest.mark.parametrize(
   "name",
   [
-    # CI runs the schema (the other two are `long`: the same loop and
-    # masks, 40 s of CI time; the tiny model's tests cover each table).
+    # All three are `long` (40 s of CI time each): the tiny model's tests
+    # cover each table and loop, and SmolLM2's tokenizer runs JSON schemas
+    # through the servers (tests/test_serving_messages.py and the others
+    # on its first 4 layers, tests/test_serving_smollm2.py whole).
     pytest.param("choice", marks=pytest.mark.long),
     pytest.param("date", marks=pytest.mark.long),
-    "json",
+    pytest.param("json", marks=pytest.mark.long),
   ],
 )
 def test_smollm2_64_sampled_rows_match(smol, name):

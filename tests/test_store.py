@@ -161,6 +161,10 @@ def test_older_checkpoints_still_load(tiny, tmp_path, version):
   _assert_same_weights(on_mesh.plain_weights(), w)
 
 
+# long: 30 s of CI time; an int8 checkpoint's save and load are
+# test_convert_script_writes_an_int8_checkpoint's, int8 weights on every
+# layout tests/test_quantized.py's
+@pytest.mark.long
 def test_int8_round_trip_across_layouts(saved, tmp_path):
   mesh = make_mesh((2, 2, 2))
   m8 = cw.load(saved, quantize="int8", mesh=mesh, layout="ws_1d")
