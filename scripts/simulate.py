@@ -23,7 +23,9 @@ interconnect time.
 
 Each program is compiled at --layers depths (2 and 4 layers; "full" is
 the model's own depth) and every figure is scaled to the model's depth
-(fixed + layers * per-layer); the report says so. Heads and vocabulary
+(fixed + layers * per-layer: the line through two depths, or fitted to
+more by least squares, which averages XLA's variation between programs);
+the report says so. Heads and vocabulary
 are padded to what the layouts can shard on the mesh (--pad; PaLM
 540B's 48 heads become 64 on 64 devices, as Pope et al. did). Prints a
 table; --json_out writes every figure, --png a bar chart of memory per

@@ -283,3 +283,26 @@ def test_script(tmp_path):
     assert np.isfinite(r["held"]["total"])
     assert r["cache_dtype"] == "int8"
   assert png.stat().st_size > 10_000
+
+
+def test_full_depth_is_a_least_squares_line_through_every_depth():
+  """Two depths give the line through them; more are fitted by least
+  squares, so one program's variation moves the slope less than through
+  the end points alone; a falling figure is held at its deepest value."""
+  two = sim._fit([(2, 10.0), (4, 14.0)], layers=80)
+  assert (two["fixed"], two["per_layer"], two["residual"]) == (6.0, 2.0, 0.0)
+  assert two["total"] == 6.0 + 80 * 2.0
+  # On the line v = 6 + 2 * depth but for the 2-layer program, 1 cheaper:
+  # the line through the end points has slope 13/6 (2.17); least squares
+  # 2.15, and its figure at 80 layers is nearer the true one.
+  points = [(2, 9.0), (4, 14.0), (6, 18.0), (8, 22.0)]
+  four = sim._fit(points, layers=80)
+  assert four["per_layer"] == pytest.approx(
+    np.polyfit(*zip(*points, strict=True), 1)[0]
+  )
+  assert 2.0 < four["per_layer"] < 13 / 6
+  assert abs(four["total"] - (6 + 80 * 2)) < abs(9 + 78 * 13 / 6 - 166)
+  assert 0 < four["residual"] < 1.0 and not four["clamped"]
+  falling = sim._fit([(2, 5.0), (4, 4.9), (6, 4.8)], layers=80)
+  assert falling["clamped"] and falling["per_layer"] == 0.0
+  assert falling["total"] == falling["fixed"] == 4.8

@@ -20,10 +20,13 @@ differences (`report`, which also prints the `table`).
 
 Depth: compiling a layer costs time, so a program is compiled at a few
 depths (2 and 4 layers by default) and every figure v is fitted as
-v = fixed + layers * per_layer through the first and last depth (`_fit`),
-then reported at the model's own depth ("scaled"; the report says so).
-Arguments (weights, K/V caches) and collectives are linear in the depth
-exactly; a third depth, where given, measures how far temp is from it.
+v = fixed + layers * per_layer, the line through two depths or fitted to
+more by least squares (`_fit`), then reported at the model's own depth
+("scaled"; the report says so). Arguments (weights, K/V caches) and
+collectives are linear in the depth exactly; temporaries and XLA:TPU's
+cycles vary a little from program to program, and the slope multiplies
+that variation by the depth: more depths (`--layers=2,4,6,8`) average it,
+and `residual` says how far the worst depth is from the line.
 The program's collectives that each layer adds are reported by shape.
 
 XLA:CPU's defaults schedule every layer's all-gathers first and hoist the
@@ -111,20 +114,24 @@ def _per_layer_ops(depths: Sequence[dict]) -> dict[str, float]:
 
 
 def _fit(points: Sequence[tuple[int, float]], layers: int) -> dict:
-  """v = fixed + depth * per_layer through the first and last points, at
-  `layers`; `residual`: the worst miss of the points between. Nothing a
-  layer holds or sends shrinks with depth: a negative slope (a scheduler
-  reusing buffers a little differently, e.g. temp 0.436 then 0.432 GiB)
-  is taken as 0 and the deepest value kept (`clamped`)."""
-  (d0, v0), (d1, v1) = points[0], points[-1]
-  per = (v1 - v0) / (d1 - d0)
+  """v = fixed + depth * per_layer, fitted to the points by least squares
+  (through both of two), at `layers`; `residual`: the worst miss of any
+  point. A program's figures vary a little from depth to depth (XLA
+  schedules each one afresh), and the slope is multiplied by the model's
+  depth: more depths average that variation out. Nothing a layer holds or
+  sends shrinks with depth: a negative slope (a scheduler reusing buffers
+  a little differently, e.g. temp 0.436 then 0.432 GiB) is taken as 0 and
+  the deepest value kept (`clamped`)."""
+  n = len(points)
+  mean_d = sum(d for d, _ in points) / n
+  mean_v = sum(v for _, v in points) / n
+  spread = sum((d - mean_d) ** 2 for d, _ in points)
+  per = sum((d - mean_d) * (v - mean_v) for d, v in points) / spread
+  fixed = mean_v - mean_d * per
   clamped = per < 0
   if clamped:
-    per = 0.0
-  fixed = v1 - d1 * per
-  residual = max(
-    (abs(v - fixed - d * per) for d, v in points[1:-1]), default=0.0
-  )
+    per, fixed = 0.0, points[-1][1]
+  residual = max(abs(v - fixed - d * per) for d, v in points)
   return dict(
     fixed=fixed,
     per_layer=per,
@@ -257,8 +264,12 @@ def simulate(
       f"compiled at {', '.join(map(str, depths))} layers"
       + (
         f"; every figure scaled to {hparams.layers} layers as fixed + "
-        f"layers * per_layer (per_layer from the {depths[0]}- and "
-        f"{depths[-1]}-layer programs)"
+        f"layers * per_layer, "
+        + (
+          f"the line through the {depths[0]}- and {depths[-1]}-layer programs"
+          if len(depths) == 2
+          else f"fitted to the {len(depths)} depths by least squares"
+        )
         if depths[-1] != hparams.layers
         else " (the model's full depth)"
       )
