@@ -252,8 +252,9 @@ def smollm2_first_layers(tmp_path_factory):
   parent, under a lock.
   The whole model serves in tests/test_serving_smollm2.py, the notebook
   and the transformers comparisons."""
-  import dataclasses
   import fcntl
+
+  from tests.toy_models import first_layers
 
   base = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -262,12 +263,7 @@ def smollm2_first_layers(tmp_path_factory):
   with open(base / "smollm2-first-layers.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not path.exists():
-      whole = cw.load("smollm2-135m")
-      first = cw.InferenceModel(
-        whole.hparams.replace(layers=4),
-        dataclasses.replace(whole.weights, layers=whole.weights.layers[:4]),
-        whole.vocab,
-      )
+      first = first_layers(cw.load("smollm2-135m"), 4)
       cw.save(first, base / "smollm2-partial", overwrite=True)
       (base / "smollm2-partial").rename(path)
   return path

@@ -1,7 +1,6 @@
 """Structured generation: constraint tables, constrained rows in the device
 loop (alone, mixed with free rows, on a mesh), budget forcing and errors."""
 
-import dataclasses
 import functools
 import json
 import os
@@ -15,6 +14,7 @@ import pytest
 import chunkwise as cw
 from chunkwise.constraints import automaton
 from chunkwise.partitioning import make_mesh
+from tests import toy_models
 from tests.serving_helpers import alive
 
 C = cw.constraints
@@ -376,13 +376,7 @@ def test_smollm2_forced_runs_in_one_pass_are_stepping(smol):
   # characters a token), at a seventh of the compile and run time.
   # Forcing and stepping agree bit for bit whatever the weights, and
   # the constraint with budget forcing makes any model's rows valid.
-  smol = cw.InferenceModel(
-    smol.hparams.replace(layers=4),
-    dataclasses.replace(smol.weights, layers=smol.weights.layers[:4]),
-    smol.vocab,
-    bos_id=smol.bos_id,
-    eos_id=smol.eos_id,
-  )
+  smol = toy_models.first_layers(smol, 4)
   pre = smol.prefill(
     cw.Chunk.tokenize(
       smol.vocab,

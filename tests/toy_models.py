@@ -4,7 +4,13 @@
 probability p_next and t itself with probability 1 - p_next (nothing else).
 With p_next = 0.8 this is the reference code's 0.8/0.2 toy; greedy decoding
 from t yields t+1, t+2, ... each scored ln 0.8.
+
+`first_layers(model, n)`: a real model cut to its first n layers (its
+tokenizer, embeddings and special ids kept), for tests whose assertions
+do not depend on depth.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -63,4 +69,16 @@ def successor_model(p_next=0.8, *, eos_id=None, counter=None):
     bos_id=0,
     eos_id=eos_id,
     infer_fn=successor_infer(p_next, counter),
+  )
+
+
+def first_layers(model: cw.InferenceModel, n: int) -> cw.InferenceModel:
+  """`model` with only its first `n` layers (SmolLM2's first 4 of 30: a
+  seventh of the compile and run time)."""
+  return cw.InferenceModel(
+    model.hparams.replace(layers=n),
+    dataclasses.replace(model.weights, layers=model.weights.layers[:n]),
+    model.vocab,
+    bos_id=model.bos_id,
+    eos_id=model.eos_id,
   )
