@@ -20,8 +20,10 @@ A model's `numerics` is one of
                  from one kernel call to the next), so where a piece ends
                  changes no operation; masked keys add exact zeros;
                - the top-p filter's cumulative sum is a fixed scan.
-               Other backends run the same programs with XLA's dots (the
-               twin): there the property is not kept (DESIGN.md §4.10).
+               A TPU program keeps rows invariant across batches through
+               Pallas kernels of fixed tiles (`tpu_invariant`); a GPU's
+               runs XLA's dots (the twin): the property is not kept
+               there (docs/numerics.md).
   "q8"         "invariant", with the activations of int8 and GGUF-block
                weights rounded to int8 per block of 32 inputs (llama.cpp's
                Q8_0 activations) instead of int16 per weight group: the
@@ -53,6 +55,7 @@ from jax import lax
 from chunkwise import contract as contract_lib
 from chunkwise import cpu_kernels
 from chunkwise.contract import contract_dims
+from chunkwise.tpu_kernels import row_sums as tpu_row_sums
 
 NUMERICS = ("invariant", "fast", "q8")
 _INVARIANT = ("invariant", "q8")
@@ -63,6 +66,11 @@ _CURRENT = contextvars.ContextVar("chunkwise_numerics", default="fast")
 # `lax.platform_dependent`, as a program lowered for another platform
 # needs; tracing both cost half of a SmolLM2 program's tracing).
 _PLATFORM = contextvars.ContextVar("chunkwise_platform", default=None)
+# Whether programs traced now run as on a TPU under invariant numerics, their
+# Pallas kernels in TPU interpret mode (`tpu_interpret`: tests, on the CPU).
+_TPU_INTERPRET = contextvars.ContextVar(
+  "chunkwise_tpu_interpret", default=False
+)
 
 
 def resolve(numerics: str | None, quantized: bool = False) -> str:
@@ -73,12 +81,14 @@ def resolve(numerics: str | None, quantized: bool = False) -> str:
   of XLA's dot of the dequantized weight (docs/numerics.md). "fast" too
   on a CPU whose kernels have no vector path (`cpu_kernels.isa.vector()`:
   no AVX2 + FMA or NEON, or no compiler): the portable loops would be many
-  times slower (said once, by `cpu_kernels.isa`). Asked for explicitly,
-  invariant numerics run everywhere all the same."""
+  times slower (said once, by `cpu_kernels.isa`); and "fast" on any other
+  backend (a TPU's invariant programs cost 1.3x: docs/numerics.md). Asked
+  for explicitly, invariant numerics run everywhere all the same (on a
+  GPU, XLA's own dots: not invariant)."""
   if numerics is None:
-    if quantized:
+    if quantized or jax.default_backend() != "cpu":
       return "fast"
-    if jax.default_backend() == "cpu" and not cpu_kernels.isa.vector():
+    if not cpu_kernels.isa.vector():
       return "fast"
     return "invariant"
   if numerics not in NUMERICS:
@@ -133,8 +143,42 @@ def runs_on(platform: str) -> bool:
 
 
 def invariant() -> bool:
-  """Whether the code being traced keeps rows invariant (on the CPU)."""
-  return _CURRENT.get() in _INVARIANT and _kernels()
+  """Whether the code being traced keeps rows invariant on the CPU (its
+  kernels); a TPU program's invariance is `tpu_invariant`."""
+  return _CURRENT.get() in _INVARIANT and _kernels() and not tpu_invariant()
+
+
+def tpu_invariant() -> bool:
+  """Whether the code being traced keeps rows invariant as a TPU program:
+  invariant numerics in a program that runs on a TPU (`runs_on`), or
+  inside `tpu_interpret`. Its weight matmuls then run
+  `tpu_kernels.invariant_matmul` (`models.matmul`); everything else is
+  XLA's (docs/numerics.md says what that keeps)."""
+  if _CURRENT.get() not in _INVARIANT:
+    return False
+  return runs_on("tpu") or _TPU_INTERPRET.get()
+
+
+def interpret() -> bool:
+  """Whether a Pallas TPU kernel traced now runs in TPU interpret mode
+  (`tpu_interpret`)."""
+  return _TPU_INTERPRET.get()
+
+
+@contextlib.contextmanager
+def tpu_interpret():
+  """Programs traced inside under invariant numerics run as a TPU's would
+  (`tpu_invariant`), their Pallas kernels in Pallas' TPU interpret mode,
+  on any backend: tests check a TPU program's invariance on the CPU.
+
+    with numerics.tpu_interpret():
+      result = model.prefill(chunk)     # traced (and run) inside
+  """
+  token = _TPU_INTERPRET.set(True)
+  try:
+    yield
+  finally:
+    _TPU_INTERPRET.reset(token)
 
 
 def act8() -> bool:
@@ -162,9 +206,28 @@ def _on_cpu(args, cpu, default):
   return lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
+def fixed_sums() -> bool:
+  """Whether the code being traced sums a row's values in one fixed order
+  (`invariant` or `tpu_invariant`): `row_sum`, `last_sum`, `exp_sum`."""
+  return invariant() or tpu_invariant()
+
+
+def _tpu_row_sum(x: jax.Array, shift: jax.Array | None = None) -> jax.Array:
+  """`tpu_kernels.row_sums.row_sum` over x's last axis (of exp(x -
+  shift), shift [..., 1]): a TPU program's fixed-order row sums."""
+  rows = x.reshape(-1, x.shape[-1])
+  if shift is not None:
+    shift = shift.reshape(-1)
+  out = tpu_row_sums.row_sum(rows, shift, interpret=interpret())
+  return out.reshape(x.shape[:-1]).astype(x.dtype)
+
+
 def row_sum(x: jax.Array) -> jax.Array:
   """The sum over x's last axis, in one fixed order per row (16 lane
-  chains and a tree: `cpu_kernels.invariant_row_sum`)."""
+  chains and a tree: `cpu_kernels.invariant_row_sum`; in a TPU program,
+  `tpu_kernels.row_sums`)."""
+  if tpu_invariant():
+    return _tpu_row_sum(x)
 
   def kernel(x):
     return cpu_kernels.invariant_row_sum(x).astype(x.dtype)
@@ -232,7 +295,10 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
 
 def exp_sum(x: jax.Array, shift: jax.Array) -> jax.Array:
   """`row_sum(exp(x - shift))` keeping the last axis (shift [..., 1]), bit
-  for bit, in one pass (`cpu_kernels.invariant_exp_sum`)."""
+  for bit, in one pass (`cpu_kernels.invariant_exp_sum`; in a TPU
+  program, `tpu_kernels.row_sums`)."""
+  if tpu_invariant():
+    return _tpu_row_sum(x, shift)[..., None]
 
   def kernel(x, shift):
     return cpu_kernels.invariant_exp_sum(x, shift[..., 0])[..., None]
@@ -245,8 +311,8 @@ def exp_sum(x: jax.Array, shift: jax.Array) -> jax.Array:
 
 def last_sum(x: jax.Array) -> jax.Array:
   """`jnp.sum(x, axis=-1, keepdims=True)`; `row_sum` under invariant
-  numerics."""
-  if invariant():
+  numerics (or a TPU program's under them)."""
+  if fixed_sums():
     return row_sum(x)[..., None]
   return jnp.sum(x, axis=-1, keepdims=True)
 

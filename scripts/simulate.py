@@ -34,6 +34,7 @@ device (compiled beside predicted).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -136,6 +137,12 @@ _MIN_MEMORY = flags.DEFINE_bool(
 _XLA_FLAGS = flags.DEFINE_string(
   "xla_flags", "", "More XLA_FLAGS for the compiles."
 )
+_NUMERICS = flags.DEFINE_list(
+  "numerics",
+  ["fast"],
+  "Numerics of every case, one case each: fast, or invariant (a TPU "
+  "program's batch-invariant Pallas kernels; docs/numerics.md).",
+)
 _JSON = flags.DEFINE_string("json_out", None, "Write the report here.")
 _PNG = flags.DEFINE_string("png", None, "Write the memory bar chart here.")
 
@@ -200,9 +207,16 @@ def main(argv: Sequence[str]) -> None:
     for name in _PHASES.value:
       phase = simulate.Phase(name)
       given = per_phase[phase.value]
-      for text in [given] if given else _LAYOUTS.value:
+      for text, numerics in itertools.product(
+        [given] if given else _LAYOUTS.value, _NUMERICS.value
+      ):
+        if numerics not in ("fast", "invariant"):
+          raise ValueError(
+            f"--numerics={numerics!r}: expected fast or invariant"
+          )
         cases.append(
           simulate.Case(
+            numerics=numerics,
             phase=phase,
             layout=Layout.parse(text),
             batch=_BATCH.value,

@@ -73,6 +73,15 @@ CASES = [
   ),
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
+  # a TPU program's invariant kernels (`numerics.tpu_invariant`)
+  (
+    V5E,
+    Phase.GENERATE,
+    "ws_2d/yz",
+    "bf16",
+    "bfloat16",
+    {"numerics": "invariant"},
+  ),
   # With --long (CI's time is bounded): weight-gathered, int8 K/V, v4's
   # 3D torus and its collectives, int8 and Q8_0 prefill.
   *(
@@ -261,6 +270,27 @@ def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   assert r["cycles"]["bounded"] > 0 or not set(kernels) - {
     "chunkwise_tpu_paged_attention"
   }
+
+
+def test_invariant_programs_call_the_invariant_kernels(compiled):
+  """Under invariant numerics every weight matmul, every piece of
+  attention and every row sum (norms, the log-softmax's and sampling's
+  totals) is a Pallas call of fixed tiles, and the prefix cache is read
+  where it is (its keys as a TPU stores them: no K/V-sized copy)."""
+  _, _, case, _, r = compiled
+  kernels = r["kernels"]
+  invariant = case.numerics == "invariant"
+  assert ("chunkwise_tpu_invariant_attention" in kernels) == invariant
+  assert ("chunkwise_tpu_row_sum" in kernels) == invariant
+  if not invariant:
+    return
+  # q, k, v, o, gate, up, down a layer and the logits; the prefix, the
+  # loop's buffer and the step's own key a layer; two norms a layer, the
+  # final norm, the log-softmax's total.
+  assert kernels["chunkwise_tpu_matmul"] >= 7 * H.layers + 1
+  assert kernels["chunkwise_tpu_invariant_attention"] >= 3 * H.layers
+  assert kernels["chunkwise_tpu_row_sum"] >= 2 * H.layers + 2
+  assert r["kv_copies"] == []
 
 
 def _compiled(mesh, fn, x, w):

@@ -308,3 +308,72 @@ def test_invariant_attention_rows_do_not_depend_on_batch_chunks_or_cache():
     np.testing.assert_array_equal(step[:, :, 0], whole[:, :, i])
   longer = [jnp.pad(a, ((0, 0), (0, 0), (0, 200), (0, 0))) for a in (k, v)]
   np.testing.assert_array_equal(run(q, *longer, positions), whole)
+
+
+def test_attention_parts_read_transposed_keys_and_bound_rows():
+  """`attention.parts` (a piece of context, unnormalised): keys read as
+  a TPU stores a cache's ([D, S] a head) give the same bits as [S, D];
+  each row sees keys lo..hi only (a window's first key, a prefix's
+  length), with a soft cap, as softmax attention over those keys does;
+  a row that sees none has sums 0."""
+  from chunkwise.tpu_kernels import attention
+
+  q, k, v = _attention_inputs(2, 6, 200, seed=2)
+  rows = q.reshape(2, 2, 12, 128)  # 2 query heads a kv head
+  hi = jnp.array([[5, 9, 150, 199, 0, 40] * 2, [30] * 12])
+  lo = jnp.maximum(hi - 20, 0).at[1, 3].set(31)  # row 3 of batch 1: none
+
+  def run(keys, transposed):
+    return jax.jit(
+      lambda q, k, v, lo, hi: attention.parts(
+        q,
+        k,
+        v,
+        lo,
+        hi,
+        softcap=5.0,
+        keys_transposed=transposed,
+        interpret=True,
+      )
+    )(rows, keys, v, lo, hi)
+
+  m, s, o = run(k, False)
+  for got, want in zip(
+    run(jnp.swapaxes(k, 2, 3), True), (m, s, o), strict=True
+  ):
+    np.testing.assert_array_equal(got, want)
+  logits = jnp.einsum(
+    "bhrd,bhsd->bhrs", rows.astype(jnp.float32), k.astype(jnp.float32)
+  )
+  logits = 5.0 * jnp.tanh(logits / 5.0)
+  key = jnp.arange(200)
+  seen = (key >= lo[:, None, :, None]) & (key <= hi[:, None, :, None])
+  weights = jnp.where(seen, jnp.exp(logits - m[..., None]), 0.0)
+  np.testing.assert_allclose(s, weights.sum(-1), rtol=2e-2, atol=1e-3)
+  want_o = jnp.einsum("bhrs,bhsd->bhrd", weights, v.astype(jnp.float32))
+  np.testing.assert_allclose(o, want_o, rtol=2e-2, atol=2e-2)
+  assert float(s[1, 0, 3]) == 0.0 and not np.asarray(o[1, 0, 3]).any()
+
+
+@pytest.mark.parametrize("n", [300, 5000])
+def test_row_sums_do_not_depend_on_the_rows(n):
+  """`row_sums.row_sum` (one tile of columns, and several with a partial
+  last one): jnp.sum's values, and a row's bits the same alone as in 11
+  rows; with a shift, the sum of exp(x - shift)."""
+  from chunkwise.tpu_kernels import row_sums
+
+  x = jax.random.normal(jax.random.PRNGKey(n), (11, n)) * 3
+  shift = x.max(axis=1)
+  run = jax.jit(lambda x, s: row_sums.row_sum(x, s, interpret=True))
+  plain = jax.jit(lambda x: row_sums.row_sum(x, interpret=True))
+  np.testing.assert_allclose(plain(x), x.sum(axis=1), rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(
+    run(x, shift), jnp.exp(x - shift[:, None]).sum(axis=1), rtol=1e-5
+  )
+  for i in (0, 7, 10):
+    np.testing.assert_array_equal(plain(x[i : i + 1])[0], plain(x)[i])
+    np.testing.assert_array_equal(
+      run(x[i : i + 1], shift[i : i + 1])[0], run(x, shift)[i]
+    )
+  with pytest.raises(ValueError, match="shift"):
+    row_sums.row_sum(x, shift[:3])

@@ -360,7 +360,7 @@ def exp_sum(x: jax.Array, shift: jax.Array) -> jax.Array:
   bf16 or TF32, the sum is a plain reduction. Under invariant numerics:
   `numerics.exp_sum` (one pass, the sums in a fixed order per row).
   """
-  if numerics.invariant():
+  if numerics.fixed_sums():
     return numerics.exp_sum(x, shift)
   e = jnp.exp(x - shift)
 

@@ -166,7 +166,7 @@ def filter_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     top_k = sampling.top_k[:, None]
     keep = (top_k == 0) | (position < top_k)
     kept = jnp.where(keep, ranked, -jnp.inf)
-    if numerics.invariant():  # sums in a fixed order per row
+    if numerics.fixed_sums():  # sums in a fixed order per row
       e = numerics.exp(kept - ranked[:, :1])
       probs = e / numerics.last_sum(e)
       mass_before = numerics.cumsum(probs) - probs

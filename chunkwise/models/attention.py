@@ -44,6 +44,7 @@ from chunkwise.models import (
   invariant_attention,
   kv_int8,
   paged_attention,
+  tpu_attention,
 )
 from chunkwise.models.prefix_layer import PrefixLayer
 
@@ -217,6 +218,8 @@ def attend(
 def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   """`attend` in attention's space (rotated: int8 K/V's)."""
   batch, time, heads, dim = q.shape
+  # A TPU program's invariant pieces: `tpu_attention`.
+  tpu_invariant = numerics.tpu_invariant()
   # A paged pool is read in place where it can be (`paged_attention.piece`),
   # else through its gathered view (the plain twin), like any heads-major
   # buffer. int8 K/V (`kv_int8`) is decoded into attention's space.
@@ -226,6 +229,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     if isinstance(p, paged_attention.PagedLayer)
     and paged_attention.read_in_place(time, options.window)
     and not numerics.invariant()
+    and not tpu_invariant
     and (p.k_pages.dtype == kv_int8.INT8) == rotated
   ]
   prefix = [
@@ -259,6 +263,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   if (
     not kernels
     and not fused
+    and not tpu_invariant
     and blocked_attention.wanted(time, time + sum(p.width for p in prefix))
   ):
     live = [(p.sliced().gathered(), i) for i, p in enumerate(prefix) if p.width]
@@ -288,6 +293,12 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     if numerics.invariant():
       pieces.append((piece, mask))
       continue
+    if tpu_invariant:
+      lo = jnp.zeros((batch, time), jnp.int32)
+      if window is not None:  # the piece's first slot a position sees
+        lo = q_positions - starts[i][:, None] - window + 1
+      pieces.append(tpu_attention.piece(q, piece, lo, options.softcap))
+      continue
     piece = piece.sliced().gathered()
     m, s, o = _attend_piece(
       q.reshape(b, batch // b, *q.shape[1:]),
@@ -309,7 +320,10 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     return invariant_attention.attend(q, k, v, pieces, blocks, options.softcap)
   for piece in kernels:  # one query per row: q's rows are the pool's
     pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
-  pieces.append(_attend_causal(q, k, v, options))
+  if tpu_invariant:
+    pieces.append(tpu_attention.causal(q, k, v, options))
+  else:
+    pieces.append(_attend_causal(q, k, v, options))
 
   big_m = pieces[0][0]
   for m, _, _ in pieces[1:]:

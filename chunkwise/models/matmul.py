@@ -244,6 +244,47 @@ def _six_passes(x, w) -> bool:
   )
 
 
+def invariant_on_tpu(eq: str, x: jax.Array, w) -> jax.Array:
+  """A TPU program's matmul under invariant numerics
+  (`numerics.tpu_invariant`): `tpu_kernels.invariant_matmul`, whose rows
+  are tiled by a fixed count whatever the batch, so a row's bits do not
+  depend on the rows beside it. The weight is read as the fast kernel
+  reads it (`_kernel`: k-major codes and scales, a float n-major table,
+  [K, H, D] heads as stored). Other forms are brought to one first: an
+  output in another order is computed in its own and transposed (an
+  activation), x's contracted dims moved to its end, a weight's moved to
+  its front (a copy, as `numerics.matmul` makes), and an n-major
+  quantized weight (a tied int8 or block table's unembedding: the kernel
+  scales k-major codes only) dequantized to x's dtype, a weight-sized
+  copy per call."""
+  lhs, rhs, order = contract_dims(eq)
+  ins, out = eq.replace(" ", "").split("->")
+  xs, ws = ins.split(",")
+  if order is not None:  # the free letters in their own order, then moved
+    own = "".join(c for c in xs + ws if c in out)
+    y = invariant_on_tpu(f"{xs},{ws}->{own}", x, w)
+    return jnp.transpose(y, [own.index(c) for c in out])
+  c = len(rhs)
+  if lhs != tuple(range(x.ndim - c, x.ndim)):
+    perm = [d for d in range(x.ndim) if d not in lhs] + list(lhs)
+    moved = "".join(xs[d] for d in perm)
+    return invariant_on_tpu(f"{moved},{ws}->{out}", jnp.transpose(x, perm), w)
+  nw = len(w.shape)
+  if rhs not in (tuple(range(c)), tuple(range(nw - c, nw))):
+    perm = [*rhs, *(d for d in range(nw) if d not in rhs)]
+    moved = "".join(ws[d] for d in perm)
+    w = w.astype(x.dtype) if is_grouped(w) else w
+    return invariant_on_tpu(f"{xs},{moved}->{out}", x, jnp.transpose(w, perm))
+  nmajor = _form(eq, x, w, max_rows=None)
+  if nmajor is None or (nmajor and is_grouped(w)):
+    w = w.astype(x.dtype)  # a dtype the kernel does not read, or n-major codes
+    nmajor = _form(eq, x, w, max_rows=None)
+  kernel = functools.partial(
+    tpu_kernels.invariant_matmul, nmajor=nmajor, interpret=numerics.interpret()
+  )
+  return _kernel(eq, x, w, nmajor, kernel)
+
+
 def on_tpu(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
   """`contract`'s product of a float weight (the layouts' collective
   matmuls call it on weight shards) in a program an engine runs on a TPU
@@ -253,6 +294,8 @@ def on_tpu(eq: str, x: jax.Array, w: jax.Array) -> jax.Array | None:
   it (XLA:TPU's dot of one row is a multiply-and-reduce: Llama-3.1-8B's
   bf16 step on v5e 2x2 estimated at 2.45x the time with it,
   docs/planner.md). None elsewhere (XLA's dot)."""
+  if numerics.tpu_invariant():
+    return invariant_on_tpu(eq, x, w)
   if not numerics.runs_on("tpu") or is_grouped(w):
     return None
   six = _six_passes(x, w)
@@ -339,6 +382,8 @@ def _blocked(eq: str, x: jax.Array, w: BlockArray) -> jax.Array:
 def weight_matmul(eq: str, x: jax.Array, w) -> jax.Array:
   """`plain(eq, x, w)`, through the CPU kernel where it applies (module
   doc). `w`: an array or a `QArray`."""
+  if numerics.tpu_invariant():
+    return invariant_on_tpu(eq, x, w)
   if isinstance(w, BlockArray):
     return _blocked(eq, x, w)
   if numerics.invariant():

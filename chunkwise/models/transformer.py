@@ -47,7 +47,7 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, Options], jax.Array]
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
   """x / rms(x) (in f32), times the learned scale when there is one."""
   x32 = x.astype(jnp.float32)
-  if numerics.invariant():
+  if numerics.fixed_sums():
     mean = numerics.last_sum(x32 * x32) / x.shape[-1]
   else:
     mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)

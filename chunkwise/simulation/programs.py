@@ -88,6 +88,9 @@ class Case:
   # slots: the K/V in one paged pool of that many pages (on one device: a
   # pool runs without a mesh, by the reference engine's programs)
   pages: int = 0
+  # "fast", or "invariant": a TPU program's invariant kernels
+  # (`numerics.tpu_invariant`)
+  numerics: str = "fast"
 
   def __str__(self) -> str:
     what = (
@@ -102,6 +105,7 @@ class Case:
         else "",
         f" lora={self.adapters}" if self.adapters else "",
         f" pages={self.pages}" if self.pages else "",
+        f" {self.numerics}" if self.numerics != "fast" else "",
       )
     )
     return (
@@ -188,6 +192,7 @@ def trace(hparams, mesh, case, *, cache_dtype, compute_dtype) -> _Call:
     cache_dtype=cache_dtype,
     compute_dtype=compute_dtype,
     precision=resolve_precision(None, compute_dtype),
+    numerics=case.numerics,
   )
   b = case.batch
   if case.phase is Phase.SLOTS:

@@ -214,6 +214,7 @@ def _config(r: dict) -> str:
       else f"C={r['length']}+{r['steps']}"
     )
     + f" {r['weights']}"
+    + ("" if r.get("numerics", "fast") == "fast" else f" {r['numerics']}")
   )
 
 

@@ -256,6 +256,7 @@ def simulate(
     length=case.length,
     steps=case.steps if case.phase is Phase.GENERATE else None,
     weights=case.weights.value,
+    numerics=case.numerics,
     cache_dtype=jnp.dtype(cache_dtype).name,
     compute_dtype=jnp.dtype(compute_dtype).name,
     compiled=results,

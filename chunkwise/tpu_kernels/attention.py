@@ -1,7 +1,11 @@
 """`attend(q, k, v, positions)`: causal attention whose every query row
 gets the same bits whatever the batch, the other rows of its chunk, how
 its context was cut into chunks, and how long the cache is: a Pallas TPU
-kernel in tiles of fixed shape (invariant numerics on a TPU).
+kernel in tiles of fixed shape (invariant numerics on a TPU). `parts` is
+its core: one piece of context's unnormalised sums (max, total,
+weighted values) for query rows that each see a range of its keys,
+which a TPU program under invariant numerics merges over its pieces
+(`models.tpu_attention`).
 
 Each grid step takes `QUERY_ROWS` query rows of one kv head (its query
 heads' rows side by side, so its keys and values are read once for all
@@ -14,7 +18,7 @@ to -1e30, whose exp(-1e30 - max) is exactly 0 and whose max moves
 nothing, so blocks that a row cannot see (a longer cache, or keys
 written by a later chunk) leave its bits as they were. The plain twin
 is XLA's softmax attention (`reference`), which tests compare it with
-in Pallas' TPU interpret mode on the CPU.
+in Pallas' interpret mode on the CPU.
 
   out = attend(q, k, v, positions)   # q [B, H, T, D] pre-scaled, k and v
                                      # [B, KV, S, D] (heads-major, as a TPU
@@ -35,7 +39,7 @@ KEY_BLOCK = 128
 _MASKED = -1e30
 
 
-def _kernel(pos, q, k, v, out, m, total, acc, *, keys):
+def _kernel(lo, hi, q, k, v, m_out, total_out, acc_out, m, total, acc, **kw):
   kb = pl.program_id(3)
 
   @pl.when(kb == 0)
@@ -44,15 +48,21 @@ def _kernel(pos, q, k, v, out, m, total, acc, *, keys):
     total[...] = jnp.zeros(total.shape, jnp.float32)
     acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-  dims = (((1,), (1,)), ((), ()))
+  # keys [KEY_BLOCK, D], or [D, KEY_BLOCK] as a TPU stores a cache's
+  dims = (((1,), (0 if kw["transposed"] else 1,)), ((), ()))
   logits = jax.lax.dot_general(
     q[...], k[...], dims, preferred_element_type=jnp.float32
   )
-  key = kb * keys + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-  logits = jnp.where(key <= pos[...], logits, _MASKED)
+  if kw["softcap"] is not None:
+    logits = kw["softcap"] * jnp.tanh(logits / kw["softcap"])
+  key = kb * kw["keys"] + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+  logits = jnp.where((key >= lo[...]) & (key <= hi[...]), logits, _MASKED)
   m_new = jnp.maximum(m[...], jnp.max(logits, axis=1, keepdims=True))
   keep = jnp.exp(m[...] - m_new)
-  p = jnp.exp(logits - m_new)
+  # A masked key's exp(-1e30 - m) is 0, unless the row has seen no key
+  # yet (m still -1e30): then it is masked again, so that a block a row
+  # cannot see adds exact zeros to its sums.
+  p = jnp.where(logits > _MASKED, jnp.exp(logits - m_new), 0.0)
   total[...] = total[...] * keep + jnp.sum(p, axis=1, keepdims=True)
   acc[...] = acc[...] * keep + jnp.dot(
     p.astype(v.dtype), v[...], preferred_element_type=jnp.float32
@@ -61,7 +71,9 @@ def _kernel(pos, q, k, v, out, m, total, acc, *, keys):
 
   @pl.when(kb == pl.num_programs(3) - 1)
   def _():
-    out[...] = acc[...] / total[...]
+    m_out[...] = m[...]
+    total_out[...] = total[...]
+    acc_out[...] = acc[...]
 
 
 def attend(q, k, v, positions, *, interpret: bool = False) -> jax.Array:
@@ -70,12 +82,12 @@ def attend(q, k, v, positions, *, interpret: bool = False) -> jax.Array:
   query at `positions` [B, T] seeing keys 0..position; f32 [B, H, T, D].
   Queries are padded to QUERY_ROWS, keys to KEY_BLOCK (masked)."""
   b, heads, t, d = q.shape
-  kv_heads, s = k.shape[1], k.shape[2]
-  if k.shape != (b, kv_heads, s, d) or v.shape != k.shape:
+  if k.ndim != 4 or k.shape[0] != b or k.shape[3] != d:
     raise ValueError(
       f"k {k.shape} and v {v.shape} must both be [{b}, kv_heads, S, {d}] "
       f"for q {q.shape}"
     )
+  kv_heads = k.shape[1]
   if heads % kv_heads:
     raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads")
   if positions.shape != (b, t):
@@ -83,54 +95,114 @@ def attend(q, k, v, positions, *, interpret: bool = False) -> jax.Array:
   group = heads // kv_heads
   # The query heads sharing a kv head go as one head's rows (g, t): its
   # keys and values are read once for all of them.
-  q = q.reshape(b, kv_heads, group * t, d)
-  positions = jnp.tile(positions, (1, group))
-  rows_in = group * t
+  rows = q.reshape(b, kv_heads, group * t, d)
+  hi = jnp.tile(positions, (1, group))
+  _, total, acc = parts(rows, k, v, jnp.zeros_like(hi), hi, interpret=interpret)
+  return (acc / total[..., None]).reshape(b, heads, t, d)
+
+
+def parts(
+  q,
+  k,
+  v,
+  lo,
+  hi,
+  *,
+  softcap=None,
+  keys_transposed: bool = False,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Unnormalised attention of query rows q [b, KV, R, D] (pre-scaled; a
+  kv head's rows, whatever they are: query heads, positions, rows of a
+  batch sharing a piece) to one piece of context k, v [b, KV, S, D], row
+  r seeing keys lo[b, r]..hi[b, r] (int32; an empty range sees none),
+  logits capped at `softcap` (c * tanh(logit / c)) first if given: (max
+  logit [b, KV, R], sum of exp(logit - max) [b, KV, R], exp-weighted sum
+  of values f32[b, KV, R, D]), as the fast path's pieces are merged
+  (`models.attention`). A row that sees no key has max -1e30 and sums 0.
+  Rows are padded to QUERY_ROWS, keys to KEY_BLOCK (masked). With
+  `keys_transposed`, k is [b, KV, D, S]: each head's keys as the [D, S]
+  matrix the logits multiply, the order a TPU stores a cache's keys in
+  (`partitioning.formats`), read in place."""
+  b, kv_heads, rows_in, d = q.shape
+  s = v.shape[2]
+  want = (b, kv_heads, d, s) if keys_transposed else (b, kv_heads, s, d)
+  if k.shape != want or v.shape != (b, kv_heads, s, d):
+    raise ValueError(
+      f"k {k.shape} must be [{', '.join(map(str, want))}] and v {v.shape} "
+      f"[{b}, {kv_heads}, {s}, {d}] for query rows {q.shape}"
+    )
+  if lo.shape != (b, rows_in) or hi.shape != (b, rows_in):
+    raise ValueError(
+      f"lo {lo.shape} and hi {hi.shape} must both be [{b}, {rows_in}]"
+    )
   tp, sp = (
     -(-rows_in // QUERY_ROWS) * QUERY_ROWS,
     -(-s // KEY_BLOCK) * KEY_BLOCK,
   )
   q = jnp.pad(q, ((0, 0), (0, 0), (0, tp - rows_in), (0, 0)))
-  k = jnp.pad(k, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
-  v = jnp.pad(v, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
-  # Padded keys lie past every position they would be masked by; padded
-  # queries see key 0 only (their rows are dropped).
-  pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, tp - rows_in)))
-  pos = jnp.minimum(pos, s - 1)[..., None]  # keys past the cache: masked
+  if sp != s:
+    by_time = ((0, 0), (0, 0), (0, sp - s), (0, 0))  # [b, KV, S, D]
+    k = jnp.pad(
+      k, (*by_time[:2], (0, 0), (0, sp - s)) if keys_transposed else by_time
+    )
+    v = jnp.pad(v, by_time)
+  # Padded keys lie past every row's last (keys past the piece: masked);
+  # padded query rows see none (their rows are dropped).
+  bounds = [
+    jnp.pad(a.astype(jnp.int32), ((0, 0), (0, tp - rows_in)), constant_values=c)
+    for a, c in ((lo, 0), (hi, -1))
+  ]
+  lo, hi = bounds[0][..., None], jnp.minimum(bounds[1], s - 1)[..., None]
   rows = pl.BlockSpec(
     (None, None, QUERY_ROWS, d), lambda i, h, r, c: (i, h, r, 0)
   )
   keys = pl.BlockSpec(
     (None, None, KEY_BLOCK, d), lambda i, h, r, c: (i, h, c, 0)
   )
-  stat = pltpu.VMEM((QUERY_ROWS, 1), jnp.float32)
-  out = pl.pallas_call(
-    functools.partial(_kernel, keys=KEY_BLOCK),
+  keys_in = keys
+  if keys_transposed:
+    keys_in = pl.BlockSpec(
+      (None, None, d, KEY_BLOCK), lambda i, h, r, c: (i, h, 0, c)
+    )
+  bound = pl.BlockSpec((None, QUERY_ROWS, 1), lambda i, h, r, c: (i, r, 0))
+  stat = pl.BlockSpec(
+    (None, None, QUERY_ROWS, 1), lambda i, h, r, c: (i, h, r, 0)
+  )
+  stat_vmem = pltpu.VMEM((QUERY_ROWS, 1), jnp.float32)
+  m, total, acc = pl.pallas_call(
+    functools.partial(
+      _kernel, keys=KEY_BLOCK, softcap=softcap, transposed=keys_transposed
+    ),
     grid=(b, kv_heads, tp // QUERY_ROWS, sp // KEY_BLOCK),
-    in_specs=[
-      pl.BlockSpec((None, QUERY_ROWS, 1), lambda i, h, r, c: (i, r, 0)),
-      rows,
-      keys,
-      keys,
+    in_specs=[bound, bound, rows, keys_in, keys],
+    out_specs=[stat, stat, rows],
+    out_shape=[
+      jax.ShapeDtypeStruct((b, kv_heads, tp, 1), jnp.float32),
+      jax.ShapeDtypeStruct((b, kv_heads, tp, 1), jnp.float32),
+      jax.ShapeDtypeStruct((b, kv_heads, tp, d), jnp.float32),
     ],
-    out_specs=rows,
-    out_shape=jax.ShapeDtypeStruct((b, kv_heads, tp, d), jnp.float32),
-    scratch_shapes=[stat, stat, pltpu.VMEM((QUERY_ROWS, d), jnp.float32)],
+    scratch_shapes=[
+      stat_vmem,
+      stat_vmem,
+      pltpu.VMEM((QUERY_ROWS, d), jnp.float32),
+    ],
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
     ),
     cost_estimate=pl.CostEstimate(
       flops=4 * b * kv_heads * tp * sp * d,
-      transcendentals=b * kv_heads * tp * sp,
+      transcendentals=b * kv_heads * tp * sp * (1 + (softcap is not None)),
       bytes_accessed=(
-        q.size * (q.dtype.itemsize + 4)  # q read, f32 out written
+        q.size * q.dtype.itemsize
+        + b * kv_heads * tp * (d + 2) * 4  # f32 sums and stats written
         + 2 * k.size * k.dtype.itemsize * (tp // QUERY_ROWS)
       ),
     ),
-    interpret=pltpu.InterpretParams() if interpret else False,
+    interpret=bool(interpret),
     name="chunkwise_tpu_invariant_attention",
-  )(pos, q, k, v)
-  return out[:, :, :rows_in].reshape(b, heads, t, d)
+  )(lo, hi, q, k, v)
+  return m[..., :rows_in, 0], total[..., :rows_in, 0], acc[:, :, :rows_in]
 
 
 def reference(q, k, v, positions) -> jax.Array:

@@ -66,7 +66,7 @@ def take_rows(table: jax.Array, ids: jax.Array, *, interpret=False):
       transcendentals=0,
       bytes_accessed=n * (rows + 1) * width * dtype.itemsize,
     ),
-    interpret=pltpu.InterpretParams() if interpret else False,
+    interpret=bool(interpret),
     name="chunkwise_tpu_take_rows",
   )(flat, table)
   return out.reshape(*ids.shape, width)

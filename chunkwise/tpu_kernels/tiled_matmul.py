@@ -25,13 +25,13 @@ call and its cost.
 the same MXU and VPU operations in the same order whatever the other
 rows are, how many there are, and where the row sits, so its bits do
 not depend on them (`invariant_matmul`); the fast form tiles by the
-rows there are. The engines do not call the invariant form yet
-(`numerics.invariant()` means the CPU kernels: docs/numerics.md).
+rows there are. A TPU program under invariant numerics runs the
+invariant form for every weight matmul (`models.matmul.invariant_on_tpu`).
 
 The kernel's reduction order is k tile after k tile, and within a tile
 the MXU's; it therefore differs from XLA's dot in the last bits
 (`tests/test_tpu_kernels.py` compares it with the dequantized weight's
-product in Pallas' TPU interpret mode, on the CPU; tests/test_tpu_compile
+product in Pallas' interpret mode, on the CPU; tests/test_tpu_compile
 compiles it for a TPU with libtpu).
 
 XLA:TPU gives a Pallas call no cycle estimate of its own; the call
@@ -204,7 +204,7 @@ def matmul(
   BlockArray; with `nmajor` a float [N, K]), [M, N] of `out_dtype` (f32
   sums, rounded once at the end). `rows`: rows
   per tile (the last tile partial; fixed: the invariant form); default
-  min(M, MAX_ROWS) rounded up to 8. `interpret`: Pallas' TPU interpret
+  min(M, MAX_ROWS) rounded up to 8. `interpret`: Pallas' interpret
   mode (any backend)."""
   if not (nmajor or hasattr(w, "scale")) and w.ndim == 2:
     k, n = w.shape
@@ -301,7 +301,7 @@ def matmul(
       dimension_semantics=("parallel", "parallel", "arbitrary")
     ),
     cost_estimate=cost(padded, stored, x.dtype, tm, out_dtype),
-    interpret=pltpu.InterpretParams() if interpret else False,
+    interpret=bool(interpret),
     name="chunkwise_tpu_matmul",
   )(*operands)
   return out
