@@ -126,3 +126,26 @@ def test_invariant_numerics_are_asked_for_off_the_cpu(monkeypatch):
   assert numerics.resolve("invariant") == "invariant"
   with pytest.raises(ValueError, match="'exact' is not a numerics mode"):
     numerics.resolve("exact")
+
+
+def test_tpu_programs_broadcast_prefix_rows_do_not_depend_on_the_batch():
+  """A one-row prefix (soft caps and a window over its keys) read by a
+  chunk of one row and by a chunk of three: the row's bits are the
+  same, and the fast program's numbers."""
+  base = cw.InferenceModel.random(MODELS["tiny-capped"](), seed=4)
+  rng = np.random.default_rng(2)
+  vocab = base.hparams.vocab
+  shared, row = _tokens(rng, vocab, 9), _tokens(rng, vocab, 4)[1:]
+  rows = [_tokens(rng, vocab, 6)[1:], row, _tokens(rng, vocab, 2)[1:]]
+
+  def run(model):
+    prefix = [model.prefill(_chunk([shared]))]
+    alone = model.prefill(_chunk([row], first=False), prefix=prefix, top_n=3)
+    many = model.prefill(_chunk(rows, first=False), prefix=prefix, top_n=3)
+    return _row(alone, 0, len(row)), _row(many, 1, len(row))
+
+  with numerics.tpu_interpret():
+    model = cw.InferenceModel(base.hparams, base.weights, numerics="invariant")
+    alone, many = run(model)
+  _equal(many, alone, "after a broadcast prefix")
+  _close(alone, run(base)[0], "after a broadcast prefix")

@@ -297,7 +297,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
       lo = jnp.zeros((batch, time), jnp.int32)
       if window is not None:  # the piece's first slot a position sees
         lo = q_positions - starts[i][:, None] - window + 1
-      pieces.append(tpu_attention.piece(q, piece, lo, options.softcap))
+      pieces.append((piece, lo))
       continue
     piece = piece.sliced().gathered()
     m, s, o = _attend_piece(
@@ -321,9 +321,8 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   for piece in kernels:  # one query per row: q's rows are the pool's
     pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
   if tpu_invariant:
-    pieces.append(tpu_attention.causal(q, k, v, options))
-  else:
-    pieces.append(_attend_causal(q, k, v, options))
+    return tpu_attention.attend(q, k, v, pieces, options)
+  pieces.append(_attend_causal(q, k, v, options))
 
   big_m = pieces[0][0]
   for m, _, _ in pieces[1:]:

@@ -140,7 +140,8 @@ def parts(
     -(-rows_in // QUERY_ROWS) * QUERY_ROWS,
     -(-s // KEY_BLOCK) * KEY_BLOCK,
   )
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, tp - rows_in), (0, 0)))
+  if tp != rows_in:
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, tp - rows_in), (0, 0)))
   if sp != s:
     by_time = ((0, 0), (0, 0), (0, sp - s), (0, 0))  # [b, KV, S, D]
     k = jnp.pad(
@@ -149,11 +150,13 @@ def parts(
     v = jnp.pad(v, by_time)
   # Padded keys lie past every row's last (keys past the piece: masked);
   # padded query rows see none (their rows are dropped).
-  bounds = [
-    jnp.pad(a.astype(jnp.int32), ((0, 0), (0, tp - rows_in)), constant_values=c)
-    for a, c in ((lo, 0), (hi, -1))
-  ]
-  lo, hi = bounds[0][..., None], jnp.minimum(bounds[1], s - 1)[..., None]
+  bounds = [a.astype(jnp.int32) for a in (lo, jnp.minimum(hi, s - 1))]
+  if tp != rows_in:
+    bounds = [
+      jnp.pad(a, ((0, 0), (0, tp - rows_in)), constant_values=c)
+      for a, c in zip(bounds, (0, -1), strict=True)
+    ]
+  lo, hi = (a[..., None] for a in bounds)
   rows = pl.BlockSpec(
     (None, None, QUERY_ROWS, d), lambda i, h, r, c: (i, h, r, 0)
   )
@@ -202,7 +205,9 @@ def parts(
     interpret=bool(interpret),
     name="chunkwise_tpu_invariant_attention",
   )(lo, hi, q, k, v)
-  return m[..., :rows_in, 0], total[..., :rows_in, 0], acc[:, :, :rows_in]
+  if tp != rows_in:
+    m, total, acc = (a[:, :, :rows_in] for a in (m, total, acc))
+  return m[..., 0], total[..., 0], acc
 
 
 def reference(q, k, v, positions) -> jax.Array:
