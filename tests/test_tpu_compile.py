@@ -522,6 +522,27 @@ def _ws_2d(
   return compile_depth(h, mesh, case, **dtypes)
 
 
+def test_invariant_attention_reads_the_stacked_cache_in_place(meshes):
+  """Under invariant numerics each layer's Pallas attention call reads the
+  prefix cache's keys and values where they are, the whole stacked cache
+  with the layer in its block index (`PrefixLayer.stacked`): handed a
+  layer's slice, XLA:TPU copied it out first (197 MiB of temporaries
+  here, both K and V in `kv_copies`)."""
+  case = Case(
+    phase=Phase.GENERATE,
+    layout=Layout.parse("ws_2d/none"),
+    batch=8,
+    length=LONG["length"],
+    steps=8,
+    numerics="invariant",
+  )
+  dtypes = dict(cache_dtype=jnp.dtype("bfloat16"), compute_dtype=jnp.bfloat16)
+  r = compile_depth(H.replace(layers=2), meshes[V5E], case, **dtypes)
+  assert r["kernels"]["chunkwise_tpu_invariant_attention"] == 3 * 2
+  assert r["kv_copies"] == []
+  assert r["memory"]["temp"] < r["inputs"]["kv_cache"] / 8
+
+
 @pytest.mark.parametrize(
   "phase", [Phase.GENERATE, pytest.param(Phase.SLOTS, marks=pytest.mark.long)]
 )

@@ -19,6 +19,7 @@ from flax import struct
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from chunkwise import numerics
 from chunkwise.models import kv_int8
 from chunkwise.models.attention import PrefixLayer
 from chunkwise.partitioning import axes as ax
@@ -45,8 +46,10 @@ class KVCache:
     return self.k.shape[1]
 
   def layer(self, i: int) -> PrefixLayer:
-    """Layer i, as attention reads it."""
-    return PrefixLayer(self.k[i], self.v[i], self.lengths)
+    """Layer i, as attention reads it (in a TPU program under invariant
+    numerics, with the whole cache: `PrefixLayer.stacked`)."""
+    stacked = (self.k, self.v, i) if numerics.tpu_invariant() else None
+    return PrefixLayer(self.k[i], self.v[i], self.lengths, stacked=stacked)
 
   @property
   def time(self) -> int:

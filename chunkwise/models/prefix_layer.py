@@ -35,7 +35,11 @@ class PrefixLayer(NamedTuple):
   of k and v (of any count) this piece's b rows are, or None (all of
   them, in order): a slot loop's running rows among all its slots, which
   the invariant kernels read where they are and other paths gather
-  (`gathered`); lengths are then the b rows' own."""
+  (`gathered`); lengths are then the b rows' own. `stacked`: (k, v, i),
+  the whole [layers, ...] cache these k and v are layer i of, which a
+  TPU program's invariant kernel reads in place (a Pallas call is
+  handed a copy of a slice: `models.tpu_attention`), or None; any method
+  that makes other k and v drops it."""
 
   k: jax.Array
   v: jax.Array
@@ -44,6 +48,7 @@ class PrefixLayer(NamedTuple):
   first: jax.Array | int | None = None
   count: int | None = None
   rows: jax.Array | None = None
+  stacked: tuple | None = None
 
   @property
   def batch(self) -> int:
@@ -75,7 +80,7 @@ class PrefixLayer(NamedTuple):
       return self
     p = self.gathered()
     k, v = kv_int8.as_read(p.k, p.v, rotated)
-    return p._replace(k=k, v=v)
+    return p._replace(k=k, v=v, stacked=None)
 
   def gathered(self) -> PrefixLayer:
     """The piece's rows taken out of k and v (a copy; self without
@@ -85,7 +90,7 @@ class PrefixLayer(NamedTuple):
     k, v = (
       jnp.take(a, self.rows, axis=0, mode="clip") for a in (self.k, self.v)
     )
-    return self._replace(k=k, v=v, rows=None)
+    return self._replace(k=k, v=v, rows=None, stacked=None)
 
   def sliced(self) -> PrefixLayer:
     """The window of heads cut out (self when there is none)."""
@@ -96,4 +101,4 @@ class PrefixLayer(NamedTuple):
       lax.dynamic_slice_in_dim(a, self.first, self.count, axis)
       for a in (self.k, self.v)
     )
-    return self._replace(k=k, v=v, first=None, count=None)
+    return self._replace(k=k, v=v, first=None, count=None, stacked=None)

@@ -73,7 +73,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pieces, options):
   batch, time, kv_heads, group, dim = q.shape
   rows = {}  # q as each piece's rows, by the piece's batch
 
-  def run(b, keys, values, lo, hi, transposed):
+  def run(b, keys, values, lo, hi, transposed, layer=None):
     if b not in rows:
       rows[b] = _rows(q, b)
     parts = kernel.parts(
@@ -84,6 +84,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pieces, options):
       _per_row(hi, b, kv_heads, group),
       softcap=options.softcap,
       keys_transposed=transposed,
+      layer=layer,
       interpret=numerics.interpret(),
     )
     return _as_batch(parts, b, batch, time, group)
@@ -92,14 +93,19 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pieces, options):
   for layer, lo in pieces:
     layer = layer.sliced().gathered()
     b = layer.batch
+    at = None
     if layer.heads_major:  # a loop's buffer [b, kv, S, D]
       keys, values = layer.k, layer.v
+    elif layer.stacked is not None:  # the whole cache, read at its layer
+      keys, values, at = layer.stacked
+      keys = jnp.transpose(keys, (0, 1, 3, 4, 2))
+      values = jnp.swapaxes(values, 2, 3)
     else:  # a cache's [b, S, kv, D]: keys as a TPU stores them, [b, kv, D, S]
       keys = jnp.transpose(layer.k, (0, 2, 3, 1))
       values = jnp.swapaxes(layer.v, 1, 2)
     hi = jnp.repeat(layer.lengths - 1, batch // b)[:, None]
     hi = jnp.broadcast_to(hi, (batch, time))
-    merged.append(run(b, keys, values, lo, hi, not layer.heads_major))
+    merged.append(run(b, keys, values, lo, hi, not layer.heads_major, at))
   position = jnp.broadcast_to(jnp.arange(time, dtype=jnp.int32), (batch, time))
   lo = jnp.zeros_like(position)
   if options.window is not None:

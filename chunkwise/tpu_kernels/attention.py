@@ -28,6 +28,7 @@ in Pallas' interpret mode on the CPU.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,7 @@ def parts(
   *,
   softcap=None,
   keys_transposed: bool = False,
+  layer: int | None = None,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Unnormalised attention of query rows q [b, KV, R, D] (pre-scaled; a
@@ -123,11 +125,25 @@ def parts(
   Rows are padded to QUERY_ROWS, keys to KEY_BLOCK (masked). With
   `keys_transposed`, k is [b, KV, D, S]: each head's keys as the [D, S]
   matrix the logits multiply, the order a TPU stores a cache's keys in
-  (`partitioning.formats`), read in place."""
+  (`partitioning.formats`), read in place. With `layer`, k and v are a
+  whole stacked cache, [layers, ...] before those dims, read at that
+  layer in place (XLA hands a Pallas call a copy of a slice)."""
   b, kv_heads, rows_in, d = q.shape
-  s = v.shape[2]
+  s = v.shape[-2]
+  if layer is not None and s % KEY_BLOCK:  # padded: the layer's keys only
+    k, v, layer = k[layer], v[layer], None
+  if layer is not None:
+    if not 0 <= layer < k.shape[0] or v.shape[0] != k.shape[0]:
+      raise ValueError(
+        f"layer {layer} of k {k.shape} and v {v.shape}: expected one of "
+        f"their {k.shape[0]} layers"
+      )
+    stack = k.shape[:1]
+  else:
+    stack = ()
+  k_one, v_one = k.shape[len(stack) :], v.shape[len(stack) :]
   want = (b, kv_heads, d, s) if keys_transposed else (b, kv_heads, s, d)
-  if k.shape != want or v.shape != (b, kv_heads, s, d):
+  if k_one != want or v_one != (b, kv_heads, s, d):
     raise ValueError(
       f"k {k.shape} must be [{', '.join(map(str, want))}] and v {v.shape} "
       f"[{b}, {kv_heads}, {s}, {d}] for query rows {q.shape}"
@@ -160,13 +176,15 @@ def parts(
   rows = pl.BlockSpec(
     (None, None, QUERY_ROWS, d), lambda i, h, r, c: (i, h, r, 0)
   )
+  at = () if layer is None else (layer,)  # the layer's block, if stacked
+  lead = (None,) * (2 + len(at))
   keys = pl.BlockSpec(
-    (None, None, KEY_BLOCK, d), lambda i, h, r, c: (i, h, c, 0)
+    (*lead, KEY_BLOCK, d), lambda i, h, r, c: (*at, i, h, c, 0)
   )
   keys_in = keys
   if keys_transposed:
     keys_in = pl.BlockSpec(
-      (None, None, d, KEY_BLOCK), lambda i, h, r, c: (i, h, 0, c)
+      (*lead, d, KEY_BLOCK), lambda i, h, r, c: (*at, i, h, 0, c)
     )
   bound = pl.BlockSpec((None, QUERY_ROWS, 1), lambda i, h, r, c: (i, r, 0))
   stat = pl.BlockSpec(
@@ -199,7 +217,7 @@ def parts(
       bytes_accessed=(
         q.size * q.dtype.itemsize
         + b * kv_heads * tp * (d + 2) * 4  # f32 sums and stats written
-        + 2 * k.size * k.dtype.itemsize * (tp // QUERY_ROWS)
+        + 2 * math.prod(k_one) * k.dtype.itemsize * (tp // QUERY_ROWS)
       ),
     ),
     interpret=bool(interpret),
