@@ -46,7 +46,7 @@ from chunkwise.models import (
   paged_attention,
   tpu_attention,
 )
-from chunkwise.models.prefix_layer import PrefixLayer
+from chunkwise.models.prefix_layer import PrefixLayer, merge
 
 # A masked logit: finite so that an all-masked piece gives m = _MASKED
 # (not NaN); its weight exp(_MASKED - M) then vanishes in the merge.
@@ -318,20 +318,9 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   if numerics.invariant():
     blocks = list(_query_blocks(time, options.window))
     return invariant_attention.attend(q, k, v, pieces, blocks, options.softcap)
-  for piece in kernels:  # one query per row: q's rows are the pool's
-    pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
   if tpu_invariant:
     return tpu_attention.attend(q, k, v, pieces, options)
+  for piece in kernels:  # one query per row: q's rows are the pool's
+    pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
   pieces.append(_attend_causal(q, k, v, options))
-
-  big_m = pieces[0][0]
-  for m, _, _ in pieces[1:]:
-    big_m = jnp.maximum(big_m, m)
-  total_s = 0.0
-  total_o = 0.0
-  for m, s, o in pieces:
-    w = jnp.exp(m - big_m)
-    total_s = total_s + w * s
-    total_o = total_o + w[..., None] * o
-  out = total_o / total_s[..., None]
-  return out.reshape(batch, time, heads, dim)
+  return merge(pieces).reshape(batch, time, heads, dim)

@@ -7,6 +7,7 @@ them, with the heads still to cut and int8 K/V still to decode.
   p = PrefixLayer(k, v, lengths, heads_major=True, rows=rows)  # rows of k
   p.heads(first, count).sliced().decoded(rotated)
   p.gathered()                                # rows taken out of k and v
+  out = merge([(m, s, o), ...])               # pieces' partial sums merged
 
 Its own module so that `attention` and the paths it chooses between
 (`invariant_attention`, `paged_attention`, `blocked_attention`) all
@@ -102,3 +103,21 @@ class PrefixLayer(NamedTuple):
       for a in (self.k, self.v)
     )
     return self._replace(k=k, v=v, first=None, count=None, stacked=None)
+
+
+def merge(pieces) -> jax.Array:
+  """Attention's output from its pieces of context's partial sums (m, s,
+  o) (max logit, sum of exp(logit - m), exp-weighted values [..., D]),
+  all in one layout: each piece weighted by exp(m - the max over pieces),
+  in the pieces' order. Every attention path but the CPU's invariant
+  chain merges its pieces so (`attention`, `tpu_attention`)."""
+  big_m = pieces[0][0]
+  for m, _, _ in pieces[1:]:
+    big_m = jnp.maximum(big_m, m)
+  total_s = 0.0
+  total_o = 0.0
+  for m, s, o in pieces:
+    w = jnp.exp(m - big_m)
+    total_s = total_s + w * s
+    total_o = total_o + w[..., None] * o
+  return total_o / total_s[..., None]

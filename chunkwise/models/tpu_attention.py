@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from chunkwise import numerics
+from chunkwise.models.prefix_layer import merge
 from chunkwise.tpu_kernels import attention as kernel
 
 
@@ -41,7 +42,7 @@ def _rows(a: jax.Array, b: int) -> jax.Array:
   return a.reshape(b, kv_heads, -1, *rest)
 
 
-def _per_row(bound: jax.Array, b: int, kv_heads: int, group: int):
+def _per_row(bound: jax.Array, b: int, group: int):
   """A bound per query position [B, T] as `_rows`' rows, [b, (B / b) *
   T * g] (the same for every kv head)."""
   batch, time = bound.shape
@@ -80,8 +81,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pieces, options):
       rows[b],
       keys,
       values,
-      _per_row(lo, b, kv_heads, group),
-      _per_row(hi, b, kv_heads, group),
+      _per_row(lo, b, group),
+      _per_row(hi, b, group),
       softcap=options.softcap,
       keys_transposed=transposed,
       layer=layer,
@@ -120,15 +121,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pieces, options):
       False,
     )
   )
-  big_m = merged[0][0]
-  for m, _, _ in merged[1:]:
-    big_m = jnp.maximum(big_m, m)
-  total_s = 0.0
-  total_o = 0.0
-  for m, s, o in merged:
-    w = jnp.exp(m - big_m)
-    total_s = total_s + w * s
-    total_o = total_o + w[..., None] * o
-  out = total_o / total_s[..., None]  # [B, kv, T * g, D]
+  out = merge(merged)  # [B, kv, T * g, D]
   out = out.reshape(batch, kv_heads, time, group, dim)
   return jnp.moveaxis(out, 1, 2).reshape(batch, time, kv_heads * group, dim)
