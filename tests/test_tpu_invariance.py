@@ -6,8 +6,10 @@ tiles (`tpu_kernels`: `invariant_matmul`, `attention.parts`,
 generated tokens and their scores are bit-identical alone and at any
 place in batches of other rows of other lengths and sampling settings.
 The same compositions under fast numerics differ, so the comparison can
-fail. Chunk splits are not invisible on a TPU (docs/numerics.md). The
-programs compiled for a TPU: tests/test_tpu_compile.py.
+fail. A context cut into other chunks (across the kernel's 128-key
+tiles), a prefix broadcast to many rows, and decode steps against one
+pass over the same tokens give the same bits too. The programs
+compiled for a TPU: tests/test_tpu_compile.py.
 """
 
 import numpy as np
@@ -149,3 +151,61 @@ def test_tpu_programs_broadcast_prefix_rows_do_not_depend_on_the_batch():
     alone, many = run(model)
   _equal(many, alone, "after a broadcast prefix")
   _close(alone, run(base)[0], "after a broadcast prefix")
+
+
+def _cut(model, row, cuts, top_n=2):
+  """prefill(row) as the chunks between `cuts`, each after the ones
+  before: the whole row's result."""
+  prefix, parts = [], []
+  for a, b in zip([0, *cuts], [*cuts, len(row)], strict=True):
+    first = not prefix
+    result = model.prefill(
+      _chunk([row[a:b]], first), prefix=prefix, top_n=top_n
+    )
+    prefix.append(result)
+    parts.append(result)
+  return cw.concat_results(parts), prefix
+
+
+def test_tpu_programs_chunk_splits_and_decode_steps_are_invisible():
+  """On the capped model (its window reaching back across pieces): a
+  290-token row prefilled whole, cut within the first 128-key tile, and
+  cut across tiles (a first piece read in place up to its last whole
+  tile, the rest gathered behind it); then a generate loop from a
+  125-token prompt cut in two, whose steps cross position 128, against
+  the same prompt whole and one pass over the generated tokens."""
+  base = cw.InferenceModel.random(MODELS["tiny-capped"](), seed=5)
+  rng = np.random.default_rng(3)
+  row = _tokens(rng, base.hparams.vocab, 290)
+  with numerics.tpu_interpret():
+    model = cw.InferenceModel(base.hparams, base.weights, numerics="invariant")
+    whole = _row(model.prefill(_chunk([row]), top_n=2), 0, len(row))
+    for cuts in ([70, 100], [150, 260]):
+      got = _row(_cut(model, row, cuts)[0], 0, len(row))
+      _equal(got, whole, f"cuts {cuts}")
+    sampling = cw.Sampling(temperature=0.8, top_k=20, seed=3)
+    runs = []
+    for cuts in ([], [60]):
+      prompt = _cut(model, row[:125], cuts)[1]
+      runs.append(
+        model.generate(
+          prefix=prompt,
+          sample_ids=np.array([4]),
+          steps=6,
+          sampling=sampling,
+          top_n=2,
+        )
+      )
+    (tokens, want), (cut_tokens, got) = runs
+    n = int(tokens.lengths[0])
+    assert np.array_equal(cut_tokens.tokens[0, :n], tokens.tokens[0, :n])
+    _equal(_row(got, 0, n)[:3], _row(want, 0, n)[:3], "after a cut prompt")
+    again = model.prefill(
+      cw.Chunk(tokens=tokens.tokens[:, :n], lengths=tokens.lengths),
+      prefix=[model.prefill(_chunk([row[:125]]))],
+      top_n=2,
+    )
+    _equal(_row(again, 0, n)[:3], _row(want, 0, n)[:3], "one pass")
+  fast = cw.InferenceModel(base.hparams, base.weights, numerics="fast")
+  fast_got = _row(_cut(fast, row, [150, 260])[0], 0, len(row))
+  _close(fast_got, whole, "cut")

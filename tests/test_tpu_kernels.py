@@ -355,6 +355,40 @@ def test_attention_parts_read_transposed_keys_and_bound_rows():
   assert float(s[1, 0, 3]) == 0.0 and not np.asarray(o[1, 0, 3]).any()
 
 
+def test_attention_parts_carried_over_whole_tiles_are_one_call():
+  """`parts` over keys 0..383 in one call equals, bit for bit, `parts`
+  over the first tile's keys, then over the rest (their key 0 at
+  position 128) going on from those sums (`carry`): a context cut at a
+  tile's edge takes the same steps. Rows that see no key of the first
+  part (a window past it) come through as if they had started there."""
+  from chunkwise.tpu_kernels import attention
+
+  q, k, v = _attention_inputs(2, 6, 384, seed=3)
+  rows = q.reshape(2, 2, 12, 128)
+  hi = jnp.array([[5, 127, 128, 300, 383, 200] * 2, [383] * 12])
+  lo = jnp.where(hi > 250, hi - 40, 0)
+
+  @jax.jit
+  def run(k, v, lo, hi, carry=None):
+    return attention.parts(rows, k, v, lo, hi, carry=carry, interpret=True)
+
+  whole = run(k, v, lo, hi)
+  first = run(k[:, :, :128], v[:, :, :128], lo, jnp.minimum(hi, 127))
+  rest = run(k[:, :, 128:], v[:, :, 128:], lo - 128, hi - 128, first)
+  for got, want in zip(rest, whole, strict=True):
+    np.testing.assert_array_equal(got, want)
+  # Merged as the fast path merges pieces, the bits differ.
+  alone = run(k[:, :, 128:], v[:, :, 128:], lo - 128, hi - 128)
+  m = jnp.maximum(first[0], alone[0])
+  w1, w2 = jnp.exp(first[0] - m), jnp.exp(alone[0] - m)
+  merged = (w1[..., None] * first[2] + w2[..., None] * alone[2]) / (
+    w1 * first[1] + w2 * alone[1]
+  )[..., None]
+  assert not np.array_equal(merged, whole[2] / whole[1][..., None])
+  with pytest.raises(ValueError, match="carry"):
+    run(k, v, lo, hi, (first[0], first[1], first[2][..., :64]))
+
+
 @pytest.mark.parametrize("n", [300, 5000])
 def test_row_sums_do_not_depend_on_the_rows(n):
   """`row_sums.row_sum` (one tile of columns, and several with a partial

@@ -245,7 +245,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   q = q.astype(jnp.float32) * scale
   q = q.reshape(batch, time, kv_heads, group, dim)
   window = options.window
-  if window is not None:
+  if window is not None or tpu_invariant:
     # Each piece's first slot's position, per query row.
     starts, start = [], jnp.zeros((batch,), jnp.int32)
     for piece in prefix:
@@ -294,10 +294,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
       pieces.append((piece, mask))
       continue
     if tpu_invariant:
-      lo = jnp.zeros((batch, time), jnp.int32)
-      if window is not None:  # the piece's first slot a position sees
-        lo = q_positions - starts[i][:, None] - window + 1
-      pieces.append((piece, lo))
+      pieces.append((piece, starts[i]))
       continue
     piece = piece.sliced().gathered()
     m, s, o = _attend_piece(
@@ -319,7 +316,7 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
     blocks = list(_query_blocks(time, options.window))
     return invariant_attention.attend(q, k, v, pieces, blocks, options.softcap)
   if tpu_invariant:
-    return tpu_attention.attend(q, k, v, pieces, options)
+    return tpu_attention.attend(q, k, v, pieces, q_positions, options)
   for piece in kernels:  # one query per row: q's rows are the pool's
     pieces.append(paged_attention.piece(q, piece, softcap=options.softcap))
   pieces.append(_attend_causal(q, k, v, options))

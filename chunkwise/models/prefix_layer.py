@@ -109,8 +109,9 @@ def merge(pieces) -> jax.Array:
   """Attention's output from its pieces of context's partial sums (m, s,
   o) (max logit, sum of exp(logit - m), exp-weighted values [..., D]),
   all in one layout: each piece weighted by exp(m - the max over pieces),
-  in the pieces' order. Every attention path but the CPU's invariant
-  chain merges its pieces so (`attention`, `tpu_attention`)."""
+  in the pieces' order. Every attention path but the invariant ones
+  (the CPU's chain, a TPU program's online softmax over tiles of
+  positions) merges its pieces so."""
   big_m = pieces[0][0]
   for m, _, _ in pieces[1:]:
     big_m = jnp.maximum(big_m, m)

@@ -147,6 +147,7 @@ def _weight_copies(
         strict_slots,
         orders[weight],
         pieces,
+        slots,
       ):
         found.add((comp, user, weight))
   return found
@@ -188,6 +189,7 @@ def _copies(
   slots=None,
   order: tuple[int, ...] | None = None,
   pieces: bool = False,
+  operands=(),
 ) -> bool:
   """Whether `user`, reading a whole weight, writes a copy of it. A fusion
   that holds a matmul or a lookup reads in place; given the weight's
@@ -196,7 +198,10 @@ def _copies(
   XLA:CPU's int8 dots do, would pass). A slice or copy into a faster
   memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging,
   unless `order` (the input's minor-to-major) is given and it changes.
-  `pieces`: what a fusion writes is all of its outputs, not the largest."""
+  `pieces`: what a fusion writes is all of its outputs, not the largest.
+  A fusion whose root updates a slice of the input (at `operands`, its
+  operand slots) writes it in place, as the bare op does (XLA fuses a
+  decode loop's K/V buffer write with its update's relayout)."""
   if user.op in ("bitcast", "get-tuple-element", "tuple", "while", "call"):
     return False
   if _staged(module, comp, user) and order in (None, _order(user.shape)):
@@ -207,6 +212,8 @@ def _copies(
     return False
   if user.op == "fusion":
     callee = user.attr("calls")
+    if any(_updated_in_place(module, callee, s) for s in operands):
+      return False
     if slots is None:
       ops = {i.op for i in module.computations[callee]}
       if ops & _IN_PLACE:
@@ -236,6 +243,20 @@ def _staged(module: Module, comp: str, user: Instr) -> bool:
     ]
     return bool(done) and all(_FAST_MEMORY.search(u.shape) for u in done)
   return bool(_FAST_MEMORY.search(user.shape))
+
+
+def _updated_in_place(module: Module, callee: str, slot: int) -> bool:
+  """Whether fused computation `callee`'s root is a dynamic-update-slice
+  into its parameter `slot` (bitcasts followed)."""
+  body = module.computations[callee]
+  param = module.param(callee, slot)
+  if param is None or body[-1].op != "dynamic-update-slice":
+    return False
+  names = {param.name}
+  for i in body:
+    if i.op == "bitcast" and names & set(i.operands):
+      names.add(i.name)
+  return body[-1].operands[0] in names
 
 
 def _fused_in_place(module: Module, callee: str, slot: int) -> bool:

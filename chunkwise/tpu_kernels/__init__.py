@@ -13,7 +13,8 @@ three kernels whose tiles have one shape whatever the batch, so a row's
 bits do not depend on the rows beside it: `invariant_matmul` (`matmul`
 in tiles of fixed rows: every weight matmul, `models.matmul`),
 `attention.parts` (a piece of context's unnormalised attention in tiles
-of 8 query rows and 128 keys: `models.tpu_attention`; `invariant_attend`
+of 8 query rows and 128 keys, going on from the sums of the keys before
+it: `models.tpu_attention`; `invariant_attend`
 the same over one causal cache) and `row_sums.row_sum` (norms and
 softmax totals: `numerics.row_sum`). Their plain twins are XLA's dot,
 gather, softmax attention and sums. This package imports nothing else

@@ -4,8 +4,9 @@ its context was cut into chunks, and how long the cache is: a Pallas TPU
 kernel in tiles of fixed shape (invariant numerics on a TPU). `parts` is
 its core: one piece of context's unnormalised sums (max, total,
 weighted values) for query rows that each see a range of its keys,
-which a TPU program under invariant numerics merges over its pieces
-(`models.tpu_attention`).
+going on from the sums over the keys before it if given (`carry`),
+which a TPU program under invariant numerics chains over a row's
+context (`models.tpu_attention`).
 
 Each grid step takes `QUERY_ROWS` query rows of one kv head (its query
 heads' rows side by side, so its keys and values are read once for all
@@ -40,14 +41,21 @@ KEY_BLOCK = 128
 _MASKED = -1e30
 
 
-def _kernel(lo, hi, q, k, v, m_out, total_out, acc_out, m, total, acc, **kw):
+def _kernel(lo, hi, q, k, v, *refs, **kw):
+  if kw["carried"]:  # the sums so far, from the keys before this piece's
+    m0, total0, acc0, m_out, total_out, acc_out, m, total, acc = refs
+  else:
+    m_out, total_out, acc_out, m, total, acc = refs
   kb = pl.program_id(3)
 
   @pl.when(kb == 0)
   def _():
-    m[...] = jnp.full(m.shape, _MASKED, jnp.float32)
-    total[...] = jnp.zeros(total.shape, jnp.float32)
-    acc[...] = jnp.zeros(acc.shape, jnp.float32)
+    if kw["carried"]:
+      m[...], total[...], acc[...] = m0[...], total0[...], acc0[...]
+    else:
+      m[...] = jnp.full(m.shape, _MASKED, jnp.float32)
+      total[...] = jnp.zeros(total.shape, jnp.float32)
+      acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
   # keys [KEY_BLOCK, D], or [D, KEY_BLOCK] as a TPU stores a cache's
   dims = (((1,), (0 if kw["transposed"] else 1,)), ((), ()))
@@ -112,6 +120,7 @@ def parts(
   softcap=None,
   keys_transposed: bool = False,
   layer: int | None = None,
+  carry: tuple | None = None,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Unnormalised attention of query rows q [b, KV, R, D] (pre-scaled; a
@@ -127,7 +136,12 @@ def parts(
   matrix the logits multiply, the order a TPU stores a cache's keys in
   (`partitioning.formats`), read in place. With `layer`, k and v are a
   whole stacked cache, [layers, ...] before those dims, read at that
-  layer in place (XLA hands a Pallas call a copy of a slice)."""
+  layer in place (XLA hands a Pallas call a copy of a slice). With
+  `carry`, the (max, total, weighted values) that `parts` returned for
+  the same rows over the keys before these, the online softmax goes on
+  from them: a context cut into pieces whose keys start at multiples of
+  KEY_BLOCK then takes the same steps as in one piece (the chunk split
+  invisible: `models.tpu_attention`)."""
   b, kv_heads, rows_in, d = q.shape
   s = v.shape[-2]
   if layer is not None and s % KEY_BLOCK:  # padded: the layer's keys only
@@ -152,12 +166,26 @@ def parts(
     raise ValueError(
       f"lo {lo.shape} and hi {hi.shape} must both be [{b}, {rows_in}]"
     )
+  if carry is not None:
+    shapes = tuple(a.shape for a in carry)
+    if shapes != ((b, kv_heads, rows_in), (b, kv_heads, rows_in), q.shape):
+      raise ValueError(
+        f"carry {shapes} must be the sums of these rows: "
+        f"[{b}, {kv_heads}, {rows_in}] twice and {q.shape}"
+      )
   tp, sp = (
     -(-rows_in // QUERY_ROWS) * QUERY_ROWS,
     -(-s // KEY_BLOCK) * KEY_BLOCK,
   )
+  by_row = ((0, 0), (0, 0), (0, tp - rows_in), (0, 0))
   if tp != rows_in:
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, tp - rows_in), (0, 0)))
+    q = jnp.pad(q, by_row)
+  carried = ()
+  if carry is not None:
+    m0, total0, acc0 = (a.astype(jnp.float32) for a in carry)
+    carried = (m0[..., None], total0[..., None], acc0)
+    if tp != rows_in:
+      carried = tuple(jnp.pad(a, by_row[: a.ndim]) for a in carried)
   if sp != s:
     by_time = ((0, 0), (0, 0), (0, sp - s), (0, 0))  # [b, KV, S, D]
     k = jnp.pad(
@@ -193,10 +221,15 @@ def parts(
   stat_vmem = pltpu.VMEM((QUERY_ROWS, 1), jnp.float32)
   m, total, acc = pl.pallas_call(
     functools.partial(
-      _kernel, keys=KEY_BLOCK, softcap=softcap, transposed=keys_transposed
+      _kernel,
+      keys=KEY_BLOCK,
+      softcap=softcap,
+      transposed=keys_transposed,
+      carried=bool(carried),
     ),
     grid=(b, kv_heads, tp // QUERY_ROWS, sp // KEY_BLOCK),
-    in_specs=[bound, bound, rows, keys_in, keys],
+    in_specs=[bound, bound, rows, keys_in, keys]
+    + ([stat, stat, rows] if carried else []),
     out_specs=[stat, stat, rows],
     out_shape=[
       jax.ShapeDtypeStruct((b, kv_heads, tp, 1), jnp.float32),
@@ -216,13 +249,13 @@ def parts(
       transcendentals=b * kv_heads * tp * sp * (1 + (softcap is not None)),
       bytes_accessed=(
         q.size * q.dtype.itemsize
-        + b * kv_heads * tp * (d + 2) * 4  # f32 sums and stats written
+        + b * kv_heads * tp * (d + 2) * 4 * (1 + bool(carried))  # sums
         + 2 * math.prod(k_one) * k.dtype.itemsize * (tp // QUERY_ROWS)
       ),
     ),
     interpret=bool(interpret),
     name="chunkwise_tpu_invariant_attention",
-  )(lo, hi, q, k, v)
+  )(lo, hi, q, k, v, *carried)
   if tp != rows_in:
     m, total, acc = (a[:, :, :rows_in] for a in (m, total, acc))
   return m[..., 0], total[..., 0], acc
