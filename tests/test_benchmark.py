@@ -469,27 +469,71 @@ def test_benchmark_times_int8_weights_beside_float32(tmp_path):
   assert "profile: chunkwise int8 decode, batch 3" in result.stdout
 
 
-@pytest.mark.parametrize(
-  "flag, message",
-  [
-    ("--decode_batches=1,0", "--decode_batches: '0' is not a positive"),
-    ("--weights=float16", "--weights=float16: expected a list of"),
-    ("--constraints=yaml", "--constraints=yaml: expected a list of"),
-    ("--numerics=exact", "--numerics=exact: expected a list of"),
-    ("--paged_attention_contexts=0", "'0' is not a count of columns"),
-    ("--kv_dtype_contexts=x", "'x' is not a count of columns"),
-    ("--prefill_lengths=9999", "9999 tokens"),
-    ("--output=/nonexistent/b.json", "folder '/nonexistent' does not exist"),
-    ("--model=random:nope", "unknown preset 'nope'"),
-    ("--model=random:palm-540b", "too large: they need"),
-  ],
-)
-def test_bad_flags_fail_before_measuring(tmp_path, flag, message):
-  result = _run(tmp_path, "--model=random:tiny", flag)
+# Each bad flag set: benchmark.py's `run` in one child process for all of
+# them (a process each spent its time importing JAX), its UsageError's
+# one line; `main` prints that line and exits 1 (checked once below).
+_CHECK_FLAGS = """
+import importlib.util, json, sys
+from absl import app, flags
+spec = importlib.util.spec_from_file_location("benchmark", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+out = []
+for argv in json.loads(sys.argv[2]):
+  flags.FLAGS.unparse_flags()
+  try:
+    script.run(flags.FLAGS(["benchmark.py", *argv]))
+    out.append(None)
+  except (app.UsageError, flags.Error) as e:
+    out.append(str(e))
+print(json.dumps(out))
+"""
+
+BAD_FLAGS = [
+  (["--decode_batches=1,0"], "--decode_batches: '0' is not a positive"),
+  (["--weights=float16"], "--weights=float16: expected a list of"),
+  (["--constraints=yaml"], "--constraints=yaml: expected a list of"),
+  (["--numerics=exact"], "--numerics=exact: expected a list of"),
+  (["--paged_attention_contexts=0"], "'0' is not a count of columns"),
+  (["--kv_dtype_contexts=x"], "'x' is not a count of columns"),
+  (["--prefill_lengths=9999"], "9999 tokens"),
+  (["--output=/nonexistent/b.json"], "folder '/nonexistent' does not exist"),
+  (["--model=random:nope"], "unknown preset 'nope'"),
+  (["--model=random:palm-540b"], "too large: they need"),
+  (["--long_prompt_lengths=0"], "not a positive integer"),
+  (["--long_prompt_lengths=8", "--long_prompt_sides=vllm"], "expected a"),
+  (["--long_prompt_lengths=99999"], "exceed the model's max_len"),
+  (["--slot_step_capacity=40"], "--slot_step_capacity: capacity=40"),
+  (["--slot_step_capacity=9999"], "within the model's max_len"),
+]
+
+
+def test_bad_flags_fail_before_measuring(tmp_path):
+  """Every bad flag is refused by name before any weights load or
+  anything is timed (nothing written); the script prints the one line
+  and exits 1."""
+  argvs = [["--model=random:tiny", *flags] for flags, _ in BAD_FLAGS]
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-c",
+      _CHECK_FLAGS,
+      str(ROOT / "scripts" / "benchmark.py"),
+      json.dumps(argvs),
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=tmp_path,
+  )
+  errors = json.loads(result.stdout.strip().splitlines()[-1])
+  for (flags, message), error in zip(BAD_FLAGS, errors, strict=True):
+    assert error is not None and message in error, (flags, error)
+  assert not list(tmp_path.iterdir())
+  result = _run(tmp_path, "--model=random:tiny", "--decode_batches=1,0")
   assert result.returncode == 1
-  assert message in result.stderr
-  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-  assert not (tmp_path / "benchmark.json").exists()
+  assert result.stderr.strip() == f"benchmark.py: error: {errors[0]}"
+  assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.long  # covered by others: run with --long
@@ -514,16 +558,3 @@ def test_long_prompt_sides_each_in_their_own_process(tmp_path):
     assert side["peak_rss_mb"] >= side["loaded_rss_mb"] > 0
   assert set(report["ratios"]) == {"transformers", "one_chunk"}
   assert "chunkwise / transformers" in result.stdout
-
-
-def test_long_prompt_flags_are_checked_first(tmp_path):
-  for flags, message in [
-    (["--long_prompt_lengths=0"], "not a positive integer"),
-    (["--long_prompt_lengths=8", "--long_prompt_sides=vllm"], "expected a"),
-    (["--long_prompt_lengths=99999"], "exceed the model's max_len"),
-    (["--slot_step_capacity=40"], "--slot_step_capacity: capacity=40"),
-    (["--slot_step_capacity=9999"], "within the model's max_len"),
-  ]:
-    result = _run(tmp_path, "--model=random:tiny", *flags)
-    assert result.returncode == 1, result.stderr
-    assert message in result.stderr, result.stderr
