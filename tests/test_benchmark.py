@@ -17,6 +17,7 @@ import torch
 import chunkwise as cw
 from chunkwise.bench import machine, profile, reference, roofline, timing
 from chunkwise.bench.machine import Limits
+from tests.flag_checks import flag_errors
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -469,26 +470,6 @@ def test_benchmark_times_int8_weights_beside_float32(tmp_path):
   assert "profile: chunkwise int8 decode, batch 3" in result.stdout
 
 
-# Each bad flag set: benchmark.py's `run` in one child process for all of
-# them (a process each spent its time importing JAX), its UsageError's
-# one line; `main` prints that line and exits 1 (checked once below).
-_CHECK_FLAGS = """
-import importlib.util, json, sys
-from absl import app, flags
-spec = importlib.util.spec_from_file_location("benchmark", sys.argv[1])
-script = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(script)
-out = []
-for argv in json.loads(sys.argv[2]):
-  flags.FLAGS.unparse_flags()
-  try:
-    script.run(flags.FLAGS(["benchmark.py", *argv]))
-    out.append(None)
-  except (app.UsageError, flags.Error) as e:
-    out.append(str(e))
-print(json.dumps(out))
-"""
-
 BAD_FLAGS = [
   (["--decode_batches=1,0"], "--decode_batches: '0' is not a positive"),
   (["--weights=float16"], "--weights=float16: expected a list of"),
@@ -513,20 +494,7 @@ def test_bad_flags_fail_before_measuring(tmp_path):
   anything is timed (nothing written); the script prints the one line
   and exits 1."""
   argvs = [["--model=random:tiny", *flags] for flags, _ in BAD_FLAGS]
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-c",
-      _CHECK_FLAGS,
-      str(ROOT / "scripts" / "benchmark.py"),
-      json.dumps(argvs),
-    ],
-    capture_output=True,
-    text=True,
-    check=True,
-    cwd=tmp_path,
-  )
-  errors = json.loads(result.stdout.strip().splitlines()[-1])
+  errors = flag_errors("benchmark", "run", argvs, tmp_path)
   for (flags, message), error in zip(BAD_FLAGS, errors, strict=True):
     assert error is not None and message in error, (flags, error)
   assert not list(tmp_path.iterdir())

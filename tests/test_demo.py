@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-import pytest
+from tests.flag_checks import flag_errors
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -47,16 +47,20 @@ def test_main_job_with_random_weights(tmp_path):
   assert "Chat" not in result.stdout  # a byte vocabulary has no template
 
 
-@pytest.mark.parametrize(
-  "flag, message",
-  [
-    ("--model=random:huge", "unknown preset 'huge'"),
-    ("--model=random:palm-540b", "too large: they need"),
-    ("--model=/no/such/model.gguf", "neither a known model name"),
-    ("--top_p=0", "--top_p must be > 0"),
-  ],
-)
-def test_main_job_rejects_bad_flags(tmp_path, flag, message):
-  result = _run(tmp_path, flag)
+BAD_FLAGS = [
+  ("--model=random:huge", "unknown preset 'huge'"),
+  ("--model=random:palm-540b", "too large: they need"),
+  ("--model=/no/such/model.gguf", "neither a known model name"),
+  ("--top_p=0", "--top_p must be > 0"),
+]
+
+
+def test_main_job_rejects_bad_flags(tmp_path):
+  """Each bad flag refused by name (in one process: `flag_checks`); the
+  script exits non-zero with the message."""
+  errors = flag_errors("demo", "main", [[f] for f, _ in BAD_FLAGS], tmp_path)
+  for (flag, message), error in zip(BAD_FLAGS, errors, strict=True):
+    assert error is not None and message in error, (flag, error)
+  result = _run(tmp_path, BAD_FLAGS[0][0])
   assert result.returncode != 0
-  assert message in result.stderr
+  assert BAD_FLAGS[0][1] in result.stderr
