@@ -53,9 +53,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from chunkwise import contract as contract_lib
-from chunkwise import cpu_kernels
+from chunkwise import cpu_kernels, tpu_kernels
 from chunkwise.contract import contract_dims
-from chunkwise.tpu_kernels import row_sums as tpu_row_sums
 
 NUMERICS = ("invariant", "fast", "q8")
 _INVARIANT = ("invariant", "q8")
@@ -218,7 +217,7 @@ def _tpu_row_sum(x: jax.Array, shift: jax.Array | None = None) -> jax.Array:
   rows = x.reshape(-1, x.shape[-1])
   if shift is not None:
     shift = shift.reshape(-1)
-  out = tpu_row_sums.row_sum(rows, shift, interpret=interpret())
+  out = tpu_kernels.row_sums.row_sum(rows, shift, interpret=interpret())
   return out.reshape(x.shape[:-1]).astype(x.dtype)
 
 

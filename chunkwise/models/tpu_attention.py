@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from chunkwise import numerics
-from chunkwise.tpu_kernels import attention as kernel
+from chunkwise import numerics, tpu_kernels
 
 
 def _rows(a: jax.Array, b: int) -> jax.Array:
@@ -86,7 +85,7 @@ def _seam(layer, base: jax.Array):
   at its layer: a gather along a TPU cache's time, its keys' minor dim,
   made XLA:TPU lay the whole cache out again); else the slots are
   gathered, clipped to the width."""
-  n = kernel.KEY_BLOCK
+  n = tpu_kernels.attention.KEY_BLOCK
   layer = layer.sliced().gathered()
   if layer.width % n:
     at = jnp.clip(base[:, None] + jnp.arange(n), 0, layer.width - 1)
@@ -141,7 +140,8 @@ def _rest(first, base, rest, k, v, own):
     )
   )
   width = sum(kv[0].shape[2] for kv, _, _ in sources)
-  width = -(-width // kernel.KEY_BLOCK) * kernel.KEY_BLOCK
+  block = tpu_kernels.attention.KEY_BLOCK
+  width = -(-width // block) * block
   slot = jnp.arange(width)[None, :]
   # Each source's keys gathered where they go and selected: one fusion
   # that reads the sources in place (a concatenation of them first was a
@@ -170,7 +170,7 @@ def attend(q, k, v, pieces, positions, options):
   def run(b, keys, values, lo, hi, transposed, layer=None, carry=None):
     if b not in rows:
       rows[b] = _rows(q, b)
-    parts = kernel.parts(
+    parts = tpu_kernels.attention.parts(
       rows[b],
       keys,
       values,
@@ -193,7 +193,8 @@ def attend(q, k, v, pieces, positions, options):
   else:
     first, _ = pieces[0]
     b = first.batch
-    base = first.lengths // kernel.KEY_BLOCK * kernel.KEY_BLOCK
+    block = tpu_kernels.attention.KEY_BLOCK
+    base = first.lengths // block * block
     base = jnp.repeat(base, batch // b)
     hi = jnp.broadcast_to(base[:, None] - 1, (batch, time))
     layer = first.sliced().gathered()

@@ -18,16 +18,32 @@ it: `models.tpu_attention`; `invariant_attend`
 the same over one causal cache) and `row_sums.row_sum` (norms and
 softmax totals: `numerics.row_sum`). Their plain twins are XLA's dot,
 gather, softmax attention and sums. This package imports nothing else
-of chunkwise.
+of chunkwise, and its modules (with Pallas) load when first used.
 """
 
-from chunkwise.tpu_kernels.attention import (
-  attend as invariant_attend,  # noqa: F401
-)
-from chunkwise.tpu_kernels.table_rows import take_rows as take_rows
-from chunkwise.tpu_kernels.tiled_matmul import Stored as Stored
-from chunkwise.tpu_kernels.tiled_matmul import cost as cost
-from chunkwise.tpu_kernels.tiled_matmul import (
-  invariant_matmul as invariant_matmul,
-)
-from chunkwise.tpu_kernels.tiled_matmul import matmul as matmul
+import importlib
+
+# Loaded when first used (PEP 562): Pallas' TPU modules take half a
+# second to import, which every process paid, CPU-only or not.
+_NAMES = {
+  "invariant_attend": ("attention", "attend"),
+  "take_rows": ("table_rows", "take_rows"),
+  "Stored": ("stored", "Stored"),
+  "cost": ("tiled_matmul", "cost"),
+  "invariant_matmul": ("tiled_matmul", "invariant_matmul"),
+  "matmul": ("tiled_matmul", "matmul"),
+}
+_MODULES = ("attention", "row_sums", "stored", "table_rows", "tiled_matmul")
+
+
+def __getattr__(name: str):
+  if name in _MODULES:
+    return importlib.import_module(f"{__name__}.{name}")
+  if name in _NAMES:
+    module, attr = _NAMES[name]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted([*globals(), *_NAMES, *_MODULES])
