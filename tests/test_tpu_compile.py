@@ -74,8 +74,8 @@ CASES = [
   (ONE, Phase.SLOTS, "reference", "bf16", "bfloat16", {"pages": 24}),
   (V5E, Phase.GENERATE, "ws_2d/yz", "Q4_K", "bfloat16", {}),
   # a TPU program's invariant kernels (`numerics.tpu_invariant`), over
-  # a cache of 16 key tiles (the one tile a row that its context past
-  # the cache's last whole tile gathers is then no K/V-sized copy)
+  # a cache of 16 key tiles: the one tile a row gathers from it (the
+  # cache's last whole tile's) is then 1/16 of it, no K/V-sized copy
   (
     V5E,
     Phase.GENERATE,

@@ -79,20 +79,13 @@ def _heads_major(layer):
 
 
 def _seam(layer, base: jax.Array):
-  """The tile of each row of a piece from slot base[r] (a multiple of
-  KEY_BLOCK), k and v as [b, kv, KEY_BLOCK, D]. A cache whose width is
-  whole tiles is sliced row by row where it is (the whole stacked cache
-  at its layer: a gather along a TPU cache's time, its keys' minor dim,
-  made XLA:TPU lay the whole cache out again); else the slots are
-  gathered, clipped to the width."""
+  """The tile of each row of a piece of whole tiles from slot base[r] (a
+  multiple of KEY_BLOCK), k and v as [b, kv, KEY_BLOCK, D], sliced row by
+  row where it is (the whole stacked cache at its layer: a gather along
+  a TPU cache's time, its keys' minor dim, made XLA:TPU lay the whole
+  cache out again)."""
   n = tpu_kernels.attention.KEY_BLOCK
   layer = layer.sliced().gathered()
-  if layer.width % n:
-    at = jnp.clip(base[:, None] + jnp.arange(n), 0, layer.width - 1)
-    k, v = _heads_major(layer)
-    return tuple(
-      jnp.take_along_axis(a, at[:, None, :, None], axis=2) for a in (k, v)
-    )
   if layer.stacked is not None:
     arrays, at = layer.stacked[:2], (layer.stacked[2],)
   else:
@@ -122,13 +115,17 @@ def _rest(first, base, rest, k, v, own):
   the row's bounds mask."""
   batch, time = k.shape[:2]
   b = first.batch
-  sources = [  # (k and v [b', kv, S, D], position - base of slot 0, keys)
-    (
-      _seam(first, base[:: batch // b]),
-      jnp.zeros_like(base),
-      jnp.repeat(first.lengths, batch // b) - base,
-    )
-  ]
+  block = tpu_kernels.attention.KEY_BLOCK
+  lengths = jnp.repeat(first.lengths, batch // b)
+  # (k and v [b', kv, S, D], position - base of slot 0, keys): the first
+  # piece's last tile sliced out where its width is whole tiles, else
+  # gathered like the other pieces (its slots from base on).
+  if first.width % block:
+    sources = [(_heads_major(first), -base, lengths)]
+  else:
+    sources = [
+      (_seam(first, base[:: batch // b]), jnp.zeros_like(base), lengths - base)
+    ]
   for layer, start in rest:
     lengths = jnp.repeat(layer.lengths, batch // layer.batch)
     sources.append((_heads_major(layer), start - base, lengths))
@@ -139,8 +136,7 @@ def _rest(first, base, rest, k, v, own):
       jnp.full_like(base, time),
     )
   )
-  width = sum(kv[0].shape[2] for kv, _, _ in sources)
-  block = tpu_kernels.attention.KEY_BLOCK
+  width = block + sum(kv[0].shape[2] for kv, _, _ in sources[1:])
   width = -(-width // block) * block
   slot = jnp.arange(width)[None, :]
   # Each source's keys gathered where they go and selected: one fusion

@@ -185,7 +185,7 @@ def parts(
     m0, total0, acc0 = (a.astype(jnp.float32) for a in carry)
     carried = (m0[..., None], total0[..., None], acc0)
     if tp != rows_in:
-      carried = tuple(jnp.pad(a, by_row[: a.ndim]) for a in carried)
+      carried = tuple(jnp.pad(a, by_row) for a in carried)
   if sp != s:
     by_time = ((0, 0), (0, 0), (0, sp - s), (0, 0))  # [b, KV, S, D]
     k = jnp.pad(
