@@ -185,8 +185,8 @@ def _matrix_extras(items) -> list:
   return extras
 
 
-# Modules of a few long tests that start processes of their own and share
-# no fixture with other modules (each 1-2 minutes on 2 cores): collected
+# Modules holding tests of up to 2 minutes each on 2 cores (a notebook
+# kernel, servers, jobs and pods in processes of their own): collected
 # first. xdist's worksteal hands each worker a contiguous half of the
 # collection and a worker that runs dry steals from the end of the
 # other's, so a long test collected last kept one worker busy for a
