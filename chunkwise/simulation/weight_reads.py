@@ -138,16 +138,15 @@ def _weight_copies(
           have.update(target_paths)
           work.append(target)
       weight = paths.get(())
-      strict_slots = slots if strict else None
       if weight is not None and _copies(
         module,
         comp,
         user,
         sizes[weight],
-        strict_slots,
-        orders[weight],
-        pieces,
         slots,
+        strict=strict,
+        order=orders[weight],
+        pieces=pieces,
       ):
         found.add((comp, user, weight))
   return found
@@ -186,22 +185,23 @@ def _copies(
   comp: str,
   user: Instr,
   weight_elements: int,
-  slots=None,
+  slots,
+  *,
+  strict: bool = False,
   order: tuple[int, ...] | None = None,
   pieces: bool = False,
-  operands=(),
 ) -> bool:
-  """Whether `user`, reading a whole weight, writes a copy of it. A fusion
-  that holds a matmul or a lookup reads in place; given the weight's
-  operand `slots`, only where the fusion hands the weight to one directly
-  (else a fusion that dequantizes a weight and gathers its scales, as
-  XLA:CPU's int8 dots do, would pass). A slice or copy into a faster
-  memory (XLA:TPU prefetching a weight's blocks into VMEM) is staging,
-  unless `order` (the input's minor-to-major) is given and it changes.
-  `pieces`: what a fusion writes is all of its outputs, not the largest.
-  A fusion whose root updates a slice of the input (at `operands`, its
-  operand slots) writes it in place, as the bare op does (XLA fuses a
-  decode loop's K/V buffer write with its update's relayout)."""
+  """Whether `user`, reading a whole weight at its operand `slots`, writes
+  a copy of it. A fusion that holds a matmul or a lookup reads in place;
+  `strict`, only where the fusion hands the weight to one directly (else
+  a fusion that dequantizes a weight and gathers its scales, as XLA:CPU's
+  int8 dots do, would pass). A slice or copy into a faster memory (XLA:TPU
+  prefetching a weight's blocks into VMEM) is staging, unless `order` (the
+  input's minor-to-major) is given and it changes. `pieces`: what a fusion
+  writes is all of its outputs, not the largest. A fusion whose root
+  updates a slice of the input (at one of `slots`) writes it in place, as
+  the bare op does (XLA fuses a decode loop's K/V buffer write with its
+  update's relayout)."""
   if user.op in ("bitcast", "get-tuple-element", "tuple", "while", "call"):
     return False
   if _staged(module, comp, user) and order in (None, _order(user.shape)):
@@ -212,9 +212,9 @@ def _copies(
     return False
   if user.op == "fusion":
     callee = user.attr("calls")
-    if any(_updated_in_place(module, callee, s) for s in operands):
+    if any(_updated_in_place(module, callee, s) for s in slots):
       return False
-    if slots is None:
+    if not strict:
       ops = {i.op for i in module.computations[callee]}
       if ops & _IN_PLACE:
         return False
