@@ -1,8 +1,10 @@
-"""Bad flag sets of one script checked in one child process: its entry
-point run on each argv in turn, after absl parses it, and the error's
-text kept (a process a set spent its seconds importing JAX).
+"""Scripts' flags checked in one child process (a process a script spent
+its seconds importing JAX): bad flag sets of one script, its entry point
+run on each argv in turn after absl parses it and the error's text kept;
+and the flags each of several scripts defines.
 
   errors = flag_errors("benchmark", "run", [["--steps=0"], ...], cwd)
+  names = defined_flags(["score", "serve"], cwd)  # {"score": {...}, ...}
 """
 
 import json
@@ -51,3 +53,47 @@ def flag_errors(script: str, entry: str, argvs, cwd) -> list:
     cwd=cwd,
   )
   return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# JAX and chunkwise imported once; each script then defines its flags in a
+# forked child of its own (absl's FLAGS is one registry a process, and
+# scripts define flags of the same names), which writes their names back.
+_DEFINED = """
+import importlib.util, json, os, sys
+from absl import flags
+import chunkwise
+out = {}
+for path in json.loads(sys.argv[1]):
+  read, write = os.pipe()
+  if os.fork() == 0:
+    try:  # the child never returns into this loop
+      os.close(read)
+      spec = importlib.util.spec_from_file_location("script", path)
+      spec.loader.exec_module(importlib.util.module_from_spec(spec))
+      os.write(write, json.dumps(sorted(flags.FLAGS)).encode())
+    finally:
+      os._exit(0)
+  os.close(write)
+  with os.fdopen(read) as f:
+    out[path] = json.loads(f.read() or "null")
+  os.wait()
+print(json.dumps(out))
+"""
+
+
+def defined_flags(scripts, cwd) -> dict[str, set[str] | None]:
+  """The names of the flags each of scripts/`scripts`.py defines (absl's
+  own among them, as `--helpfull` lists them); None for a script whose
+  import failed."""
+  paths = {str(ROOT / "scripts" / f"{s}.py"): s for s in scripts}
+  result = subprocess.run(
+    [sys.executable, "-c", _DEFINED, json.dumps(list(paths))],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=cwd,
+  )
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  return {
+    paths[p]: None if names is None else set(names) for p, names in out.items()
+  }
