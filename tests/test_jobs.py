@@ -676,9 +676,11 @@ def test_killed_scoring_job_resumes(tmp_path):
   assert cut.read_bytes() == whole.read_bytes()
 
 
-def test_killed_continuous_generation_resumes(tmp_path):
+def test_killed_continuous_generation_resumes(tmp_path, capsys):
   """Continuous batching (the default): a job killed mid-way resumes to the
-  bytes of an uninterrupted run; --static_batching gives the same tokens."""
+  bytes of an uninterrupted run; --static_batching gives the same tokens
+  (it and the refusal below run in this process: a job process spends
+  seconds importing JAX)."""
   prompts = [
     {"id": f"p{i}", "prompt": "word " * (i % 5) + str(i)} for i in range(24)
   ]
@@ -704,17 +706,20 @@ def test_killed_continuous_generation_resumes(tmp_path):
   records = _records(whole)
   assert {r["finish_reason"] for r in records} == {"stop", "length"}
   static = tmp_path / "static.jsonl"
-  job = _job("generate", [*args, f"--output={static}", "--static_batching"])
-  assert job.wait(timeout=300) == 0, job.stdout.read().decode()[-3000:]
+  code, _, err = _main(
+    "generate", [*args, f"--output={static}", "--static_batching"], capsys
+  )
+  assert code == 0, err[-3000:]
   for a, b in zip(records, _records(static), strict=True):
     assert a["tokens"] == b["tokens"] and a["text"] == b["text"]
     np.testing.assert_allclose(
       a["token_logprobs"], b["token_logprobs"], atol=1e-5
     )
   # Other slots would round differently: that output does not resume.
-  job = _job("generate", [*args, f"--output={cut}", "--slots=2"])
-  log = job.communicate(timeout=300)[0].decode()
-  assert job.returncode == 1 and "slots: 3 then, 2 now" in log, log[-2000:]
+  code, _, err = _main(
+    "generate", [*args, f"--output={cut}", "--slots=2"], capsys
+  )
+  assert code == 1 and "slots: 3 then, 2 now" in err, err[-2000:]
 
 
 def _two_processes(name, args, out, env):
