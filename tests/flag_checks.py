@@ -59,7 +59,7 @@ def flag_errors(script: str, entry: str, argvs, cwd) -> list:
 # forked child of its own (absl's FLAGS is one registry a process, and
 # scripts define flags of the same names), which writes their names back.
 _DEFINED = """
-import importlib.util, json, os, sys
+import importlib.util, json, os, sys, traceback
 from absl import flags
 import chunkwise
 out = {}
@@ -70,21 +70,25 @@ for path in json.loads(sys.argv[1]):
       os.close(read)
       spec = importlib.util.spec_from_file_location("script", path)
       spec.loader.exec_module(importlib.util.module_from_spec(spec))
-      os.write(write, json.dumps(sorted(flags.FLAGS)).encode())
+      names = sorted(flags.FLAGS)
+    except BaseException:
+      names = traceback.format_exc()
+    try:
+      os.write(write, json.dumps(names).encode())
     finally:
       os._exit(0)
   os.close(write)
   with os.fdopen(read) as f:
-    out[path] = json.loads(f.read() or "null")
+    out[path] = json.loads(f.read())
   os.wait()
 print(json.dumps(out))
 """
 
 
-def defined_flags(scripts, cwd) -> dict[str, set[str] | None]:
+def defined_flags(scripts, cwd) -> dict[str, set[str]]:
   """The names of the flags each of scripts/`scripts`.py defines (absl's
-  own among them, as `--helpfull` lists them); None for a script whose
-  import failed."""
+  own among them, as `--helpfull` lists them). Raises RuntimeError with
+  the traceback of a script whose import failed."""
   paths = {str(ROOT / "scripts" / f"{s}.py"): s for s in scripts}
   result = subprocess.run(
     [sys.executable, "-c", _DEFINED, json.dumps(list(paths))],
@@ -94,6 +98,7 @@ def defined_flags(scripts, cwd) -> dict[str, set[str] | None]:
     cwd=cwd,
   )
   out = json.loads(result.stdout.strip().splitlines()[-1])
-  return {
-    paths[p]: None if names is None else set(names) for p, names in out.items()
-  }
+  failed = {paths[p]: e for p, e in out.items() if isinstance(e, str)}
+  if failed:
+    raise RuntimeError(f"scripts whose import failed: {failed}")
+  return {paths[p]: set(names) for p, names in out.items()}

@@ -79,7 +79,7 @@ def test_every_scripts_command_names_flags_the_script_defines():
   defined_by = defined_flags([n for n, flags in used.items() if flags], ROOT)
   unknown = {}
   for name, defined in defined_by.items():
-    assert defined, f"scripts/{name}.py defined no flags (its import failed)"
+    assert defined, f"scripts/{name}.py defines no flags"
     missing = {
       f
       for f in used[name]
