@@ -254,8 +254,12 @@ def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   six-pass f32 dot took 50 s to compile for this f32 prefill, the kernel
   5 s) and bf16 ones at decode's few rows through `tpu_kernels.matmul`,
   and no XLA dot of an f32 weight left; a quantized table's rows by
-  `take_rows`; none of these in a bf16 prefill."""
-  _, _, case, _, r = compiled
+  `take_rows`; none of these in a bf16 prefill. A fast decode step's
+  attention is one call a layer over every piece of its context
+  (`models.tpu_decode`), but for int8 K/V (read in attention's rotated
+  space) and a paged pool's (a speculating loop's passes of one position
+  a row take it too; its verifying passes of k + 1 do not)."""
+  _, _, case, dtypes, r = compiled
   quantized = case.weights.value not in ("bf16", "f32")
   f32 = case.weights.value == "f32"
   kernels = r["kernels"]
@@ -270,6 +274,12 @@ def test_programs_call_the_pallas_tpu_kernels_they_should(compiled):
   # (a ring's product is one call per piece: more).
   if (f32 and case.phase is Phase.PREFILL) or _float_decode(case):
     assert kernels["chunkwise_tpu_matmul"] >= 7 * H.layers + 1
+  one_step = case.phase is not Phase.PREFILL and not case.pages
+  fast = one_step and case.numerics != "invariant"
+  decode = fast and dtypes["cache_dtype"] != jnp.int8
+  assert ("chunkwise_tpu_decode_attention" in kernels) == decode
+  if decode:
+    assert kernels["chunkwise_tpu_decode_attention"] >= H.layers
   assert r["cycles"]["bounded"] > 0 or not set(kernels) - {
     "chunkwise_tpu_paged_attention"
   }

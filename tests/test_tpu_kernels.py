@@ -411,3 +411,112 @@ def test_row_sums_do_not_depend_on_the_rows(n):
     )
   with pytest.raises(ValueError, match="shift"):
     row_sums.row_sum(x, shift[:3])
+
+
+def _decode_inputs(seed=0, cache_rows=2):
+  """A decode step of 2 rows, 2 kv heads of 4 query heads each: a stacked
+  3-layer cache of 256 keys (of 2 rows, lengths 200 and 0, or one row
+  shared by both, 200), a loop's buffer of 8 (3 and 8) and the step's own
+  key."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  b, kv, d = 2, 2, 128
+
+  def normal(key, shape):
+    return jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+
+  return dict(
+    q=normal(ks[0], (b, 1, kv * 4, d)),
+    cache=tuple(normal(ks[i], (3, cache_rows, 256, kv, d)) for i in (1, 2)),
+    cache_lengths=jnp.array([200, 0][:cache_rows], jnp.int32),
+    buffer=(normal(ks[3], (b, kv, 8, d)), normal(ks[4], (b, kv, 8, d))),
+    buffer_lengths=jnp.array([3, 8], jnp.int32),
+    own=(normal(ks[5], (b, 1, kv, d)), normal(ks[6], (b, 1, kv, d))),
+  )
+
+
+@pytest.mark.parametrize("softcap, cache_rows", [(None, 2), (5.0, 1)])
+def test_decode_attention_is_the_merged_pieces(softcap, cache_rows):
+  """`models.tpu_decode` (one kernel call: the stacked cache read at its
+  layer with keys as a TPU stores them, or one row of it shared by both
+  rows, the heads-major buffer, the step's own key) against attention's
+  plain path, which attends to each piece and merges their sums; rounded
+  to q's dtype as the layer rounds attention's output."""
+  from chunkwise import numerics
+  from chunkwise.models import attention, tpu_decode
+  from chunkwise.models.prefix_layer import PrefixLayer
+
+  x = _decode_inputs(cache_rows=cache_rows)
+  ck, cv = x["cache"]
+  prefix = [
+    PrefixLayer(ck[1], cv[1], x["cache_lengths"], stacked=(ck, cv, 1)),
+    PrefixLayer(*x["buffer"], x["buffer_lengths"], heads_major=True),
+  ]
+  options = attention.Options(softcap=softcap)
+  k, v = x["own"]
+  want = attention.attend(x["q"], k, v, prefix, options)
+  with numerics.tpu_interpret():
+    got = jax.jit(
+      lambda q, k, v: tpu_decode.attend(
+        q, k, v, prefix, options, scale=128**-0.5
+      )
+    )(x["q"], k, v)
+  assert got.shape == want.shape == (2, 1, 8, 128) and got.dtype == jnp.float32
+  np.testing.assert_allclose(
+    got, want.astype(jnp.bfloat16).astype(jnp.float32), rtol=2e-2, atol=2e-2
+  )
+  # A window, or more than one position a row: the plain path's (None).
+  windowed = attention.Options(window=16)
+  assert tpu_decode.attend(x["q"], k, v, prefix, windowed, scale=1.0) is None
+  two = jnp.concatenate([k, k], axis=1)
+  q2 = jnp.concatenate([x["q"]] * 2, axis=1)
+  assert tpu_decode.attend(q2, two, two, prefix, options, scale=1.0) is None
+
+
+def test_decode_attention_skips_blocks_past_a_rows_keys():
+  """A key block past a row's length is neither computed nor (on a TPU)
+  read: NaNs there leave its output as it was; keys past the length
+  within its last block are masked to exact zeros."""
+  from chunkwise.tpu_kernels.decode_attention import Piece, decode
+
+  x = _decode_inputs(seed=1)
+  ck, cv = (jnp.swapaxes(a[1], 1, 2) for a in x["cache"])  # [b, kv, S, D]
+  q = x["q"].reshape(2, 2, 4, 128)
+  own = [jnp.swapaxes(a, 1, 2) for a in x["own"]]
+  lengths = jnp.array([100, 128], jnp.int32)
+
+  def run(ck, cv):
+    pieces = [
+      Piece(ck, cv, lengths),
+      Piece(*own, jnp.ones((2,), jnp.int32)),
+    ]
+    return decode(q, pieces, scale=0.1, out_dtype=jnp.float32, interpret=True)
+
+  first = run(ck, cv)
+  assert np.isfinite(np.asarray(first)).all()
+  nan = jnp.full_like(ck[:, :, 128:], jnp.nan)
+  again = run(ck.at[:, :, 128:].set(nan), cv.at[:, :, 128:].set(nan))
+  np.testing.assert_array_equal(again, first)
+  other = run(ck.at[0, :, 100:128].set(7.0), cv)  # row 0's masked keys
+  np.testing.assert_array_equal(other[0], first[0])
+
+
+def test_decode_attention_names_bad_pieces():
+  from chunkwise.tpu_kernels.decode_attention import Piece, decode
+
+  q = jnp.zeros((1, 2, 4, 128), jnp.bfloat16)
+  good = jnp.zeros((1, 2, 256, 128), jnp.bfloat16)
+  one = jnp.ones((1,), jnp.int32)
+  with pytest.raises(ValueError, match=r"piece 1: k \(1, 2, 128, 256\)"):
+    decode(
+      q,
+      [Piece(good, good, one), Piece(jnp.swapaxes(good, 2, 3), good, one)],
+      scale=1.0,
+    )
+  with pytest.raises(ValueError, match="piece 0: layer 3 of a cache of 2"):
+    stacked = jnp.zeros((2, 1, 2, 256, 128), jnp.bfloat16)
+    decode(q, [Piece(stacked, stacked, one, layer=3)], scale=1.0)
+  with pytest.raises(ValueError, match="at most 1024"):
+    odd = jnp.zeros((1, 2, 1100, 128), jnp.bfloat16)
+    decode(q, [Piece(odd, odd, one)], scale=1.0)
+  with pytest.raises(ValueError, match="at least one piece"):
+    decode(q, [], scale=1.0)

@@ -46,9 +46,10 @@ class KVCache:
     return self.k.shape[1]
 
   def layer(self, i: int) -> PrefixLayer:
-    """Layer i, as attention reads it (in a TPU program under invariant
-    numerics, with the whole cache: `PrefixLayer.stacked`)."""
-    stacked = (self.k, self.v, i) if numerics.tpu_invariant() else None
+    """Layer i, as attention reads it (in a TPU program, with the whole
+    cache, which its kernels read in place: `PrefixLayer.stacked`)."""
+    on_tpu = numerics.tpu_invariant() or numerics.runs_on("tpu")
+    stacked = (self.k, self.v, i) if on_tpu else None
     return PrefixLayer(self.k[i], self.v[i], self.lengths, stacked=stacked)
 
   @property

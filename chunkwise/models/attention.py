@@ -45,6 +45,7 @@ from chunkwise.models import (
   kv_int8,
   paged_attention,
   tpu_attention,
+  tpu_decode,
 )
 from chunkwise.models.prefix_layer import PrefixLayer, merge
 
@@ -242,6 +243,16 @@ def _attend(q, k, v, prefix, options: Options, *, rotated: bool):
   kv_heads = k.shape[2]
   group = heads // kv_heads
   scale = dim**-0.5 if options.scale is None else options.scale
+  if (
+    not rotated
+    and not kernels
+    and not tpu_invariant
+    and not numerics.invariant()
+    and numerics.runs_on("tpu")
+  ):  # a fast TPU program's decode step: one kernel call (`tpu_decode`)
+    out = tpu_decode.attend(q, k, v, prefix, options, scale=scale)
+    if out is not None:
+      return out
   q = q.astype(jnp.float32) * scale
   q = q.reshape(batch, time, kv_heads, group, dim)
   window = options.window

@@ -7,6 +7,9 @@ group scales, GGUF blocks of 4- or 8-bit codes with f16 scales and
 offsets) and scales it tile by tile in VMEM: the TPU's decode matmuls
 and every quantized matmul (`models.matmul`). `take_rows` reads a
 quantized table's rows in their stored tiling (the embedding lookup).
+`decode_attention.decode` runs a fast decode step's attention to every
+piece of its context (prefix caches, the loop's buffer, its own key) in
+one call (`models.tpu_decode`).
 
 A TPU program under invariant numerics (`numerics.tpu_invariant`) runs
 three kernels whose tiles have one shape whatever the batch, so a row's
@@ -33,7 +36,14 @@ _NAMES = {
   "invariant_matmul": ("tiled_matmul", "invariant_matmul"),
   "matmul": ("tiled_matmul", "matmul"),
 }
-_MODULES = ("attention", "row_sums", "stored", "table_rows", "tiled_matmul")
+_MODULES = (
+  "attention",
+  "decode_attention",
+  "row_sums",
+  "stored",
+  "table_rows",
+  "tiled_matmul",
+)
 
 
 def __getattr__(name: str):
