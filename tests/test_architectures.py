@@ -430,3 +430,30 @@ def test_config_files_in_older_and_newer_spellings():
     dict(base, model_type="qwen2", use_sliding_window=False, sliding_window=8)
   )
   assert off.sliding_window is None
+
+
+@pytest.mark.parametrize("rotary", [16, 12])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotation_is_each_pair_rotated_to_the_bit(rotary, dtype):
+  """`rope.rotate` (one elementwise expression over whole heads) gives
+  each pair (i, i + rotary / 2) x1 cos - x2 sin and x2 cos + x1 sin to
+  the bit, with cos and sin scaled, the dims past the rotary width as
+  they were."""
+  import jax
+  import jax.numpy as jnp
+
+  from chunkwise.models import rope
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 3, 16)).astype(dtype)
+  positions = jnp.array([[0, 1, 2, 300, 4097], [7, 8, 9, 10, 11]])
+  r = rope.Rotation(1.0 / (1e4 ** (jnp.arange(0, rotary, 2) / rotary)), 0.75)
+  angles = positions.astype(jnp.float32)[..., None] * r.inv_freq
+  sin = (jnp.sin(angles) * r.scale)[:, :, None, :]
+  cos = (jnp.cos(angles) * r.scale)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : rotary // 2], x32[..., rotary // 2 : rotary]
+  want = jnp.concatenate(
+    [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary:]], axis=-1
+  ).astype(dtype)
+  got = jax.jit(rope.rotate)(x, positions, r)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
