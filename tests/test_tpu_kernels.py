@@ -520,3 +520,32 @@ def test_decode_attention_names_bad_pieces():
     decode(q, [Piece(odd, odd, one)], scale=1.0)
   with pytest.raises(ValueError, match="at least one piece"):
     decode(q, [], scale=1.0)
+
+
+def test_decode_attention_reads_a_window_of_kv_heads_where_it_lies():
+  """Query heads of one kv head (a device's block narrower than the
+  cache's heads) read that head of the stacked cache and of the buffer
+  in place (`PrefixLayer.heads`' window kept: a slice is a copy for a
+  Pallas call), as the plain path reads the sliced pieces."""
+  from chunkwise import numerics
+  from chunkwise.models import attention, tpu_decode
+  from chunkwise.models.prefix_layer import PrefixLayer
+
+  x = _decode_inputs(seed=3)
+  ck, cv = x["cache"]
+  prefix = [
+    PrefixLayer(
+      ck[1], cv[1], x["cache_lengths"], first=1, count=1, stacked=(ck, cv, 1)
+    ),
+    PrefixLayer(
+      *x["buffer"], x["buffer_lengths"], heads_major=True, first=1, count=1
+    ),
+  ]
+  q = x["q"][:, :, 4:]  # the 4 query heads of kv head 1
+  k, v = (a[:, :, 1:] for a in x["own"])
+  want = attention.attend(q, k, v, prefix, attention.PLAIN)
+  with numerics.tpu_interpret():
+    got = tpu_decode.attend(q, k, v, prefix, attention.PLAIN, scale=128**-0.5)
+  np.testing.assert_allclose(
+    got, want.astype(jnp.bfloat16).astype(jnp.float32), rtol=2e-2, atol=2e-2
+  )

@@ -65,11 +65,16 @@ class PrefixLayer(NamedTuple):
     """K/V heads [first, first + count) (`first` may be traced). Under
     invariant numerics a heads-major buffer keeps them as a window that
     the kernels read in place (a slice of the decode loop's buffer made
-    XLA copy the whole buffer every step)."""
+    XLA copy the whole buffer every step); so does a fast TPU program's
+    stacked cache or buffer (`tpu_decode`: handed a slice, XLA:TPU
+    copies it out for the Pallas call)."""
     axis = 1 if self.heads_major else 2
     if self.k.shape[axis] == count:
       return self
     if self.heads_major and numerics.invariant():
+      return self._replace(first=first, count=count)
+    fast_tpu = numerics.runs_on("tpu") and not numerics.tpu_invariant()
+    if fast_tpu and (self.heads_major or self.stacked is not None):
       return self._replace(first=first, count=count)
     return self._replace(first=first, count=count).sliced()
 

@@ -30,8 +30,9 @@ def _piece(layer: PrefixLayer, batch: int):
   it can be; a piece of fewer rows serves batch / b rows each)."""
   from chunkwise.tpu_kernels.decode_attention import Piece
 
-  layer = layer.sliced()
   lengths = jnp.repeat(layer.lengths, batch // layer.batch)
+  # A window of kv heads (`PrefixLayer.heads`) read where it lies.
+  head = 0 if layer.first is None else layer.first
   if layer.stacked is not None and layer.rows is None:
     keys, values, at = layer.stacked  # [layers, b, S, kv, D]
     return Piece(
@@ -40,8 +41,11 @@ def _piece(layer: PrefixLayer, batch: int):
       lengths,
       transposed=True,
       layer=at,
+      head=head,
     )
-  layer = layer.gathered()
+  if layer.heads_major and layer.rows is None:
+    return Piece(layer.k, layer.v, lengths, head=head)
+  layer = layer.sliced().gathered()
   if layer.heads_major:
     return Piece(layer.k, layer.v, lengths)
   return Piece(

@@ -54,13 +54,17 @@ class Piece(NamedTuple):
   `transposed`), v [b, KV, S, D], both with a leading [layers] if `layer`
   is an int (the whole stacked cache, read at that layer); lengths
   int32[B], per query row (b divides B: row r reads the piece's row
-  r // (B / b))."""
+  r // (B / b)). `head` (an int or an int32 scalar, traced or not): the
+  first of the piece's kv heads the queries' read, a window of as many
+  as they have (heads cut where they lie: a slice of a cache is a copy
+  for a Pallas call)."""
 
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
   transposed: bool = False
   layer: int | None = None
+  head: jax.Array | int = 0
 
   @property
   def width(self) -> int:
@@ -154,12 +158,14 @@ def decode(
   for i, p in enumerate(pieces):
     lead = () if p.layer is None else p.v.shape[:1]
     s, pb = p.width, p.v.shape[len(lead)]
-    want = (*lead, pb, kv_heads) + ((d, s) if p.transposed else (s, d))
-    want_v = (*lead, pb, kv_heads, s, d)
-    if p.k.shape != want or p.v.shape != want_v or b % pb:
+    kv = p.v.shape[len(lead) + 1]  # the queries' kv_heads, or a window
+    want = (*lead, pb, kv) + ((d, s) if p.transposed else (s, d))
+    want_v = (*lead, pb, kv, s, d)
+    if p.k.shape != want or p.v.shape != want_v or b % pb or kv < kv_heads:
       raise ValueError(
         f"piece {i}: k {p.k.shape} must be {want} and v {p.v.shape} "
-        f"{want_v}, their {pb} rows dividing the queries' {q.shape}"
+        f"{want_v}, their {pb} rows dividing the queries' {q.shape} and "
+        f"at least its {kv_heads} kv heads"
       )
     if p.layer is not None and not 0 <= p.layer < p.v.shape[0]:
       raise ValueError(
@@ -172,7 +178,13 @@ def decode(
         f"piece {i}: k {p.k.dtype}, v {p.v.dtype}, {s} keys: decode reads "
         f"float K/V of a multiple of {KEY_BLOCK} keys or at most {MAX_WHOLE}"
       )
-  lengths = jnp.stack([p.lengths.astype(jnp.int32) for p in pieces])
+  # Per piece: each query row's length, then the first kv head read.
+  lengths = jnp.stack(
+    [
+      jnp.append(p.lengths.astype(jnp.int32), jnp.asarray(p.head, jnp.int32))
+      for p in pieces
+    ]
+  )
   metas, in_specs, first = [], [], 0
   for j, p in enumerate(pieces):
     block, count = p.block, p.width // p.block
@@ -187,12 +199,14 @@ def decode(
       last = jnp.maximum((lens[j, i] + block - 1) // block - 1, 0)
       return jnp.clip(c - first, 0, jnp.minimum(count - 1, last))
 
-    def k_map(i, h, c, lens, at=at, index=index, share=share, t=p.transposed):
-      n = index(i, h, c, lens)
-      return (*at, i // share, h, 0, n) if t else (*at, i // share, h, n, 0)
+    def k_map(
+      i, h, c, lens, at=at, j=j, index=index, share=share, t=p.transposed
+    ):
+      n, kv = index(i, h, c, lens), h + lens[j, b]
+      return (*at, i // share, kv, 0, n) if t else (*at, i // share, kv, n, 0)
 
-    def v_map(i, h, c, lens, at=at, index=index, share=share):
-      return (*at, i // share, h, index(i, h, c, lens), 0)
+    def v_map(i, h, c, lens, at=at, j=j, index=index, share=share):
+      return (*at, i // share, h + lens[j, b], index(i, h, c, lens), 0)
 
     k_block = (*lead, d, block) if p.transposed else (*lead, block, d)
     in_specs += [
