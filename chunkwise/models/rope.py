@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from chunkwise import numerics
 from chunkwise.configs import HParams
 from chunkwise.configs.rope import RopeKind, RopeScaling
 
@@ -193,15 +194,27 @@ def rotate(x: jax.Array, positions: jax.Array, r: Rotation) -> jax.Array:
     sin, cos = sin * r.scale, cos * r.scale
   sin, cos = sin[:, :, None, :], cos[:, :, None, :]
   x32 = x.astype(jnp.float32)
-  turned = x32[..., :rotary]
-  x1, x2 = jnp.split(turned, 2, axis=-1)
-  # x * (cos, cos) + (x2, x1) * (-sin, sin): the pairs' x1 cos - x2 sin
-  # and x2 cos + x1 sin to the bit (a - b is a + -b), in one elementwise
-  # expression over whole heads. As two halves concatenated, XLA:TPU ran
-  # a decode step's rotation of q and of k as two small ops each.
-  out = turned * jnp.concatenate([cos, cos], axis=-1) + jnp.concatenate(
-    [x2, x1], axis=-1
-  ) * jnp.concatenate([-sin, sin], axis=-1)
+  x1, x2 = jnp.split(x32[..., :rotary], 2, axis=-1)
+  if numerics.runs_on("tpu"):
+    out = _whole_heads(x32[..., :rotary], sin, cos)
+  else:
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   if rotary < x.shape[-1]:
     out = jnp.concatenate([out, x32[..., rotary:]], axis=-1)
   return out.astype(x.dtype)
+
+
+def _whole_heads(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  """The rotation of x (the rotary dims, f32) in a TPU program: (x1, x2)
+  * (cos, cos) + (x2, x1) *
+  (-sin, sin), one elementwise expression over whole heads, where the two
+  halves computed apart and concatenated were two small ops more a layer
+  for XLA:TPU. The same products and sums as the pairs' x1 cos - x2 sin
+  and x2 cos + x1 sin (`rotate`'s form elsewhere, its plain twin); the
+  compiler may fuse them into multiply-adds differently, so the last bit
+  may differ (XLA:CPU does)."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  swapped = jnp.concatenate([x2, x1], axis=-1)
+  cos2 = jnp.concatenate([cos, cos], axis=-1)
+  sin2 = jnp.concatenate([-sin, sin], axis=-1)
+  return x * cos2 + swapped * sin2
