@@ -593,6 +593,17 @@ def test_heads_narrower_than_a_group_read_the_cache_in_place(meshes):
   assert r["memory"]["temp"] < r["inputs"]["kv_cache"]  # no copy of it
 
 
+def test_decode_attention_compiles_with_a_soft_cap_and_a_whole_cache(meshes):
+  """The decode step's attention kernel as Mosaic lowers it for a soft
+  cap (tanh), 64-wide heads and a cache of 1,000 keys, which 128 does not
+  divide (read as one block): one call a layer, no K/V copied."""
+  h = H.replace(attn_softcap=50.0, head_dim=64, heads=32, kv_heads=8)
+  r = _ws_2d(h, meshes[V5E], Phase.GENERATE, length=1000, steps=8)
+  assert "error" not in r, r.get("error")
+  assert r["kernels"]["chunkwise_tpu_decode_attention"] == h.layers
+  assert r["kv_copies"] == []
+
+
 def test_one_kv_head_is_read_in_place(meshes):
   """A multiquery model's int8 k and v ([K, 1, D], PaLM's) go to the
   Pallas kernel 2-D (`tpu_kernels.stored.heads_as_stored`), read as stored:
