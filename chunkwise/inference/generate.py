@@ -211,7 +211,15 @@ def _step(
     done=state.done | stop,
     processor_states=processor_states,
   )
-  return step_state, (full.kv_cache.k, full.kv_cache.v)
+  return step_state, _layers(full.kv_cache.k, full.kv_cache.v)
+
+
+def _layers(k: jax.Array, v: jax.Array):
+  """A step's K/V ([layers, ...] each) as the loop carries it to the
+  next step's write: layer by layer. Carried stacked, a TPU program
+  wrote every layer's k and v into the stack (two small ops a layer)
+  only to slice them out again for the write."""
+  return tuple(k), tuple(v)
 
 
 def draw(
@@ -301,7 +309,7 @@ def run(
 
   # Nothing is pending on entry: column step - 1 is already written (or,
   # at step 0, about to be), so its own contents are written back.
-  pending = state.cache.read(jnp.maximum(state.step - 1, 0), 1)
+  pending = _layers(*state.cache.read(jnp.maximum(state.step - 1, 0), 1))
   return _write_pending(*lax.while_loop(cond, body, (state, pending)))
 
 
