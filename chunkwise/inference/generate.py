@@ -34,7 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn
-from chunkwise.inference.kv_cache import KVCache, LayerKV, total_lengths
+from chunkwise.inference.kv_cache import (
+  KVCache,
+  LayerKV,
+  by_layer,
+  total_lengths,
+)
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.results import ChunkResult
 from chunkwise.inference.sampling import Sampling
@@ -211,15 +216,7 @@ def _step(
     done=state.done | stop,
     processor_states=processor_states,
   )
-  return step_state, _layers(full.kv_cache.k, full.kv_cache.v)
-
-
-def _layers(k: jax.Array, v: jax.Array):
-  """A step's K/V ([layers, ...] each) as the loop carries it to the
-  next step's write: layer by layer. Carried stacked, a TPU program
-  wrote every layer's k and v into the stack (two small ops a layer)
-  only to slice them out again for the write."""
-  return tuple(k), tuple(v)
+  return step_state, by_layer(full.kv_cache.k, full.kv_cache.v)
 
 
 def draw(
@@ -309,7 +306,7 @@ def run(
 
   # Nothing is pending on entry: column step - 1 is already written (or,
   # at step 0, about to be), so its own contents are written back.
-  pending = _layers(*state.cache.read(jnp.maximum(state.step - 1, 0), 1))
+  pending = by_layer(*state.cache.read(jnp.maximum(state.step - 1, 0), 1))
   return _write_pending(*lax.while_loop(cond, body, (state, pending)))
 
 

@@ -75,6 +75,14 @@ class KVCache:
     )
 
 
+def by_layer(k: jax.Array, v: jax.Array):
+  """A step's K/V ([layers, ...] each) as a decode loop carries it to the
+  next step's write: one array a layer. Carried stacked, a TPU program
+  wrote every layer's k and v into the stack (two small ops a layer)
+  only to slice them out again for the write."""
+  return tuple(k), tuple(v)
+
+
 @struct.dataclass(kw_only=True)
 class LayerKV:
   """The generate loop's K/V buffer: one array per layer, heads-major.
@@ -203,7 +211,7 @@ class LayerKV:
     if self.rows is not None:
       rows = self.rows.shape[0]
     zeros = jnp.zeros((len(self.k), rows, width, heads, dim), self.k[0].dtype)
-    return zeros, zeros, jnp.full((rows, width), time, jnp.int32)
+    return *by_layer(zeros, zeros), jnp.full((rows, width), time, jnp.int32)
 
   def read(self, at: jax.Array, time: int) -> tuple[jax.Array, jax.Array]:
     """Slots [at, at + time) as a `KVCache`'s k, v (traced `at`)."""

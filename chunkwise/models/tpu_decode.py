@@ -9,7 +9,9 @@ ops a layer (docs/planner.md).
 It applies (`attention._attend` asks it first) to one position per row,
 without a sliding window, where every piece is float K/V (of the
 batch's rows, or of fewer shared by them: a few-shot prefix) that the
-kernel reads (`decode_attention.reads`); None otherwise,
+kernel reads (`decode_attention.reads`) in place: not a slot loop's
+buffer, nor a long generate loop's, which a TPU stores time-major
+(`_time_major`). None otherwise,
 and attention takes its plain path (the pieces' sums merged), which is
 this path's twin. A stacked cache is read at its layer in place (handed
 a layer's slice, XLA:TPU copies it out for a Pallas call), a cache's
@@ -43,8 +45,11 @@ def _piece(layer: PrefixLayer, batch: int):
       layer=at,
       head=head,
     )
-  if layer.heads_major and layer.rows is None:
-    return Piece(layer.k, layer.v, lengths, head=head)
+  if layer.heads_major:  # a loop's buffer (its running rows where they are)
+    rows = None
+    if layer.rows is not None:
+      rows = jnp.repeat(layer.rows, batch // layer.batch)
+    return Piece(layer.k, layer.v, lengths, head=head, rows=rows)
   layer = layer.sliced().gathered()
   if layer.heads_major:
     return Piece(layer.k, layer.v, lengths)
@@ -54,6 +59,22 @@ def _piece(layer: PrefixLayer, batch: int):
     lengths,
     transposed=True,
   )
+
+
+# Bytes of one layer's k (or v) of a loop's buffer up to which XLA:TPU
+# keeps it in VMEM through the loop (copied in once a call in the order
+# the kernel reads), where it is stored time-major.
+_STAGED_BYTES = 256 << 10
+
+
+def _time_major(layer: PrefixLayer) -> bool:
+  """Whether `layer` is a loop's buffer that a TPU stores time-major
+  (`partitioning.formats`: several kv heads a device) and the kernel,
+  which reads it heads-major, would have copied whole at every step: a
+  slot loop's, or a long one (the plain path reads it in place)."""
+  if not layer.heads_major or layer.k.shape[1] == 1:
+    return False
+  return layer.rows is not None or layer.k.nbytes > _STAGED_BYTES
 
 
 def attend(q, k, v, prefix, options, *, scale: float) -> jax.Array | None:
@@ -71,7 +92,7 @@ def attend(q, k, v, prefix, options, *, scale: float) -> jax.Array | None:
   for layer in prefix:
     if layer.width == 0:  # holds nothing to attend to
       continue
-    if batch % layer.batch:
+    if batch % layer.batch or _time_major(layer):
       return None
     piece = _piece(layer, batch)
     if not decode_attention.reads(piece):

@@ -22,7 +22,9 @@ computed, and the output is normalised and rounded once.
   # or [layers, ...] read at `layer`), v [B, KV, S, D], lengths int32[B]:
   # every row sees the piece's keys 0..length - 1. A piece of b rows (b
   # dividing B: a prefix shared by B / b rows each) serves rows
-  # r * B / b .. (r + 1) * B / b - 1, read once for each.
+  # r * B / b .. (r + 1) * B / b - 1, read once for each; with `rows`
+  # int32[B], query row i reads the piece's row rows[i] (a slot loop's
+  # running rows among all its slots, read where they are).
 
 Every row must see at least one key (a decode step sees its own). The
 plain twin is the fast path's pieces merged (`models.attention`), which
@@ -54,7 +56,8 @@ class Piece(NamedTuple):
   `transposed`), v [b, KV, S, D], both with a leading [layers] if `layer`
   is an int (the whole stacked cache, read at that layer); lengths
   int32[B], per query row (b divides B: row r reads the piece's row
-  r // (B / b)). `head` (an int or an int32 scalar, traced or not): the
+  r // (B / b)), or, with `rows` int32[B], the piece's row rows[r] (of
+  any count). `head` (an int or an int32 scalar, traced or not): the
   first of the piece's kv heads the queries' read, a window of as many
   as they have (heads cut where they lie: a slice of a cache is a copy
   for a Pallas call)."""
@@ -65,6 +68,7 @@ class Piece(NamedTuple):
   transposed: bool = False
   layer: int | None = None
   head: jax.Array | int = 0
+  rows: jax.Array | None = None
 
   @property
   def width(self) -> int:
@@ -161,7 +165,8 @@ def decode(
     kv = p.v.shape[len(lead) + 1]  # the queries' kv_heads, or a window
     want = (*lead, pb, kv) + ((d, s) if p.transposed else (s, d))
     want_v = (*lead, pb, kv, s, d)
-    if p.k.shape != want or p.v.shape != want_v or b % pb or kv < kv_heads:
+    shared = p.rows is None and b % pb
+    if p.k.shape != want or p.v.shape != want_v or shared or kv < kv_heads:
       raise ValueError(
         f"piece {i}: k {p.k.shape} must be {want} and v {p.v.shape} "
         f"{want_v}, their {pb} rows dividing the queries' {q.shape} and "
@@ -173,25 +178,34 @@ def decode(
       )
     if p.lengths.shape != (b,):
       raise ValueError(f"piece {i}: lengths {p.lengths.shape} must be ({b},)")
+    if p.rows is not None and p.rows.shape != (b,):
+      raise ValueError(f"piece {i}: rows {p.rows.shape} must be ({b},)")
     if not reads(p):
       raise ValueError(
         f"piece {i}: k {p.k.dtype}, v {p.v.dtype}, {s} keys: decode reads "
         f"float K/V of a multiple of {KEY_BLOCK} keys or at most {MAX_WHOLE}"
       )
-  # Per piece: each query row's length, then the first kv head read.
-  lengths = jnp.stack(
-    [
-      jnp.append(p.lengths.astype(jnp.int32), jnp.asarray(p.head, jnp.int32))
-      for p in pieces
-    ]
-  )
+
+  # Per piece: each query row's length, then the piece's row it reads,
+  # then the first kv head read.
+  def where(p):
+    lead = 0 if p.layer is None else 1
+    rows = p.rows
+    if rows is None:
+      rows = jnp.arange(b) // (b // p.v.shape[lead])
+    rows = jnp.clip(rows, 0, p.v.shape[lead] - 1)  # as a gather's "clip"
+    head = jnp.asarray(p.head, jnp.int32)[None]
+    return jnp.concatenate(
+      [p.lengths.astype(jnp.int32), rows.astype(jnp.int32), head]
+    )
+
+  lengths = jnp.stack([where(p) for p in pieces])
   metas, in_specs, first = [], [], 0
   for j, p in enumerate(pieces):
     block, count = p.block, p.width // p.block
     metas.append((first, count, block, p.transposed))
     at = () if p.layer is None else (p.layer,)
     lead = (None,) * (2 + len(at))
-    share = b // p.v.shape[len(at)]  # query rows a row of the piece serves
 
     def index(i, h, c, lens, j=j, first=first, count=count, block=block):
       # Within the piece's steps its block; before them its first, after
@@ -199,14 +213,13 @@ def decode(
       last = jnp.maximum((lens[j, i] + block - 1) // block - 1, 0)
       return jnp.clip(c - first, 0, jnp.minimum(count - 1, last))
 
-    def k_map(
-      i, h, c, lens, at=at, j=j, index=index, share=share, t=p.transposed
-    ):
-      n, kv = index(i, h, c, lens), h + lens[j, b]
-      return (*at, i // share, kv, 0, n) if t else (*at, i // share, kv, n, 0)
+    def k_map(i, h, c, lens, at=at, j=j, index=index, t=p.transposed):
+      n, r, kv = index(i, h, c, lens), lens[j, b + i], h + lens[j, 2 * b]
+      return (*at, r, kv, 0, n) if t else (*at, r, kv, n, 0)
 
-    def v_map(i, h, c, lens, at=at, j=j, index=index, share=share):
-      return (*at, i // share, h + lens[j, b], index(i, h, c, lens), 0)
+    def v_map(i, h, c, lens, at=at, j=j, index=index):
+      n, r, kv = index(i, h, c, lens), lens[j, b + i], h + lens[j, 2 * b]
+      return (*at, r, kv, n, 0)
 
     k_block = (*lead, d, block) if p.transposed else (*lead, block, d)
     in_specs += [

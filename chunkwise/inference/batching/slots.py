@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from chunkwise.inference import generate
 from chunkwise.inference.chunk import Chunk
 from chunkwise.inference.infer import InferFn
-from chunkwise.inference.kv_cache import KVCache, LayerKV
+from chunkwise.inference.kv_cache import KVCache, LayerKV, by_layer
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.paging.paged_kv import PAGE, PagedKV
 from chunkwise.inference.results import ChunkResult
@@ -318,7 +318,8 @@ def _step(
     stopped=state.stopped | (live & stop),
     processor_states=processor_states,
   )
-  return new, (full.kv_cache.k, full.kv_cache.v, kv_rows(write_at[:, None]))
+  kv = by_layer(full.kv_cache.k, full.kv_cache.v)
+  return new, (*kv, kv_rows(write_at[:, None]))
 
 
 def run(

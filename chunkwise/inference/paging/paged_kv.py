@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
+from chunkwise.inference.kv_cache import by_layer
 from chunkwise.models import kv_int8
 from chunkwise.models.paged_attention import PagedLayer
 from chunkwise.partitioning import axes as ax
@@ -144,4 +145,5 @@ class PagedKV:
     heads, _, _, dim = self.k[0].shape
     rows = self.table.shape[0]
     zeros = jnp.zeros((len(self.k), rows, width, heads, dim), self.k[0].dtype)
-    return zeros, zeros, jnp.full((rows, width), self.columns, jnp.int32)
+    columns = jnp.full((rows, width), self.columns, jnp.int32)
+    return *by_layer(zeros, zeros), columns

@@ -30,7 +30,7 @@ from jax import lax
 
 from chunkwise.inference import generate, speculation
 from chunkwise.inference.batching import slots
-from chunkwise.inference.kv_cache import KVCache
+from chunkwise.inference.kv_cache import KVCache, by_layer
 from chunkwise.inference.logits import LogitsShards
 from chunkwise.inference.speculation import SpecRows, Speculation, draft, verify
 
@@ -282,7 +282,7 @@ def run(
       processor_states=out.processor_states,
       spec=rows_spec,
     )
-    return state, (out.k, out.v, kv_rows(at))
+    return state, (*by_layer(out.k, out.v), kv_rows(at))
 
   state, pending = lax.while_loop(
     lambda carry: jnp.any(live(carry[0])),
@@ -338,7 +338,7 @@ def slot_run(
       processor_states=out.processor_states,
       spec=rows_spec,
     )
-    return state, (out.k, out.v, kv_rows(at)), i + 1
+    return state, (*by_layer(out.k, out.v), kv_rows(at)), i + 1
 
   state, pending, _ = lax.while_loop(
     cond, body, (state, state.cache.nothing(spec.k + 1), jnp.int32(0))
