@@ -554,24 +554,27 @@ def test_decode_attention_reads_a_window_of_kv_heads_where_it_lies():
 def test_decode_attention_reads_a_slot_loops_rows_where_they_are():
   """A slot loop's buffer holds every slot; its running rows are a piece
   of `rows` (`PrefixLayer.rows`), which the kernel reads where they lie
-  (the plain path gathers them first)."""
+  (the plain path gathers them first). One kv head a device: with more,
+  a TPU stores the buffer time-major and the plain path reads it
+  (`tpu_decode._time_major`)."""
   from chunkwise import numerics
   from chunkwise.models import attention, tpu_decode
   from chunkwise.models.prefix_layer import PrefixLayer
 
   x = _decode_inputs(seed=4)
-  bk, bv = x["buffer"]
+  bk, bv = (a[:, 1:] for a in x["buffer"])  # one kv head
   slots = [jnp.concatenate([a, a[::-1] * 0.5, a * -1.0]) for a in (bk, bv)]
   lengths = jnp.array([5, 2], jnp.int32)
-  prefix = [
-    PrefixLayer(*slots, lengths, heads_major=True, rows=jnp.array([4, 1]))
-  ]
-  k, v = x["own"]
-  want = attention.attend(x["q"], k, v, prefix, attention.PLAIN)
+  rows = jnp.array([4, 1])
+  prefix = [PrefixLayer(*slots, lengths, heads_major=True, rows=rows)]
+  q = x["q"][:, :, 4:]  # its 4 query heads
+  k, v = (a[:, :, 1:] for a in x["own"])
+  want = attention.attend(q, k, v, prefix, attention.PLAIN)
   with numerics.tpu_interpret():
-    got = tpu_decode.attend(
-      x["q"], k, v, prefix, attention.PLAIN, scale=128**-0.5
-    )
+    got = tpu_decode.attend(q, k, v, prefix, attention.PLAIN, scale=128**-0.5)
+  assert got is not None
+  two_heads = PrefixLayer(*x["buffer"], lengths, heads_major=True, rows=rows)
+  assert tpu_decode._time_major(two_heads)
   np.testing.assert_allclose(
     got, want.astype(jnp.bfloat16).astype(jnp.float32), rtol=2e-2, atol=2e-2
   )
