@@ -78,6 +78,20 @@ class PrefixLayer(NamedTuple):
       return self._replace(first=first, count=count)
     return self._replace(first=first, count=count).sliced()
 
+  def as_stored(self) -> tuple[jax.Array, jax.Array, int | None]:
+    """A cache piece's keys and values as a TPU stores them and its
+    Pallas kernels read them, keys [.., kv, D, S] and values [.., kv, S,
+    D]: the whole stacked cache where there is one, with this layer's
+    index in it (else None)."""
+    if self.stacked is not None:
+      keys, values, at = self.stacked  # [layers, b, S, kv, D]
+      return (
+        jnp.transpose(keys, (0, 1, 3, 4, 2)),
+        jnp.swapaxes(values, 2, 3),
+        at,
+      )
+    return jnp.transpose(self.k, (0, 2, 3, 1)), jnp.swapaxes(self.v, 1, 2), None
+
   def decoded(self, rotated: bool) -> PrefixLayer:
     """Keys and values in attention's space (`kv_int8.as_read`): int8 K/V
     decoded, rotated where attention is (`rotated`), else as stored (the

@@ -194,16 +194,10 @@ def attend(q, k, v, pieces, positions, options):
     base = jnp.repeat(base, batch // b)
     hi = jnp.broadcast_to(base[:, None] - 1, (batch, time))
     layer = first.sliced().gathered()
-    at = None
     if layer.heads_major:  # a loop's buffer [b, kv, S, D]
-      keys, values = layer.k, layer.v
-    elif layer.stacked is not None:  # the whole cache, read at its layer
-      keys, values, at = layer.stacked
-      keys = jnp.transpose(keys, (0, 1, 3, 4, 2))
-      values = jnp.swapaxes(values, 2, 3)
-    else:  # a cache's [b, S, kv, D]: keys as a TPU stores them, [b, kv, D, S]
-      keys = jnp.transpose(layer.k, (0, 2, 3, 1))
-      values = jnp.swapaxes(layer.v, 1, 2)
+      keys, values, at = layer.k, layer.v, None
+    else:  # a cache as a TPU stores it (the whole stacked one, at its layer)
+      keys, values, at = layer.as_stored()
     carry = run(b, keys, values, lo, hi, not layer.heads_major, at)
     keys, values = _rest(first, base, pieces[1:], k, v, positions[:, 0])
   _, total, out = run(

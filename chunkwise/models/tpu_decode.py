@@ -35,30 +35,15 @@ def _piece(layer: PrefixLayer, batch: int):
   lengths = jnp.repeat(layer.lengths, batch // layer.batch)
   # A window of kv heads (`PrefixLayer.heads`) read where it lies.
   head = 0 if layer.first is None else layer.first
-  if layer.stacked is not None and layer.rows is None:
-    keys, values, at = layer.stacked  # [layers, b, S, kv, D]
-    return Piece(
-      jnp.transpose(keys, (0, 1, 3, 4, 2)),
-      jnp.swapaxes(values, 2, 3),
-      lengths,
-      transposed=True,
-      layer=at,
-      head=head,
-    )
   if layer.heads_major:  # a loop's buffer (its running rows where they are)
     rows = None
     if layer.rows is not None:
       rows = jnp.repeat(layer.rows, batch // layer.batch)
     return Piece(layer.k, layer.v, lengths, head=head, rows=rows)
-  layer = layer.sliced().gathered()
-  if layer.heads_major:
-    return Piece(layer.k, layer.v, lengths)
-  return Piece(
-    jnp.transpose(layer.k, (0, 2, 3, 1)),
-    jnp.swapaxes(layer.v, 1, 2),
-    lengths,
-    transposed=True,
-  )
+  if layer.stacked is None:  # a cache of its own: its window cut out
+    layer, head = layer.sliced().gathered(), 0
+  keys, values, at = layer.as_stored()
+  return Piece(keys, values, lengths, transposed=True, layer=at, head=head)
 
 
 # Bytes of one layer's k (or v) of a loop's buffer up to which XLA:TPU
